@@ -1,0 +1,3 @@
+"""qckpt: quantized checkpoints for large transformers."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,95 @@
+"""The calibration file: one amax per quantizer in safetensors, described by its metadata.
+
+Layout (``calibrate`` writes it, ``export`` and ``inspect`` read it):
+
+* tensors ``{module}.weight_amax`` and ``{module}.input_amax`` (float32), where ``module`` is the
+  model's own checkpoint name of the linear (per expert for MoE:
+  ``model.layers.0.mlp.experts.3.gate_proj``). Shape ``()`` for per-tensor amax (and the global
+  amax of NVFP4), ``[out]`` per channel, ``[ceil(rows/b0), ceil(cols/b1)]`` per block.
+* a quantizer that nobody calibrated has no tensor; it is listed in the metadata with
+  ``calibrated: false`` so that export can tell "missing" from "never seen".
+* ``__metadata__``: ``qckpt_calibration`` (file version), ``model_type``, ``model_fingerprint``
+  (hash of the checkpoint's tensor names and shapes), ``quant`` (the recipe's quant section as
+  JSON) and ``quantizers`` (JSON: name -> {granularity, format, dtype, calibrated, shared, ...}).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qckpt.errors import CheckpointError
+
+FILE_VERSION = "1"
+
+
+def model_fingerprint(names_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> str:
+    """A short hash of a checkpoint's tensor names and shapes (in checkpoint naming)."""
+    h = hashlib.sha256()
+    for name, shape in sorted((n, tuple(int(x) for x in s)) for n, s in names_shapes):
+        h.update(f"{name}:{shape};".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass(kw_only=True)
+class CalibrationState:
+    amax: dict[str, torch.Tensor] = field(default_factory=dict)  # "{module}.{kind}_amax"
+    quantizers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    model_type: str = ""
+    model_fingerprint: str = ""
+    quant: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, module: str, kind: str) -> torch.Tensor | None:
+        return self.amax.get(f"{module}.{kind}_amax")
+
+
+def save_calibration(state: CalibrationState, path: str | os.PathLike) -> Path:
+    """Write atomically (temp file + rename) so a crash never leaves a half file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "qckpt_calibration": FILE_VERSION,
+        "model_type": state.model_type,
+        "model_fingerprint": state.model_fingerprint,
+        "quant": json.dumps(state.quant, sort_keys=True),
+        "quantizers": json.dumps(state.quantizers, sort_keys=True),
+    }
+    tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in state.amax.items()}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def load_calibration(path: str | os.PathLike) -> CalibrationState:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: calibration file not found (run `qckpt calibrate` first)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises several types for a bad header
+        raise CheckpointError(f"{path}: not a safetensors calibration file ({exc})") from None
+    if meta.get("qckpt_calibration") != FILE_VERSION:
+        raise CheckpointError(f"{path}: not a qckpt calibration file (no qckpt_calibration metadata)")
+    return CalibrationState(
+        amax=tensors,
+        quantizers=json.loads(meta.get("quantizers", "{}")),
+        model_type=meta.get("model_type", ""),
+        model_fingerprint=meta.get("model_fingerprint", ""),
+        quant=json.loads(meta.get("quant", "{}")),
+    )

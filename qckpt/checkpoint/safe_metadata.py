@@ -1,0 +1,113 @@
+"""Read DCP's ``.metadata`` without running code from the checkpoint.
+
+``FileSystemReader.read_metadata`` is a plain ``pickle.load``: a crafted checkpoint would run its
+own code the moment we look at it. Ours unpickles with an allow-list of DCP's metadata classes
+and the few builtins and torch types they hold; anything else is refused with a one-line error.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_md
+
+from qckpt.errors import CheckpointError
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (cls.__module__, cls.__qualname__): cls
+    for cls in (
+        dcp_md.Metadata,
+        dcp_md.MetadataIndex,
+        dcp_md.TensorStorageMetadata,
+        dcp_md.BytesStorageMetadata,
+        dcp_md.ChunkStorageMetadata,
+        dcp_md.TensorProperties,
+        dcp_md.StorageMeta,
+        torch.Size,
+    )
+}
+for _name in ("Metadata", "MetadataIndex", "StorageMeta"):
+    _ALLOWED[("torch.distributed.checkpoint.metadata", _name)] = getattr(dcp_md, _name)
+_ALLOWED.update(
+    {
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("builtins", "slice"): slice,
+        ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+        ("torch", "Size"): torch.Size,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): None,  # filled below
+        ("torch.distributed.checkpoint.planner", "LoadItemType"): None,
+        ("torch.distributed.checkpoint.planner", "WriteItemType"): None,
+    }
+)
+
+
+def _fill_lazy() -> None:
+    from torch.distributed.checkpoint import filesystem, planner
+
+    _ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    _ALLOWED[("torch.distributed.checkpoint.planner", "LoadItemType")] = planner.LoadItemType
+    _ALLOWED[("torch.distributed.checkpoint.planner", "WriteItemType")] = planner.WriteItemType
+    for name in dir(torch):
+        obj = getattr(torch, name)
+        if isinstance(obj, torch.dtype):
+            _ALLOWED[("torch", name)] = obj
+    # layouts pickle as a call of this lookup-by-name function, which only returns layouts
+    _ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    _ALLOWED[("torch", "layout")] = torch.layout
+    _ALLOWED[("torch", "memory_format")] = torch.memory_format
+    for name in ("strided", "sparse_coo", "contiguous_format", "preserve_format", "channels_last"):
+        if hasattr(torch, name):
+            _ALLOWED[("torch", name)] = getattr(torch, name)
+
+
+_fill_lazy()
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _ALLOWED.get((module, name))
+        if obj is None:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
+        return obj
+
+
+def read_metadata_file(path: str | os.PathLike) -> dcp_md.Metadata:
+    """Unpickle a ``.metadata`` file with the allow-list; one-line CheckpointError otherwise."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read DCP metadata ({exc.strerror})") from None
+    try:
+        md = _RestrictedUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{path}: unsafe or corrupt DCP metadata: {exc}") from None
+    except Exception as exc:
+        raise CheckpointError(f"{path}: corrupt DCP metadata ({type(exc).__name__})") from None
+    if not isinstance(md, dcp_md.Metadata):
+        raise CheckpointError(f"{path}: not DCP metadata (got {type(md).__name__})")
+    return md
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata read admits only DCP's own classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_md.Metadata:
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank) if rank is not None else self._get_metadata_path()
+        md = read_metadata_file(path)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_md.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def is_dcp_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / ".metadata").is_file()

@@ -1,0 +1,43 @@
+"""Exceptions that the CLI maps to a one-line message and an exit code.
+
+Library code raises these for *expected* failures (bad input, a checkpoint that does not
+fit, a rank that lacks a value). Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class QckptError(Exception):
+    """An expected failure: one line on stderr, exit code 1."""
+
+    exit_code = 1
+
+
+class UsageError(QckptError):
+    """Bad usage: a wrong flag, a recipe that does not validate. Exit code 2."""
+
+    exit_code = 2
+
+
+class RecipeError(UsageError):
+    """A recipe that does not parse or validate; the message names the YAML path."""
+
+
+class FormatError(QckptError):
+    """A value a quantization format cannot represent (NaN/Inf input, a bad shape)."""
+
+
+class CheckpointError(QckptError):
+    """A checkpoint that cannot be read or does not fit the model."""
+
+
+class CalibrationError(QckptError):
+    """Calibration failed: non-finite activations, incomplete MoE coverage, a failed sync."""
+
+
+class SyncError(CalibrationError):
+    """The amax sync failed; raised on every rank of the group at once."""
+
+
+class ExportError(QckptError):
+    """An export that cannot be written (existing target, mismatched calibration)."""

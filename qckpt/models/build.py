@@ -1,0 +1,108 @@
+"""Building models: built-in tiny configs, or any local Hugging Face model dir.
+
+No downloads ever: a built-in name gives a transformers config made here, a path gives the
+``config.json`` (and, for ``load_weights=True``, the safetensors) found there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qckpt.errors import UsageError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _tiny_moe():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+
+
+def _tiny_dense():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+
+
+BUILTIN = {"tiny-moe": _tiny_moe, "tiny-dense": _tiny_dense}
+
+
+def load_config(source: str):
+    """The transformers config of a built-in name or a local HF model dir."""
+    if source in BUILTIN:
+        return BUILTIN[source]()
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        known = ", ".join(BUILTIN)
+        raise UsageError(
+            f"model.source: {source!r} is neither a built-in model ({known}) "
+            "nor a directory with a config.json"
+        )
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises many kinds for a bad config
+        raise UsageError(f"model.source: cannot read {path / 'config.json'}: {exc}") from None
+
+
+def build_model(
+    source: str,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """A causal LM with seeded random weights (the same on every rank for the same seed)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(source)
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    model.eval()
+    return model
+
+
+def model_type(model_or_config) -> str:
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return getattr(cfg, "model_type", "")
+
+
+def config_json(model: nn.Module) -> dict:
+    return json.loads(model.config.to_json_string())

@@ -1,0 +1,93 @@
+"""The model's own Hugging Face checkpoint names, as ``save_pretrained`` writes them.
+
+transformers 5 keeps the routed experts of a MoE block fused in two 3-D parameters
+(``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I]) but writes them per expert
+on save. Quantizers, the calibration file and exports all speak the per-expert names, so a user
+can grep the export for the names they already know; this module is the one place that maps
+between the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+# model_type -> (prefix rename in the checkpoint, gate name, up name, down name)
+_EXPERT_NAMES: dict[str, tuple[tuple[str, str] | None, str, str, str]] = {
+    "qwen3_moe": (None, "gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": (None, "gate_proj", "up_proj", "down_proj"),
+    "olmoe": (None, "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ((".mlp.experts", ".block_sparse_moe.experts"), "w1", "w3", "w2"),
+}
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """One per-expert linear inside a fused experts parameter.
+
+    ``hf_module`` is the checkpoint's module name (``model.layers.0.mlp.experts.3.gate_proj``);
+    the weight is ``param[expert, row_start:row_start + rows]`` of the fused ``param_name``.
+    """
+
+    hf_module: str
+    param_name: str
+    expert: int
+    row_start: int
+    rows: int
+    role: str  # "gate" | "up" | "down"
+
+    def take(self, fused: torch.Tensor) -> torch.Tensor:
+        return fused[self.expert].narrow(0, self.row_start, self.rows)
+
+
+def _names(model_type: str) -> tuple[tuple[str, str] | None, str, str, str]:
+    return _EXPERT_NAMES.get(model_type, (None, "gate_proj", "up_proj", "down_proj"))
+
+
+def expert_slices(
+    experts_prefix: str, model_type: str, gate_up_shape: torch.Size, down_shape: torch.Size
+) -> list[ExpertSlice]:
+    """Per-expert linears of a fused experts module at ``experts_prefix`` (``...mlp.experts``)."""
+    rename, gate, up, down = _names(model_type)
+    hf_prefix = experts_prefix
+    if rename and rename[0] in "." + experts_prefix:
+        hf_prefix = ("." + experts_prefix).replace(rename[0], rename[1])[1:]
+    num_experts, two_i, _ = gate_up_shape
+    inter = two_i // 2
+    out: list[ExpertSlice] = []
+    for e in range(num_experts):
+        base = f"{hf_prefix}.{e}"
+        gu = f"{experts_prefix}.gate_up_proj"
+        out.append(ExpertSlice(f"{base}.{gate}", gu, e, 0, inter, "gate"))
+        out.append(ExpertSlice(f"{base}.{up}", gu, e, inter, inter, "up"))
+        out.append(ExpertSlice(f"{base}.{down}", f"{experts_prefix}.down_proj", e, 0, down_shape[1], "down"))
+    return out
+
+
+def is_fused_experts_param(name: str) -> bool:
+    return name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj")
+
+
+def hf_tensors(name: str, tensor: torch.Tensor, model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Map one state-dict entry to the checkpoint entries ``save_pretrained`` would write.
+
+    Fused experts give views, one per expert (no copies); everything else passes through.
+    """
+    if not is_fused_experts_param(name):
+        yield name, tensor
+        return
+    prefix, _, leaf = name.rpartition(".")
+    rename, gate, up, down = _names(model_type)
+    hf_prefix = prefix
+    if rename and rename[0] in "." + prefix:
+        hf_prefix = ("." + prefix).replace(rename[0], rename[1])[1:]
+    if leaf == "gate_up_proj":
+        inter = tensor.shape[1] // 2
+        for e in range(tensor.shape[0]):
+            yield f"{hf_prefix}.{e}.{gate}.weight", tensor[e, :inter]
+            yield f"{hf_prefix}.{e}.{up}.weight", tensor[e, inter:]
+    else:
+        for e in range(tensor.shape[0]):
+            yield f"{hf_prefix}.{e}.{down}.weight", tensor[e]

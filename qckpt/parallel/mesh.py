@@ -1,0 +1,138 @@
+"""The DP x EP x TP mesh built from the torchrun environment.
+
+Rank layout (tp fastest, then ep, then dp): ``rank = (dp_rank * ep + ep_rank) * tp + tp_rank``.
+A plain ``qckpt ...`` without torchrun is a world of one with no process groups at all, so the
+same code runs on one process or many (every collective helper is a no-op on a ``None`` group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from qckpt.errors import UsageError
+
+
+@dataclass(kw_only=True)
+class Mesh:
+    world_size: int = 1
+    rank: int = 0
+    dp: int = 1
+    ep: int = 1
+    tp: int = 1
+    dp_rank: int = 0
+    ep_rank: int = 0
+    tp_rank: int = 0
+    backend: str = "none"
+    device: torch.device = torch.device("cpu")
+    timeout_s: float = 600.0
+    world_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
+    # dp x ep: the ranks that see different calibration data (tp ranks see the same batch)
+    data_group: dist.ProcessGroup | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp * self.ep
+
+    @property
+    def data_rank(self) -> int:
+        return self.dp_rank * self.ep + self.ep_rank
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("load.device: cuda asked for but no CUDA device is available")
+    if device in ("cuda", "auto") and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _groups(world: int, sizes: tuple[int, int, int], timeout: datetime.timedelta, backend: str):
+    """Create every dp/ep/tp/data group on every rank (new_group is collective) and keep ours."""
+    dp, ep, tp = sizes
+    rank = dist.get_rank()
+    coords = [((r // tp) // ep, (r // tp) % ep, r % tp) for r in range(world)]
+    mine = coords[rank]
+    out = {}
+    for name, keep in (
+        ("dp", (1, 2)),  # same ep, tp
+        ("ep", (0, 2)),
+        ("tp", (0, 1)),
+        ("data", (2,)),  # same tp: dp x ep
+    ):
+        seen = {}
+        for r, c in enumerate(coords):
+            seen.setdefault(tuple(c[i] for i in keep), []).append(r)
+        for key, ranks in sorted(seen.items()):
+            g = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if key == tuple(mine[i] for i in keep):
+                out[name] = g if len(ranks) > 1 else None
+    return out
+
+
+def init_mesh(*, ep: int = 1, tp: int = 1, timeout_s: float = 600.0, device: str = "auto") -> Mesh:
+    """Join the torchrun world (if any) and build the mesh; a world of one needs no groups."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % ep:
+        raise UsageError(f"parallel.ep: must divide the world size {world}")
+    if world % (ep * tp):
+        raise UsageError(f"parallel.tp: ep * tp must divide the world size {world}")
+    dev = pick_device(device)
+    if world == 1 and not dist.is_initialized():
+        return Mesh(device=dev, timeout_s=timeout_s)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timeout)
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    dp = world // (ep * tp)
+    g = _groups(world, (dp, ep, tp), timeout, backend)
+    return Mesh(
+        world_size=world,
+        rank=rank,
+        dp=dp,
+        ep=ep,
+        tp=tp,
+        dp_rank=(rank // tp) // ep,
+        ep_rank=(rank // tp) % ep,
+        tp_rank=rank % tp,
+        backend=backend,
+        device=dev,
+        timeout_s=timeout_s,
+        world_group=dist.group.WORLD,
+        dp_group=g["dp"],
+        ep_group=g["ep"],
+        tp_group=g["tp"],
+        data_group=g["data"],
+    )
+
+
+def shutdown(mesh: Mesh) -> None:
+    if mesh.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a reduce buffer must live for this group's backend: CUDA under NCCL, CPU otherwise."""
+    if group is None:
+        return torch.device("cpu")
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

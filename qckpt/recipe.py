@@ -1,0 +1,320 @@
+"""The YAML recipe: one small dataclass per section, validated where it is built.
+
+Every validation error is a :class:`RecipeError` whose message starts with the YAML path of the
+offending key (``parallel.ep: must divide the world size 3``), so a user can find it at once.
+``--set a.b=c`` overrides are applied to the raw mapping before validation, with the value parsed
+as YAML (``--set load.stream=false`` gives a bool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from qckpt.errors import RecipeError
+
+PARAM_FORMATS = ("none", "fp8", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4")
+QUANT_FORMATS = ("fp8", "nvfp4")
+GRANULARITIES = ("tensor", "channel", "block")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    source: str = "tiny-moe"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    path: str = "runs/tiny/dcp"
+    format: Literal["auto", "dcp", "safetensors"] = "auto"
+
+
+@dataclass(kw_only=True)
+class LoadConfig:
+    params: Literal["none", "fp8", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4"] = "fp8"
+    backend: Literal["native", "te"] = "native"
+    stream: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    main_params: Literal["none", "fp32"] = "none"
+
+
+@dataclass(kw_only=True)
+class TensorQuantConfig:
+    format: Literal["fp8", "nvfp4"] = "fp8"
+    granularity: Literal["tensor", "channel", "block"] = "tensor"
+    block_size: list[int] = field(default_factory=lambda: [128, 128])
+    dynamic: bool = False
+
+    def validate(self, path: str) -> None:
+        if len(self.block_size) not in (1, 2) or any(b <= 0 for b in self.block_size):
+            raise RecipeError(f"{path}.block_size: must be one or two positive integers")
+
+
+@dataclass(kw_only=True)
+class QuantConfig:
+    weights: TensorQuantConfig = field(default_factory=TensorQuantConfig)
+    inputs: TensorQuantConfig = field(default_factory=TensorQuantConfig)
+    ignore: list[str] = field(default_factory=lambda: ["lm_head", "*.mlp.gate"])
+    kv_cache: bool = False
+
+    def validate(self, path: str) -> None:
+        self.weights.validate(f"{path}.weights")
+        self.inputs.validate(f"{path}.inputs")
+        if self.inputs.granularity == "channel":
+            raise RecipeError(f"{path}.inputs.granularity: inputs take tensor or block, not channel")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    path: str | None = None
+    num_samples: int = 64
+    seq_len: int = 128
+    batch_size: int = 4
+
+    def validate(self, path: str) -> None:
+        for name in ("num_samples", "seq_len", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise RecipeError(f"{path}.{name}: must be positive, got {getattr(self, name)}")
+        if self.source != "synthetic" and not self.path:
+            raise RecipeError(f"{path}.path: required when source is {self.source!r}")
+
+
+@dataclass(kw_only=True)
+class CalibrateConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: Literal["max"] = "max"
+    output: str = "runs/tiny/calib.safetensors"
+    share_expert_inputs: bool = True
+
+    def validate(self, path: str) -> None:
+        self.data.validate(f"{path}.data")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    ep: int = 1
+    tp: int = 1
+    timeout_s: float = 600.0
+
+    def validate(self, path: str) -> None:
+        for name in ("ep", "tp"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"{path}.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.timeout_s <= 0:
+            raise RecipeError(f"{path}.timeout_s: must be positive, got {self.timeout_s}")
+
+    def check_world(self, world_size: int) -> int:
+        """Return dp for this world, or raise naming the key that does not fit."""
+        if world_size % self.ep:
+            raise RecipeError(f"parallel.ep: must divide the world size {world_size}")
+        if world_size % (self.ep * self.tp):
+            raise RecipeError(f"parallel.tp: ep * tp must divide the world size {world_size}")
+        return world_size // (self.ep * self.tp)
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    format: Literal["compressed-tensors", "modelopt"] = "compressed-tensors"
+    output: str = "runs/tiny/fp8"
+    max_shard_size: str = "5GB"
+    overwrite: bool = False
+
+    def validate(self, path: str) -> None:
+        try:
+            parse_size(self.max_shard_size)
+        except ValueError as exc:
+            raise RecipeError(f"{path}.max_shard_size: {exc}") from None
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return parse_size(self.max_shard_size)
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    base_dir: Path = field(default_factory=Path.cwd, repr=False)
+
+    def resolve(self, p: str | Path) -> Path:
+        """A path from the recipe, relative to the current directory."""
+        return Path(p).expanduser()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("base_dir", None)
+        return d
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.I)
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(s: str | int) -> int:
+    """'5GB' -> 5_000_000_000; '512MiB' -> 536870912; plain ints are bytes."""
+    if isinstance(s, int):
+        if s <= 0:
+            raise ValueError(f"must be positive, got {s}")
+        return s
+    m = _SIZE_RE.match(str(s))
+    if not m:
+        raise ValueError(f"not a size like '5GB' or '512MiB': {s!r}")
+    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    if n <= 0:
+        raise ValueError(f"must be positive, got {s!r}")
+    return n
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise RecipeError(
+                f"{path}: must be one of {', '.join(map(str, choices))}; got {value!r}"
+            )
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except RecipeError:
+                continue
+        raise RecipeError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise RecipeError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        if not isinstance(value, str):
+            raise RecipeError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path or 'recipe'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "base_dir"}
+    kwargs = {}
+    for key, value in raw.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {(path + '.' if path else '') + close[0]!r}?" if close else ""
+            known = ", ".join(fields)
+            raise RecipeError(f"{key_path}: unknown key{hint} (known: {known})")
+        kwargs[key] = _coerce(value, hints[key], key_path)
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate(path)
+    return obj
+
+
+def _apply_override(raw: dict, override: str) -> None:
+    if "=" not in override:
+        raise RecipeError(f"--set {override}: expected key.path=value")
+    key, _, text = override.partition("=")
+    parts = key.strip().split(".")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise RecipeError(f"{'.'.join(parts[: i + 1])}: not a section, cannot set {key}")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def recipe_from_dict(raw: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    raw = dict(raw or {})
+    for ov in overrides:
+        _apply_override(raw, ov)
+    recipe = _build(Recipe, raw, "")
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read and validate a recipe; every failure is a one-line :class:`RecipeError`."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"{path}: recipe file not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{path}: not valid YAML{where}: {problem}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
+    recipe = recipe_from_dict(raw, overrides)
+    recipe.base_dir = p.resolve().parent
+    return recipe

@@ -29,6 +29,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
         dcp_md.ChunkStorageMetadata,
         dcp_md.TensorProperties,
         dcp_md.StorageMeta,
+        dcp_md._MEM_FORMAT_ENCODING,
         torch.Size,
     )
 }
@@ -41,6 +42,9 @@ _ALLOWED.update(
         ("builtins", "slice"): slice,
         ("collections", "OrderedDict"): __import__("collections").OrderedDict,
         ("torch", "Size"): torch.Size,
+        # StorageMeta keeps the checkpoint_id, which DCP may pickle as a path (inert data)
+        ("pathlib", "PosixPath"): __import__("pathlib").PosixPath,
+        ("pathlib", "PurePosixPath"): __import__("pathlib").PurePosixPath,
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): None,  # filled below
         ("torch.distributed.checkpoint.planner", "LoadItemType"): None,
         ("torch.distributed.checkpoint.planner", "WriteItemType"): None,

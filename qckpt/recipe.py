@@ -71,7 +71,9 @@ class QuantConfig:
         self.weights.validate(f"{path}.weights")
         self.inputs.validate(f"{path}.inputs")
         if self.inputs.granularity == "channel":
-            raise RecipeError(f"{path}.inputs.granularity: inputs take tensor or block, not channel")
+            raise RecipeError(
+                f"{path}.inputs.granularity: inputs take tensor or block, not channel"
+            )
 
 
 @dataclass(kw_only=True)

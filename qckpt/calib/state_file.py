@@ -85,7 +85,9 @@ def load_calibration(path: str | os.PathLike) -> CalibrationState:
     except Exception as exc:  # safetensors raises several types for a bad header
         raise CheckpointError(f"{path}: not a safetensors calibration file ({exc})") from None
     if meta.get("qckpt_calibration") != FILE_VERSION:
-        raise CheckpointError(f"{path}: not a qckpt calibration file (no qckpt_calibration metadata)")
+        raise CheckpointError(
+            f"{path}: not a qckpt calibration file (no qckpt_calibration metadata)"
+        )
     return CalibrationState(
         amax=tensors,
         quantizers=json.loads(meta.get("quantizers", "{}")),

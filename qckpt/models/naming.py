@@ -62,7 +62,11 @@ def expert_slices(
         gu = f"{experts_prefix}.gate_up_proj"
         out.append(ExpertSlice(f"{base}.{gate}", gu, e, 0, inter, "gate"))
         out.append(ExpertSlice(f"{base}.{up}", gu, e, inter, inter, "up"))
-        out.append(ExpertSlice(f"{base}.{down}", f"{experts_prefix}.down_proj", e, 0, down_shape[1], "down"))
+        out.append(
+            ExpertSlice(
+                f"{base}.{down}", f"{experts_prefix}.down_proj", e, 0, down_shape[1], "down"
+            )
+        )
     return out
 
 
@@ -70,7 +74,9 @@ def is_fused_experts_param(name: str) -> bool:
     return name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj")
 
 
-def hf_tensors(name: str, tensor: torch.Tensor, model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(
+    name: str, tensor: torch.Tensor, model_type: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Map one state-dict entry to the checkpoint entries ``save_pretrained`` would write.
 
     Fused experts give views, one per expert (no copies); everything else passes through.

@@ -1,0 +1,41 @@
+# Each target does its own setup on a fresh machine. The CPU build of torch is pinned: a bare
+# `torch` would pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.qckpt-setup
+
+.PHONY: setup demo test test-fast bench lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/demo.sh
+
+test: setup
+	$(PY) -m pytest -q -x --durations=15 tests
+
+bench: setup
+	$(PY) bench/formats.py --small
+	$(PY) bench/load.py --small
+	$(PY) bench/export.py --small
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench/sync.py --small
+
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf runs .pytest_cache

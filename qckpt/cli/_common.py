@@ -1,0 +1,48 @@
+"""Steps several commands share: reading the recipe, joining the world, building the model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+
+from qckpt.cli import _output
+from qckpt.cli._launch import relaunch
+from qckpt.recipe import Recipe, load_recipe
+
+
+def start(
+    recipe_path: Path, overrides: list[str] | None, nproc: int = 1, verbose: bool = False
+) -> Recipe:
+    """Relaunch under torchrun if asked; otherwise read and validate the recipe."""
+    code = relaunch(nproc)
+    if code is not None:
+        raise typer.Exit(code)
+    _output.set_verbose(verbose)
+    return load_recipe(recipe_path, overrides or [])
+
+
+@contextmanager
+def world(recipe: Recipe, device: str = "auto") -> Iterator:
+    """The DP x EP x TP mesh for the life of a command; torn down even on failure."""
+    from qckpt.parallel.mesh import init_mesh, shutdown
+
+    recipe.parallel.check_world(_world_size())
+    mesh = init_mesh(
+        ep=recipe.parallel.ep,
+        tp=recipe.parallel.tp,
+        timeout_s=recipe.parallel.timeout_s,
+        device=device,
+    )
+    try:
+        yield mesh
+    finally:
+        shutdown(mesh)
+
+
+def _world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))

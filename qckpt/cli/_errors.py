@@ -1,0 +1,62 @@
+"""One place that turns exceptions into a message and an exit code.
+
+Expected failures (``QckptError``) print one line and exit 1 (2 for bad usage); anything else
+is a bug and also prints one line, pointing at ``QCKPT_DEBUG=1`` for the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import typer
+
+try:  # recent Typer vendors its own copy of Click
+    from typer._click import exceptions as _click_exc
+except ImportError:  # pragma: no cover - older Typer uses Click itself
+    from click import exceptions as _click_exc
+
+from qckpt.errors import QckptError, UsageError
+
+
+def debug() -> bool:
+    return os.environ.get("QCKPT_DEBUG", "") not in ("", "0")
+
+
+def _prefix() -> str:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return f"qckpt: error (rank {os.environ.get('RANK', '0')}): " if world > 1 else "qckpt: error: "
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+def report(exc: BaseException) -> int:
+    """Print the exception the way a user should see it; return the exit code."""
+    if debug():
+        traceback.print_exception(exc, file=sys.stderr)
+    if isinstance(exc, QckptError):
+        print(_prefix() + _one_line(str(exc)), file=sys.stderr)
+        return exc.exit_code
+    if isinstance(exc, typer.Exit):
+        return exc.exit_code
+    if isinstance(exc, typer.Abort | KeyboardInterrupt):
+        print("qckpt: interrupted", file=sys.stderr)
+        return 130
+    if type(exc).__name__ == "NoArgsIsHelpError":  # help was already printed
+        return 2
+    if isinstance(exc, _click_exc.ClickException):
+        # Click's usage errors name the bad option; keep its text but on one line.
+        print(_prefix() + _one_line(exc.format_message()), file=sys.stderr)
+        return 2 if isinstance(exc, _click_exc.UsageError) else exc.exit_code
+    if isinstance(exc, FileNotFoundError):
+        print(_prefix() + _one_line(f"{exc.filename}: no such file or directory"), file=sys.stderr)
+        return 1
+    hint = "" if debug() else " (QCKPT_DEBUG=1 shows the traceback)"
+    print(_prefix() + _one_line(f"{type(exc).__name__}: {exc}") + hint, file=sys.stderr)
+    return 1
+
+
+__all__ = ["UsageError", "report", "debug"]

@@ -1,0 +1,85 @@
+"""Where things go: results on stdout, logs, progress and rich tables on stderr.
+
+Under torchrun only rank 0 speaks, unless ``--verbose`` asks every rank for its own lines
+(prefixed with the rank so interleaved output stays readable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, soft_wrap=True)
+
+_verbose = False
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def set_verbose(v: bool) -> None:
+    global _verbose
+    _verbose = v
+
+
+def speaks() -> bool:
+    return rank() == 0 or _verbose
+
+
+def log(msg: str) -> None:
+    """A log line on stderr (rank 0, or every rank with a prefix under --verbose)."""
+    if rank() == 0 and not _verbose:
+        err.print(msg)
+    elif _verbose:
+        err.print(f"[dim]\\[rank {rank()}][/dim] {msg}")
+
+
+def result(msg: str) -> None:
+    """The command's result on stdout, once (rank 0)."""
+    if rank() == 0:
+        out.print(msg, markup=False)
+
+
+def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
+    """The machine-readable report; written atomically, by rank 0 only."""
+    if path is None or rank() != 0:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, p)
+
+
+@contextmanager
+def progress(description: str, total: int | None) -> Iterator[Any]:
+    """A progress bar on stderr (rank 0 only); yields ``advance(n=1)``."""
+    if rank() != 0:
+        yield lambda n=1: None
+        return
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n=1: bar.advance(task, n)

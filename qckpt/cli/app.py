@@ -1,0 +1,72 @@
+"""The ``qckpt`` command: Typer app wiring and the one ``main()`` that maps errors to exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from qckpt import __version__
+from qckpt.cli import calibrate, convert, export, inspect, load
+from qckpt.cli._errors import report
+
+app = typer.Typer(
+    name="qckpt",
+    help=(
+        "Quantized checkpoints for large transformers: load a checkpoint into FP8/MXFP8/NVFP4 "
+        "parameters with a streaming-dequant planner, calibrate amax over DP x EP x TP ranks, "
+        "and export FP8 safetensors that serving stacks load."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("load")(load.load_cmd)
+app.command("calibrate")(calibrate.calibrate_cmd)
+app.command("export")(export.export_cmd)
+app.command("inspect")(inspect.inspect_cmd)
+app.command("convert")(convert.convert_cmd)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"qckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    pass
+
+
+def _quiet_third_party() -> None:
+    # Libraries we import log their own optional-dependency chatter at import time; a user of
+    # qckpt should see qckpt's lines only (QCKPT_DEBUG=1 keeps everything).
+    if os.environ.get("QCKPT_DEBUG"):
+        return
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _quiet_third_party()
+    try:
+        rv = app(args=argv, prog_name="qckpt", standalone_mode=False)
+    except BaseException as exc:  # the one place exceptions become exit codes
+        if isinstance(exc, SystemExit):
+            raise
+        sys.exit(report(exc))
+    sys.exit(rv if isinstance(rv, int) else 0)

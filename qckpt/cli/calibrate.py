@@ -1,0 +1,68 @@
+"""``qckpt calibrate``: max calibration over DP x EP x TP ranks, amax sync, calibration file."""
+
+from __future__ import annotations
+
+from qckpt.cli import _output
+from qckpt.cli._common import start, world
+from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
+
+
+def calibrate_cmd(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    json_path: JsonOpt = None,
+    nproc_per_node: NprocOpt = 1,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Insert quantizers, run calibration data, sync amax over ranks, write the calibration file.
+
+    Examples:
+
+        qckpt calibrate configs/tiny-moe.yaml
+
+        torchrun --nproc-per-node 2 -m qckpt calibrate configs/tiny-moe.yaml --json amax.json
+
+        qckpt calibrate configs/tiny-moe.yaml --nproc-per-node 4 --set parallel.ep=2
+
+        qckpt calibrate configs/tiny-dense.yaml --set calibrate.data.source=text --set calibrate.data.path=my.txt
+    """
+    r = start(recipe, set_, nproc_per_node, verbose)
+    from qckpt.calib.calibrate import calibrate_model
+    from qckpt.calib.data import calibration_batches
+    from qckpt.calib.state_file import save_calibration
+    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.models.build import build_model
+    from qckpt.report import render_amax_report
+
+    with world(r, r.load.device) as mesh:
+        model = build_model(
+            r.model.source, dtype=r.model.dtype, seed=r.model.seed, device=mesh.device
+        )
+        _output.log(f"reading weights from {r.checkpoint.path}")
+        load_checkpoint(
+            model, r.checkpoint.path, format=r.checkpoint.format, stream=True, mesh=mesh
+        )
+        batches = calibration_batches(
+            r.calibrate.data,
+            vocab_size=model.config.vocab_size,
+            model_source=r.model.source,
+            data_rank=mesh.data_rank,
+            data_world=mesh.data_parallel_size,
+        )
+        with _output.progress("calibrating", len(batches)) as advance:
+            state, report = calibrate_model(
+                model,
+                batches,
+                r.quant,
+                mesh,
+                share_expert_inputs=r.calibrate.share_expert_inputs,
+                progress=advance,
+            )
+        out = r.calibrate.output
+        if mesh.is_main:
+            save_calibration(state, out)
+        if _output.speaks():
+            render_amax_report(report)
+        _output.write_json(json_path, report)
+        n = len(state.amax)
+        _output.result(f"wrote {out}: {n} amax values from {mesh.world_size} rank(s)")

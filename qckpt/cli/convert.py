@@ -1,0 +1,107 @@
+"""``qckpt convert``: an HF safetensors dir (or a recipe's model) to a DCP checkpoint, and back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qckpt.cli import _output
+from qckpt.cli._common import start, world
+from qckpt.cli._launch import relaunch
+from qckpt.cli._options import NprocOpt, SetOpt, VerboseOpt
+from qckpt.errors import UsageError
+
+
+def convert_cmd(
+    src: Annotated[
+        Path,
+        typer.Argument(
+            help="A recipe .yaml (its model, seeded), an HF safetensors dir, or a DCP dir.",
+            show_default=False,
+        ),
+    ],
+    dst: Annotated[Path, typer.Argument(help="The directory to write.", show_default=False)],
+    to: Annotated[
+        str | None,
+        typer.Option(
+            "--to", metavar="dcp|hf", help="Output kind; default: dcp, or hf from a DCP dir."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            metavar="SOURCE",
+            help="Model config for DCP -> HF when the DCP dir has no config.json (built-in name or HF dir).",
+        ),
+    ] = None,
+    set_: SetOpt = None,
+    nproc_per_node: NprocOpt = 1,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Turn a model or checkpoint into a DCP checkpoint, or a DCP checkpoint into HF safetensors.
+
+    Examples:
+
+        qckpt convert configs/tiny-moe.yaml runs/tiny-moe/dcp
+
+        qckpt convert path/to/hf-model runs/model/dcp
+
+        qckpt convert runs/tiny-moe/dcp runs/tiny-moe/hf --to hf
+    """
+    from qckpt.checkpoint.safe_metadata import is_dcp_dir
+
+    kind = "recipe" if src.suffix in (".yaml", ".yml") else ("dcp" if is_dcp_dir(src) else "hf")
+    to = to or ("hf" if kind == "dcp" else "dcp")
+    if to not in ("dcp", "hf"):
+        raise UsageError(f"--to: must be dcp or hf, got {to!r}")
+    if kind == to:
+        raise UsageError(f"{src}: is already a {to} checkpoint")
+    if kind == "recipe":
+        r = start(src, set_, nproc_per_node, verbose)
+    else:
+        if not src.is_dir():
+            raise UsageError(f"{src}: not a recipe, an HF model dir or a DCP dir")
+        r = start_without_recipe(src if kind == "hf" else None, set_, nproc_per_node, verbose)
+
+    from qckpt.checkpoint.convert import dcp_to_hf_dir, hf_dir_to_dcp, save_model_dcp
+    from qckpt.models.build import build_model, load_config
+
+    with world(r, "cpu") as mesh:
+        if kind == "dcp":
+            cfg_src = model or (str(src) if (src / "config.json").is_file() else None)
+            if cfg_src is None:
+                raise UsageError(
+                    f"{src}: has no config.json; pass --model SOURCE for the model config"
+                )
+            if mesh.is_main:
+                dcp_to_hf_dir(src, dst, load_config(cfg_src))
+        else:
+            built = build_model(r.model.source, dtype=r.model.dtype, seed=r.model.seed)
+            if to == "hf":  # a recipe's seeded model, written the way transformers writes it
+                if mesh.is_main:
+                    built.save_pretrained(str(dst))
+            else:
+                if kind == "hf":
+                    hf_dir_to_dcp(src, dst, built)
+                else:
+                    save_model_dcp(built, dst, mesh=mesh)
+                if mesh.is_main:
+                    # the DCP dir carries its model config so that `--to hf` and `inspect` need no recipe
+                    (Path(dst) / "config.json").write_text(built.config.to_json_string())
+    _output.result(f"wrote {dst} ({to})")
+
+
+def start_without_recipe(
+    hf_dir: Path | None, overrides: list[str] | None, nproc: int, verbose: bool
+):
+    from qckpt.recipe import recipe_from_dict
+
+    code = relaunch(nproc)
+    if code is not None:
+        raise typer.Exit(code)
+    _output.set_verbose(verbose)
+    raw = {"model": {"source": str(hf_dir)}} if hf_dir is not None else {}
+    return recipe_from_dict(raw, overrides or [])

@@ -1,0 +1,35 @@
+"""``qckpt inspect``: what a DCP dir, an HF dir, an export or a calibration file holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qckpt.cli import _output
+from qckpt.cli._options import JsonOpt
+
+
+def inspect_cmd(
+    path: Annotated[
+        Path, typer.Argument(help="A DCP dir, an HF/export dir, or a .safetensors file.")
+    ],
+    json_path: JsonOpt = None,
+) -> None:
+    """Tell what a checkpoint, an export or a calibration file holds.
+
+    Examples:
+
+        qckpt inspect runs/tiny-moe/dcp
+
+        qckpt inspect runs/tiny-moe/calib.safetensors
+
+        qckpt inspect runs/tiny-moe/fp8 --json export.json
+    """
+    from qckpt.inspect import inspect_path
+    from qckpt.report import render_mapping
+
+    info = inspect_path(path)
+    render_mapping(f"{info['kind']}: {path}", info, console=_output.out)
+    _output.write_json(json_path, info)

@@ -1,0 +1,92 @@
+"""``qckpt load``: build the model with quantized parameters and stream a checkpoint into it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qckpt.cli import _output
+from qckpt.cli._common import start, world
+from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
+from qckpt.errors import UsageError
+
+
+def load_cmd(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    json_path: JsonOpt = None,
+    nproc_per_node: NprocOpt = 1,
+    verbose: VerboseOpt = False,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", metavar="PNG", help="Draw memory over the load to PNG.")
+    ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare", help="Also run the bulk-dequant baseline and report both side by side."
+        ),
+    ] = False,
+) -> None:
+    """Load a checkpoint into a model whose parameters are quantized, and report memory.
+
+    Examples:
+
+        qckpt load configs/tiny-moe.yaml
+
+        qckpt load configs/tiny-moe.yaml --set load.params=mxfp8 --compare --plot mem.png
+
+        torchrun --nproc-per-node 2 -m qckpt load configs/tiny-moe.yaml --json load.json
+
+        qckpt load configs/tiny-dense.yaml --nproc-per-node 2
+    """
+    r = start(recipe, set_, nproc_per_node, verbose)
+    if r.load.backend == "te":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise UsageError(
+                "load.backend: te needs Transformer Engine, which is not installed "
+                "(pip install 'qckpt[te]', on a machine with CUDA)"
+            )
+    from qckpt.checkpoint.load import load_checkpoint, plot_memory
+    from qckpt.models.build import build_model
+    from qckpt.models.quantize_params import quantize_model_params
+    from qckpt.report import render_load_report
+
+    with world(r, r.load.device) as mesh:
+        runs = [r.load.stream] + ([not r.load.stream] if compare else [])
+        reports = []
+        for stream in runs:
+            model = build_model(
+                r.model.source, dtype=r.model.dtype, seed=r.model.seed, device=mesh.device
+            )
+            quantize_model_params(
+                model, r.load.params, ignore=r.quant.ignore, backend=r.load.backend
+            )
+            with _output.progress("loading" + ("" if stream else " (bulk)"), None) as advance:
+                rep = load_checkpoint(
+                    model,
+                    r.checkpoint.path,
+                    format=r.checkpoint.format,
+                    stream=stream,
+                    main_params=None if r.load.main_params == "none" else r.load.main_params,
+                    mesh=mesh,
+                    progress=advance,
+                )
+            reports.append(rep)
+            del model
+        data = {"recipe": str(recipe), "params": r.load.params, "world_size": mesh.world_size}
+        data["runs"] = [rep.to_dict() for rep in reports]
+        if _output.speaks():
+            render_load_report(data)
+        if plot is not None and mesh.is_main:
+            plot_memory(reports, plot)
+        _output.write_json(json_path, data)
+        first = data["runs"][0]
+        _output.result(
+            f"loaded {first.get('tensors', '?')} tensors from {r.checkpoint.path} into "
+            f"{r.load.params} params ({'stream' if r.load.stream else 'bulk'}) "
+            f"in {first.get('seconds', 0):.2f} s on {mesh.world_size} rank(s)"
+        )

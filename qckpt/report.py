@@ -1,0 +1,115 @@
+"""Memory, amax and export reports: rich tables on stderr; the same data goes to ``--json``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from qckpt.cli._output import err
+
+
+def human_bytes(n: float | int | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _fmt(key: str, v: Any) -> str:
+    if isinstance(v, float):
+        if key.endswith("bytes"):
+            return human_bytes(v)
+        return f"{v:.4g}"
+    if isinstance(v, int) and key.endswith("bytes"):
+        return f"{human_bytes(v)} ({v:,})"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_fmt(k, x)}" for k, x in v.items()) or "-"
+    if isinstance(v, list | tuple):
+        return (
+            ", ".join(map(str, v))
+            if len(v) <= 8
+            else f"{len(v)} items: {', '.join(map(str, v[:8]))}, ..."
+        )
+    return "-" if v is None else str(v)
+
+
+def render_mapping(title: str, data: dict[str, Any], console: Console = err) -> None:
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    for k, v in data.items():
+        t.add_row(k, _fmt(k, v))
+    console.print(t)
+
+
+_LOAD_ROWS = (
+    "stream",
+    "tensors",
+    "tensors_per_format",
+    "transient_bytes",
+    "predicted_transient_bytes",
+    "peak_bytes",
+    "peak_host_rss_bytes",
+    "bytes_read",
+    "seconds",
+    "gbps",
+    "measured_by",
+)
+
+
+def render_load_report(data: dict[str, Any], console: Console = err) -> None:
+    runs = data.get("runs", [])
+    t = Table(
+        title=f"load into {data.get('params')} params ({data.get('world_size', 1)} rank(s))",
+        title_justify="left",
+    )
+    t.add_column("", style="bold")
+    for r in runs:
+        t.add_column("stream" if r.get("stream", True) else "bulk (baseline)")
+    keys = [k for k in _LOAD_ROWS if any(k in r for r in runs)]
+    keys += sorted({k for r in runs for k in r} - set(keys) - {"samples"})
+    for k in keys:
+        t.add_row(k, *[_fmt(k, r.get(k)) for r in runs])
+    if len(runs) == 2:
+        a, b = runs
+        if a.get("transient_bytes") and b.get("transient_bytes"):
+            t.add_row("transient ratio", f"{a['transient_bytes'] / b['transient_bytes']:.3f}", "1")
+    console.print(t)
+
+
+def render_amax_report(data: dict[str, Any], console: Console = err) -> None:
+    layers = data.get("layers")
+    if not isinstance(layers, dict | list):
+        render_mapping("amax report", data, console)
+        return
+    items = (
+        layers.items() if isinstance(layers, dict) else ((row.get("layer"), row) for row in layers)
+    )
+    t = Table(title="amax report", title_justify="left")
+    cols = ["layer", "calibrated", "experts with tokens", "amax min", "amax max", "shared", "zero"]
+    for c in cols:
+        t.add_column(c)
+    for name, row in items:
+        t.add_row(
+            str(name),
+            f"{row.get('calibrated', '-')}/{row.get('total', '-')}",
+            _fmt("experts", row.get("experts_with_tokens", "-")),
+            _fmt("min", row.get("amax_min")),
+            _fmt("max", row.get("amax_max")),
+            _fmt("shared", row.get("shared", 0)),
+            _fmt("zero", row.get("zero_amax", [])) if row.get("zero_amax") else "",
+        )
+    console.print(t)
+    rest = {k: v for k, v in data.items() if k != "layers"}
+    if rest:
+        render_mapping("calibration", rest, console)
+
+
+def render_export_report(data: dict[str, Any], console: Console = err) -> None:
+    render_mapping("export", data, console)

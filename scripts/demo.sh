@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The main job end to end on the built-in tiny MoE model, on CPU with 2 ranks (gloo):
+# convert -> load (2 ranks) -> calibrate (2 ranks) -> export -> transformers loads the export.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+recipe=configs/tiny-moe.yaml
+run=runs/demo
+set_paths=(--set checkpoint.path=$run/dcp --set calibrate.output=$run/calib.safetensors
+           --set export.output=$run/fp8 --set export.overwrite=true)
+rm -rf "$run"
+echo "== 1. convert: the recipe's model -> DCP checkpoint"
+qckpt convert "$recipe" "$run/dcp" "${set_paths[@]}"
+echo "== 2. load: stream the checkpoint into FP8 parameters on 2 ranks (bulk baseline alongside)"
+torchrun --standalone --nproc-per-node 2 -m qckpt load "$recipe" "${set_paths[@]}" --compare --json "$run/load.json"
+echo "== 3. calibrate: max calibration over 2 data-parallel ranks, amax synced"
+torchrun --standalone --nproc-per-node 2 -m qckpt calibrate "$recipe" "${set_paths[@]}" --json "$run/amax.json"
+echo "== 4. export: compressed-tensors FP8 safetensors"
+qckpt export "$recipe" "${set_paths[@]}" --json "$run/export.json"
+qckpt inspect "$run/fp8"
+echo "== 5. check: transformers loads the export; next-token logits vs the BF16 model"
+python -m qckpt.verify "$run/fp8" "$run/dcp" --min-cosine 0.99

@@ -33,10 +33,22 @@ def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
 
 
+def unwrap_dcp(exc: BaseException) -> BaseException:
+    """DCP wraps each rank's exception in a CheckpointException; show the first real one."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return unwrap_dcp(inner)
+    return exc
+
+
 def report(exc: BaseException) -> int:
     """Print the exception the way a user should see it; return the exit code."""
     if debug():
         traceback.print_exception(exc, file=sys.stderr)
+    exc = unwrap_dcp(exc)
     if isinstance(exc, QckptError):
         print(_prefix() + _one_line(str(exc)), file=sys.stderr)
         return exc.exit_code

@@ -1,0 +1,102 @@
+"""The format interface that every quantization format implements, and the registry."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from qckpt.formats._common import UnsupportedOpError
+
+if TYPE_CHECKING:
+    from qckpt.formats.tensor import QuantizedTensor
+
+
+class Format:
+    """One quantization format. Stateless: everything about a tensor lives in the
+    QuantizedTensor's fields (tensors) and ``opts`` (plain Python values)."""
+
+    name: str = ""
+    # tensor fields of a QuantizedTensor of this format, in a fixed order (flatten / copy_)
+    tensor_fields: tuple[str, ...] = ("qdata", "scale")
+    # fields that quant_state() snapshots: state that a load must leave untouched
+    state_fields: tuple[str, ...] = ()
+
+    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
+        """Validate and default the format options (FormatError on an unknown one)."""
+        raise NotImplementedError
+
+    def quantize(
+        self, x: torch.Tensor, opts: dict[str, Any], amax: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """Quantize high-precision ``x`` into fresh field tensors."""
+        raise NotImplementedError
+
+    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
+        """Quantize ``x`` into ``q``'s existing field tensors (their identity is kept).
+
+        The default quantizes into new fields and copies them over; formats override it to
+        write straight into ``q.qdata`` where that saves the extra output-size buffer.
+        """
+        fields = self.quantize(x, q.opts, None)
+        for k, v in fields.items():
+            getattr(q, k).copy_(v)
+
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def view_fields(self, q: QuantizedTensor, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """Fields of ``q`` viewed as nominal ``shape`` keeping the quantized layout, or raise."""
+        raise UnsupportedOpError(
+            f"{self.name}: cannot view a tensor of shape {tuple(q.shape)} as {shape} "
+            "without dequantizing"
+        )
+
+    def transpose_fields(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        raise UnsupportedOpError(
+            f"{self.name}: cannot transpose without dequantizing; the block layout runs "
+            "along the last dim. Call .dequantize() first."
+        )
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def register(fmt: Format) -> Format:
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def squeeze_map(old: tuple[int, ...], new: tuple[int, ...]) -> list[int | None] | None:
+    """If ``new`` is ``old`` with size-1 dims inserted/removed, map each dim of ``new`` to the
+    dim of ``old`` it comes from (None for an inserted size-1 dim); otherwise None."""
+    old_ns = [i for i, s in enumerate(old) if s != 1]
+    new_ns = [i for i, s in enumerate(new) if s != 1]
+    if [old[i] for i in old_ns] != [new[i] for i in new_ns]:
+        return None
+    mapping: list[int | None] = [None] * len(new)
+    for a, b in zip(new_ns, old_ns, strict=True):
+        mapping[a] = b
+    return mapping
+
+
+def infer_shape(shape: tuple[int, ...] | list[int], numel: int) -> tuple[int, ...]:
+    """Resolve one -1 in a view shape."""
+    shape = list(shape)
+    if shape.count(-1) > 1:
+        raise RuntimeError("only one dimension can be inferred")
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            if s != -1:
+                known *= s
+        idx = shape.index(-1)
+        if known == 0 or numel % known:
+            raise RuntimeError(f"shape {tuple(shape)} is invalid for input of size {numel}")
+        shape[idx] = numel // known
+    total = 1
+    for s in shape:
+        total *= s
+    if total != numel:
+        raise RuntimeError(f"shape {tuple(shape)} is invalid for input of size {numel}")
+    return tuple(shape)

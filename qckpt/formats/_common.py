@@ -1,0 +1,144 @@
+"""Shared pieces of the formats layer: the format registry, FP8 constants, chunking, checks.
+
+Conventions every format follows:
+
+* ``scale`` is always the *dequantization* multiplier: ``x ~= code * scale`` (so an FP8
+  export's ``weight_scale`` is ``scale`` as is, e.g. ``amax / 448``).
+* A scale is never zero, negative, NaN or Inf: an all-zero tensor / block gets a documented
+  positive scale (1.0 for float scales, 2**-127 for E8M0 scales) and all-zero codes.
+* Work is done in chunks of about ``CHUNK_ELEMS`` elements, so the temporaries of a quantize
+  are O(chunk) (a few FP32 copies of one chunk), never a full-size FP32 copy of the input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from qckpt.errors import FormatError
+
+# Chunk size in elements. 16 Mi elements keeps each kernel large enough to saturate a GPU while
+# the FP32 temporaries of one chunk stay at a few x 64 MiB. Tests shrink it to hit chunk edges.
+CHUNK_ELEMS: int = 1 << 24
+
+FP8_DTYPES = {
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+# max finite value and the unbiased exponent of its leading bit (emax) per FP8 dtype
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+
+# smallest positive normal float32: a floor for computed float scales so that a tiny but
+# non-zero amax never produces a zero (or subnormal, slow on some hardware) scale.
+F32_TINY = torch.finfo(torch.float32).tiny
+
+
+class UnsupportedOpError(FormatError, NotImplementedError):
+    """An op (or a view) that a QuantizedTensor of some format cannot do without dequantizing.
+
+    It is both a ``FormatError`` (the CLI's one-line error) and a ``NotImplementedError``
+    (what torch code expects from an unsupported op).
+    """
+
+
+def fp8_dtype(value: Any) -> torch.dtype:
+    """Accept ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` or their short names."""
+    if isinstance(value, torch.dtype):
+        if value in FP8_MAX:
+            return value
+    elif isinstance(value, str) and value.lower() in FP8_DTYPES:
+        return FP8_DTYPES[value.lower()]
+    raise FormatError(
+        f"unsupported fp8 dtype {value!r}: use torch.float8_e4m3fn or torch.float8_e5m2"
+    )
+
+
+def check_finite_amax(amax: torch.Tensor, fmt: str) -> None:
+    """Refuse NaN/Inf input. ``amax`` reductions propagate NaN and Inf, so one small check
+    after the reduction covers the whole input without an extra full pass."""
+    if not bool(torch.isfinite(amax).all()):
+        bad = "NaN" if bool(torch.isnan(amax).any()) else "Inf"
+        raise FormatError(f"cannot quantize to {fmt}: the input contains {bad} values")
+
+
+def check_input(x: torch.Tensor, fmt: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise FormatError(f"cannot quantize to {fmt}: expected a tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise FormatError(
+            f"cannot quantize to {fmt}: input dtype {x.dtype} is not a high-precision float"
+        )
+
+
+def chunk_ranges(n: int, step: int) -> Iterator[tuple[int, int]]:
+    step = max(1, int(step))
+    for s in range(0, n, step):
+        yield s, min(n, s + step)
+
+
+def rows_per_chunk(row_elems: int, chunk_elems: int | None = None, multiple: int = 1) -> int:
+    """Rows per chunk so that a chunk holds about ``chunk_elems`` elements (at least one row),
+    rounded down to a multiple of ``multiple`` (block formats chunk whole block rows)."""
+    ce = CHUNK_ELEMS if chunk_elems is None else chunk_elems
+    rows = max(1, ce // max(1, row_elems))
+    if multiple > 1:
+        rows = max(multiple, rows // multiple * multiple)
+    return rows
+
+
+def flat_view(x: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of ``x``; a non-contiguous input costs one copy in its own dtype (never FP32)."""
+    return x.reshape(-1)
+
+
+def abs_amax(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """max |x| as float32, without a full-size |x| temporary (inf-norm reduces in one kernel).
+
+    The inf-norm propagates NaN and returns Inf for Inf input, which the finiteness check needs.
+    """
+    return torch.linalg.vector_norm(x, ord=math.inf, dim=dim).to(torch.float32)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """Chunked per-tensor amax (float32 scalar)."""
+    flat = flat_view(x)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    for s, e in chunk_ranges(flat.numel(), CHUNK_ELEMS):
+        amax = torch.maximum(amax, abs_amax(flat[s:e]))
+    return amax
+
+
+def pow2_exponent(amax: torch.Tensor, emax: int) -> torch.Tensor:
+    """OCP MX shared-exponent rule: floor(log2(amax)) - emax, clamped to E8M0's [-127, 127].
+
+    floor(log2) is read from the float32 exponent bits, which is exact (no log2 rounding). A
+    subnormal or zero amax reads as -127 (the E8M0 floor), as in the MX reference code.
+    """
+    bits = amax.to(torch.float32).contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127
+    return (e - emax).clamp(-127, 127)
+
+
+def exp2_int(e: torch.Tensor) -> torch.Tensor:
+    """2**e as float32, exactly, for integer e in [-127, 127] (2**-127 is a float32 subnormal)."""
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32))
+
+
+def float_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """amax / qmax as a float32 scale; 1.0 where amax == 0; never below float32's tiny."""
+    amax = amax.to(torch.float32)
+    s = (amax / qmax).clamp_min(F32_TINY)
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+def as_amax(amax: Any, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(amax, dtype=torch.float32, device=device)
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+        raise FormatError(f"amax must be finite and >= 0, got {t.flatten()[:4].tolist()}")
+    return t

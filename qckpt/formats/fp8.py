@@ -1,0 +1,370 @@
+"""FP8 with a float scale: ``fp8`` (current scaling) and ``fp8_delayed`` (amax history).
+
+Layout
+------
+``qdata``: float8_e4m3fn (default) or float8_e5m2, the nominal shape, contiguous.
+``scale``: float32, the dequantization multiplier (``x ~= qdata.float() * scale``):
+
+* ``granularity="tensor"``: shape ``()``.
+* ``granularity="channel"``: one scale per output row (axis 0), shape ``(rows, 1, ..., 1)``
+  so that it broadcasts against ``qdata`` (a 2-D weight's scale is ``(out, 1)``, the
+  compressed-tensors channel layout). A 0-d input has one channel.
+
+Scale rule: ``scale = amax / fp8_max`` (448 for E4M3, 57344 for E5M2), computed in float32
+(``amax=`` replaces the computed amax; values beyond it saturate). An all-zero tensor (or row)
+gets ``scale = 1.0`` and zero codes; a non-zero amax never yields a scale below float32's
+smallest normal. Codes are ``clamp(x / scale, -fp8_max, fp8_max)`` rounded to nearest-even by
+the cast, so values beyond the range *saturate* to +-fp8_max (never Inf/NaN); results below the
+FP8 normal range become FP8 subnormals, and below half the smallest subnormal, zero.
+
+``pow2_scale=True`` uses the OCP MX shared-exponent rule instead:
+``scale = 2**(floor(log2(amax)) - emax)`` with emax = 8 (E4M3) / 15 (E5M2), clamped to
+``[2**-127, 2**127]``. Then ``amax / scale`` lies in ``[256, 512)`` (E4M3): the top of that range
+above 448 saturates to 448, at most 12.5% error for the largest elements. The rounding-up rule
+(``2**ceil(log2(amax / fp8_max))``) would avoid that saturation but is *not* idempotent: an amax
+that rounds to code 224 re-quantizes with half the scale. With the floor rule
+``quantize(dequantize(q)) == q`` bit for bit, through bfloat16 as well (every code times a power
+of two is exact in bfloat16 unless it leaves bfloat16's range).
+
+Round trips with the default (non power-of-two) scale: through float32 the *codes* come back
+identical, but the recomputed scale ``fl(fl(448 * s) / 448)`` can differ from ``s`` in the last
+bit; through bfloat16 the dequantized values are rounded to 8 bits of mantissa, so the amax and
+the scale move by up to 2**-9 relative and the codes may move by one step. Not idempotent; use
+``pow2_scale=True`` where that matters.
+
+fp8_delayed
+-----------
+Per-tensor FP8 whose scale comes from a history of amaxes, as delayed-scaling training recipes
+(Transformer Engine's ``DelayedScaling``) keep it. Fields: ``qdata``, ``scale`` (the
+dequantization scale *of the codes held now*), ``amax_history`` (float32, ``(history_len,)``,
+newest first) and ``quant_scale`` (float32 ``()``, the quantizer's scale that the *next*
+``quantize_`` will use; TE keeps these two apart as ``_scale_inv`` and ``quantizer.scale``).
+Options: ``history_len`` (16), ``amax_compute`` (``"max"`` or ``"most_recent"``), ``margin`` (0):
+``quant_scale = amax_h * 2**margin / fp8_max`` with amax_h the max (or newest) entry of the
+history; a zero amax_h keeps the previous ``quant_scale``.
+
+* ``quantize(x, "fp8_delayed")`` starts a history with ``amax(x)`` (or ``amax=``) and quantizes
+  ``x`` with the scale computed from it (``scale == quant_scale``).
+* ``q.quantize_(x)`` quantizes with the current ``quant_scale`` (values beyond it saturate) and
+  sets ``scale = quant_scale``; then, with ``update_state=True`` (also what ``copy_`` does), it
+  pushes ``amax(x)`` into the history and recomputes ``quant_scale`` for the next call.
+  ``update_state=False`` leaves ``amax_history`` and ``quant_scale`` bit-identical (what a loader
+  uses); ``quant_state()`` / ``load_quant_state()`` snapshot and restore those two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qckpt.errors import FormatError
+from qckpt.formats import _common
+from qckpt.formats._base import Format, register, squeeze_map
+from qckpt.formats._common import (
+    FP8_EMAX,
+    FP8_MAX,
+    UnsupportedOpError,
+    as_amax,
+    check_finite_amax,
+    check_input,
+    chunk_ranges,
+    exp2_int,
+    float_scale,
+    fp8_dtype,
+    pow2_exponent,
+    rows_per_chunk,
+    tensor_amax,
+)
+
+
+def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    if pow2:
+        s = exp2_int(pow2_exponent(amax, FP8_EMAX[dtype]))
+        return torch.where(amax > 0, s, torch.ones_like(s))
+    return float_scale(amax, FP8_MAX[dtype])
+
+
+def _cast_chunk(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    m = FP8_MAX[dtype]
+    # divide in float32 (x / scale, not x * (1/scale)): the same rounding as the usual
+    # compressed-tensors / ModelOpt reference code, exact for power-of-two scales
+    return (x.to(torch.float32) / scale).clamp_(-m, m).to(dtype)
+
+
+def _rows2d(x: torch.Tensor) -> torch.Tensor:
+    # (rows, rest) view for per-channel work; a 0-d / 1-d tensor has one element per row
+    if x.dim() == 0:
+        return x.reshape(1, 1)
+    rest = 1
+    for d in x.shape[1:]:
+        rest *= d
+    return x.reshape(x.shape[0], rest)
+
+
+def _quantize_tensorwise(
+    x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: str, check: bool
+) -> None:
+    """out (fp8, contiguous, same numel) <- x / scale, chunk by chunk."""
+    flat = x.reshape(-1)
+    oflat = out.view(-1)
+    bad = None
+    for s, e in chunk_ranges(flat.numel(), _common.CHUNK_ELEMS):
+        c = flat[s:e]
+        if check:
+            # amax= was given, so no reduction has seen the values yet: check them here
+            a = torch.linalg.vector_norm(c, ord=float("inf")).float()
+            bad = a if bad is None else torch.maximum(bad, a)
+        oflat[s:e].copy_(_cast_chunk(c, scale, out.dtype))
+    if bad is not None:
+        check_finite_amax(bad, fmt)
+
+
+def _quantize_rowwise(
+    x: torch.Tensor, scale_rows: torch.Tensor, out: torch.Tensor, fmt: str, check: bool
+) -> None:
+    x2 = _rows2d(x)
+    o2 = out.view(x2.shape)
+    s2 = scale_rows.reshape(-1, 1)
+    bad = None
+    step = rows_per_chunk(x2.shape[1])
+    for s, e in chunk_ranges(x2.shape[0], step):
+        c = x2[s:e]
+        if check:
+            a = torch.linalg.vector_norm(c, ord=float("inf")).float()
+            bad = a if bad is None else torch.maximum(bad, a)
+        o2[s:e].copy_(_cast_chunk(c, s2[s:e], out.dtype))
+    if bad is not None:
+        check_finite_amax(bad, fmt)
+
+
+def row_amax(x: torch.Tensor) -> torch.Tensor:
+    """Per-row (axis 0) amax as float32 ``(rows,)``, chunked over rows."""
+    x2 = _rows2d(x)
+    out = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[1] == 0:
+        return out.zero_()
+    step = rows_per_chunk(x2.shape[1])
+    for s, e in chunk_ranges(x2.shape[0], step):
+        out[s:e] = torch.linalg.vector_norm(x2[s:e], ord=float("inf"), dim=1).float()
+    return out
+
+
+def _channel_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return ()
+    return (shape[0],) + (1,) * (len(shape) - 1)
+
+
+class Fp8Format(Format):
+    name = "fp8"
+    tensor_fields = ("qdata", "scale")
+
+    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
+        opts = dict(opts)
+        out = {
+            "dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)),
+            "granularity": opts.pop("granularity", "tensor"),
+            "pow2_scale": bool(opts.pop("pow2_scale", False)),
+        }
+        if out["granularity"] not in ("tensor", "channel"):
+            raise FormatError(
+                f"fp8: granularity must be 'tensor' or 'channel', got {out['granularity']!r}"
+            )
+        if opts:
+            raise FormatError(f"fp8: unknown options {sorted(opts)}")
+        return out
+
+    def _amax(self, x: torch.Tensor, opts: dict[str, Any], amax: Any) -> tuple[torch.Tensor, bool]:
+        """(amax, whether the input still needs a NaN/Inf check)."""
+        channel = opts["granularity"] == "channel"
+        if amax is not None:
+            a = as_amax(amax, x.device)
+            if channel:
+                rows = 1 if x.dim() == 0 else x.shape[0]
+                if a.numel() == 1:
+                    a = a.reshape(1).expand(rows).clone()
+                elif a.numel() != rows:
+                    raise FormatError(f"fp8 channel: amax has {a.numel()} values for {rows} rows")
+                a = a.reshape(rows)
+            elif a.numel() != 1:
+                raise FormatError(f"fp8 tensor: amax must be a scalar, got {a.numel()} values")
+            else:
+                a = a.reshape(())
+            return a, True
+        a = row_amax(x) if channel else tensor_amax(x)
+        check_finite_amax(a, self.name)
+        return a, False
+
+    def _write(
+        self,
+        x: torch.Tensor,
+        opts: dict[str, Any],
+        amax: Any,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> None:
+        a, check = self._amax(x, opts, amax)
+        s = _scale_from_amax(a, opts["dtype"], opts["pow2_scale"])
+        if opts["granularity"] == "channel":
+            _quantize_rowwise(x, s, qdata, self.name, check)
+        else:
+            _quantize_tensorwise(x, s, qdata, self.name, check)
+        scale.copy_(s.reshape(scale.shape))
+
+    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        qdata = torch.empty(x.shape, dtype=opts["dtype"], device=x.device)
+        shape = _channel_scale_shape(tuple(x.shape)) if opts["granularity"] == "channel" else ()
+        scale = torch.empty(shape, dtype=torch.float32, device=x.device)
+        self._write(x, opts, amax, qdata, scale)
+        return {"qdata": qdata, "scale": scale}
+
+    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        if q.qdata.is_contiguous() and tuple(q.qdata.shape) == tuple(x.shape):
+            # write the codes straight into the destination: no second output-size buffer
+            self._write(x, q.opts, None, q.qdata, q.scale)
+        else:
+            # a transposed view: quantize the transposed source into a contiguous buffer
+            fields = self.quantize(x, q.opts, None)
+            q.qdata.copy_(fields["qdata"])
+            q.scale.copy_(fields["scale"].reshape(q.scale.shape))
+
+    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+        qd = q.qdata
+        out = torch.empty(qd.shape, dtype=dtype, device=qd.device)
+        if qd.dim() == 0 or qd.numel() == 0:
+            return out.copy_(qd.to(torch.float32) * q.scale)
+        if q.scale.numel() == 1:
+            s = q.scale.reshape(())
+            if qd.is_contiguous():
+                f, o = qd.view(-1), out.view(-1)
+                for a, b in chunk_ranges(f.numel(), _common.CHUNK_ELEMS):
+                    o[a:b].copy_(f[a:b].to(torch.float32) * s)
+                return out
+            return out.copy_(qd.to(torch.float32) * s)
+        # per-channel: the scale broadcasts against qdata, whatever view it is
+        return out.copy_(qd.to(torch.float32) * q.scale)
+
+    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+        if q.scale.numel() == 1 and q.opts["granularity"] == "tensor":
+            # one scale: any view of the codes is a view of the value
+            return {"qdata": q.qdata.reshape(shape), "scale": q.scale}
+        # per-channel: views that only insert/remove size-1 dims move the scale along
+        old = tuple(q.shape)
+        m = squeeze_map(old, shape)
+        if m is not None:
+            sshape = tuple(1 if j is None else q.scale.shape[j] for j in m)
+            return {"qdata": q.qdata.reshape(shape), "scale": q.scale.reshape(sshape)}
+        # ... and views that keep the channel dim (dim 0) and merge/split the others
+        if q.scale.dim() >= 1 and q.scale.shape[0] == old[0] and len(shape) >= 1:
+            if shape[0] == old[0] and all(s == 1 for s in q.scale.shape[1:]):
+                return {
+                    "qdata": q.qdata.reshape(shape),
+                    "scale": q.scale.reshape((old[0],) + (1,) * (len(shape) - 1)),
+                }
+        raise UnsupportedOpError(
+            f"fp8 (per-channel): cannot view shape {old} as {shape} without dequantizing; "
+            "a view must keep the channel dim"
+        )
+
+    def transpose_fields(self, q):  # noqa: ANN001, ANN201
+        # the scale broadcasts against qdata, so transposing both keeps it per output row
+        return {"qdata": q.qdata.t(), "scale": q.scale.t() if q.scale.dim() == 2 else q.scale}
+
+
+class Fp8DelayedFormat(Format):
+    name = "fp8_delayed"
+    tensor_fields = ("qdata", "scale", "amax_history", "quant_scale")
+    state_fields = ("amax_history", "quant_scale")
+
+    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
+        opts = dict(opts)
+        out = {
+            "dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)),
+            "history_len": int(opts.pop("history_len", 16)),
+            "amax_compute": opts.pop("amax_compute", "max"),
+            "margin": int(opts.pop("margin", 0)),
+        }
+        g = opts.pop("granularity", "tensor")
+        if g != "tensor":
+            raise FormatError(f"fp8_delayed: only per-tensor scaling, got granularity={g!r}")
+        if out["history_len"] < 1:
+            raise FormatError("fp8_delayed: history_len must be >= 1")
+        if out["amax_compute"] not in ("max", "most_recent"):
+            raise FormatError(
+                f"fp8_delayed: amax_compute must be 'max' or 'most_recent', got "
+                f"{out['amax_compute']!r}"
+            )
+        if opts:
+            raise FormatError(f"fp8_delayed: unknown options {sorted(opts)}")
+        return out
+
+    @staticmethod
+    def scale_from_history(
+        history: torch.Tensor, prev_scale: torch.Tensor, opts: dict[str, Any]
+    ) -> torch.Tensor:
+        a = history.max() if opts["amax_compute"] == "max" else history[0]
+        s = a * (2.0 ** opts["margin"]) / FP8_MAX[opts["dtype"]]
+        s = s.clamp_min(_common.F32_TINY)
+        # no amax seen yet (or an all-zero tensor): keep the previous scale, like TE
+        return torch.where(a > 0, s, prev_scale.reshape(()))
+
+    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        if amax is not None:
+            a = as_amax(amax, x.device).reshape(())
+            check = True
+        else:
+            a = tensor_amax(x)
+            check_finite_amax(a, self.name)
+            check = False
+        hist = torch.zeros(opts["history_len"], dtype=torch.float32, device=x.device)
+        hist[0] = a
+        scale = self.scale_from_history(hist, torch.ones((), device=x.device), opts)
+        qdata = torch.empty(x.shape, dtype=opts["dtype"], device=x.device)
+        _quantize_tensorwise(x, scale, qdata, self.name, check)
+        return {"qdata": qdata, "scale": scale, "amax_history": hist, "quant_scale": scale.clone()}
+
+    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        # the amax is needed for the NaN/Inf check even when the state is not updated
+        a = tensor_amax(x)
+        check_finite_amax(a, self.name)
+        qs = q.quant_scale.reshape(())
+        if q.qdata.is_contiguous():
+            _quantize_tensorwise(x, qs, q.qdata, self.name, False)
+        else:
+            tmp = torch.empty(x.shape, dtype=q.qdata.dtype, device=x.device)
+            _quantize_tensorwise(x, qs, tmp, self.name, False)
+            q.qdata.copy_(tmp)
+        q.scale.copy_(qs)
+        if update_state:
+            h = q.amax_history
+            h.copy_(torch.roll(h, 1))
+            h[0] = a
+            q.quant_scale.copy_(self.scale_from_history(h, qs, q.opts))
+
+    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+        return FP8.dequantize(q, dtype)
+
+    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+        return {
+            "qdata": q.qdata.reshape(shape),
+            "scale": q.scale,
+            "amax_history": q.amax_history,
+            "quant_scale": q.quant_scale,
+        }
+
+    def transpose_fields(self, q):  # noqa: ANN001, ANN201
+        return {
+            "qdata": q.qdata.t(),
+            "scale": q.scale,
+            "amax_history": q.amax_history,
+            "quant_scale": q.quant_scale,
+        }
+
+
+FP8 = register(Fp8Format())
+FP8_DELAYED = register(Fp8DelayedFormat())

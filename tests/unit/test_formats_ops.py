@@ -1,0 +1,177 @@
+"""QuantizedTensor op handlers, Parameter-in-Linear, serialization, copy_ semantics."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qckpt.errors import FormatError
+from qckpt.formats import QuantizedTensor, UnsupportedOpError, quantize
+
+E4 = torch.float8_e4m3fn
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+def same(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+    return (
+        a.fmt == b.fmt
+        and tuple(a.shape) == tuple(b.shape)
+        and all(
+            torch.equal(bits(getattr(a, k).contiguous()), bits(getattr(b, k).contiguous()))
+            for k in a.spec.tensor_fields
+        )
+    )
+
+
+@pytest.fixture
+def q() -> QuantizedTensor:
+    torch.manual_seed(0)
+    return quantize(torch.randn(32, 16, dtype=torch.bfloat16), "fp8")
+
+
+def test_detach_alias_share_storage(q: QuantizedTensor) -> None:
+    for t in (q.detach(), torch.ops.aten.alias.default(q)):
+        assert isinstance(t, QuantizedTensor) and same(t, q)
+        assert t.qdata.data_ptr() == q.qdata.data_ptr()
+
+
+def test_clone_is_deep(q: QuantizedTensor) -> None:
+    c = q.clone()
+    assert same(c, q) and c.qdata.data_ptr() != q.qdata.data_ptr()
+    c.qdata.zero_()
+    assert not torch.equal(bits(c.qdata), bits(q.qdata))
+
+
+def test_to_device_and_nominal_dtype(q: QuantizedTensor) -> None:
+    t = q.to("cpu")
+    assert isinstance(t, QuantizedTensor) and same(t, q)
+    f = q.to(torch.float32)
+    assert isinstance(f, QuantizedTensor) and f.dtype == torch.float32 and same(f, q)
+    assert torch.equal(f.dequantize(None), q.dequantize(torch.float32))
+    with pytest.raises(NotImplementedError):
+        q.to(torch.int8)
+
+
+def test_views_keep_codes(q: QuantizedTensor) -> None:
+    ref = q.dequantize(torch.float32)
+    for t, r in [
+        (q.view(16, 32), ref.view(16, 32)),
+        (q.reshape(-1), ref.reshape(-1)),
+        (q.view(1, 32, 16), ref.view(1, 32, 16)),
+        (q.unsqueeze(0), ref.unsqueeze(0)),
+        (q.view(1, 32, 16).squeeze(0), ref),
+        (q.view(1, 32, 16)[0], ref),
+        (q.t(), ref.t()),
+        (q.transpose(0, 1), ref.t()),
+        (q[:, :], ref),
+    ]:
+        assert isinstance(t, QuantizedTensor)
+        assert t.shape == r.shape
+        assert t.qdata.untyped_storage().data_ptr() == q.qdata.untyped_storage().data_ptr()
+        assert torch.equal(t.dequantize(torch.float32), r)
+
+
+def test_partial_slice_and_select_refused(q: QuantizedTensor) -> None:
+    with pytest.raises(NotImplementedError, match="partial"):
+        q[:3]
+    with pytest.raises(UnsupportedOpError, match="select"):
+        q[0]
+
+
+def test_channel_views() -> None:
+    x = torch.randn(6, 4, 2)
+    q = quantize(x, "fp8", granularity="channel")
+    ref = q.dequantize(torch.float32)
+    assert torch.equal(q.view(6, 8).dequantize(torch.float32), ref.view(6, 8))
+    assert torch.equal(q.view(1, 6, 4, 2).dequantize(torch.float32), ref.view(1, 6, 4, 2))
+    q2 = q.view(6, 8)
+    assert torch.equal(q2.t().dequantize(torch.float32), ref.view(6, 8).t())
+    with pytest.raises(UnsupportedOpError, match="channel"):
+        q.view(12, 4)
+
+
+def test_missing_op_names_op_and_format(q: QuantizedTensor) -> None:
+    with pytest.raises(NotImplementedError, match=r"aten\.add\.Tensor.*fp8"):
+        q + 1
+    with pytest.raises(NotImplementedError, match=r"aten\.sum.*fp8"):
+        q.sum()
+    with pytest.raises(FormatError):
+        torch.cat([q, q])
+
+
+def test_copy_semantics(q: QuantizedTensor) -> None:
+    torch.manual_seed(1)
+    src = torch.randn(32, 16, dtype=torch.bfloat16) * 5
+    dst = q.clone()
+    ptr = dst.qdata.data_ptr()
+    dst.copy_(src)  # plain source: quantize_ with a fresh scale
+    assert dst.qdata.data_ptr() == ptr
+    assert same(dst, quantize(src, "fp8"))
+    other = quantize(torch.randn(32, 16), "fp8")
+    dst.copy_(other)  # same format: copy fields
+    assert same(dst, other)
+    plain = torch.empty(32, 16)
+    plain.copy_(other)  # quantized source into a plain tensor: dequantize
+    assert torch.equal(plain, other.dequantize(torch.float32))
+    with pytest.raises(UnsupportedOpError, match="shape"):
+        dst.quantize_(torch.randn(16, 32))
+
+
+def test_copy_into_transposed_view() -> None:
+    x = torch.randn(8, 4)
+    q = quantize(x, "fp8")
+    qt = q.t()
+    y = torch.randn(4, 8)
+    qt.copy_(y)
+    # the transposed view writes through to the original codes
+    assert torch.equal(
+        q.dequantize(torch.float32), quantize(y, "fp8").dequantize(torch.float32).t()
+    )
+
+
+@pytest.mark.parametrize(
+    "fmt,opts", [("fp8", {}), ("fp8", {"granularity": "channel"}), ("fp8_delayed", {})]
+)
+def test_parameter_in_linear(fmt: str, opts: dict) -> None:
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(16, 24).to(torch.bfloat16)
+    w = lin.weight.detach().clone()
+    lin.weight = torch.nn.Parameter(quantize(w, fmt, **opts), requires_grad=False)
+    assert isinstance(lin.weight, torch.nn.Parameter) and isinstance(lin.weight, QuantizedTensor)
+    x = torch.randn(3, 5, 16, dtype=torch.bfloat16)
+    y = lin(x)
+    ref = F.linear(x, lin.weight.dequantize(torch.bfloat16), lin.bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 5, 24)
+    assert torch.equal(y, ref)
+    # and close to the unquantized layer
+    assert (y.float() - F.linear(x, w, lin.bias).float()).abs().max() < 0.1
+    # x @ W.t() goes through aten.t + mm
+    assert torch.allclose((x @ lin.weight.t()).float(), (x @ lin.weight.dequantize().t()).float())
+
+    sd = lin.state_dict()
+    assert isinstance(sd["weight"], QuantizedTensor)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    sd2 = torch.load(buf, weights_only=True)
+    assert isinstance(sd2["weight"], QuantizedTensor) and same(sd2["weight"], lin.weight)
+    assert sd2["weight"].opts == lin.weight.opts and sd2["weight"].dtype == torch.bfloat16
+
+    # load_state_dict with a plain bf16 weight quantizes into the parameter in place
+    lin2 = torch.nn.Linear(16, 24).to(torch.bfloat16)
+    lin2.weight = torch.nn.Parameter(
+        quantize(lin2.weight.detach(), fmt, **opts), requires_grad=False
+    )
+    lin2.load_state_dict({"weight": w, "bias": lin.bias.detach()})
+    if fmt != "fp8_delayed":
+        assert same(lin2.weight, quantize(w, fmt, **opts))
+
+
+def test_repr_does_not_dequantize(q: QuantizedTensor) -> None:
+    assert "fp8" in repr(q) and "(32, 16)" in repr(q)

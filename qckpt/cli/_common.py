@@ -21,7 +21,9 @@ def start(
     if code is not None:
         raise typer.Exit(code)
     _output.set_verbose(verbose)
-    return load_recipe(recipe_path, overrides or [])
+    recipe = load_recipe(recipe_path, overrides or [])
+    recipe.parallel.check_world(_world_size())
+    return recipe
 
 
 @contextmanager
@@ -29,7 +31,6 @@ def world(recipe: Recipe, device: str = "auto") -> Iterator:
     """The DP x EP x TP mesh for the life of a command; torn down even on failure."""
     from qckpt.parallel.mesh import init_mesh, shutdown
 
-    recipe.parallel.check_world(_world_size())
     mesh = init_mesh(
         ep=recipe.parallel.ep,
         tp=recipe.parallel.tp,
@@ -43,6 +44,4 @@ def world(recipe: Recipe, device: str = "auto") -> Iterator:
 
 
 def _world_size() -> int:
-    import os
-
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,210 @@
+"""Max calibration of a model over this rank's batches, then the amax sync over the mesh.
+
+Order (the same on every rank, so every rank reaches every collective):
+1. quantizers in (:func:`qckpt.calib.instrument.insert_quantizers`);
+2. weight amax from the weights, every local quantizer, cold experts included;
+3. forwards over this rank's batches under ``no_grad``; a failure here is remembered, not raised,
+   so that this rank still reaches the sync and tells the others (who would otherwise wait);
+4. :func:`qckpt.calib.sync.sync_amax` over ``mesh.data_group`` (DP x EP: the ranks that saw
+   different data), then over ``mesh.tp_group`` for the per-tensor amaxes of TP-sharded modules;
+5. one more collective for the report: which experts got tokens on which rank;
+6. quantizers out; the result is a :class:`CalibrationState` in HF module naming + the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qckpt.calib.instrument import (
+    calibrate_weights,
+    insert_quantizers,
+    instrumentation,
+    remove_quantizers,
+)
+from qckpt.calib.quantizer import TensorQuantizer
+from qckpt.calib.state_file import CalibrationState, model_fingerprint
+from qckpt.calib.sync import sync_amax
+from qckpt.errors import SyncError
+from qckpt.models.naming import hf_tensors
+from qckpt.parallel.mesh import Mesh, group_device
+from qckpt.recipe import QuantConfig
+
+_LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
+def calibrate_model(
+    model: nn.Module,
+    batches: Sequence[torch.Tensor],
+    quant_cfg: QuantConfig,
+    mesh: Mesh,
+    *,
+    share_expert_inputs: bool = True,
+    progress: Callable[[int], Any] | None = None,
+    calib_dtype: torch.dtype = torch.float32,
+) -> tuple[CalibrationState, dict[str, Any]]:
+    """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc."""
+    t0 = time.perf_counter()
+    quantizers = insert_quantizers(
+        model, quant_cfg, share_expert_inputs=share_expert_inputs, calib_dtype=calib_dtype
+    )
+    try:
+        instr = instrumentation(model)
+        device = _model_device(model)
+        failure: BaseException | None = None
+        tokens = 0
+        try:
+            calibrate_weights(model)
+            with torch.no_grad():
+                for b in batches:
+                    model(input_ids=b.to(device), use_cache=False)
+                    tokens += b.numel()
+                    if progress is not None:
+                        progress(1)
+        except Exception as exc:  # noqa: BLE001 - re-raised below after telling the other ranks
+            failure = exc
+        t_fwd = time.perf_counter()
+        qs = list(quantizers.values())
+        local_error = None if failure is None else f"{type(failure).__name__}: {failure}"
+        try:
+            dres = sync_amax(qs, mesh.data_group, what="data-parallel", local_error=local_error)
+            tres = None
+            if mesh.tp_group is not None:
+                # TP ranks see the same tokens but hold different shards of the sharded modules:
+                # one amax per tensor is the max over the shards; per-channel/per-block amaxes
+                # describe the local shard and stay local
+                tres = sync_amax(
+                    [q for q in qs if q.is_scalar], mesh.tp_group, what="tensor-parallel"
+                )
+        except SyncError:
+            if failure is not None:
+                raise failure from None
+            raise
+        t_sync = time.perf_counter()
+        expert_ranks = _expert_tokens(instr.experts, mesh)
+        state = _state(model, qs, quant_cfg)
+        report = _report(qs, instr.experts, expert_ranks, mesh)
+        report.update(
+            batches=len(batches),
+            tokens_this_rank=tokens,
+            forward_seconds=round(t_fwd - t0, 4),
+            sync_seconds=round(t_sync - t_fwd, 6),
+            sync_collectives=dres.collectives + (tres.collectives if tres else 0),
+            shared_from_layer=len(dres.shared),
+        )
+        return state, report
+    finally:
+        remove_quantizers(model)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _expert_tokens(experts, mesh: Mesh) -> list[list[list[int]]]:
+    """Per experts module, per global expert: tokens it got on each data rank (one collective)."""
+    group = mesh.data_group
+    world = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    sizes = [info.num_experts for info in experts]
+    total = sum(sizes)
+    if total == 0:
+        return []
+    buf = torch.zeros(world, total, dtype=torch.int64)
+    buf[rank] = torch.tensor([t for info in experts for t in info.tokens], dtype=torch.int64)
+    if group is not None:
+        buf = buf.to(group_device(group))
+        try:
+            dist.all_reduce(buf, group=group)
+        except Exception as exc:  # a rank died after the sync
+            raise SyncError(f"expert token report: a rank died or timed out ({exc})") from None
+    out, start = [], 0
+    per_rank = buf.cpu().tolist()
+    for n in sizes:
+        out.append([[per_rank[r][start + e] for r in range(world)] for e in range(n)])
+        start += n
+    return out
+
+
+def _layer_of(name: str) -> str:
+    m = _LAYER.match(name)
+    return m.group(1) if m else name
+
+
+def _state(model: nn.Module, qs: list[TensorQuantizer], quant_cfg: QuantConfig) -> CalibrationState:
+    mtype = getattr(getattr(model, "config", None), "model_type", "") or ""
+    names_shapes = (
+        (n, tuple(t.shape))
+        for name, tensor in model.state_dict().items()
+        for n, t in hf_tensors(name, tensor, mtype)
+    )
+    amax = {q.key: q.amax.detach().float().cpu() for q in qs if q.amax is not None}
+    return CalibrationState(
+        amax=amax,
+        quantizers={q.key: q.describe() for q in qs},
+        model_type=mtype,
+        model_fingerprint=model_fingerprint(names_shapes),
+        quant=dataclasses.asdict(quant_cfg),
+    )
+
+
+def _report(qs, experts, expert_ranks, mesh: Mesh) -> dict[str, Any]:
+    layers: dict[str, dict[str, Any]] = {}
+    for q in qs:
+        if not q.enabled:
+            continue
+        row = layers.setdefault(
+            _layer_of(q.name),
+            {
+                "calibrated": 0,
+                "total": 0,
+                "amax_min": None,
+                "amax_max": None,
+                "shared": 0,
+                "zero_amax": [],
+            },
+        )
+        row["total"] += 1
+        a = q.amax
+        if a is None:
+            continue
+        row["calibrated"] += 1
+        lo, hi = float(a.min()), float(a.max())
+        row["amax_min"] = lo if row["amax_min"] is None else min(row["amax_min"], lo)
+        row["amax_max"] = hi if row["amax_max"] is None else max(row["amax_max"], hi)
+        if q.shared_from_layer:
+            row["shared"] += 1
+        if hi == 0.0:
+            row["zero_amax"].append(q.key)
+    for info, per_expert in zip(experts, expert_ranks):
+        row = layers.setdefault(_layer_of(info.module_name + "."), {})
+        hot = {
+            str(e): " ".join(f"r{r}" for r, n in enumerate(counts) if n)
+            for e, counts in enumerate(per_expert)
+            if any(counts)
+        }
+        row["experts_with_tokens"] = hot
+        row["experts_total"] = info.num_experts
+        row["cold_experts"] = [e for e, counts in enumerate(per_expert) if not any(counts)]
+        row["expert_tokens"] = {str(e): counts for e, counts in enumerate(per_expert)}
+    enabled = [q for q in qs if q.enabled]
+    return {
+        "world_size": mesh.world_size,
+        "dp": mesh.dp,
+        "ep": mesh.ep,
+        "tp": mesh.tp,
+        "quantizers": len(enabled),
+        "disabled": len(qs) - len(enabled),
+        "calibrated": sum(1 for q in enabled if q.amax is not None),
+        "uncalibrated": [q.key for q in enabled if q.amax is None],
+        "layers": layers,
+    }

@@ -1,0 +1,253 @@
+"""Putting quantizers into a model, non-destructively, and taking them out again.
+
+* Every ``nn.Linear`` not matched by ``quant.ignore`` gets a weight and an input quantizer; the
+  input is observed by a forward pre-hook.
+* transformers 5 keeps a MoE block's routed experts fused (``experts.gate_up_proj`` [E, 2I, H],
+  ``experts.down_proj`` [E, H, I]). Each expert gets its own weight quantizers (gate, up, down:
+  slices of the fused weights, named as ``save_pretrained`` names them, see
+  :func:`qckpt.models.naming.expert_slices`) and its own input quantizers. An expert's input
+  quantizer must see only the tokens routed to it, which no hook on the fused module can tell
+  apart, so the experts' ``forward`` is replaced (on the instance only) by an eager loop with
+  the same operations in the same order as transformers' eager experts forward, feeding each
+  expert's tokens to its quantizers. gate and up read the same input and are fed the same tokens.
+
+Nothing is registered as a submodule, parameter or buffer, so ``state_dict`` and
+``named_modules`` are unchanged and :func:`remove_quantizers` restores the model exactly.
+
+EP runtimes that keep only some experts on a rank set two attributes on the experts module:
+``qckpt_expert_ids`` (the global expert index of each local row of the fused weights) and
+``qckpt_num_experts`` (the global count). Quantizers are still made for every global expert, so
+that every rank lays out the sync buffers identically; those of remote experts are ``local=False``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from qckpt.calib.quantizer import TensorQuantizer
+from qckpt.errors import CalibrationError
+from qckpt.models.naming import expert_slices
+from qckpt.recipe import QuantConfig, TensorQuantConfig
+
+_ATTR = "_qckpt_instrumentation"
+
+
+@dataclass
+class ExpertsInfo:
+    """One instrumented fused-experts module."""
+
+    module_name: str
+    num_experts: int  # global
+    local_ids: list[int]
+    # per global expert: quantizers by role ("gate", "up", "down") and kind
+    weight_q: dict[int, dict[str, TensorQuantizer]] = field(default_factory=dict)
+    input_q: dict[int, dict[str, TensorQuantizer]] = field(default_factory=dict)
+    # tokens routed to each global expert on this rank, since instrumentation
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Instrumentation:
+    quantizers: dict[str, TensorQuantizer]
+    # (weight quantizer, a function giving the weight tensor it calibrates from)
+    weights: list[tuple[TensorQuantizer, Callable[[], torch.Tensor]]]
+    experts: list[ExpertsInfo]
+    hooks: list = field(default_factory=list)
+    patched: list[nn.Module] = field(default_factory=list)
+
+
+def _granularity(cfg: TensorQuantConfig) -> str:
+    # NVFP4's block scales are computed when quantizing; only the per-tensor global amax is static
+    return "dynamic_block" if cfg.format == "nvfp4" else cfg.granularity
+
+
+def _ignored(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _is_fused_experts(mod: nn.Module) -> bool:
+    gu = getattr(mod, "gate_up_proj", None)
+    dn = getattr(mod, "down_proj", None)
+    return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3
+
+
+def _model_type(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", "") or ""
+
+
+def insert_quantizers(
+    model: nn.Module,
+    quant_cfg: QuantConfig,
+    *,
+    share_expert_inputs: bool = True,
+    calib_dtype: torch.dtype = torch.float32,
+) -> dict[str, TensorQuantizer]:
+    """Instrument ``model``; returns the quantizers keyed ``{hf_module}.{weight|input}_amax``."""
+    if getattr(model, _ATTR, None) is not None:
+        raise CalibrationError("model already has quantizers; call remove_quantizers first")
+    wcfg, icfg = quant_cfg.weights, quant_cfg.inputs
+    ignore = list(quant_cfg.ignore)
+    mtype = _model_type(model)
+    instr = Instrumentation(quantizers={}, weights=[], experts=[])
+
+    def make(name: str, kind: str, shape, device, **kw) -> TensorQuantizer:
+        cfg = wcfg if kind == "weight" else icfg
+        q = TensorQuantizer(
+            name,
+            kind,
+            shape=shape,
+            granularity=_granularity(cfg),
+            fmt=cfg.format,
+            block_size=cfg.block_size,
+            # a dynamic input is scaled per batch at run time: nothing to calibrate or sync
+            enabled=not (kind == "input" and cfg.dynamic),
+            calib_dtype=calib_dtype,
+            device=device,
+            **kw,
+        )
+        instr.quantizers[q.key] = q
+        return q
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            if _ignored(name, ignore):
+                continue
+            dev = mod.weight.device
+            wq = make(name, "weight", tuple(mod.weight.shape), dev)
+            iq = make(name, "input", (mod.in_features,), dev)
+            instr.weights.append((wq, (lambda m=mod: m.weight)))
+            instr.hooks.append(mod.register_forward_pre_hook(_input_hook(iq)))
+        elif _is_fused_experts(mod):
+            if _ignored(name, ignore):
+                continue
+            _instrument_experts(name, mod, mtype, make, instr, share_expert_inputs)
+    object.__setattr__(model, _ATTR, instr)
+    return dict(instr.quantizers)
+
+
+def _input_hook(q: TensorQuantizer):
+    def hook(_mod, args):
+        if args:
+            q.collect(args[0])
+
+    return hook
+
+
+def _instrument_experts(name, mod, mtype, make, instr: Instrumentation, share: bool) -> None:
+    for attr, ok in (("is_transposed", False), ("has_bias", False), ("has_gate", True)):
+        if getattr(mod, attr, ok) != ok:
+            raise CalibrationError(
+                f"{name}: experts layout with {attr}={not ok} is not supported for calibration"
+            )
+    if getattr(mod, "is_concatenated", True) is not True:
+        raise CalibrationError(f"{name}: interleaved gate/up experts are not supported")
+    gu, dn = mod.gate_up_proj, mod.down_proj
+    n_local = gu.shape[0]
+    local_ids = list(getattr(mod, "qckpt_expert_ids", range(n_local)))
+    n_global = int(getattr(mod, "qckpt_num_experts", n_local))
+    if len(local_ids) != n_local:
+        raise CalibrationError(
+            f"{name}: qckpt_expert_ids has {len(local_ids)} ids for {n_local} experts"
+        )
+    row_of = {e: r for r, e in enumerate(local_ids)}
+    info = ExpertsInfo(module_name=name, num_experts=n_global, local_ids=local_ids)
+    info.tokens = [0] * n_global
+    gshape = torch.Size((n_global, *gu.shape[1:]))
+    dshape = torch.Size((n_global, *dn.shape[1:]))
+    dev = gu.device
+    for s in expert_slices(name, mtype, gshape, dshape):
+        local = s.expert in row_of
+        fused = gu if s.role in ("gate", "up") else dn
+        wshape = (s.rows, fused.shape[2])
+        common = dict(local=local, expert_layer=name, expert=s.expert)
+        wq = make(s.hf_module, "weight", wshape, dev, **common)
+        group = f"{name}:{'gate_up' if s.role != 'down' else 'down'}_input" if share else None
+        iq = make(s.hf_module, "input", (fused.shape[2],), dev, share_group=group, **common)
+        info.weight_q.setdefault(s.expert, {})[s.role] = wq
+        info.input_q.setdefault(s.expert, {})[s.role] = iq
+        if local:
+            r = row_of[s.expert]
+            instr.weights.append(
+                (wq, (lambda p=s.param_name, r=r, s=s, m=mod: _expert_weight(m, p, r, s)))
+            )
+    instr.experts.append(info)
+    mod.forward = _experts_forward(mod, info, row_of)
+    instr.patched.append(mod)
+
+
+def _expert_weight(mod: nn.Module, param_name: str, row: int, s) -> torch.Tensor:
+    fused = mod.gate_up_proj if param_name.endswith("gate_up_proj") else mod.down_proj
+    return fused[row].narrow(0, s.row_start, s.rows)
+
+
+def _experts_forward(mod: nn.Module, info: ExpertsInfo, row_of: dict[int, int]):
+    """transformers' eager fused-experts forward, with each expert's tokens observed."""
+    n_local = len(info.local_ids)
+    quant_by_row = [info.input_q[e] for e in info.local_ids]
+    tokens = info.tokens
+    ids = info.local_ids
+
+    def forward(
+        hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ):
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            # index n_local is the "dropped" sentinel some EP dispatchers use, as in transformers
+            mask = torch.nn.functional.one_hot(top_k_index, num_classes=n_local + 1)
+            mask = mask.permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for (row,) in hit.tolist():
+            if row == n_local:
+                continue
+            top_k_pos, token_idx = torch.where(mask[row])
+            x = hidden_states[token_idx]
+            qs = quant_by_row[row]
+            tokens[ids[row]] += int(token_idx.numel())
+            qs["gate"].collect(x)
+            qs["up"].collect(x)
+            gate, up = nn.functional.linear(x, mod.gate_up_proj[row]).chunk(2, dim=-1)
+            h = mod.act_fn(gate) * up
+            qs["down"].collect(h)
+            h = nn.functional.linear(h, mod.down_proj[row])
+            h = h * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, h.to(final.dtype))
+        return final
+
+    return forward
+
+
+def instrumentation(model: nn.Module) -> Instrumentation:
+    instr = getattr(model, _ATTR, None)
+    if instr is None:
+        raise CalibrationError("model has no quantizers; call insert_quantizers first")
+    return instr
+
+
+def calibrate_weights(model: nn.Module) -> int:
+    """Weight amax from the weights themselves, for every local quantizer (cold experts too)."""
+    instr = instrumentation(model)
+    n = 0
+    with torch.no_grad():
+        for q, get in instr.weights:
+            if q.enabled:
+                q.collect(get())
+                n += 1
+    return n
+
+
+def remove_quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
+    """Undo :func:`insert_quantizers`; returns the quantizers (with their amax) for reuse."""
+    instr = getattr(model, _ATTR, None)
+    if instr is None:
+        return {}
+    for h in instr.hooks:
+        h.remove()
+    for mod in instr.patched:
+        mod.__dict__.pop("forward", None)
+    object.__delattr__(model, _ATTR)
+    return instr.quantizers

@@ -14,6 +14,9 @@ import torch
 
 from qckpt.errors import FormatError
 from qckpt.formats import fp8 as _fp8  # noqa: F401  (registers fp8, fp8_delayed)
+from qckpt.formats import fp8_block as _fp8_block  # noqa: F401
+from qckpt.formats import mxfp8 as _mxfp8  # noqa: F401
+from qckpt.formats import nvfp4 as _nvfp4  # noqa: F401
 from qckpt.formats._base import FORMATS, Format
 from qckpt.formats._common import UnsupportedOpError
 from qckpt.formats.tensor import QuantizedTensor, implements, is_quantized

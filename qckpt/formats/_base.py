@@ -52,7 +52,10 @@ class Format:
             "without dequantizing"
         )
 
-    def transpose_fields(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+    def transpose_fields(
+        self, q: QuantizedTensor
+    ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Fields of ``q.t()`` (2-D), optionally with changed options, or raise."""
         raise UnsupportedOpError(
             f"{self.name}: cannot transpose without dequantizing; the block layout runs "
             "along the last dim. Call .dequantize() first."

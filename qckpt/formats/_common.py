@@ -13,7 +13,9 @@ Conventions every format follows:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import os
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -114,15 +116,16 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return amax
 
 
-def pow2_exponent(amax: torch.Tensor, emax: int) -> torch.Tensor:
-    """OCP MX shared-exponent rule: floor(log2(amax)) - emax, clamped to E8M0's [-127, 127].
+def pow2_exponent(amax: torch.Tensor, emax: int, emin: int = -127) -> torch.Tensor:
+    """OCP MX shared-exponent rule: floor(log2(amax)) - emax, clamped to [emin, 127]
+    (E8M0's range is [-127, 127]).
 
     floor(log2) is read from the float32 exponent bits, which is exact (no log2 rounding). A
-    subnormal or zero amax reads as -127 (the E8M0 floor), as in the MX reference code.
+    subnormal or zero amax reads as -127 - emax, so it lands on the floor ``emin``.
     """
     bits = amax.to(torch.float32).contiguous().view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127
-    return (e - emax).clamp(-127, 127)
+    return (e - emax).clamp(emin, 127)
 
 
 def exp2_int(e: torch.Tensor) -> torch.Tensor:
@@ -142,3 +145,47 @@ def as_amax(amax: Any, device: torch.device) -> torch.Tensor:
     if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
         raise FormatError(f"amax must be finite and >= 0, got {t.flatten()[:4].tolist()}")
     return t
+
+
+# ---- optional torch.compile of the per-chunk kernels -------------------------------------------
+# Eager torch runs each chunk as several kernels with FP32 temporaries; on CUDA a compiled
+# (fused) chunk kernel reads the input once and writes codes and scales once. "auto" compiles on
+# CUDA only (inductor on CPU needs a C++ toolchain and minutes of compile time for little gain);
+# any compile failure falls back to eager for good, with one warning.
+_COMPILE_MODE = os.environ.get("QCKPT_COMPILE", "auto").lower()
+_compiled: dict[Callable, Callable] = {}
+_compile_failed: set[Callable] = set()
+
+
+def set_compile(mode: str | bool) -> None:
+    """``"auto"`` (CUDA only, the default), ``True``/``"1"`` (always), ``False``/``"0"`` (never)."""
+    global _COMPILE_MODE
+    _COMPILE_MODE = {True: "1", False: "0"}.get(mode, str(mode)).lower()  # type: ignore[arg-type]
+    if _COMPILE_MODE not in ("auto", "1", "0"):
+        raise ValueError(f"compile mode must be auto, 1 or 0, got {mode!r}")
+
+
+def _want_compile(device: torch.device) -> bool:
+    if _COMPILE_MODE == "1":
+        return True
+    if _COMPILE_MODE == "0":
+        return False
+    return device.type == "cuda"
+
+
+def run_kernel(fn: Callable, x: torch.Tensor, *args: Any) -> Any:
+    """Run the chunk kernel ``fn(x, *args)``, compiled where wanted and working."""
+    if _want_compile(x.device) and fn not in _compile_failed:
+        c = _compiled.get(fn)
+        if c is None:
+            c = _compiled[fn] = torch.compile(fn, dynamic=None)
+        try:
+            return c(x, *args)
+        except Exception as e:  # noqa: BLE001  (any inductor/triton failure -> eager)
+            _compile_failed.add(fn)
+            warnings.warn(
+                f"qckpt.formats: torch.compile of {fn.__name__} failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); using eager torch",
+                stacklevel=2,
+            )
+    return fn(x, *args)

@@ -19,7 +19,7 @@ FP8 normal range become FP8 subnormals, and below half the smallest subnormal, z
 
 ``pow2_scale=True`` uses the OCP MX shared-exponent rule instead:
 ``scale = 2**(floor(log2(amax)) - emax)`` with emax = 8 (E4M3) / 15 (E5M2), clamped to
-``[2**-127, 2**127]``. Then ``amax / scale`` lies in ``[256, 512)`` (E4M3): the top of that range
+``[2**-126, 2**127]`` (an all-zero tensor/row: 1.0). Then ``amax / scale`` lies in ``[256, 512)`` (E4M3): the top of that range
 above 448 saturates to 448, at most 12.5% error for the largest elements. The rounding-up rule
 (``2**ceil(log2(amax / fp8_max))``) would avoid that saturation but is *not* idempotent: an amax
 that rounds to code 224 re-quantizes with half the scale. With the floor rule
@@ -74,22 +74,39 @@ from qckpt.formats._common import (
     fp8_dtype,
     pow2_exponent,
     rows_per_chunk,
+    run_kernel,
     tensor_amax,
 )
 
 
 def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
     if pow2:
-        s = exp2_int(pow2_exponent(amax, FP8_EMAX[dtype]))
+        # floor at 2**-126: a normal float32, so no flush-to-zero surprise on GPUs
+        s = exp2_int(pow2_exponent(amax, FP8_EMAX[dtype], emin=-126))
         return torch.where(amax > 0, s, torch.ones_like(s))
     return float_scale(amax, FP8_MAX[dtype])
 
 
-def _cast_chunk(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    m = FP8_MAX[dtype]
+def _cast_kernel(
+    x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, check: bool
+) -> torch.Tensor:
+    """out <- fp8(clamp(x / scale)); returns max|x| of the chunk when ``check`` (else 0)."""
+    m = FP8_MAX[out.dtype]
+    xf = x.to(torch.float32)
     # divide in float32 (x / scale, not x * (1/scale)): the same rounding as the usual
     # compressed-tensors / ModelOpt reference code, exact for power-of-two scales
-    return (x.to(torch.float32) / scale).clamp_(-m, m).to(dtype)
+    out.copy_((xf / scale).clamp(-m, m).to(out.dtype))
+    if check:
+        return xf.abs().amax()
+    return xf.new_zeros(())
+
+
+def _cast_chunk(
+    x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, check: bool
+) -> torch.Tensor:
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    return run_kernel(_cast_kernel, x, scale, out, check)
 
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
@@ -108,15 +125,11 @@ def _quantize_tensorwise(
     """out (fp8, contiguous, same numel) <- x / scale, chunk by chunk."""
     flat = x.reshape(-1)
     oflat = out.view(-1)
-    bad = None
+    bad = torch.zeros((), device=x.device)
     for s, e in chunk_ranges(flat.numel(), _common.CHUNK_ELEMS):
-        c = flat[s:e]
-        if check:
-            # amax= was given, so no reduction has seen the values yet: check them here
-            a = torch.linalg.vector_norm(c, ord=float("inf")).float()
-            bad = a if bad is None else torch.maximum(bad, a)
-        oflat[s:e].copy_(_cast_chunk(c, scale, out.dtype))
-    if bad is not None:
+        # with amax= given no reduction has seen the values yet: the kernel checks them
+        bad = torch.maximum(bad, _cast_chunk(flat[s:e], scale, oflat[s:e], check))
+    if check:
         check_finite_amax(bad, fmt)
 
 
@@ -126,15 +139,11 @@ def _quantize_rowwise(
     x2 = _rows2d(x)
     o2 = out.view(x2.shape)
     s2 = scale_rows.reshape(-1, 1)
-    bad = None
+    bad = torch.zeros((), device=x.device)
     step = rows_per_chunk(x2.shape[1])
     for s, e in chunk_ranges(x2.shape[0], step):
-        c = x2[s:e]
-        if check:
-            a = torch.linalg.vector_norm(c, ord=float("inf")).float()
-            bad = a if bad is None else torch.maximum(bad, a)
-        o2[s:e].copy_(_cast_chunk(c, s2[s:e], out.dtype))
-    if bad is not None:
+        bad = torch.maximum(bad, _cast_chunk(x2[s:e], s2[s:e], o2[s:e], check))
+    if check:
         check_finite_amax(bad, fmt)
 
 

@@ -345,7 +345,9 @@ def _t(func, args, kwargs):  # noqa: ANN001, ANN202
     q = args[0]
     if q.dim() < 2:
         return _like(q, {k: aten.alias.default(v) for k, v in q.fields().items()})
-    return _like(q, q.spec.transpose_fields(q), shape=tuple(reversed(q.shape)))
+    res = q.spec.transpose_fields(q)
+    fields, opts = res if isinstance(res, tuple) else (res, q.opts)
+    return QuantizedTensor(fields, q.fmt, opts, tuple(reversed(q.shape)), q.dtype)
 
 
 @implements([aten.transpose.int])

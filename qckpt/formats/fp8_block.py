@@ -1,0 +1,218 @@
+"""``fp8_block``: FP8 with one FP32 scale per tile, as DeepSeek-V3-style checkpoints store it.
+
+Layout
+------
+``qdata``: float8_e4m3fn (default) or float8_e5m2, the nominal shape.
+``scale``: float32, one per ``block_size = (br, bc)`` tile of the last two dims, shape
+``(*lead, ceil(M / br), ceil(N / bc))`` for an input of shape ``(*lead, M, N)`` (the
+compressed-tensors block layout; DeepSeek-V3 calls it ``weight_scale_inv``). Dequantize:
+``x[i, j] = qdata[i, j] * scale[i // br, j // bc]``.
+
+Weights use 128x128 tiles (the default); activations 1x128 (``block_size=(1, 128)``). A 1-D
+input is one row (shape ``(N,)`` -> scale ``(ceil(N / bc),)``); a 0-d input one element.
+
+Scale rule: ``scale = amax_tile / fp8_max`` in float32 (448 for E4M3), codes
+``clamp(x / scale, -fp8_max, fp8_max)`` cast round-to-nearest-even, as in DeepSeek-V3's
+``act_quant`` (``s = amax / 448; y = x / s``). ``pow2_scale=True`` uses the MX floor rule
+(``2**(floor(log2 amax) - emax)``, see ``fp8``) and is then idempotent through bfloat16.
+
+* Padding: edge tiles (M or N not a multiple of the tile) are partial; each is scaled by its
+  valid elements only (as if zero-padded); nothing is stored for the padding.
+* An all-zero tile gets scale 1.0 (DeepSeek's reference divides 0 by 0: NaN) and zero codes; a
+  tiny non-zero amax never gives a scale below float32's smallest normal.
+* Saturation and subnormal codes as in ``fp8``.
+
+Views keep the layout if they keep the last two dims (leading dims may be reshaped, size-1 dims
+added or removed); ``t()`` of a 2-D tensor transposes codes and scales and swaps ``block_size``.
+Round trip: with float scales not idempotent (as ``fp8``: the recomputed scale can move by an
+ulp, through bfloat16 more); with ``pow2_scale=True`` bit-exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from qckpt.errors import FormatError
+from qckpt.formats import _common
+from qckpt.formats._base import Format, register
+from qckpt.formats._common import (
+    FP8_EMAX,
+    FP8_MAX,
+    UnsupportedOpError,
+    check_finite_amax,
+    check_input,
+    exp2_int,
+    float_scale,
+    fp8_dtype,
+    pow2_exponent,
+    run_kernel,
+)
+
+
+def _as3d(x: torch.Tensor) -> torch.Tensor:
+    """(B, M, N) view: leading dims folded into B; a 1-D tensor is one row, 0-d one element."""
+    if x.dim() == 0:
+        return x.reshape(1, 1, 1)
+    if x.dim() == 1:
+        return x.reshape(1, 1, x.shape[0])
+    m, n = x.shape[-2], x.shape[-1]
+    b = 1
+    for d in x.shape[:-2]:
+        b *= d
+    return x.reshape(b, m, n)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tile_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    if pow2:
+        s = exp2_int(pow2_exponent(amax, FP8_EMAX[dtype], emin=-126))
+        return torch.where(amax > 0, s, torch.ones_like(s))
+    return float_scale(amax, FP8_MAX[dtype])
+
+
+def _block_kernel(
+    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, br: int, bc: int, pow2: bool
+) -> torch.Tensor:
+    """(R, N) rows (R a multiple of br, or the tail) -> codes and the (R/br, N/bc) scales."""
+    r, n = c.shape
+    rp, np_ = _cdiv(r, br) * br, _cdiv(n, bc) * bc
+    cf = c.to(torch.float32)
+    if (rp, np_) != (r, n):
+        cf = F.pad(cf, (0, np_ - n, 0, rp - r))
+    tiles = cf.view(rp // br, br, np_ // bc, bc)
+    amax = tiles.abs().amax(dim=(1, 3))
+    s = _tile_scale(amax, out_q.dtype, pow2)
+    fmax = FP8_MAX[out_q.dtype]
+    q = (tiles / s[:, None, :, None]).clamp(-fmax, fmax).to(out_q.dtype)
+    out_q.copy_(q.view(rp, np_)[:r, :n])
+    out_s.copy_(s)
+    return amax.amax() if amax.numel() else amax.new_zeros(())
+
+
+class Fp8BlockFormat(Format):
+    name = "fp8_block"
+    tensor_fields = ("qdata", "scale")
+
+    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
+        opts = dict(opts)
+        bs = opts.pop("block_size", (128, 128))
+        if isinstance(bs, int):
+            bs = (bs, bs)
+        bs = tuple(int(b) for b in bs)
+        if len(bs) != 2 or min(bs) < 1:
+            raise FormatError(f"fp8_block: block_size must be two positive ints, got {bs}")
+        out = {
+            "dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)),
+            "block_size": bs,
+            "pow2_scale": bool(opts.pop("pow2_scale", False)),
+        }
+        g = opts.pop("granularity", "block")
+        if g != "block":
+            raise FormatError(f"fp8_block: granularity must be 'block', got {g!r}")
+        if opts:
+            raise FormatError(f"fp8_block: unknown options {sorted(opts)}")
+        return out
+
+    @staticmethod
+    def scale_shape(shape: tuple[int, ...], bs: tuple[int, int]) -> tuple[int, ...]:
+        if len(shape) == 0:
+            return ()
+        if len(shape) == 1:
+            return (_cdiv(shape[0], bs[1]),)
+        return tuple(shape[:-2]) + (_cdiv(shape[-2], bs[0]), _cdiv(shape[-1], bs[1]))
+
+    def _write(self, x, opts, amax, qdata, scale) -> None:  # noqa: ANN001
+        if amax is not None:
+            raise FormatError("fp8_block: amax= is not supported (scales are per tile)")
+        br, bc = opts["block_size"]
+        x3 = _as3d(x)
+        b, m, n = x3.shape
+        q3 = qdata.view(b, m, n)
+        s3 = scale.view(b, _cdiv(m, br), _cdiv(n, bc))
+        if x3.numel() == 0:
+            return
+        bad = torch.zeros((), device=x.device)
+        rows = _common.rows_per_chunk(n, multiple=br)
+        for i in range(b):
+            for lo, hi in _common.chunk_ranges(m, rows):
+                bad = torch.maximum(
+                    bad,
+                    run_kernel(
+                        _block_kernel,
+                        x3[i, lo:hi],
+                        q3[i, lo:hi],
+                        s3[i, lo // br : _cdiv(hi, br)],
+                        br,
+                        bc,
+                        opts["pow2_scale"],
+                    ),
+                )
+        check_finite_amax(bad, self.name)
+
+    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        qdata = torch.empty(x.shape, dtype=opts["dtype"], device=x.device)
+        scale = torch.empty(
+            self.scale_shape(tuple(x.shape), opts["block_size"]),
+            dtype=torch.float32,
+            device=x.device,
+        )
+        self._write(x, opts, amax, qdata, scale)
+        return {"qdata": qdata, "scale": scale}
+
+    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        if q.qdata.is_contiguous() and q.scale.is_contiguous():
+            self._write(x, q.opts, None, q.qdata, q.scale)
+        else:
+            f = self.quantize(x, q.opts, None)
+            q.qdata.copy_(f["qdata"])
+            q.scale.copy_(f["scale"])
+
+    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+        br, bc = q.opts["block_size"]
+        out = torch.empty(q.shape, dtype=dtype, device=q.qdata.device)
+        if out.numel() == 0:
+            return out
+        q3 = _as3d(q.qdata)
+        b, m, n = q3.shape
+        s3 = q.scale.reshape(b, _cdiv(m, br), _cdiv(n, bc))
+        o3 = out.view(b, m, n)
+        rows = _common.rows_per_chunk(n, multiple=br)
+        for i in range(b):
+            for lo, hi in _common.chunk_ranges(m, rows):
+                s = s3[i, lo // br : _cdiv(hi, br)]
+                s = s.repeat_interleave(br, dim=0)[: hi - lo].repeat_interleave(bc, dim=1)[:, :n]
+                o3[i, lo:hi].copy_(q3[i, lo:hi].to(torch.float32) * s)
+        return out
+
+    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+        old = tuple(q.shape)
+        keep = min(2, len(old))
+        if len(shape) < keep or tuple(shape[len(shape) - keep :]) != old[len(old) - keep :]:
+            raise UnsupportedOpError(
+                f"fp8_block: cannot view shape {old} as {tuple(shape)} without dequantizing: "
+                "the tiles span the last two dims, so a view must keep them"
+            )
+        if len(old) < 2 and len(shape) >= 2:
+            # a 1-D tensor is one row of tiles: viewing it as (1, ..., N) keeps that
+            if any(s != 1 for s in shape[:-1]):
+                raise UnsupportedOpError(f"fp8_block: cannot view {old} as {tuple(shape)}")
+        sshape = self.scale_shape(tuple(shape), q.opts["block_size"])
+        return {"qdata": q.qdata.reshape(shape), "scale": q.scale.reshape(sshape)}
+
+    def transpose_fields(self, q):  # noqa: ANN001, ANN201
+        if q.dim() != 2:
+            raise UnsupportedOpError("fp8_block: t() needs a 2-D tensor")
+        # tiles of the transpose are the transposed tiles: (br, bc) becomes (bc, br)
+        opts = dict(q.opts, block_size=tuple(reversed(q.opts["block_size"])))
+        return {"qdata": q.qdata.t(), "scale": q.scale.t()}, opts
+
+
+FP8_BLOCK = register(Fp8BlockFormat())

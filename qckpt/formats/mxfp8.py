@@ -1,0 +1,152 @@
+"""``mxfp8``: OCP Microscaling (MX) v1.0 FP8, blocks of 32 along the last dim.
+
+Layout
+------
+``qdata``: float8_e4m3fn (default; ``dtype=torch.float8_e5m2`` also), the nominal shape.
+``scale``: uint8, the E8M0 shared exponent *biased by 127* (code c means ``2**(c - 127)``;
+code 255, NaN, is never written), shape ``(*shape[:-1], ceil(K / 32))``. Dequantize:
+``x = qdata.float() * 2**(scale - 127)`` per block. (A 0-d tensor is one block of one element.)
+
+Scale rule (the spec's, torchao's FLOOR mode): ``e = floor(log2(amax_block)) - emax`` with
+emax = 8 (E4M3) / 15 (E5M2), clamped to ``[-127, 127]``; codes are
+``clamp(x / 2**e, -fp8_max, fp8_max)`` cast round-to-nearest-even. ``amax / 2**e`` lies in
+``[256, 512)`` (E4M3): the part above 448 saturates to 448 (< 12.5% error on those elements).
+
+* Padding: when K is not a multiple of 32 the last block is partial; it is scaled by its own
+  valid elements (as if zero-padded) and no padding is stored: ``qdata`` keeps K columns.
+* An all-zero block gets code 0 (2**-127, a positive scale) and zero codes.
+* Elements below the E4M3 normal range become FP8 subnormals; E8M0 has no subnormals.
+* ``amax=`` is not an option: MX scales are per block and always computed (current scaling).
+
+Deliberate difference from torchao's ``to_mx`` (FLOOR): for a block whose exponent clamps to
+-127 (amax < 2**-119, e.g. all zeros) torchao divides by 2**-126 (it clamps the FP32 scale to the
+smallest normal) while storing code 0 (2**-127), so its codes and its scale disagree by 2x; we
+divide by the stored 2**-127 (by multiplying with the exact 2**127), so dequantize matches. All
+other blocks agree bit for bit (tests/unit/test_formats_ref.py).
+
+Round trip: ``quantize(dequantize(q)) == q`` bit for bit, through float32 and bfloat16 (each
+code times a power of two is exact in bfloat16; the block's max code lies in [256, 448] so the
+recomputed exponent is the same). Views keep the layout only if they keep the last dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qckpt.errors import FormatError
+from qckpt.formats._base import Format, register
+from qckpt.formats._common import (
+    FP8_EMAX,
+    FP8_MAX,
+    check_finite_amax,
+    check_input,
+    fp8_dtype,
+    run_kernel,
+)
+from qckpt.formats._rowblock import (
+    last_dim,
+    nblocks,
+    padded_blocks,
+    row_chunks,
+    rows2d,
+    view_keep_last,
+)
+
+BLOCK = 32
+
+
+def _mx_kernel(
+    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, emax: int
+) -> torch.Tensor:
+    """One (R, K) chunk -> codes into out_q (R, K), biased exponents into out_s (R, nb)."""
+    r, k = c.shape
+    fmax = FP8_MAX[out_q.dtype]
+    blocks = padded_blocks(c, BLOCK)
+    amax = blocks.abs().amax(dim=-1)  # NaN/Inf propagate: checked by the caller
+    bits = amax.view(torch.int32)
+    e = (((bits >> 23) & 0xFF) - 127 - emax).clamp(-127, 127)
+    # multiply by the exact 2**-e (always a normal float32 here) rather than divide by 2**e,
+    # which is subnormal at e = -127 and flushed to zero by some GPU code paths
+    inv = torch.ldexp(torch.ones_like(amax), (-e).to(torch.int32))
+    q = (blocks * inv.unsqueeze(-1)).clamp(-fmax, fmax).to(out_q.dtype)
+    out_q.copy_(q.view(r, -1)[:, :k])
+    out_s.copy_((e + 127).to(torch.uint8))
+    return amax.amax() if amax.numel() else amax.new_zeros(())
+
+
+class MxFp8Format(Format):
+    name = "mxfp8"
+    tensor_fields = ("qdata", "scale")
+
+    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
+        opts = dict(opts)
+        out = {"dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)), "block_size": BLOCK}
+        bs = opts.pop("block_size", BLOCK)
+        if bs != BLOCK:
+            raise FormatError(f"mxfp8: block_size is {BLOCK} (OCP MX v1.0), got {bs}")
+        opts.pop("granularity", None)
+        if opts:
+            raise FormatError(f"mxfp8: unknown options {sorted(opts)}")
+        return out
+
+    def _write(
+        self, x: torch.Tensor, opts: dict[str, Any], qdata: torch.Tensor, scale: torch.Tensor
+    ) -> None:
+        x2 = rows2d(x)
+        q2 = qdata.view(x2.shape)
+        k = x2.shape[1]
+        s2 = scale.view(x2.shape[0], nblocks(k, BLOCK))
+        bad = torch.zeros((), device=x.device)
+        if k == 0:
+            return
+        for a, b in row_chunks(x2.shape[0], k):
+            m = run_kernel(_mx_kernel, x2[a:b], q2[a:b], s2[a:b], FP8_EMAX[opts["dtype"]])
+            bad = torch.maximum(bad, m)
+        check_finite_amax(bad, self.name)
+
+    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        if amax is not None:
+            raise FormatError("mxfp8: amax= is not supported (scales are per 32-element block)")
+        shape = tuple(x.shape)
+        qdata = torch.empty(shape, dtype=opts["dtype"], device=x.device)
+        sshape = shape[:-1] + (nblocks(last_dim(shape), BLOCK),) if shape else (1,)
+        scale = torch.empty(sshape, dtype=torch.uint8, device=x.device)
+        self._write(x, opts, qdata, scale)
+        return {"qdata": qdata, "scale": scale}
+
+    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        if q.qdata.is_contiguous() and q.scale.is_contiguous():
+            self._write(x, q.opts, q.qdata, q.scale)
+        else:
+            f = self.quantize(x, q.opts, None)
+            q.qdata.copy_(f["qdata"])
+            q.scale.copy_(f["scale"])
+
+    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+        shape = tuple(q.shape)
+        out = torch.empty(shape, dtype=dtype, device=q.qdata.device)
+        q2 = rows2d(q.qdata)
+        k = q2.shape[1]
+        if k == 0 or q2.shape[0] == 0:
+            return out
+        nb = nblocks(k, BLOCK)
+        s2 = q.scale.reshape(q2.shape[0], nb)
+        o2 = out.view(q2.shape)
+        for a, b in row_chunks(q2.shape[0], k):
+            blocks = padded_blocks(q2[a:b], BLOCK)
+            e = s2[a:b].to(torch.int32) - 127
+            v = blocks * torch.ldexp(torch.ones(e.shape, device=e.device), e).unsqueeze(-1)
+            o2[a:b].copy_(v.view(b - a, -1)[:, :k])
+        return out
+
+    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+        lead = view_keep_last(tuple(q.shape), tuple(shape), self.name)
+        nb = q.scale.shape[-1]
+        return {"qdata": q.qdata.reshape(shape), "scale": q.scale.reshape(lead + (nb,))}
+
+
+MXFP8 = register(MxFp8Format())

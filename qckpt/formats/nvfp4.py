@@ -1,0 +1,200 @@
+"""``nvfp4``: NVIDIA FP4: E2M1 elements in blocks of 16, E4M3 block scales, FP32 global scale.
+
+Layout
+------
+``qdata``: uint8, two E2M1 codes per byte, **low nibble first**: element ``2j`` of a row is in
+bits 0-3 of byte ``j``, element ``2j+1`` in bits 4-7. Shape ``(*shape[:-1], ceil(K / 2))``.
+An E2M1 code is ``sign << 3 | magnitude``, magnitudes 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+``scale``: float8_e4m3fn block scales, shape ``(*shape[:-1], ceil(K / 16))``.
+``global_scale``: float32 ``()``: ``amax / (6 * 448)`` of the whole tensor (``amax=`` replaces
+the computed amax; an all-zero tensor gets 1.0). Dequantize:
+``x = e2m1(code) * (global_scale * float(scale_block))``.
+
+Quantize (the NVIDIA two-level recipe, bit-exact with torchao's ``nvfp4_quantize`` given a
+per-tensor scale):
+
+* ``s_b = e4m3(clamp((amax_block / 6) / global_scale, 2**-6, 448))``: round-to-nearest-even.
+  The floor 2**-6 (E4M3's smallest normal) keeps every block scale positive: an all-zero block
+  gets 2**-6 and zero codes; a block far below the tensor's amax (< 2**-6 / 448 of it) is
+  scaled coarser than ideal. E4M3 subnormal block scales are never produced.
+* ``codes = e2m1(clamp(x * ((1 / global_scale) / s_b), -6, 6))``, round-to-nearest-even (ties to
+  the even code), saturating at +-6. The sign is kept for values that round to zero (-0 is code
+  8), as in torchao.
+
+Padding: blocks of 16 run along the last dim; a partial last block is scaled by its valid
+elements (as if zero-padded); for odd K the last byte's high nibble is 0 (+0). Nothing else is
+stored. Views keep the layout only if they keep the last dim; no transpose.
+
+Round trip: not idempotent in general. The global scale is a float ratio: re-deriving it from the
+dequantized tensor gives ``6 * s_b_max * gs`` rounded, so gs can move in its last bits, and block
+scales near an E4M3 rounding boundary then round the other way; codes follow. Through bfloat16
+the dequantized values themselves are rounded too (a code times a non-power-of-two scale).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from qckpt.errors import FormatError
+from qckpt.formats._base import Format, register
+from qckpt.formats._common import (
+    as_amax,
+    check_finite_amax,
+    check_input,
+    float_scale,
+    run_kernel,
+    tensor_amax,
+)
+from qckpt.formats._rowblock import (
+    last_dim,
+    nblocks,
+    padded_blocks,
+    row_chunks,
+    rows2d,
+    view_keep_last,
+)
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_TINY = 2.0**-6
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """float32 in [-6, 6] -> uint8 E2M1 codes (0..15), round to nearest, ties to even code.
+
+    Magnitude code = number of rounding boundaries passed. At the boundaries 0.25, 1.25, 2.5, 5
+    the even code is below (ties go down: strict >); at 0.75, 1.75, 3.5 it is above (>=).
+    """
+    a = y.abs()
+    m = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75).to(torch.uint8)
+        + (a > 1.25).to(torch.uint8)
+        + (a >= 1.75).to(torch.uint8)
+        + (a > 2.5).to(torch.uint8)
+        + (a >= 3.5).to(torch.uint8)
+        + (a > 5.0).to(torch.uint8)
+    )
+    return m | (torch.signbit(y).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (0..15) -> float32 values."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    v = lut[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -v, v)
+
+
+def _nvfp4_kernel(
+    c: torch.Tensor, gs: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor
+) -> torch.Tensor:
+    """(R, K) chunk -> packed codes into out_q (R, ceil(K/2)), E4M3 scales into out_s."""
+    r = c.shape[0]
+    blocks = padded_blocks(c, BLOCK)  # (R, nb, 16) float32
+    amax = blocks.abs().amax(dim=-1)
+    sb = ((amax / E2M1_MAX) / gs).clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+    # the reciprocal form ((1 / gs) / s_b), not x / (gs * s_b): NVIDIA's kernels and torchao
+    # compute it so, and the E2M1 rounding of a value on a boundary depends on it
+    rec = (1.0 / gs) / sb.to(torch.float32)
+    codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)).view(r, -1)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    out_q.copy_(packed[:, : out_q.shape[1]])
+    out_s.copy_(sb)
+    return amax.amax() if amax.numel() else amax.new_zeros(())
+
+
+class NvFp4Format(Format):
+    name = "nvfp4"
+    tensor_fields = ("qdata", "scale", "global_scale")
+
+    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
+        opts = dict(opts)
+        bs = opts.pop("block_size", BLOCK)
+        if bs != BLOCK:
+            raise FormatError(f"nvfp4: block_size is {BLOCK}, got {bs}")
+        opts.pop("granularity", None)
+        if opts:
+            raise FormatError(f"nvfp4: unknown options {sorted(opts)}")
+        return {"block_size": BLOCK}
+
+    def _write(self, x, amax, qdata, scale, gscale) -> None:  # noqa: ANN001
+        if amax is None:
+            a = tensor_amax(x)
+            check_finite_amax(a, self.name)
+            check = False
+        else:
+            a = as_amax(amax, x.device).reshape(())
+            check = True
+        gs = float_scale(a, E2M1_MAX * E4M3_MAX)
+        gscale.copy_(gs)
+        x2 = rows2d(x)
+        k = x2.shape[1]
+        if k == 0:
+            return
+        q2 = qdata.view(x2.shape[0], -(-k // 2))
+        s2 = scale.view(x2.shape[0], nblocks(k, BLOCK))
+        bad = torch.zeros((), device=x.device)
+        for lo, hi in row_chunks(x2.shape[0], k):
+            bad = torch.maximum(bad, run_kernel(_nvfp4_kernel, x2[lo:hi], gs, q2[lo:hi], s2[lo:hi]))
+        if check:
+            check_finite_amax(bad, self.name)
+
+    @staticmethod
+    def _shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        k = last_dim(shape)
+        lead = shape[:-1] if shape else ()
+        return lead + (-(-k // 2),), lead + (nblocks(k, BLOCK),)
+
+    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        qshape, sshape = self._shapes(tuple(x.shape))
+        qdata = torch.empty(qshape, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(sshape, dtype=torch.float8_e4m3fn, device=x.device)
+        gscale = torch.empty((), dtype=torch.float32, device=x.device)
+        self._write(x, amax, qdata, scale, gscale)
+        return {"qdata": qdata, "scale": scale, "global_scale": gscale}
+
+    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+        check_input(x, self.name)
+        if all(t.is_contiguous() for t in (q.qdata, q.scale)):
+            self._write(x, None, q.qdata, q.scale, q.global_scale)
+        else:
+            f = self.quantize(x, q.opts, None)
+            for k, v in f.items():
+                getattr(q, k).copy_(v)
+
+    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+        shape = tuple(q.shape)
+        out = torch.empty(shape, dtype=dtype, device=q.qdata.device)
+        k = last_dim(shape)
+        rows = out.numel() // k if k else 0
+        if rows == 0:
+            return out
+        nb = nblocks(k, BLOCK)
+        q2 = q.qdata.reshape(rows, -(-k // 2))
+        s2 = q.scale.reshape(rows, nb)
+        o2 = out.view(rows, k)
+        gs = q.global_scale.to(torch.float32)
+        for lo, hi in row_chunks(rows, k):
+            p = q2[lo:hi]
+            codes = torch.stack([p & 0xF, p >> 4], dim=-1).view(hi - lo, -1)
+            vals = torch.nn.functional.pad(e2m1_values(codes), (0, nb * BLOCK - codes.shape[1]))
+            s = gs * s2[lo:hi].to(torch.float32)
+            v = vals.view(hi - lo, nb, BLOCK) * s.unsqueeze(-1)
+            o2[lo:hi].copy_(v.view(hi - lo, -1)[:, :k])
+        return out
+
+    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+        lead = view_keep_last(tuple(q.shape), tuple(shape), self.name)
+        return {
+            "qdata": q.qdata.reshape(lead + (q.qdata.shape[-1],)),
+            "scale": q.scale.reshape(lead + (q.scale.shape[-1],)),
+            "global_scale": q.global_scale,
+        }
+
+
+NVFP4 = register(NvFp4Format())

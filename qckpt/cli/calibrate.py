@@ -32,6 +32,7 @@ def calibrate_cmd(
     from qckpt.calib.state_file import save_calibration
     from qckpt.checkpoint.load import load_checkpoint
     from qckpt.models.build import build_model
+    from qckpt.parallel.expert import shard_experts
     from qckpt.report import render_amax_report
 
     with world(r, r.load.device) as mesh:
@@ -42,6 +43,9 @@ def calibrate_cmd(
         load_checkpoint(
             model, r.checkpoint.path, format=r.checkpoint.format, stream=True, mesh=mesh
         )
+        sharded = shard_experts(model, mesh)
+        if sharded:
+            _output.log(f"experts of {len(sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
         batches = calibration_batches(
             r.calibrate.data,
             vocab_size=model.config.vocab_size,

@@ -87,7 +87,9 @@ def _groups(world: int, sizes: tuple[int, int, int], timeout: datetime.timedelta
 
 def init_mesh(*, ep: int = 1, tp: int = 1, timeout_s: float = 600.0, device: str = "auto") -> Mesh:
     """Join the torchrun world (if any) and build the mesh; a world of one needs no groups."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
     if world % ep:
         raise UsageError(f"parallel.ep: must divide the world size {world}")
     if world % (ep * tp):

@@ -1,0 +1,82 @@
+"""The whole job as a user runs it: convert -> torchrun load -> torchrun calibrate -> export ->
+inspect -> transformers loads the export, every step a subprocess of the real CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_qckpt
+
+
+def _torchrun(*args, cwd, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "qckpt", *args],
+        cwd=str(cwd),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-dense"])
+def test_end_to_end(tmp_path, model):
+    recipe = ROOT / "configs" / f"{model}.yaml"
+    run = tmp_path / "run"
+    sets = [
+        "--set", f"checkpoint.path={run}/dcp",
+        "--set", f"calibrate.output={run}/calib.safetensors",
+        "--set", f"export.output={run}/fp8",
+    ]  # fmt: skip
+
+    r = run_qckpt("convert", str(recipe), str(run / "dcp"), *sets, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (run / "dcp" / ".metadata").is_file()
+
+    r = _torchrun("load", str(recipe), *sets, "--json", str(run / "load.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "loaded" in r.stdout and r.stdout.count("loaded") == 1  # rank 0 only
+    load = json.loads((run / "load.json").read_text())
+    assert load["world_size"] == 2
+    run0 = load["runs"][0]
+    assert run0["stream"] is True
+    assert run0["transient_bytes"] <= run0["predicted_transient_bytes"] * 1.05 + 4096
+
+    r = _torchrun("calibrate", str(recipe), *sets, "--json", str(run / "amax.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run / "calib.safetensors").is_file()
+
+    r = run_qckpt("inspect", str(run / "calib.safetensors"), "--json", str(run / "ci.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    info = json.loads((run / "ci.json").read_text())
+    assert info["kind"] == "calibration" and info["calibrated"] > 0
+
+    r = run_qckpt("export", str(recipe), *sets, "--json", str(run / "export.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((run / "fp8" / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+
+    r = run_qckpt("inspect", str(run / "fp8"), "--json", str(run / "ei.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run / "ei.json").read_text())["kind"] == "export"
+
+    # transformers (with compressed-tensors) loads the export; logits stay close to BF16
+    r = subprocess.run(
+        [sys.executable, "-m", "qckpt.verify", str(run / "fp8"), str(run / "dcp"), "--min-cosine", "0.99"],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "OK" in r.stdout
+
+    # and back to HF safetensors from the DCP checkpoint
+    r = run_qckpt("convert", str(run / "dcp"), str(run / "hf"), "--to", "hf", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (run / "hf" / "model.safetensors").is_file() or (run / "hf" / "model.safetensors.index.json").is_file()

@@ -1,0 +1,349 @@
+"""A DCP ``StorageReader`` over a Hugging Face safetensors dir, in the model's state-dict names.
+
+transformers 5 keeps routed experts fused (``experts.gate_up_proj`` [E, 2I, H]) but its
+checkpoints hold them per expert (``experts.{e}.gate_proj.weight`` [I, H], ...). Our Metadata
+presents each fused parameter as ONE ``TensorStorageMetadata`` whose chunks are the per-expert
+tensors (gate at offset [e, 0, 0] size [1, I, H], up at [e, I, 0], down at [e, 0, 0] of
+``down_proj``), so DCP plans a fused destination as many read items and the streaming planner
+quantizes it once, at its last item. Data are read lazily, item by item in plan order, through
+``safe_open`` slices: only the requested rows leave the file.
+
+The mapping comes from ``qckpt.models.naming.hf_tensors`` (the one place that knows the names),
+so what we read is exactly what ``save_pretrained`` / ``dcp_to_hf_dir`` write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from qckpt.errors import CheckpointError
+from qckpt.models import naming
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class HFPiece:
+    """One checkpoint tensor placed inside a state-dict tensor."""
+
+    file: str  # file name inside the dir
+    key: str  # the tensor's name in the file
+    offsets: tuple[int, ...]  # where it sits in the state-dict tensor
+    sizes: tuple[int, ...]  # its extent there (leading 1s for the axes it lacks)
+    lead: int  # how many leading axes of ``sizes`` the stored tensor does not have
+
+
+@dataclass
+class HFEntry:
+    shape: torch.Size
+    dtype: torch.dtype
+    pieces: list[HFPiece]
+
+
+def safetensors_files(path: str | os.PathLike) -> list[str]:
+    """The safetensors files of an HF dir: the index's files, or ``model.safetensors``, or all."""
+    p = Path(path)
+    if (p / INDEX_NAME).is_file():
+        try:
+            index = json.loads((p / INDEX_NAME).read_text())
+            files = sorted(set(index["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{p / INDEX_NAME}: not a safetensors index ({exc})") from None
+        for f in files:
+            if not (p / f).is_file():
+                raise CheckpointError(f"{p / INDEX_NAME}: lists {f}, which does not exist")
+        return files
+    if (p / SINGLE_NAME).is_file():
+        return [SINGLE_NAME]
+    files = sorted(f.name for f in p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{p}: no safetensors files")
+    return files
+
+
+def hf_index(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
+    """Every tensor of the dir: name -> (file, shape, dtype), from the headers only."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
+    for f in safetensors_files(path):
+        try:
+            with safe_open(str(Path(path) / f), framework="pt", device="cpu") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    out[k] = (f, tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), f, k))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(
+                f"{Path(path) / f}: not a readable safetensors file ({exc})"
+            ) from None
+    return out
+
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _st_dtype(s: str, f: str, k: str) -> torch.dtype:
+    try:
+        return _ST_DTYPES[s]
+    except KeyError:
+        raise CheckpointError(f"{f}: tensor {k} has unsupported dtype {s}") from None
+
+
+def model_type_of_dir(path: str | os.PathLike) -> str:
+    cfg = Path(path) / "config.json"
+    if cfg.is_file():
+        try:
+            return str(json.loads(cfg.read_text()).get("model_type", ""))
+        except ValueError:
+            return ""
+    return ""
+
+
+def _fused_pieces(
+    name: str, shape: tuple[int, ...], model_type: str
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(hf name, offsets, sizes) of each per-expert tensor of a fused parameter.
+
+    Derived from ``naming.hf_tensors`` on a meta tensor: each yielded view is ``fused[e, rows]``
+    and its storage offset tells where it sits, so the names and places stay whatever naming
+    says they are.
+    """
+    meta = torch.empty(shape, device="meta")
+    _, rows_total, cols = shape
+    out = []
+    for hf_name, view in naming.hf_tensors(name, meta, model_type):
+        if view.dim() != 2 or view.shape[1] != cols or view.stride() != (cols, 1):
+            raise CheckpointError(f"{name}: unexpected per-expert view {tuple(view.shape)}")
+        off = view.storage_offset()
+        e, rest = divmod(off, rows_total * cols)
+        out.append((hf_name, (e, rest // cols, 0), (1, view.shape[0], cols)))
+    return out
+
+
+_EXPERT_RE = re.compile(r"^(?P<pre>.+)\.(?P<e>\d+)\.(?P<leaf>[A-Za-z0-9_]+)\.weight$")
+
+
+def _guess_fused(
+    index: dict[str, tuple[str, tuple[int, ...], torch.dtype]], model_type: str
+) -> dict[str, tuple[int, ...]]:
+    """Fused state-dict names and shapes implied by per-expert names (no model at hand)."""
+    groups: dict[str, dict[str, tuple[int, ...]]] = {}
+    for k, (_, shape, _) in index.items():
+        m = _EXPERT_RE.match(k)
+        if m and len(shape) == 2:
+            groups.setdefault(m["pre"], {})[k] = shape
+    renames = [r for (r, *_rest) in getattr(naming, "_EXPERT_NAMES", {}).values() if r]
+    out: dict[str, tuple[int, ...]] = {}
+    for pre, members in groups.items():
+        shapes = list(members.values())
+        n = len(members)
+        if n % 3:
+            continue
+        # gate and up share a shape [I, H]; down is [H, I]
+        counts: dict[tuple[int, ...], int] = {}
+        for s in shapes:
+            counts[s] = counts.get(s, 0) + 1
+        gate_like = max(counts, key=lambda s: counts[s])
+        rows, cols = gate_like
+        experts = n // 3
+        candidates = [pre] + [("." + pre).replace(new, old)[1:] for old, new in renames]
+        for sd_pre in dict.fromkeys(candidates):
+            gu = (f"{sd_pre}.gate_up_proj", (experts, 2 * rows, cols))
+            dn = (f"{sd_pre}.down_proj", (experts, cols, rows))
+            if not naming.is_fused_experts_param(gu[0]):
+                continue
+            names = {h for nm, sh in (gu, dn) for h, _, _ in _fused_pieces(nm, sh, model_type)}
+            if names == set(members):
+                out[gu[0]], out[dn[0]] = gu[1], dn[1]
+                break
+    return out
+
+
+def hf_layout(
+    path: str | os.PathLike,
+    *,
+    model_type: str | None = None,
+    expected: dict[str, torch.Size] | None = None,
+) -> dict[str, HFEntry]:
+    """State-dict name -> where its data lie in the dir.
+
+    With ``expected`` (the model's state-dict shapes), fused expert parameters are mapped from
+    the per-expert names naming gives for those shapes; a missing per-expert tensor is a
+    CheckpointError naming it. Without, fused parameters are inferred from complete per-expert
+    groups. Names used by no fused parameter pass through one to one.
+    """
+    index = hf_index(path)
+    if model_type is None:
+        model_type = model_type_of_dir(path)
+    if expected is not None:
+        fused = {
+            n: tuple(s)
+            for n, s in expected.items()
+            if naming.is_fused_experts_param(n) and len(s) == 3 and n not in index
+        }
+    else:
+        fused = _guess_fused(index, model_type)
+    layout: dict[str, HFEntry] = {}
+    used: set[str] = set()
+    for name, shape in fused.items():
+        pieces: list[HFPiece] = []
+        dtypes = set()
+        for hf_name, offs, sizes in _fused_pieces(name, shape, model_type):
+            if hf_name not in index:
+                raise CheckpointError(
+                    f"{name}: missing from the checkpoint ({hf_name} not in {path})"
+                )
+            f, st_shape, dt = index[hf_name]
+            if tuple(st_shape) != tuple(sizes[1:]):
+                raise CheckpointError(
+                    f"{name}: {hf_name} has shape {tuple(st_shape)} in the checkpoint, "
+                    f"{tuple(sizes[1:])} in the model"
+                )
+            dtypes.add(dt)
+            pieces.append(HFPiece(f, hf_name, offs, sizes, 1))
+            used.add(hf_name)
+        if len(dtypes) > 1:
+            raise CheckpointError(
+                f"{name}: its per-expert tensors mix dtypes {sorted(map(str, dtypes))}"
+            )
+        layout[name] = HFEntry(torch.Size(shape), dtypes.pop(), pieces)
+    for k, (f, shape, dt) in index.items():
+        if k in used:
+            continue
+        layout[k] = HFEntry(torch.Size(shape), dt, [HFPiece(f, k, (0,) * len(shape), shape, 0)])
+    return layout
+
+
+class HFSafetensorsReader(StorageReader):
+    """Reads an HF safetensors dir (single file or sharded with an index) through DCP.
+
+    Items are served in plan order (the streaming planner groups a destination's items), one
+    ``safe_open`` slice at a time; ``bytes_read`` counts what left the files.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        model_type: str | None = None,
+        expected: dict[str, torch.Size] | None = None,
+    ) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.model_type = model_type
+        self.expected = expected
+        self.bytes_read = 0
+        self._metadata: Metadata | None = None
+        self.storage_data: dict[MetadataIndex, HFPiece] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None and Path(checkpoint_id) != self.path:
+            self.path = Path(checkpoint_id)
+            self._metadata = None
+        self.bytes_read = 0
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            layout = hf_layout(self.path, model_type=self.model_type, expected=self.expected)
+            sd_md: dict[str, Any] = {}
+            storage: dict[MetadataIndex, HFPiece] = {}
+            for name, entry in layout.items():
+                chunks = [
+                    ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes))
+                    for p in entry.pieces
+                ]
+                sd_md[name] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=entry.dtype), size=entry.shape, chunks=chunks
+                )
+                for p in entry.pieces:
+                    storage[MetadataIndex(name, torch.Size(p.offsets))] = p
+            self._metadata = Metadata(state_dict_metadata=sd_md, storage_data=storage)
+        return self._metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        from safetensors import safe_open
+
+        handles: dict[str, Any] = {}
+        try:
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    raise CheckpointError(f"{req.dest_index.fqn}: safetensors hold no byte entries")
+                piece: HFPiece = self.storage_data[req.storage_index]
+                h = handles.get(piece.file)
+                if h is None:
+                    h = safe_open(str(self.path / piece.file), framework="pt", device="cpu")
+                    handles[piece.file] = h
+                # storage offsets are relative to the chunk; the stored tensor lacks its
+                # leading ``lead`` axes (always offset 0, length 1)
+                offs = req.storage_offsets[piece.lead :]
+                lens = req.lengths[piece.lead :]
+                if len(lens) == 0:
+                    t = h.get_tensor(piece.key)
+                else:
+                    sl = h.get_slice(piece.key)
+                    t = sl[tuple(slice(o, o + n) for o, n in zip(offs, lens, strict=True))]
+                t = t.reshape(tuple(req.lengths))
+                self.bytes_read += t.numel() * t.element_size()
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != t.size():
+                    raise CheckpointError(
+                        f"{req.dest_index.fqn}: read {tuple(t.size())} for a destination "
+                        f"slice of {tuple(target.size())}"
+                    )
+                target.copy_(t)
+                planner.commit_tensor(req, target)
+                del t, target
+        finally:
+            handles.clear()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        p = Path(checkpoint_id)
+        return p.is_dir() and any(p.glob("*.safetensors"))

@@ -1,0 +1,367 @@
+"""``load_checkpoint``: a DCP dir or an HF safetensors dir into a model with quantized params.
+
+Streaming (the default) goes through ``StreamingDequantLoadPlanner``: one high-precision scratch
+at a time, quantized once per destination. ``stream=False`` is the bulk baseline kept for A/B:
+dequantize every quantized destination to a full high-precision state dict, DCP-load it, quantize
+back. Both check first that the checkpoint fits the model (every key present, shapes and dtypes
+loadable) and fail with a one-line ``CheckpointError`` naming the tensor; nothing is reported as
+loaded unless every item was read and every quantized destination was written.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from qckpt.checkpoint.planner import (
+    MemoryMeter,
+    StreamingDequantLoadPlanner,
+    prepended_axes,
+    unwrap_prepended,
+)
+from qckpt.checkpoint.sources import _resolve_format, open_reader
+from qckpt.errors import CheckpointError, QckptError, UsageError
+
+
+def _is_quantized(t: Any) -> bool:
+    from qckpt.formats import is_quantized
+
+    return is_quantized(t)
+
+
+@dataclass
+class LoadReport:
+    """What a load did and what it cost. ``to_dict()`` is the JSON report."""
+
+    path: str
+    format: str  # "dcp" | "safetensors"
+    stream: bool
+    device: str
+    world_size: int
+    rank: int
+    tensors: int  # destinations loaded
+    tensors_per_format: dict[str, int]  # {"none": plain, "fp8": ..., ...}
+    transient_bytes: int  # measured, see measured_by
+    predicted_transient_bytes: int  # max numel * nominal itemsize over quantized destinations
+    peak_bytes: int  # device peak (CUDA allocator) or host RSS peak (CPU)
+    host_peak_rss_bytes: int
+    measured_by: str
+    bytes_read: int
+    seconds: float
+    gbps: float  # bytes_read / seconds / 1e9
+    read_items: int
+    main_params: str | None = None
+    main_params_bytes: int = 0
+    # (seconds since start, transient level in bytes, host RSS bytes) at every read item
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
+    # the FP32 master copies when main_params="fp32" (not part of the JSON report)
+    main_param_tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "main_param_tensors"}
+        d["samples"] = [list(s) for s in self.samples]
+        return d
+
+
+def _destinations(model: nn.Module | dict[str, Any], md: Metadata) -> dict[str, Any]:
+    """The model's state dict as load destinations: the Parameter objects themselves
+    (``keep_vars``), tied names collapsed onto the one the checkpoint holds."""
+    sd = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else dict(model)
+    by_id: dict[int, list[str]] = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            by_id.setdefault(id(v), []).append(k)
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        names = by_id.get(id(v), [k]) if isinstance(v, torch.Tensor) else [k]
+        if len(names) > 1:
+            present = [n for n in names if n in md.state_dict_metadata]
+            keep = present[0] if present else names[0]
+            if k != keep:
+                continue
+        out[k] = v
+    return out
+
+
+def _loadable(src: torch.dtype, dst: torch.dtype) -> bool:
+    if src == dst:
+        return True
+    return src.is_floating_point and dst.is_floating_point
+
+
+def check_fit(state: dict[str, Any], md: Metadata, path: str | os.PathLike) -> None:
+    """Raise a one-line CheckpointError for the first tensor the checkpoint cannot fill."""
+    where = f"checkpoint {path}"
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        m = md.state_dict_metadata.get(name)
+        if m is None:
+            raise CheckpointError(f"{name}: missing from {where}")
+        if not isinstance(m, TensorStorageMetadata):
+            raise CheckpointError(f"{name}: {where} holds a non-tensor value under this name")
+        shape = tuple(t.shape)
+        if tuple(m.size) != shape and prepended_axes(m.size, shape, name) == 0:
+            raise CheckpointError(f"{name}: shape {tuple(m.size)} in {where}, {shape} in the model")
+        if not _loadable(m.properties.dtype, t.dtype):
+            raise CheckpointError(
+                f"{name}: dtype {m.properties.dtype} in {where} cannot load into {t.dtype}"
+            )
+        covered = sum(_numel(c.sizes) for c in m.chunks)
+        if covered != _numel(m.size):
+            raise CheckpointError(
+                f"{name}: {where} holds {covered} of its {_numel(m.size)} elements"
+            )
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _one_line(exc: BaseException) -> str:
+    """A CheckpointException (one failure per rank, with tracebacks) as one line."""
+    failures = getattr(exc, "failures", None) or {}
+    for rank, f in sorted(failures.items()):
+        inner = f[0] if isinstance(f, tuple) else f
+        msg = str(inner).strip().splitlines()
+        text = msg[0] if msg else type(inner).__name__
+        if isinstance(inner, QckptError):
+            return text
+        return f"rank {rank}: {type(inner).__name__}: {text}"
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+class _MeteredDefaultPlanner(DefaultLoadPlanner):
+    """The default planner (bulk baseline) with the same sampling and progress as streaming."""
+
+    def __init__(self, meter: MemoryMeter, progress: Callable[[int], Any] | None) -> None:
+        super().__init__()
+        self.meter = meter
+        self.progress = progress
+        self.items = 0
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self.items += 1
+        self.meter.sample()
+        if self.progress is not None:
+            self.progress(1)
+
+
+def _dcp(state: dict[str, Any], reader: Any, planner: Any, group: Any, no_dist: bool) -> None:
+    try:
+        with warnings.catch_warnings():
+            # dcp.load warns that it runs in one process when asked to; that is the point
+            warnings.simplefilter("ignore")
+            dcp_load(
+                state, storage_reader=reader, planner=planner, process_group=group, no_dist=no_dist
+            )
+    except CheckpointException as exc:
+        raise CheckpointError(_one_line(exc)) from None
+
+
+def load_checkpoint(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    format: str = "auto",
+    stream: bool = True,
+    main_params: str | None = None,
+    mesh: Any = None,
+    progress: Callable[[int], Any] | None = None,
+) -> LoadReport:
+    """Load the checkpoint at ``path`` (DCP dir or HF safetensors dir) into ``model`` in place.
+
+    ``stream=True`` (default) streams quantized destinations one scratch at a time; ``False``
+    is the bulk baseline. ``main_params="fp32"`` also returns FP32 master copies of the quantized
+    params holding the checkpoint's values exactly (``report.main_param_tensors``). ``mesh``
+    (``qckpt.parallel.mesh.Mesh``) makes the load collective over its world; without one, a
+    running process group is used if there is one. ``progress(n)`` is called per tensor.
+    """
+    if main_params in ("none", ""):
+        main_params = None
+    if main_params not in (None, "fp32"):
+        raise UsageError(f"load.main_params: must be none or fp32; got {main_params!r}")
+    fmt = _resolve_format(path, format)
+    reader = open_reader(path, fmt, model=model)
+    md = reader.read_metadata()
+    state = _destinations(model, md)
+    check_fit(state, md, path)
+
+    group = getattr(mesh, "world_group", None)
+    world = int(getattr(mesh, "world_size", 0) or 0)
+    if mesh is None and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    no_dist = world <= 1 or not (dist.is_available() and dist.is_initialized())
+    rank = dist.get_rank() if not no_dist else 0
+
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    per_fmt: dict[str, int] = {}
+    predicted = 0
+    for v in tensors:
+        if _is_quantized(v):
+            per_fmt[v.fmt] = per_fmt.get(v.fmt, 0) + 1
+            predicted = max(predicted, v.numel() * v.dtype.itemsize)
+        else:
+            per_fmt["none"] = per_fmt.get("none", 0) + 1
+
+    meter = MemoryMeter(device)
+    t0 = time.perf_counter()
+    if stream:
+        planner = StreamingDequantLoadPlanner(
+            main_params=main_params == "fp32", meter=meter, progress=progress
+        )
+        try:
+            _dcp(state, reader, planner, group, no_dist)
+            left = planner.pending()
+            if left["destinations"] or left["plain_items"]:
+                raise CheckpointError(f"checkpoint {path}: load incomplete ({left})")
+            items = planner.stats["items"]
+            masters = planner.take_main_params()
+        finally:
+            planner.reset()
+    else:
+        items, masters = _bulk_load(state, md, reader, meter, progress, main_params, group, no_dist)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    meter.close_window()
+    meter.sample()
+    bytes_read = int(getattr(reader, "bytes_read", 0))
+    return LoadReport(
+        path=str(path),
+        format=fmt,
+        stream=stream,
+        device=str(device),
+        world_size=max(world, 1),
+        rank=rank,
+        tensors=len(tensors),
+        tensors_per_format=per_fmt,
+        transient_bytes=int(meter.transient),
+        predicted_transient_bytes=int(predicted),
+        peak_bytes=int(meter.device_peak if meter.cuda else meter.peak_rss),
+        host_peak_rss_bytes=int(meter.peak_rss),
+        measured_by=meter.measured_by,
+        bytes_read=bytes_read,
+        seconds=seconds,
+        gbps=bytes_read / seconds / 1e9 if seconds > 0 else 0.0,
+        read_items=int(items),
+        main_params=main_params,
+        main_params_bytes=sum(t.numel() * t.element_size() for t in masters.values()),
+        samples=meter.samples,
+        main_param_tensors=masters,
+    )
+
+
+def _bulk_load(
+    state: dict[str, Any],
+    md: Metadata,
+    reader: Any,
+    meter: MemoryMeter,
+    progress: Callable[[int], Any] | None,
+    main_params: str | None,
+    group: Any,
+    no_dist: bool,
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """The baseline: every quantized destination dequantized at once (2 * sum(numel) bytes)."""
+    meter.open_window()
+    hp: dict[str, Any] = {}
+    quant: dict[str, tuple[Any, int, int]] = {}
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            hp[name] = t
+            continue
+        ckpt_shape = md.state_dict_metadata[name].size
+        k = prepended_axes(ckpt_shape, t.shape, name)
+        if _is_quantized(t):
+            buf = t.dequantize(torch.float32 if main_params == "fp32" else t.dtype)
+            nbytes = buf.numel() * buf.element_size()
+            if main_params == "fp32":
+                meter.add_output(nbytes)
+            else:
+                meter.add_scratch(nbytes)
+            quant[name] = (t, k, nbytes)
+            hp[name] = buf.view(ckpt_shape) if k else buf
+            meter.sample()
+        else:
+            hp[name] = t.view(ckpt_shape) if k else t
+    planner = _MeteredDefaultPlanner(meter, progress)
+    _dcp(hp, reader, planner, group, no_dist)
+    masters: dict[str, torch.Tensor] = {}
+    for name, (t, k, nbytes) in quant.items():
+        full = unwrap_prepended(hp.pop(name), k, name)
+        if main_params == "fp32":
+            masters[name] = full
+            src = full.to(t.dtype)
+            meter.add_scratch(src.numel() * src.element_size())
+        else:
+            src = full
+        state_snapshot = t.quant_state()
+        t.quantize_(src, update_state=False)
+        t.load_quant_state(state_snapshot)
+        if main_params == "fp32":
+            meter.sub_scratch(src.numel() * src.element_size())
+        else:
+            meter.sub_scratch(nbytes)
+        del src, full
+        meter.sample()
+    meter.close_window()
+    return planner.items, masters
+
+
+def plot_memory(reports: list[LoadReport] | LoadReport, path: str | os.PathLike) -> Path:
+    """Draw transient memory (and host RSS) over each load, side by side, into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reports = [reports] if isinstance(reports, LoadReport) else list(reports)
+    if not reports:
+        raise UsageError("--plot: no load to draw")
+    fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4), squeeze=False)
+    top = max((s[1] for r in reports for s in r.samples), default=0) / 2**20
+    for ax, r in zip(axes[0], reports, strict=True):
+        t = [s[0] for s in r.samples]
+        ax.plot(t, [s[1] / 2**20 for s in r.samples], label="transient (MiB)")
+        if r.samples and any(s[2] for s in r.samples):
+            base = r.samples[0][2]
+            ax.plot(
+                t,
+                [(s[2] - base) / 2**20 for s in r.samples],
+                label="host RSS - start (MiB)",
+                alpha=0.6,
+            )
+        ax.axhline(r.predicted_transient_bytes / 2**20, ls="--", c="gray", label="2·max(numel)")
+        ax.set_title(
+            f"{'stream' if r.stream else 'bulk'}: peak transient "
+            f"{r.transient_bytes / 2**20:.1f} MiB, {r.seconds:.2f} s"
+        )
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("MiB")
+        ax.set_ylim(bottom=0, top=max(top * 1.1, 1.0))
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,410 @@
+"""The streaming-dequant DCP load planner.
+
+DCP's readers call, for every read item, ``planner.resolve_tensor(item)`` (where to copy the
+item's data), copy into it, then ``planner.commit_tensor(item, tensor)``. The default planner
+returns a narrowed view of the destination. A quantized destination (a ``QuantizedTensor``) cannot
+be narrowed and written piece by piece without dequantizing it, and quantizing piece by piece
+recomputes the scale per piece (per-tensor scaling: silently wrong weights). So here:
+
+* each quantized destination gets ONE full-shape high-precision scratch (its nominal dtype, e.g.
+  BF16) the first time one of its items is resolved; every item narrows into it;
+* at its last item (counted from the final plan in ``finish_plan``) the scratch is quantized into
+  the destination once, from the whole value, and dropped;
+* ``finish_plan`` reorders the plan so the items of one destination are adjacent; a reader that
+  follows the plan order (``OrderedFileSystemReader``, ``HFSafetensorsReader``) then holds one
+  scratch at a time: transient = one destination in its nominal dtype, 2 * max(numel) bytes for
+  BF16. DCP's stock ``FileSystemReader`` groups items per file, so a destination whose chunks lie
+  in k files keeps its scratch across the files in between: with it the bound is the sum over
+  destinations spanning a file boundary (2 * sum(numel) in the worst case, a fully sharded save);
+* plain destinations take ``DefaultLoadPlanner``'s path untouched (bit-exact);
+* quantizer state (the amax history of delayed scaling) is left bit-identical: quantize with
+  ``update_state=False`` and restore a ``quant_state()`` snapshot as well;
+* with ``main_params=True`` the full-shape buffer is an FP32 master copy that is kept: it receives
+  the checkpoint values exactly (FP32 holds BF16/FP16/FP32 exactly) and the destination is
+  quantized from its nominal-dtype rounding, the same value a BF16 scratch would hold.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.tensor import DTensor
+
+from qckpt.errors import CheckpointError, FormatError
+
+
+def _is_quantized(t: Any) -> bool:
+    from qckpt.formats import is_quantized
+
+    return is_quantized(t)
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def prepended_axes(ckpt_shape: Any, dest_shape: Any, name: str = "tensor") -> int:
+    """How many leading axes the checkpoint shape has in front of the destination's shape.
+
+    0 when the shapes are equal or do not end alike (the caller reports a mismatch). When the
+    checkpoint shape is ``extra + dest_shape``, EVERY extra axis must be 1 (checked one by one,
+    not axis 0 again and again); otherwise a one-line CheckpointError names the axis.
+    """
+    ckpt, dest = tuple(int(s) for s in ckpt_shape), tuple(int(s) for s in dest_shape)
+    k = len(ckpt) - len(dest)
+    if k <= 0 or ckpt[k:] != dest:
+        return 0
+    for i in range(k):
+        if ckpt[i] != 1:
+            raise CheckpointError(
+                f"{name}: checkpoint shape {ckpt} has a non-singleton prepended axis {i} "
+                f"(size {ckpt[i]}) in front of the model's shape {dest}"
+            )
+    return k
+
+
+def unwrap_prepended(t: torch.Tensor, k: int, name: str = "tensor") -> torch.Tensor:
+    """Drop ``k`` prepended singleton axes with ``view`` (never ``t[0]``, which would dequantize
+    a whole MXFP8 tensor), checking ``size(i) == 1`` for every prepended axis ``i``."""
+    if k == 0:
+        return t
+    if k > t.dim():
+        raise CheckpointError(f"{name}: cannot drop {k} prepended axes from shape {tuple(t.shape)}")
+    for i in range(k):
+        if t.size(i) != 1:
+            raise CheckpointError(
+                f"{name}: prepended axis {i} has size {t.size(i)}, not 1 "
+                f"(shape {tuple(t.shape)}); refusing to drop it"
+            )
+    return t.view(t.shape[k:])
+
+
+def _rss() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # psutil missing or /proc unreadable: report 0, never fail a load
+        return 0
+
+
+class MemoryMeter:
+    """Memory accounting of one load, sampled at every committed item (no sampling thread).
+
+    On CUDA ``transient`` is measured with the caching allocator's peak statistics, per
+    destination window (peak minus what was allocated when the window opened, minus the kept
+    outputs allocated inside it). On CPU it is the planner's own scratch accounting; the host RSS
+    (psutil) is sampled alongside in both cases.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.base_rss = _rss()
+        self.peak_rss = self.base_rss
+        self.base_alloc = torch.cuda.memory_allocated(self.device) if self.cuda else 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.scratch = 0  # live scratch bytes (accounting)
+        self.peak_scratch = 0
+        self.outputs = 0  # bytes of kept outputs (FP32 main params)
+        self.device_transient = 0
+        self.device_peak = self.base_alloc
+        self._win: tuple[int, int] | None = None  # (allocated at open, outputs at open)
+        self.samples: list[tuple[float, int, int]] = []
+        self.sample()
+
+    @property
+    def measured_by(self) -> str:
+        if self.cuda:
+            return "cuda allocator peak stats (torch.cuda.max_memory_allocated) + host RSS (psutil)"
+        return "planner scratch accounting + host RSS (psutil) sampled at every read item"
+
+    def add_scratch(self, n: int) -> None:
+        self.scratch += n
+        self.peak_scratch = max(self.peak_scratch, self.scratch)
+
+    def sub_scratch(self, n: int) -> None:
+        self.scratch -= n
+
+    def add_output(self, n: int) -> None:
+        self.outputs += n
+
+    def open_window(self) -> None:
+        if self.cuda and self._win is None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._win = (torch.cuda.memory_allocated(self.device), self.outputs)
+
+    def close_window(self) -> None:
+        if self.cuda and self._win is not None:
+            at_open, out_open = self._win
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.device_peak = max(self.device_peak, peak)
+            self.device_transient = max(
+                self.device_transient, peak - at_open - (self.outputs - out_open)
+            )
+            self._win = None
+
+    def sample(self) -> None:
+        rss = _rss()
+        self.peak_rss = max(self.peak_rss, rss)
+        if self.cuda:
+            now = torch.cuda.memory_allocated(self.device)
+            self.device_peak = max(self.device_peak, now)
+            level = now - self.base_alloc - self.outputs
+        else:
+            level = self.scratch
+        self.samples.append((time.perf_counter() - self.t0, int(level), rss))
+
+    @property
+    def transient(self) -> int:
+        return self.device_transient if self.cuda else self.peak_scratch
+
+
+@dataclass
+class _Dest:
+    """A quantized destination being filled (lives from its first item to its last)."""
+
+    target: torch.Tensor  # the QuantizedTensor
+    ckpt_shape: torch.Size  # shape the read items address (with prepended axes, if any)
+    prepended: int
+    expected: int = 0
+    done: int = 0
+    buf: torch.Tensor | None = None  # full-shape scratch (nominal dtype) or FP32 master
+    buf_bytes: int = 0
+    covered: int = field(default=0)
+
+
+class StreamingDequantLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that streams quantized destinations through one scratch at a time.
+
+    ``main_params=True`` keeps an FP32 master copy of every quantized destination, filled with
+    the checkpoint's values (take them with ``take_main_params()``). ``meter`` records memory;
+    ``progress(n)`` is called once per finished tensor.
+    """
+
+    def __init__(
+        self,
+        *,
+        main_params: bool = False,
+        meter: MemoryMeter | None = None,
+        progress: Callable[[int], Any] | None = None,
+        allow_partial_load: bool = False,
+    ) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
+        self.keep_main_params = bool(main_params)
+        self.meter = meter
+        self.progress = progress
+        self._dests: dict[str, _Dest] = {}
+        self._main: dict[str, torch.Tensor] = {}
+        self._plain_expected: dict[str, int] = {}
+        self._user_sd: dict[str, Any] = {}
+        self.stats: dict[str, int] = {"items": 0, "quantized": 0, "plain": 0}
+
+    # ---- planning ------------------------------------------------------------------------
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self.reset()
+        self._user_sd = state_dict
+        subst: dict[str, Any] = {}
+        md_all = metadata.state_dict_metadata if metadata is not None else {}
+        for fqn, value in state_dict.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if not isinstance(local, torch.Tensor):
+                continue
+            md = md_all.get(fqn)
+            k = 0
+            if isinstance(md, TensorStorageMetadata):
+                k = prepended_axes(md.size, local.shape, fqn)
+            if _is_quantized(local):
+                if isinstance(value, DTensor):
+                    raise CheckpointError(
+                        f"{fqn}: a DTensor of quantized shards is not a supported destination"
+                    )
+                ckpt_shape = torch.Size(md.size) if k else torch.Size(local.shape)
+                self._dests[fqn] = _Dest(target=local, ckpt_shape=ckpt_shape, prepended=k)
+                if k:
+                    # DCP plans against the checkpoint's shape; a zero-byte placeholder of that
+                    # shape stands in (the data goes to our scratch, never to it)
+                    subst[fqn] = torch.empty((), dtype=local.dtype, device=local.device).expand(
+                        ckpt_shape
+                    )
+            elif k and not isinstance(value, DTensor):
+                # plain tensors stay on the default path, through a view with the extra axes
+                subst[fqn] = local.view(md.size)
+        sd = {**state_dict, **subst} if subst else state_dict
+        super().set_up_planner(sd, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        md_all = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        for fqn, obj in self.state_dict.items():
+            md = md_all.get(fqn)
+            if md is None:
+                if not self.allow_partial_load:
+                    raise CheckpointError(f"{fqn}: missing from the checkpoint")
+                continue
+            size = getattr(obj, "size", None)
+            if isinstance(md, TensorStorageMetadata) and size is not None:
+                if tuple(md.size) != tuple(obj.size()):
+                    raise CheckpointError(
+                        f"{fqn}: shape {tuple(md.size)} in the checkpoint, "
+                        f"{tuple(obj.size())} in the model"
+                    )
+        return super().create_local_plan()
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        """Group each destination's items together and count them (for the last-item quantize)."""
+        groups: dict[str, list[ReadItem]] = {}
+        for item in new_plan.items:
+            groups.setdefault(item.dest_index.fqn, []).append(item)
+        items: list[ReadItem] = []
+        for fqn, its in groups.items():
+            items.extend(its)
+            covered = sum(_numel(i.lengths) for i in its)
+            d = self._dests.get(fqn)
+            if d is not None:
+                d.expected = len(its)
+                need = _numel(d.ckpt_shape)
+                if covered != need:
+                    raise CheckpointError(
+                        f"{fqn}: the checkpoint covers {covered} of its {need} elements"
+                    )
+            else:
+                self._plain_expected[fqn] = len(its)
+        for fqn, d in self._dests.items():
+            if d.expected == 0 and _numel(d.ckpt_shape) > 0 and not self.allow_partial_load:
+                raise CheckpointError(f"{fqn}: no data for it in the checkpoint")
+        new_plan.items[:] = items
+        return new_plan
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        fqn = read_item.dest_index.fqn
+        d = self._dests.get(fqn)
+        if d is None:
+            return super().resolve_tensor(read_item)
+        if d.buf is None:
+            if self.meter is not None:
+                self.meter.open_window()
+            dev = d.target.device
+            if self.keep_main_params:
+                d.buf = torch.empty(d.ckpt_shape, dtype=torch.float32, device=dev)
+                if self.meter is not None:
+                    self.meter.add_output(d.buf.numel() * 4)
+            else:
+                d.buf = torch.empty(d.ckpt_shape, dtype=d.target.dtype, device=dev)
+                d.buf_bytes = d.buf.numel() * d.buf.element_size()
+                if self.meter is not None:
+                    self.meter.add_scratch(d.buf_bytes)
+            if self.meter is not None:
+                self.meter.sample()  # the level while the scratch is live
+        return self.transform_tensor(read_item, d.buf)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self.stats["items"] += 1
+        fqn = read_item.dest_index.fqn
+        d = self._dests.get(fqn)
+        if d is None:
+            super().commit_tensor(read_item, tensor)
+            left = self._plain_expected.get(fqn, 1) - 1
+            self._plain_expected[fqn] = left
+            if left <= 0:
+                self._plain_expected.pop(fqn, None)
+                self.stats["plain"] += 1
+                if self.progress is not None:
+                    self.progress(1)
+            if self.meter is not None:
+                self.meter.sample()
+            return
+        d.done += 1
+        if d.done >= d.expected:
+            self._finish(fqn, d)
+        if self.meter is not None:
+            self.meter.sample()
+
+    def _finish(self, fqn: str, d: _Dest) -> None:
+        assert d.buf is not None
+        full = unwrap_prepended(d.buf, d.prepended, fqn)
+        meter = self.meter
+        if self.keep_main_params:
+            self._main[fqn] = full
+            # the destination is quantized from the nominal-dtype rounding of the exact FP32
+            # value: the same number a BF16 scratch would have held, so stream == bulk
+            src = full.to(d.target.dtype)
+            d.buf_bytes = src.numel() * src.element_size()
+            if meter is not None:
+                meter.add_scratch(d.buf_bytes)
+                meter.sample()
+        else:
+            src = full
+        state = d.target.quant_state()
+        try:
+            d.target.quantize_(src, update_state=False)
+        except FormatError as exc:  # NaN/Inf in the checkpoint: name the tensor
+            raise CheckpointError(f"{fqn}: cannot quantize the checkpoint's value: {exc}") from None
+        # belt and braces for formats whose quantize_ touches state anyway
+        d.target.load_quant_state(state)
+        del src, full
+        d.buf = None
+        if meter is not None:
+            meter.sub_scratch(d.buf_bytes)
+            meter.close_window()
+        del self._dests[fqn]
+        self.stats["quantized"] += 1
+        if self.progress is not None:
+            self.progress(1)
+        if not self._dests and not self._plain_expected:
+            self._release()
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        super().load_bytes(read_item, value)
+        fqn = read_item.dest_index.fqn
+        # we may plan on a copy of the caller's dict (placeholders); write the value through
+        if fqn in self._user_sd and fqn in self.state_dict:
+            self._user_sd[fqn] = self.state_dict[fqn]
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def _release(self) -> None:
+        """Forget every reference the load needed (called after the last item, and on reset)."""
+        self._dests = {}
+        self._plain_expected = {}
+        self._user_sd = {}
+
+    def reset(self) -> None:
+        """Drop scratch and per-item state (after a failed load, or before a new one)."""
+        self._release()
+        self._main = {}
+
+    def pending(self) -> dict[str, int]:
+        """What the planner still holds: destinations, scratch buffers and their bytes."""
+        bufs = [d.buf for d in self._dests.values() if d.buf is not None]
+        return {
+            "destinations": len(self._dests),
+            "plain_items": len(self._plain_expected),
+            "scratch_buffers": len(bufs),
+            "scratch_bytes": sum(b.numel() * b.element_size() for b in bufs),
+        }
+
+    def take_main_params(self) -> dict[str, torch.Tensor]:
+        """The FP32 master copies (``main_params=True``), handed over and forgotten."""
+        out, self._main = self._main, {}
+        return out

@@ -1,0 +1,385 @@
+"""load_checkpoint: streaming vs bulk, every format, main params, errors, the report."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import qckpt.checkpoint.load as load_mod
+from qckpt import formats
+from qckpt.checkpoint.convert import dcp_to_hf_dir, save_model_dcp
+from qckpt.checkpoint.load import LoadReport, load_checkpoint, plot_memory
+from qckpt.errors import CheckpointError
+from qckpt.models.quantize_params import quantize_model_params
+from qckpt.recipe import recipe_from_dict
+
+ALL_FORMATS = ["fp8", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4"]
+
+
+def fmt_param(name: str):
+    return pytest.param(
+        name,
+        marks=pytest.mark.skipif(
+            name not in formats.FORMATS, reason=f"format {name} not built yet"
+        ),
+    )
+
+
+FMTS = [fmt_param(f) for f in ALL_FORMATS]
+
+
+class Toy(nn.Module):
+    """Two linears, a norm and a fused-experts block, with magnitudes that differ by rows and
+    experts, so a per-slice scale would differ from the whole tensor's."""
+
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.l1 = nn.Linear(64, 96, bias=False, dtype=dtype)
+        self.l2 = nn.Linear(96, 64, bias=True, dtype=dtype)
+        self.norm = nn.LayerNorm(64, dtype=dtype)
+        self.moe = nn.Module()
+        self.moe.experts = nn.Module()
+        self.moe.experts.gate_up_proj = nn.Parameter(torch.empty(4, 64, 32, dtype=dtype))
+        self.moe.experts.down_proj = nn.Parameter(torch.empty(4, 32, 32, dtype=dtype))
+        with torch.no_grad():
+            for p in self.parameters():
+                v = torch.randn(p.shape, generator=g)
+                if p.dim() >= 2:
+                    # row (or expert) blocks of very different magnitude
+                    ramp = 4.0 ** torch.arange(p.shape[0], dtype=torch.float32) / 4.0 ** p.shape[0]
+                    if p.dim() == 2:
+                        ramp = 2.0 ** (torch.arange(p.shape[0]) // 16).float()
+                    v = v * ramp.view(-1, *([1] * (p.dim() - 1)))
+                p.copy_(v.to(dtype))
+
+
+def toy_quantized(fmt: str, seed: int = 99) -> Toy:
+    m = Toy(seed=seed)
+    quantize_model_params(m, fmt)
+    return m
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if formats.is_quantized(a) or formats.is_quantized(b):
+        fa, fb = a.fields(), b.fields()
+        return fa.keys() == fb.keys() and all(
+            fa[k].shape == fb[k].shape and torch.equal(bits(fa[k]), bits(fb[k])) for k in fa
+        )
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def assert_same_model(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
+    assert sa.keys() == sb.keys()
+    bad = [k for k in sa if not same_tensor(sa[k], sb[k])]
+    assert not bad, f"differ: {bad}"
+
+
+@pytest.fixture(scope="module")
+def toy_ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("toy") / "dcp"
+    src = Toy(seed=1)
+    save_model_dcp(src, d)
+    return d, src
+
+
+# ---- stream vs bulk, every format --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_stream_and_bulk_give_identical_params(toy_ckpt, fmt):
+    path, src = toy_ckpt
+    a, b = toy_quantized(fmt), toy_quantized(fmt)
+    ra = load_checkpoint(a, path, stream=True)
+    rb = load_checkpoint(b, path, stream=False)
+    assert ra.stream and not rb.stream
+    assert_same_model(a, b)
+    # and the load really wrote the checkpoint's values: each quantized param equals
+    # quantizing the checkpoint tensor directly
+    ref = src.state_dict()
+    for name, p in a.state_dict(keep_vars=True).items():
+        if formats.is_quantized(p):
+            if fmt == "fp8_delayed":
+                want = formats.quantize(torch.zeros_like(ref[name]), fmt)
+                want.load_quant_state(p.quant_state())
+                want.scale.copy_(p.quant_scale)
+                want.quantize_(ref[name], update_state=False)
+            else:
+                want = formats.quantize(ref[name], fmt, **p.opts)
+            assert same_tensor(p, want), name
+        else:
+            assert same_tensor(p.detach(), ref[name]), name
+    # transient: one scratch at a time vs every destination at once
+    q_numels = [p.numel() for p in a.state_dict(keep_vars=True).values() if formats.is_quantized(p)]
+    assert ra.predicted_transient_bytes == 2 * max(q_numels)
+    assert ra.transient_bytes == 2 * max(q_numels)
+    assert rb.transient_bytes == 2 * sum(q_numels)
+    assert ra.tensors_per_format == {"none": 3, fmt: 4}
+
+
+def test_plain_bf16_round_trips_bit_exactly(toy_ckpt):
+    path, src = toy_ckpt
+    m = Toy(seed=5)
+    rep = load_checkpoint(m, path)
+    assert rep.tensors_per_format == {"none": 7}
+    assert rep.transient_bytes == 0 and rep.predicted_transient_bytes == 0
+    assert_same_model(m, src)
+
+
+def test_plain_tensors_untouched_by_streaming_path(toy_ckpt):
+    """Plain destinations keep their storage (the default path copies into them)."""
+    path, src = toy_ckpt
+    m = toy_quantized("fp8")
+    ptrs = {
+        k: v.data_ptr()
+        for k, v in m.state_dict(keep_vars=True).items()
+        if not formats.is_quantized(v)
+    }
+    load_checkpoint(m, path)
+    for k, v in m.state_dict(keep_vars=True).items():
+        if k in ptrs:
+            assert v.data_ptr() == ptrs[k]
+            assert same_tensor(v.detach(), src.state_dict()[k])
+
+
+def test_streaming_is_the_default(toy_ckpt):
+    assert inspect.signature(load_checkpoint).parameters["stream"].default is True
+    assert recipe_from_dict({}).load.stream is True
+    rep = load_checkpoint(toy_quantized("fp8"), toy_ckpt[0])
+    assert rep.stream is True
+    assert rep.transient_bytes == rep.predicted_transient_bytes
+
+
+def test_recipe_flags_reach_the_planner(toy_ckpt, monkeypatch):
+    seen = []
+    real = load_mod.StreamingDequantLoadPlanner
+
+    class Spy(real):
+        def __init__(self, **kw):
+            seen.append(kw)
+            super().__init__(**kw)
+
+    monkeypatch.setattr(load_mod, "StreamingDequantLoadPlanner", Spy)
+    for overrides, want in (
+        (["load.main_params=fp32"], {"stream": True, "main": True}),
+        ([], {"stream": True, "main": False}),
+        (["load.stream=false"], {"stream": False, "main": False}),
+        (["load.stream=false", "load.main_params=fp32"], {"stream": False, "main": True}),
+    ):
+        seen.clear()
+        r = recipe_from_dict({}, overrides)
+        rep = load_checkpoint(
+            toy_quantized("fp8"), toy_ckpt[0], stream=r.load.stream, main_params=r.load.main_params
+        )
+        assert rep.stream is want["stream"]
+        if want["stream"]:
+            assert len(seen) == 1 and seen[0]["main_params"] is want["main"]
+        else:
+            assert seen == []  # the bulk path does not use the streaming planner
+        assert (rep.main_params == "fp32") is want["main"]
+        assert bool(rep.main_param_tensors) is want["main"]
+
+
+# ---- delayed scaling ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_delayed_scaling_state_is_bit_identical(toy_ckpt, stream):
+    m = toy_quantized("fp8_delayed")
+    sentinel = {}
+    for name, p in m.state_dict(keep_vars=True).items():
+        if formats.is_quantized(p):
+            p.amax_history.copy_(torch.linspace(3.0, 7.0, p.amax_history.numel()) * 1.2345678)
+            p.quant_scale.fill_(0.0123456789)
+            sentinel[name] = {k: v.clone() for k, v in p.quant_state().items()}
+    assert sentinel
+    load_checkpoint(m, toy_ckpt[0], stream=stream)
+    for name, p in m.state_dict(keep_vars=True).items():
+        if name in sentinel:
+            for k, v in p.quant_state().items():
+                assert torch.equal(bits(v), bits(sentinel[name][k])), (name, k)
+            # the codes were written with the kept quantizer scale
+            assert torch.equal(p.scale, sentinel[name]["quant_scale"])
+
+
+# ---- FP32 main params --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_main_params_fp32_equal_the_checkpoint_bit_for_bit(tmp_path, stream):
+    src = Toy(seed=3, dtype=torch.float32)  # an FP32 checkpoint: a BF16 scratch would round it
+    save_model_dcp(src, tmp_path / "c")
+    m = toy_quantized("fp8")
+    rep = load_checkpoint(m, tmp_path / "c", stream=stream, main_params="fp32")
+    masters = rep.main_param_tensors
+    qnames = {k for k, v in m.state_dict(keep_vars=True).items() if formats.is_quantized(v)}
+    assert set(masters) == qnames
+    for k in qnames:
+        assert masters[k].dtype == torch.float32
+        assert torch.equal(bits(masters[k]), bits(src.state_dict()[k])), k
+    assert rep.main_params_bytes == sum(4 * masters[k].numel() for k in qnames)
+    # the quantized params are what a load without main params gives
+    ref = toy_quantized("fp8")
+    load_checkpoint(ref, tmp_path / "c", stream=stream)
+    assert_same_model(m, ref)
+    assert "main_param_tensors" not in rep.to_dict()
+
+
+# ---- sources: HF dirs load like DCP ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_hf_dir_loads_like_dcp(tmp_path, sharded):
+    from qckpt.models.build import build_model
+
+    src = build_model("tiny-moe", seed=1)
+    save_model_dcp(src, tmp_path / "dcp")
+    dcp_to_hf_dir(
+        tmp_path / "dcp", tmp_path / "hf", src.config, max_shard_bytes=60_000 if sharded else None
+    )
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() is sharded
+    a = build_model("tiny-moe", seed=7)
+    b = build_model("tiny-moe", seed=7)
+    quantize_model_params(a, "fp8", ignore=["lm_head"])
+    quantize_model_params(b, "fp8", ignore=["lm_head"])
+    ra = load_checkpoint(a, tmp_path / "dcp")
+    rb = load_checkpoint(b, tmp_path / "hf")
+    assert (ra.format, rb.format) == ("dcp", "safetensors")
+    assert_same_model(a, b)
+    # fused experts arrive as one read item per expert and projection, quantized once
+    assert rb.read_items == ra.read_items + 2 * (3 * 8 - 2)
+    assert rb.transient_bytes == rb.predicted_transient_bytes == 2 * 8 * 64 * 64
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def _save_dict(sd, path):
+    save_model_dcp(sd, path)
+    return path
+
+
+def test_missing_key_is_one_line_error_naming_it(tmp_path):
+    sd = Toy(seed=1).state_dict()
+    del sd["moe.experts.down_proj"]
+    _save_dict(sd, tmp_path / "c")
+    for fmt in ("none", "fp8"):
+        m = Toy() if fmt == "none" else toy_quantized(fmt)
+        with pytest.raises(CheckpointError) as ei:
+            load_checkpoint(m, tmp_path / "c")
+        msg = str(ei.value)
+        assert "\n" not in msg and msg.startswith("moe.experts.down_proj: missing"), msg
+
+
+def test_wrong_shape_is_one_line_error_naming_it(tmp_path):
+    sd = Toy(seed=1).state_dict()
+    sd["l1.weight"] = torch.zeros(96, 32, dtype=torch.bfloat16)
+    _save_dict(sd, tmp_path / "c")
+    with pytest.raises(CheckpointError) as ei:
+        load_checkpoint(toy_quantized("fp8"), tmp_path / "c")
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith("l1.weight: shape (96, 32)") and "(96, 64)" in msg
+
+
+def test_wrong_dtype_is_one_line_error_naming_it(tmp_path):
+    sd = Toy(seed=1).state_dict()
+    sd["norm.bias"] = torch.zeros(64, dtype=torch.int32)
+    _save_dict(sd, tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"^norm\.bias: dtype torch\.int32 .* cannot load"):
+        load_checkpoint(toy_quantized("fp8"), tmp_path / "c")
+
+
+def test_missing_expert_in_hf_dir_names_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from qckpt.models.build import build_model
+
+    src = build_model("tiny-moe", seed=1)
+    save_model_dcp(src, tmp_path / "dcp")
+    dcp_to_hf_dir(tmp_path / "dcp", tmp_path / "hf", src.config)
+    f = tmp_path / "hf" / "model.safetensors"
+    t = load_file(str(f))
+    del t["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(t, str(f))
+    m = build_model("tiny-moe")
+    quantize_model_params(m, "fp8")
+    with pytest.raises(CheckpointError) as ei:
+        load_checkpoint(m, tmp_path / "hf")
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert msg.startswith("model.layers.1.mlp.experts.gate_up_proj: missing")
+    assert "experts.5.up_proj.weight" in msg
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_evil_metadata_pickle_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = _Evil()
+    evil.marker = str(marker)
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / ".metadata").write_bytes(pickle.dumps(evil))
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        load_checkpoint(toy_quantized("fp8"), d)
+    assert not marker.exists()
+
+
+def test_nan_in_checkpoint_names_the_tensor(tmp_path):
+    sd = Toy(seed=1).state_dict()
+    sd["l2.weight"][3, 4] = float("nan")
+    _save_dict(sd, tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"^l2\.weight: cannot quantize"):
+        load_checkpoint(toy_quantized("fp8"), tmp_path / "c")
+
+
+# ---- report and plot ---------------------------------------------------------------------------
+
+
+def test_report_fields_and_plot(toy_ckpt, tmp_path):
+    path, _ = toy_ckpt
+    a = load_checkpoint(toy_quantized("fp8"), path, stream=True)
+    b = load_checkpoint(toy_quantized("fp8"), path, stream=False)
+    for r in (a, b):
+        d = r.to_dict()
+        for k in (
+            "transient_bytes",
+            "predicted_transient_bytes",
+            "peak_bytes",
+            "host_peak_rss_bytes",
+            "measured_by",
+            "bytes_read",
+            "seconds",
+            "gbps",
+            "tensors_per_format",
+            "stream",
+            "samples",
+        ):
+            assert k in d
+        assert d["bytes_read"] > 7 * 64 * 2 and d["seconds"] > 0 and d["gbps"] > 0
+        assert "scratch accounting" in d["measured_by"] and "RSS" in d["measured_by"]
+        assert len(d["samples"]) >= d["read_items"]
+        assert d["peak_bytes"] >= d["host_peak_rss_bytes"] > 0
+    # the stream's level returns to zero after each destination; the bulk's peaks at the sum
+    assert max(s[1] for s in a.samples) == a.transient_bytes
+    assert max(s[1] for s in b.samples) == b.transient_bytes
+    assert a.samples[-1][1] == 0 and b.samples[-1][1] == 0
+    out = plot_memory([b, a], tmp_path / "mem.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert isinstance(a, LoadReport)

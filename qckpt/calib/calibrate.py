@@ -185,7 +185,7 @@ def _report(qs, experts, expert_ranks, mesh: Mesh) -> dict[str, Any]:
             row["shared"] += 1
         if hi == 0.0:
             row["zero_amax"].append(q.key)
-    for info, per_expert in zip(experts, expert_ranks):
+    for info, per_expert in zip(experts, expert_ranks, strict=True):
         row = layers.setdefault(_layer_of(info.module_name + "."), {})
         hot = {
             str(e): " ".join(f"r{r}" for r, n in enumerate(counts) if n)

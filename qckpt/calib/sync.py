@@ -249,7 +249,7 @@ def sync_amax(
                 continue
             dev_q = order[sel[0]].device
             vals = scal[torch.tensor(sel, device=dev)].to(device=dev_q, dtype=DTYPES[code])
-            for i, v in zip(sel, vals.unbind(0)):
+            for i, v in zip(sel, vals.unbind(0), strict=True):
                 q = order[i]
                 if q.device != dev_q:
                     v = v.to(q.device)

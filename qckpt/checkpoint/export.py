@@ -1,0 +1,525 @@
+"""``qckpt export``: a checkpoint plus its calibration file -> FP8/NVFP4 safetensors that serve.
+
+The export runs in two passes over the checkpoint's *metadata* and one over its *data*:
+
+1. plan (no tensor data read): list the source tensors in HF checkpoint naming, decide for each
+   one what it becomes (quantized linear -> weight + scales, everything else -> model dtype),
+   check the calibration file against the model (model_type, fingerprint, quant format, every
+   amax present with the right shape), assign the outputs to shards. Every failure here is a
+   one-line :class:`ExportError` and nothing has been written yet.
+2. write: the safetensors headers are written from the plan first (all shapes are known), then
+   each source tensor is read, quantized and appended to its shard, and dropped: one tensor in
+   flight, so host memory stays near the largest tensor however large the model is.
+
+Atomicity: everything goes into ``.{name}.qckpt-export-{pid}-{token}`` beside the target, which
+is renamed to the target at the very end. SIGINT/SIGTERM remove the temp dir; after a SIGKILL it
+stays (under its hidden name) and the next export to that target removes it once its pid is gone.
+
+Test hook: ``QCKPT_EXPORT_PAUSE_AFTER=N:MARKER`` makes the export touch ``MARKER`` after writing
+``N`` source tensors and then wait (so tests can interrupt an export mid-write, deterministically).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import resource
+import secrets
+import shutil
+import signal
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qckpt.calib.state_file import CalibrationState, load_calibration, model_fingerprint
+from qckpt.checkpoint.export_layouts import Layout, OutSpec, make_layout
+from qckpt.checkpoint.export_source import (
+    DTYPE_NAMES,
+    HFEntry,
+    hf_entries,
+    iter_hf_tensors,
+    list_entries,
+)
+from qckpt.errors import CheckpointError, ExportError
+from qckpt.models.naming import expert_slices
+from qckpt.recipe import ExportConfig, QuantConfig
+
+PAUSE_ENV = "QCKPT_EXPORT_PAUSE_AFTER"
+TEMP_TAG = ".qckpt-export-"
+CARRY_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+ProgressFn = Callable[[int, int, str], None]
+
+
+@dataclass
+class ExportReport:
+    output: str
+    layout: str
+    quant_format: str
+    source_format: str
+    source_tensors: int  # stored tensors read (a fused experts parameter counts once)
+    tensors_written: int
+    quantized_linears: int
+    bytes_read: int
+    bytes_written: int  # tensor data, headers excluded
+    shards: int
+    largest_tensor_bytes: int
+    seconds: float
+    gbps: float  # bytes_read / seconds / 1e9
+    peak_rss_bytes: int  # the process's peak RSS (ru_maxrss), so it includes what ran before
+    files: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Group:
+    """The outputs of one source entry (or of the KV scales), written together."""
+
+    entry: HFEntry | None
+    module: str | None  # set when the entry is a quantized linear's weight
+    specs: list[OutSpec]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+# --------------------------------------------------------------------------------------------
+# planning
+
+
+def _config_dict(model_config: Any) -> dict:
+    if isinstance(model_config, dict):
+        return dict(model_config)
+    return json.loads(model_config.to_json_string(use_diff=False))
+
+
+def _transformers_config(model_config: Any, model_type: str) -> Any:
+    if not isinstance(model_config, dict):
+        return model_config
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in model_config.items() if k not in ("model_type", "quantization_config")}
+    return AutoConfig.for_model(model_config.get("model_type", model_type), **d)
+
+
+def _is_router(name: str, module: torch.nn.Module) -> bool:
+    cls = type(module).__name__.lower()
+    return "router" in cls or name.endswith((".mlp.gate", ".block_sparse_moe.gate", ".router"))
+
+
+def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[str]]:
+    """(HF names of every linear, incl. per-expert ones; names of the MoE routers).
+
+    The model is built on the meta device: no memory, and the module types say what is a linear
+    (an embedding or a norm never is), which a guess from tensor shapes could not.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = _transformers_config(model_config, model_type)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    linears: set[str] = set()
+    routers: set[str] = set()
+    for name, mod in model.named_modules():
+        if _is_router(name, mod):
+            routers.add(name)
+            continue
+        if isinstance(mod, torch.nn.Linear):
+            linears.add(name)
+        params = dict(mod.named_parameters(recurse=False))
+        if "gate_up_proj" in params and "down_proj" in params:
+            for sl in expert_slices(
+                name, model_type, params["gate_up_proj"].shape, params["down_proj"].shape
+            ):
+                linears.add(sl.hf_module)
+    return linears, routers
+
+
+def _model_dtype(cfg: dict, entries: list[HFEntry]) -> torch.dtype:
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    for e in entries:
+        if e.dtype.is_floating_point:
+            return e.dtype
+    return torch.bfloat16
+
+
+def _check_calibration(
+    cal: CalibrationState,
+    model_type: str,
+    fingerprint: str,
+    quant: QuantConfig,
+    where: str,
+) -> None:
+    if cal.model_type and cal.model_type != model_type:
+        raise ExportError(
+            f"{where}: calibration of a {cal.model_type} model, the export is of a {model_type} model"
+        )
+    if cal.model_fingerprint and cal.model_fingerprint != fingerprint:
+        raise ExportError(
+            f"{where}: calibration of another model (fingerprint {cal.model_fingerprint}, "
+            f"this checkpoint has {fingerprint})"
+        )
+    for side in ("weights", "inputs"):
+        got = cal.quant.get(side) or {}
+        want = asdict(getattr(quant, side))
+        keys = ["format", "granularity"] + (["dynamic"] if side == "inputs" else [])
+        if want["granularity"] == "block":
+            keys.append("block_size")
+        diff = [k for k in keys if k in got and got[k] != want[k]]
+        if diff:
+            have = ", ".join(f"{k}={got[k]}" for k in diff)
+            asked = ", ".join(f"{k}={want[k]}" for k in diff)
+            raise ExportError(
+                f"{where}: calibrated for quant.{side} {have}; the export asks {asked}"
+            )
+
+
+def _check_amax(
+    cal: CalibrationState, needed: list[tuple[str, tuple[int, ...]]], where: str
+) -> None:
+    missing = [k for k, _ in needed if k not in cal.amax]
+    if missing:
+        raise ExportError(
+            f"{where}: {len(missing)} amax missing from the calibration file (first: {missing[0]}); "
+            "an uncalibrated scale would load as zero and serve NaNs"
+        )
+    for key, shape in needed:
+        got = tuple(cal.amax[key].shape)
+        ok = got == shape or (shape == () and math.prod(got) == 1) or (got == (*shape, 1))
+        if not ok:
+            raise ExportError(
+                f"{where}: {key} has shape {list(got)}, the export needs {list(shape)}"
+            )
+        if not torch.isfinite(cal.amax[key]).all():
+            raise ExportError(f"{where}: {key} is not finite")
+
+
+def _plan_shards(groups: list[_Group], max_bytes: int) -> list[list[_Group]]:
+    shards: list[list[_Group]] = [[]]
+    size = 0
+    for g in groups:
+        # a group (one weight and its scales) never straddles two shards
+        if shards[-1] and size + g.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(g)
+        size += g.nbytes
+    return shards
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+class _ShardWriter:
+    """A safetensors file written front to back: header from the plan, then the data in order."""
+
+    def __init__(self, path: Path, specs: list[OutSpec], metadata: dict[str, str]) -> None:
+        header: dict[str, Any] = {"__metadata__": metadata}
+        off = 0
+        for s in specs:
+            header[s.name] = {
+                "dtype": DTYPE_NAMES[s.dtype],
+                "shape": list(s.shape),
+                "data_offsets": [off, off + s.nbytes],
+            }
+            off += s.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+        self.path = path
+        self.specs = specs
+        self.pos = 0
+        self.f = open(path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)))
+        self.f.write(raw)
+
+    def write(self, name: str, t: torch.Tensor) -> int:
+        spec = self.specs[self.pos]
+        if name != spec.name or t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+            # the plan and the quantizer disagree: a bug, never a user error
+            raise AssertionError(f"export wrote {name} {t.dtype} {tuple(t.shape)}, planned {spec}")
+        self.pos += 1
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        self.f.write(memoryview(data.numpy()))
+        return spec.nbytes
+
+    def close(self) -> None:
+        if self.pos != len(self.specs):
+            raise AssertionError(f"{self.path}: wrote {self.pos} of {len(self.specs)} tensors")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Remove temp dirs of earlier exports to this target whose process is gone (a SIGKILL)."""
+    for d in target.parent.glob(f".{target.name}{TEMP_TAG}*"):
+        pid_text = d.name[len(f".{target.name}{TEMP_TAG}") :].split("-", 1)[0]
+        if d.is_dir() and pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _pause_hook() -> tuple[int, Path] | None:
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return None
+    n, _, marker = spec.partition(":")
+    return int(n), Path(marker)
+
+
+class _Interrupted(BaseException):
+    """SIGTERM during an export: unwinds like KeyboardInterrupt so the temp dir is removed."""
+
+
+def export_checkpoint(
+    *,
+    source: str | os.PathLike,
+    calibration: str | os.PathLike | CalibrationState,
+    output: str | os.PathLike,
+    model_type: str,
+    model_config: Any,
+    quant: QuantConfig,
+    export: ExportConfig,
+    source_dir: str | os.PathLike | None = None,
+    source_format: str = "auto",
+    progress: ProgressFn | None = None,
+) -> ExportReport:
+    """Export ``source`` (DCP or HF safetensors dir) quantized with ``calibration`` into ``output``.
+
+    ``model_config`` is the model's transformers config (or its dict); ``source_dir`` a model dir
+    whose config.json, generation config and tokenizer files are carried over. Raises
+    :class:`ExportError` (one line, before anything is written) for a refused target, a
+    calibration file of another model or format, or a recipe the layout cannot express.
+    """
+    t0 = time.perf_counter()
+    target = Path(output).expanduser().absolute()
+    layout_name = export.format
+    if target.exists() and not export.overwrite:
+        raise ExportError(f"{target}: already exists (set export.overwrite: true to replace it)")
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"{target}: exists and is not a directory; refusing to replace it")
+
+    # -- plan ---------------------------------------------------------------------------------
+    try:
+        src_fmt, stored = list_entries(source, source_format)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
+    entries = hf_entries(stored, model_type)
+    fingerprint = model_fingerprint((e.name, e.shape) for e in entries)
+
+    if isinstance(calibration, CalibrationState):
+        cal, where = calibration, "calibration"
+    else:
+        where = str(calibration)
+        try:
+            cal = load_calibration(calibration)
+        except CheckpointError as exc:
+            raise ExportError(str(exc)) from None
+    cfg_model_type = (
+        model_config.get("model_type")
+        if isinstance(model_config, dict)
+        else getattr(model_config, "model_type", None)
+    )
+    if cfg_model_type and cfg_model_type != model_type:
+        raise ExportError(
+            f"model config is of a {cfg_model_type} model, the export was asked for {model_type}"
+        )
+    _check_calibration(cal, model_type, fingerprint, quant, where)
+
+    cfg = _config_dict(model_config)
+    if source_dir is not None and (Path(source_dir) / "config.json").is_file():
+        cfg = json.loads((Path(source_dir) / "config.json").read_text())
+    model_dtype = _model_dtype(cfg, entries)
+    layout: Layout = make_layout(layout_name, quant, model_dtype)
+
+    linears, routers = _model_linears(model_config, model_type)
+
+    def ignored(module: str) -> bool:
+        return module in routers or any(fnmatch.fnmatchcase(module, p) for p in quant.ignore)
+
+    groups: list[_Group] = []
+    needed: list[tuple[str, tuple[int, ...]]] = []
+    attn_modules: list[str] = []
+    quantized = 0
+    for e in entries:
+        module, _, leaf = e.name.rpartition(".")
+        if leaf == "weight" and module in linears and len(e.shape) == 2 and not ignored(module):
+            groups.append(_Group(e, module, layout.linear_specs(module, e.shape)))
+            needed += layout.needed_amax(module, e.shape)
+            quantized += 1
+            if module.endswith(".k_proj"):
+                attn_modules.append(module.rpartition(".")[0])
+        else:
+            dtype = model_dtype if e.dtype.is_floating_point else e.dtype
+            groups.append(_Group(e, None, [OutSpec(e.name, dtype, e.shape)]))
+    if quantized == 0:
+        raise ExportError(
+            f"{source}: no linear weight left to quantize (check quant.ignore and model_type)"
+        )
+    if quant.kv_cache:
+        kv_specs = [s for a in attn_modules for s in layout.kv_specs(a)]
+        needed += [(f"{a}.{kv}_proj.output_amax", ()) for a in attn_modules for kv in ("k", "v")]
+        groups.append(_Group(None, None, kv_specs))
+    _check_amax(cal, needed, where)
+    ignore_list = sorted(m for m in linears | routers if ignored(m))
+
+    shards = _plan_shards(groups, export.max_shard_bytes)
+    n = len(shards)
+    shard_names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {
+        s.name: shard_names[i] for i, sh in enumerate(shards) for g in sh for s in g.specs
+    }
+    total_size = sum(g.nbytes for g in groups)
+    cfg["quantization_config"] = layout.quantization_config(ignore_list)
+
+    # -- write --------------------------------------------------------------------------------
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(target)
+    tmp = target.parent / f".{target.name}{TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}"
+    old_handler = None
+    if threading.current_thread() is threading.main_thread():
+
+        def _on_term(signum: int, frame: Any) -> None:
+            raise _Interrupted(f"export interrupted by signal {signum}")
+
+        old_handler = signal.signal(signal.SIGTERM, _on_term)
+    pause = _pause_hook()
+    bytes_read = bytes_written = written = 0
+    largest = max(g.entry.source.nbytes for g in groups if g.entry is not None)
+    try:
+        tmp.mkdir()
+        meta = layout.shard_metadata()
+        amax = cal.amax
+        done_sources = 0
+        last_source = None
+        n_source = len(stored)
+        for shard_i, shard in enumerate(shards):
+            writer = _ShardWriter(
+                tmp / shard_names[shard_i], [s for g in shard for s in g.specs], meta
+            )
+            entries_here = [g.entry for g in shard if g.entry is not None]
+            by_name = {g.entry.name: g for g in shard if g.entry is not None}
+            for he, t in iter_hf_tensors(source, src_fmt, entries_here, model_type):
+                g = by_name[he.name]
+                if g.module is not None:
+                    outs = layout.quantize_linear(g.module, t, amax)
+                else:
+                    outs = iter([(he.name, t.to(g.specs[0].dtype))])
+                for name, q in outs:
+                    bytes_written += writer.write(name, q)
+                    written += 1
+                    del q
+                del t
+                if he.source is not last_source:
+                    last_source = he.source
+                    done_sources += 1
+                    bytes_read += he.source.nbytes
+                    if progress is not None:
+                        progress(done_sources, n_source, he.source.name)
+                    if pause is not None and done_sources == pause[0]:
+                        pause[1].touch()
+                        while True:  # wait for the test to interrupt us
+                            time.sleep(0.05)
+            for g in shard:
+                if g.entry is None:  # the KV scales: from the calibration file only
+                    for a in attn_modules:
+                        for name, q in layout.kv_tensors(a, amax):
+                            bytes_written += writer.write(name, q)
+                            written += 1
+            writer.close()
+        _write_json(
+            tmp / "model.safetensors.index.json",
+            {"metadata": {"total_size": total_size}, "weight_map": weight_map},
+        )
+        _write_json(tmp / "config.json", cfg)
+        for fname, obj in layout.extra_files(ignore_list).items():
+            _write_json(tmp / fname, obj)
+        if source_dir is not None:
+            for fname in CARRY_FILES:
+                f = Path(source_dir) / fname
+                if f.is_file():
+                    shutil.copy2(f, tmp / fname)
+        _fsync_dir(tmp)
+        # the swap: the target name only ever points at a complete export
+        if target.exists():
+            old = target.parent / f".{target.name}.qckpt-old-{os.getpid()}-{secrets.token_hex(4)}"
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
+
+    seconds = time.perf_counter() - t0
+    return ExportReport(
+        output=str(target),
+        layout=layout_name,
+        quant_format=layout.shard_metadata()["quant_format"],
+        source_format=src_fmt,
+        source_tensors=len(stored),
+        tensors_written=written,
+        quantized_linears=quantized,
+        bytes_read=bytes_read,
+        bytes_written=bytes_written,
+        shards=n,
+        largest_tensor_bytes=largest,
+        seconds=seconds,
+        gbps=bytes_read / seconds / 1e9 if seconds > 0 else 0.0,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        files=sorted(p.name for p in target.iterdir()),
+    )

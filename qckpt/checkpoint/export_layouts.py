@@ -1,0 +1,420 @@
+"""The two export layouts: what each quantized linear becomes, and the config that describes it.
+
+compressed-tensors (``format: float-quantized``), FP8 only:
+
+* weights ``tensor`` -> ``weight_scale`` ``(1,)``; ``channel`` -> ``(out, 1)``; ``block`` ->
+  ``(ceil(out/b0), ceil(in/b1))`` (the last block of a dim that b does not divide is padded, as
+  compressed-tensors pads it: its scale covers the rows/columns that exist).
+* inputs: static ``tensor`` -> ``input_scale`` ``(1,)``; the recipe's ``dynamic: true`` with
+  ``granularity: tensor`` is written as per-token dynamic (``strategy: token``, what vLLM runs for
+  FP8 dynamic), with ``granularity: block`` as per-group dynamic (``strategy: group``,
+  ``group_size`` = the last block dim). No scale is stored for dynamic inputs.
+* scales are stored in the model dtype, because that is the dtype the clients' scale parameters
+  have (compressed-tensors creates them in the weight's dtype). The weight is quantized with the
+  *rounded* scale, so dequantizing with what is stored gives back what we meant.
+
+ModelOpt (``hf_quant_config.json`` + ``quant_method: modelopt``):
+
+* ``FP8``: per-tensor weights and static per-tensor inputs; ``weight_scale`` and ``input_scale``
+  are float32 scalars ``amax / 448``.
+* ``NVFP4``: ``weight`` uint8 ``[out, in/2]`` (two E2M1 codes a byte, the even column in the low
+  nibble), ``weight_scale`` float8_e4m3fn ``[out, in/16]``, ``weight_scale_2`` float32 scalar
+  ``amax / (6 * 448)``, ``input_scale`` float32 scalar ``input_amax / (6 * 448)``.
+
+KV-cache scales (``quant.kv_cache: true``): ``k_scale`` / ``v_scale`` = amax / 448 from the
+calibration file's ``{attn}.k_proj.output_amax`` and ``{attn}.v_proj.output_amax``. compressed-
+tensors names them ``{attn}.k_scale`` (shape ``(1,)``), ModelOpt ``{attn}.k_proj.k_scale`` (scalar).
+When the calibration file lacks them the export fails before writing anything rather than
+writing a default scale of 1.0 the user did not ask for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+import qckpt
+from qckpt.errors import ExportError
+from qckpt.recipe import QuantConfig
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+NVFP4_GROUP = 16
+FP8 = torch.float8_e4m3fn
+# rows are quantized in chunks of about this many elements, so the float32 temporaries of the
+# quantize math stay small next to the tensor itself (peak memory ~ the largest tensor)
+CHUNK_ELEMS = 1 << 22
+# a zero amax (an all-zero weight, an input never seen non-zero) would give a zero scale, and
+# clients divide by the scale: keep it positive, the quantized values are zero either way
+MIN_AMAX = 1e-12
+
+
+@dataclass(frozen=True)
+class OutSpec:
+    """One tensor the export writes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _pair(block: list[int]) -> tuple[int, int]:
+    return (block[0], block[0]) if len(block) == 1 else (block[0], block[1])
+
+
+class Layout:
+    """The export layout of one recipe; every shape is known before any tensor is read."""
+
+    name: str = ""
+
+    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
+        self.quant = quant
+        self.model_dtype = model_dtype
+
+    # -- planning -----------------------------------------------------------------------------
+    def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
+        raise NotImplementedError
+
+    def needed_amax(self, module: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """Calibration keys a linear needs, with the amax shape each must have."""
+        w = self.quant.weights
+        out: list[tuple[str, tuple[int, ...]]] = []
+        if w.format == "nvfp4" or w.granularity == "tensor":
+            out.append((f"{module}.weight_amax", ()))
+        elif w.granularity == "channel":
+            out.append((f"{module}.weight_amax", (shape[0],)))
+        else:
+            b0, b1 = _pair(w.block_size)
+            out.append(
+                (f"{module}.weight_amax", (math.ceil(shape[0] / b0), math.ceil(shape[1] / b1)))
+            )
+        if not self.quant.inputs.dynamic:
+            out.append((f"{module}.input_amax", ()))
+        return out
+
+    def kv_specs(self, attn: str) -> list[OutSpec]:
+        raise NotImplementedError
+
+    # -- writing ------------------------------------------------------------------------------
+    def quantize_linear(
+        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def kv_tensors(
+        self, attn: str, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def quantization_config(self, ignored: list[str]) -> dict:
+        raise NotImplementedError
+
+    def extra_files(self, ignored: list[str]) -> dict[str, dict]:
+        return {}
+
+    def shard_metadata(self) -> dict[str, str]:
+        raise NotImplementedError
+
+
+def _amax_scalar(a: torch.Tensor) -> torch.Tensor:
+    return a.detach().to(torch.float32).reshape(()).clamp_min(MIN_AMAX)
+
+
+def _row_chunks(rows: int, cols: int, align: int = 1) -> Iterator[tuple[int, int]]:
+    step = max(align, (CHUNK_ELEMS // max(cols, 1)) // align * align)
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
+
+def fp8_quantize(
+    w: torch.Tensor, scale: torch.Tensor, granularity: str, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """``w / scale`` saturated to E4M3, chunk by chunk (scale: float32, tensor/channel/block)."""
+    rows, cols = w.shape
+    out = torch.empty((rows, cols), dtype=FP8)
+    b0, b1 = block
+    for r0, r1 in _row_chunks(rows, cols, b0 if granularity == "block" else 1):
+        x = w[r0:r1].to(torch.float32)
+        if granularity == "tensor":
+            x.div_(scale.reshape(()))
+        elif granularity == "channel":
+            x.div_(scale.reshape(-1, 1)[r0:r1])
+        else:
+            s = scale[r0 // b0 : math.ceil(r1 / b0)]
+            s = s.repeat_interleave(b0, 0)[: r1 - r0].repeat_interleave(b1, 1)[:, :cols]
+            x.div_(s)
+        out[r0:r1] = x.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return out
+
+
+# E2M1 magnitudes and the midpoints between them: a value rounds to the nearest magnitude
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+
+
+def nvfp4_quantize(
+    w: torch.Tensor, global_amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [out, in/2], E4M3 block scales [out, in/16], float32 scale_2)."""
+    rows, cols = w.shape
+    if cols % NVFP4_GROUP:
+        raise ExportError(f"NVFP4 needs the input dim divisible by {NVFP4_GROUP}, got {cols}")
+    scale_2 = _amax_scalar(global_amax) / (FP4_MAX * FP8_MAX)
+    packed = torch.empty((rows, cols // 2), dtype=torch.uint8)
+    scales = torch.empty((rows, cols // NVFP4_GROUP), dtype=FP8)
+    for r0, r1 in _row_chunks(rows, cols):
+        x = w[r0:r1].to(torch.float32).reshape(r1 - r0, cols // NVFP4_GROUP, NVFP4_GROUP)
+        block_amax = x.abs().amax(-1)
+        s = (block_amax / FP4_MAX / scale_2).clamp_(max=FP8_MAX).to(FP8)
+        scales[r0:r1] = s
+        # the decoder multiplies by the stored (rounded) E4M3 scale: divide by the same value
+        denom = (s.to(torch.float32) * scale_2).unsqueeze(-1)
+        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+        x.div_(denom)
+        mag = torch.bucketize(x.abs().clamp_(max=FP4_MAX), _E2M1_MIDPOINTS).to(torch.uint8)
+        codes = mag | (x < 0).to(torch.uint8) << 3
+        codes = codes.reshape(r1 - r0, cols // 2, 2)
+        packed[r0:r1] = codes[..., 0] | (codes[..., 1] << 4)
+    return packed, scales, scale_2
+
+
+class CompressedTensorsLayout(Layout):
+    name = "compressed-tensors"
+
+    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
+        super().__init__(quant, model_dtype)
+        w, i = quant.weights, quant.inputs
+        if w.format != "fp8" or i.format != "fp8":
+            raise ExportError(
+                "export.format compressed-tensors writes FP8 (float-quantized) only; "
+                f"got weights {w.format}, inputs {i.format} (use export.format modelopt for nvfp4)"
+            )
+        if i.granularity == "block" and not i.dynamic:
+            raise ExportError(
+                "quant.inputs: block (per-group) input scales must be dynamic in compressed-tensors"
+            )
+
+    def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        w = self.quant.weights
+        if w.granularity == "tensor":
+            return (1,)
+        if w.granularity == "channel":
+            return (shape[0], 1)
+        b0, b1 = _pair(w.block_size)
+        return (math.ceil(shape[0] / b0), math.ceil(shape[1] / b1))
+
+    def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
+        i = self.quant.inputs
+        if i.dynamic and i.granularity == "block" and shape[1] % i.block_size[-1]:
+            # the clients quantize inputs per group along the input dim and need it to divide
+            raise ExportError(
+                f"{module}: quant.inputs.block_size {i.block_size[-1]} does not divide its input "
+                f"dim {shape[1]}; per-group input quantization cannot run on it"
+            )
+        specs = [
+            OutSpec(f"{module}.weight", FP8, shape),
+            OutSpec(f"{module}.weight_scale", self.model_dtype, self._scale_shape(shape)),
+        ]
+        if not self.quant.inputs.dynamic:
+            specs.append(OutSpec(f"{module}.input_scale", self.model_dtype, (1,)))
+        return specs
+
+    def quantize_linear(
+        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        g = self.quant.weights.granularity
+        wa = amax[f"{module}.weight_amax"].detach().to(torch.float32).clamp_min(MIN_AMAX)
+        scale = (wa / FP8_MAX).reshape(self._scale_shape(tuple(w.shape))).to(self.model_dtype)
+        block = _pair(self.quant.weights.block_size)
+        yield f"{module}.weight", fp8_quantize(w, scale.to(torch.float32), g, block)
+        yield f"{module}.weight_scale", scale
+        if not self.quant.inputs.dynamic:
+            ia = _amax_scalar(amax[f"{module}.input_amax"])
+            yield f"{module}.input_scale", (ia / FP8_MAX).reshape(1).to(self.model_dtype)
+
+    def kv_specs(self, attn: str) -> list[OutSpec]:
+        return [OutSpec(f"{attn}.{kv}_scale", self.model_dtype, (1,)) for kv in ("k", "v")]
+
+    def kv_tensors(
+        self, attn: str, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for kv in ("k", "v"):
+            a = _amax_scalar(amax[f"{attn}.{kv}_proj.output_amax"])
+            yield f"{attn}.{kv}_scale", (a / FP8_MAX).reshape(1).to(self.model_dtype)
+
+    def _args(self) -> tuple[dict, dict]:
+        base = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "group_size": None,
+            "block_structure": None,
+        }
+        w = self.quant.weights
+        weights = {**base, "strategy": w.granularity, "dynamic": False}
+        if w.granularity == "block":
+            weights["block_structure"] = list(_pair(w.block_size))
+        i = self.quant.inputs
+        if not i.dynamic:
+            inputs = {**base, "strategy": "tensor", "dynamic": False}
+        elif i.granularity == "tensor":
+            inputs = {**base, "strategy": "token", "dynamic": True}
+        else:
+            inputs = {**base, "strategy": "group", "dynamic": True, "group_size": i.block_size[-1]}
+        return weights, inputs
+
+    def quantization_config(self, ignored: list[str]) -> dict:
+        weights, inputs = self._args()
+        kv = None
+        if self.quant.kv_cache:
+            kv = {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "tensor",
+                "dynamic": False,
+            }
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": inputs,
+                    "output_activations": None,
+                    "format": "float-quantized",
+                }
+            },
+            "ignore": ignored,
+            "kv_cache_scheme": kv,
+            "global_compression_ratio": None,
+        }
+
+    def shard_metadata(self) -> dict[str, str]:
+        return {
+            "format": "pt",
+            "qckpt_layout": "compressed-tensors",
+            "quant_format": "float-quantized",
+        }
+
+
+class ModelOptLayout(Layout):
+    name = "modelopt"
+
+    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
+        super().__init__(quant, model_dtype)
+        w, i = quant.weights, quant.inputs
+        if (
+            w.format == "fp8"
+            and i.format == "fp8"
+            and w.granularity == "tensor"
+            and i.granularity == "tensor"
+            and not i.dynamic
+        ):
+            self.algo = "FP8"
+        elif w.format == "nvfp4" and i.format == "nvfp4" and not i.dynamic:
+            self.algo = "NVFP4"
+        else:
+            raise ExportError(
+                "export.format modelopt writes FP8 (per-tensor weights, static per-tensor inputs) or "
+                f"NVFP4 (weights and static inputs nvfp4); got weights {w.format}/{w.granularity}, "
+                f"inputs {i.format}/{i.granularity}{' dynamic' if i.dynamic else ''}"
+            )
+
+    def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
+        f32 = torch.float32
+        if self.algo == "FP8":
+            return [
+                OutSpec(f"{module}.weight", FP8, shape),
+                OutSpec(f"{module}.weight_scale", f32, ()),
+                OutSpec(f"{module}.input_scale", f32, ()),
+            ]
+        if shape[1] % NVFP4_GROUP:
+            raise ExportError(
+                f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}, got {shape[1]}"
+            )
+        return [
+            OutSpec(f"{module}.weight", torch.uint8, (shape[0], shape[1] // 2)),
+            OutSpec(f"{module}.weight_scale", FP8, (shape[0], shape[1] // NVFP4_GROUP)),
+            OutSpec(f"{module}.weight_scale_2", f32, ()),
+            OutSpec(f"{module}.input_scale", f32, ()),
+        ]
+
+    def quantize_linear(
+        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        wa = _amax_scalar(amax[f"{module}.weight_amax"])
+        ia = _amax_scalar(amax[f"{module}.input_amax"])
+        if self.algo == "FP8":
+            scale = wa / FP8_MAX
+            yield f"{module}.weight", fp8_quantize(w, scale, "tensor")
+            yield f"{module}.weight_scale", scale
+            yield f"{module}.input_scale", ia / FP8_MAX
+            return
+        packed, scales, scale_2 = nvfp4_quantize(w, wa)
+        yield f"{module}.weight", packed
+        yield f"{module}.weight_scale", scales
+        yield f"{module}.weight_scale_2", scale_2
+        yield f"{module}.input_scale", ia / (FP4_MAX * FP8_MAX)
+
+    def kv_specs(self, attn: str) -> list[OutSpec]:
+        return [OutSpec(f"{attn}.{kv}_proj.{kv}_scale", torch.float32, ()) for kv in ("k", "v")]
+
+    def kv_tensors(
+        self, attn: str, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for kv in ("k", "v"):
+            yield (
+                f"{attn}.{kv}_proj.{kv}_scale",
+                _amax_scalar(amax[f"{attn}.{kv}_proj.output_amax"]) / FP8_MAX,
+            )
+
+    def _quantization(self, ignored: list[str]) -> dict:
+        q: dict = {
+            "quant_algo": self.algo,
+            "kv_cache_quant_algo": "FP8" if self.quant.kv_cache else None,
+            "exclude_modules": ignored,
+        }
+        if self.algo == "NVFP4":
+            q["group_size"] = NVFP4_GROUP
+        return q
+
+    def _producer(self) -> dict:
+        return {"name": "qckpt", "version": qckpt.__version__}
+
+    def quantization_config(self, ignored: list[str]) -> dict:
+        return {
+            "quant_method": "modelopt",
+            "producer": self._producer(),
+            **self._quantization(ignored),
+        }
+
+    def extra_files(self, ignored: list[str]) -> dict[str, dict]:
+        return {
+            "hf_quant_config.json": {
+                "producer": self._producer(),
+                "quantization": self._quantization(ignored),
+            }
+        }
+
+    def shard_metadata(self) -> dict[str, str]:
+        return {"format": "pt", "qckpt_layout": "modelopt", "quant_format": self.algo}
+
+
+def make_layout(export_format: str, quant: QuantConfig, model_dtype: torch.dtype) -> Layout:
+    if export_format == "compressed-tensors":
+        return CompressedTensorsLayout(quant, model_dtype)
+    if export_format == "modelopt":
+        return ModelOptLayout(quant, model_dtype)
+    raise ExportError(
+        f"export.format: unknown layout {export_format!r} (compressed-tensors | modelopt)"
+    )

@@ -333,6 +333,7 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
                     self.progress(1)
             if self.meter is not None:
                 self.meter.sample()
+            self._maybe_release()
             return
         d.done += 1
         if d.done >= d.expected:
@@ -371,6 +372,10 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         self.stats["quantized"] += 1
         if self.progress is not None:
             self.progress(1)
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        # the last item of the plan: nothing the load needed may outlive it
         if not self._dests and not self._plain_expected:
             self._release()
 

@@ -92,14 +92,14 @@ def render_amax_report(data: dict[str, Any], console: Console = err) -> None:
         layers.items() if isinstance(layers, dict) else ((row.get("layer"), row) for row in layers)
     )
     t = Table(title="amax report", title_justify="left")
-    cols = ["layer", "calibrated", "experts with tokens", "amax min", "amax max", "shared", "zero"]
-    for c in cols:
+    t.add_column("layer", no_wrap=True)
+    for c in ["calibrated", "experts with tokens", "amax min", "amax max", "shared", "zero"]:
         t.add_column(c)
     for name, row in items:
         t.add_row(
             str(name),
             f"{row.get('calibrated', '-')}/{row.get('total', '-')}",
-            _fmt("experts", row.get("experts_with_tokens", "-")),
+            _experts_cell(row),
             _fmt("min", row.get("amax_min")),
             _fmt("max", row.get("amax_max")),
             _fmt("shared", row.get("shared", 0)),
@@ -109,6 +109,21 @@ def render_amax_report(data: dict[str, Any], console: Console = err) -> None:
     rest = {k: v for k, v in data.items() if k != "layers"}
     if rest:
         render_mapping("calibration", rest, console)
+
+
+def _experts_cell(row: dict[str, Any]) -> str:
+    """'8/8' experts that got tokens, then per rank how many got tokens there ('r0:8 r1:6')."""
+    counts = row.get("expert_tokens")
+    if not counts:
+        return "-"
+    hot = sum(1 for c in counts.values() if any(c))
+    per_rank = [
+        sum(1 for c in counts.values() if c[r]) for r in range(len(next(iter(counts.values()))))
+    ]
+    ranks = " ".join(f"r{r}:{n}" for r, n in enumerate(per_rank)) if len(per_rank) > 1 else ""
+    cold = row.get("cold_experts") or []
+    tail = f" cold: {', '.join(map(str, cold))}" if cold else ""
+    return f"{hot}/{len(counts)} {ranks}{tail}".strip()
 
 
 def render_export_report(data: dict[str, Any], console: Console = err) -> None:

@@ -24,7 +24,20 @@ def start(
     _output.set_verbose(verbose)
     recipe = load_recipe(recipe_path, overrides or [])
     recipe.parallel.check_world(_world_size())
+    quiet_torch_logs()
     return recipe
+
+
+def quiet_torch_logs() -> None:
+    """torch configures its loggers when imported, so their levels can only be set after it."""
+    if os.environ.get("QCKPT_DEBUG"):
+        return
+    import logging
+
+    import torch  # noqa: F401
+
+    for name in ("torch.utils._pytree", "torch.distributed", "torch.distributed.checkpoint"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 @contextmanager

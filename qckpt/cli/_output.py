@@ -68,9 +68,13 @@ def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
 
 @contextmanager
 def progress(description: str, total: int | None) -> Iterator[Any]:
-    """A progress bar on stderr (rank 0 only); yields ``advance(n=1)``."""
+    """A progress bar on stderr (rank 0 only).
+
+    Yields a callback that takes either ``(n=1)`` (advance by n) or ``(done, total, what)``
+    (absolute position, for steps that know their total only once they start).
+    """
     if rank() != 0:
-        yield lambda n=1: None
+        yield lambda *a: None
         return
     bar = Progress(
         TextColumn("[bold]{task.description}"),
@@ -82,4 +86,11 @@ def progress(description: str, total: int | None) -> Iterator[Any]:
     )
     with bar:
         task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+
+        def update(*args: Any) -> None:
+            if len(args) >= 2:
+                bar.update(task, completed=args[0], total=args[1])
+            else:
+                bar.advance(task, args[0] if args else 1)
+
+        yield update

@@ -29,7 +29,7 @@ def calibrate_cmd(
     r = start(recipe, set_, nproc_per_node, verbose)
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.data import calibration_batches
-    from qckpt.calib.state_file import save_calibration
+    from qckpt.calib.state_file import fingerprint_model, save_calibration
     from qckpt.checkpoint.load import load_checkpoint
     from qckpt.models.build import build_model
     from qckpt.parallel.expert import shard_experts
@@ -43,6 +43,7 @@ def calibrate_cmd(
         load_checkpoint(
             model, r.checkpoint.path, format=r.checkpoint.format, stream=True, mesh=mesh
         )
+        fingerprint = fingerprint_model(model)  # of the whole model, before EP drops experts
         sharded = shard_experts(model, mesh)
         if sharded:
             _output.log(f"experts of {len(sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
@@ -62,6 +63,7 @@ def calibrate_cmd(
                 share_expert_inputs=r.calibrate.share_expert_inputs,
                 progress=advance,
             )
+        state.model_fingerprint = fingerprint
         out = r.calibrate.output
         if mesh.is_main:
             save_calibration(state, out)

@@ -18,7 +18,7 @@ from qckpt.formats import fp8_block as _fp8_block  # noqa: F401
 from qckpt.formats import mxfp8 as _mxfp8  # noqa: F401
 from qckpt.formats import nvfp4 as _nvfp4  # noqa: F401
 from qckpt.formats._base import FORMATS, Format
-from qckpt.formats._common import UnsupportedOpError
+from qckpt.formats._common import UnsupportedOpError, set_compile
 from qckpt.formats.tensor import QuantizedTensor, implements, is_quantized
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "implements",
     "is_quantized",
     "quantize",
+    "set_compile",
 ]
 
 

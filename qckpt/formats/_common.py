@@ -129,8 +129,12 @@ def pow2_exponent(amax: torch.Tensor, emax: int, emin: int = -127) -> torch.Tens
 
 
 def exp2_int(e: torch.Tensor) -> torch.Tensor:
-    """2**e as float32, exactly, for integer e in [-127, 127] (2**-127 is a float32 subnormal)."""
-    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32))
+    """2**e as float32, exactly, for integer e in [-126, 127] (clamped to it).
+
+    Built from the exponent bits rather than ``ldexp``/``exp2``: compiled GPU code may evaluate
+    those with an approximate ``ex2`` instruction that also flushes subnormals."""
+    e = e.to(torch.int32).clamp(-126, 127)
+    return ((e + 127) << 23).view(torch.float32)
 
 
 def float_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -165,6 +169,23 @@ def set_compile(mode: str | bool) -> None:
         raise ValueError(f"compile mode must be auto, 1 or 0, got {mode!r}")
 
 
+def _compile_options() -> dict[str, Any]:
+    """Inductor options that keep compiled kernels bit-exact with eager torch: Triton's ``/``
+    is an approximate division by default (codes at FP8 rounding ties would differ) and
+    subnormal inputs may be flushed to zero. The option names moved between torch versions."""
+    from torch._inductor import config as ic
+
+    opts: dict[str, Any] = {}
+    en = getattr(ic, "eager_numerics", None)
+    if en is not None and hasattr(en, "division_rounding"):
+        opts["eager_numerics.division_rounding"] = True
+        if hasattr(en, "disable_ftz"):
+            opts["eager_numerics.disable_ftz"] = True
+    elif hasattr(ic, "emulate_divison_rounding"):
+        opts["emulate_divison_rounding"] = True
+    return opts
+
+
 def _want_compile(device: torch.device) -> bool:
     if _COMPILE_MODE == "1":
         return True
@@ -178,7 +199,7 @@ def run_kernel(fn: Callable, x: torch.Tensor, *args: Any) -> Any:
     if _want_compile(x.device) and fn not in _compile_failed:
         c = _compiled.get(fn)
         if c is None:
-            c = _compiled[fn] = torch.compile(fn, dynamic=None)
+            c = _compiled[fn] = torch.compile(fn, dynamic=None, options=_compile_options())
         try:
             return c(x, *args)
         except Exception as e:  # noqa: BLE001  (any inductor/triton failure -> eager)

@@ -95,7 +95,7 @@ def _cast_kernel(
     xf = x.to(torch.float32)
     # divide in float32 (x / scale, not x * (1/scale)): the same rounding as the usual
     # compressed-tensors / ModelOpt reference code, exact for power-of-two scales
-    out.copy_((xf / scale).clamp(-m, m).to(out.dtype))
+    out.copy_((xf / scale).clamp_(-m, m).to(out.dtype))
     if check:
         return xf.abs().amax()
     return xf.new_zeros(())

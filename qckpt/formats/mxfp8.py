@@ -42,6 +42,7 @@ from qckpt.formats._common import (
     FP8_MAX,
     check_finite_amax,
     check_input,
+    exp2_int,
     fp8_dtype,
     run_kernel,
 )
@@ -64,13 +65,14 @@ def _mx_kernel(
     r, k = c.shape
     fmax = FP8_MAX[out_q.dtype]
     blocks = padded_blocks(c, BLOCK)
-    amax = blocks.abs().amax(dim=-1)  # NaN/Inf propagate: checked by the caller
+    # inf-norm = max|x| without an |x| temporary; NaN/Inf propagate (checked by the caller)
+    amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
     bits = amax.view(torch.int32)
     e = (((bits >> 23) & 0xFF) - 127 - emax).clamp(-127, 127)
     # multiply by the exact 2**-e (always a normal float32 here) rather than divide by 2**e,
     # which is subnormal at e = -127 and flushed to zero by some GPU code paths
-    inv = torch.ldexp(torch.ones_like(amax), (-e).to(torch.int32))
-    q = (blocks * inv.unsqueeze(-1)).clamp(-fmax, fmax).to(out_q.dtype)
+    inv = exp2_int(-e)  # -e is in [-119, 127]: exact and normal
+    q = (blocks * inv.unsqueeze(-1)).clamp_(-fmax, fmax).to(out_q.dtype)
     out_q.copy_(q.view(r, -1)[:, :k])
     out_s.copy_((e + 127).to(torch.uint8))
     return amax.amax() if amax.numel() else amax.new_zeros(())
@@ -139,7 +141,9 @@ class MxFp8Format(Format):
         for a, b in row_chunks(q2.shape[0], k):
             blocks = padded_blocks(q2[a:b], BLOCK)
             e = s2[a:b].to(torch.int32) - 127
-            v = blocks * torch.ldexp(torch.ones(e.shape, device=e.device), e).unsqueeze(-1)
+            # 2**e exactly; code 0 (2**-127) is a float32 subnormal: 2**-126 * 0.5
+            s = torch.where(e < -126, exp2_int(e + 1) * 0.5, exp2_int(e))
+            v = blocks * s.unsqueeze(-1)
             o2[a:b].copy_(v.view(b - a, -1)[:, :k])
         return out
 

@@ -95,12 +95,12 @@ def _nvfp4_kernel(
     """(R, K) chunk -> packed codes into out_q (R, ceil(K/2)), E4M3 scales into out_s."""
     r = c.shape[0]
     blocks = padded_blocks(c, BLOCK)  # (R, nb, 16) float32
-    amax = blocks.abs().amax(dim=-1)
+    amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
     sb = ((amax / E2M1_MAX) / gs).clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
     # the reciprocal form ((1 / gs) / s_b), not x / (gs * s_b): NVIDIA's kernels and torchao
     # compute it so, and the E2M1 rounding of a value on a boundary depends on it
     rec = (1.0 / gs) / sb.to(torch.float32)
-    codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)).view(r, -1)
+    codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)).view(r, -1)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     out_q.copy_(packed[:, : out_q.shape[1]])
     out_s.copy_(sb)

@@ -7,7 +7,10 @@ to zero" by presence, never by value.
 
 The amax is kept as a plain attribute (not a registered buffer) on purpose: instrumenting a model
 must not change its ``state_dict``, and the sync reads and writes tens of thousands of amaxes, which
-has to stay far below the cost of ``nn.Module.__setattr__`` per quantizer.
+has to stay far below the cost of ``nn.Module.__setattr__`` per quantizer. For the same reason the
+sync may leave a per-tensor amax as a reference ``(buffer, index, shared)`` into its result buffer
+instead of a tensor of its own: creating 10,000 tensor views costs more than the collectives. The
+``amax`` property turns the reference into a 0-d tensor on first access.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class TensorQuantizer(nn.Module):
         # routed-expert quantizers: the experts module and the global expert index (for messages)
         self.expert_layer = expert_layer
         self.expert = expert
-        self.shared_from_layer = False
+        self._shared = False
         # plain attributes, not properties: the sync reads them for every quantizer
         self.is_scalar = granularity in SCALAR_GRANULARITIES
         self.amax_shape = self._amax_shape()
@@ -96,7 +99,24 @@ class TensorQuantizer(nn.Module):
 
     @property
     def amax(self) -> torch.Tensor | None:
-        return self._amax
+        a = self.__dict__["_amax"]
+        if type(a) is tuple:  # a reference left by the sync
+            buf, i, shared = a
+            a = buf[i]
+            self.__dict__["_amax"] = a
+            self.__dict__["_shared"] = shared
+        return a
+
+    @property
+    def shared_from_layer(self) -> bool:
+        """True when this routed expert saw no tokens and took its layer's input amax."""
+        a = self.__dict__["_amax"]
+        return a[2] if type(a) is tuple else self.__dict__["_shared"]
+
+    @shared_from_layer.setter
+    def shared_from_layer(self, value: bool) -> None:
+        _ = self.amax  # resolve a reference first, or it would override this
+        self.__dict__["_shared"] = bool(value)
 
     @amax.setter
     def amax(self, value: torch.Tensor | None) -> None:
@@ -105,6 +125,7 @@ class TensorQuantizer(nn.Module):
                 f"{self.key}: amax of shape {tuple(value.shape)}, expected {self.amax_shape}"
             )
         self.__dict__["_amax"] = value
+        self.__dict__["_shared"] = False
 
     @property
     def is_enabled(self) -> bool:
@@ -112,7 +133,7 @@ class TensorQuantizer(nn.Module):
 
     def reset(self) -> None:
         self.__dict__["_amax"] = None
-        self.shared_from_layer = False
+        self.__dict__["_shared"] = False
 
     def _amax_shape(self) -> tuple[int, ...]:
         if self.granularity in SCALAR_GRANULARITIES:
@@ -173,12 +194,12 @@ class TensorQuantizer(nn.Module):
                 f"{'weight' if self.kind == 'weight' else 'activations'}); amax would be meaningless"
             )
         a = a.to(self.device)
-        cur = self._amax
+        cur = self.amax
         # not in place: a synced amax may be a view into a shared buffer
         self.__dict__["_amax"] = a if cur is None else torch.maximum(cur, a.to(cur.dtype))
 
     def extra_repr(self) -> str:
-        amax = self._amax
+        amax = self.amax
         if amax is None:
             val = "None"
         elif amax.numel() == 1:
@@ -192,7 +213,7 @@ class TensorQuantizer(nn.Module):
 
     def describe(self) -> dict:
         """The calibration file's metadata entry for this quantizer."""
-        amax = self._amax
+        amax = self.amax
         d = {
             "module": self.name,
             "kind": self.kind,

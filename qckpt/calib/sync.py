@@ -66,10 +66,70 @@ def _names(items: list[str]) -> str:
     return shown + (f" and {len(items) - _MAX_NAMED} more" if len(items) > _MAX_NAMED else "")
 
 
-def _layout_hash(order: list[TensorQuantizer]) -> int:
+def _numel(shape: tuple[int, ...]) -> int:
+    m = 1
+    for s in shape:
+        m *= s
+    return m
+
+
+@dataclass(eq=False)
+class _Plan:
+    """The buffer layout of one list of quantizers; the same on every rank for the same model."""
+
+    order: list[TensorQuantizer]  # enabled quantizers, per-tensor ones first
+    ns: int  # how many per-tensor ones (one float each, at the start of the value buffer)
+    offsets: list[int]  # start of each quantizer's values in the value buffer (+ the end)
+    layout_hash: int
+    share_groups: list[list[int]]  # routed-expert inputs that share their layer's value
+    strict: dict[str, list[int]]  # experts module -> routed-expert inputs that do not share
+    expected: torch.Tensor  # int32, per static quantizer: 1 if this rank holds its tensor
+    scalar_device: torch.device | None  # the device of every per-tensor quantizer, if only one
+
+
+# Building a plan walks every quantizer a few times; a sync repeated on the same list (TP after DP,
+# a benchmark) reuses it. The routing attributes (granularity, share_group, expert_layer, local)
+# are fixed when a quantizer is made; ``enabled`` is re-checked on every call.
+_LAST: list = [None]
+
+
+def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
+    qs = quantizers if isinstance(quantizers, list) else list(quantizers)
+    key = tuple(qs)
+    enabled = [q.enabled for q in qs]
+    last = _LAST[0]
+    if last is not None and last[0] == key and last[1] == enabled:
+        return last[2]
+    on = [q for q, e in zip(qs, enabled, strict=True) if e]
+    scal = [q for q in on if q.is_scalar]
+    rest = [q for q in on if not q.is_scalar]
+    order = scal + rest
+    offsets = list(range(len(scal) + 1))
+    for q in rest:
+        offsets.append(offsets[-1] + max(1, _numel(q.amax_shape)))
+    groups: dict[str, list[int]] = {}
+    strict: dict[str, list[int]] = {}
+    for i, q in enumerate(order):
+        if q.share_group is not None:
+            groups.setdefault(q.share_group, []).append(i)
+        elif q.expert_layer is not None and q.kind == "input":
+            strict.setdefault(q.expert_layer, []).append(i)
     sig = "\n".join([q.key for q in order]).encode()
-    # 62 bits so that the negation also fits in int64
-    return ((zlib.crc32(sig) << 30) ^ zlib.adler32(sig) ^ len(order)) & ((1 << 62) - 1)
+    # 62 bits, so that its negation fits in int64 too (MAX of -h gives the minimum)
+    h = ((zlib.crc32(sig) << 30) ^ zlib.adler32(sig) ^ len(order)) & ((1 << 62) - 1)
+    devs = {q.device for q in scal}
+    plan = _Plan(
+        order=order,
+        ns=len(scal),
+        offsets=offsets,
+        layout_hash=h,
+        share_groups=list(groups.values()),
+        strict=strict,
+        expected=torch.tensor([1 if q.local else 0 for q in rest], dtype=torch.int32),
+        scalar_device=next(iter(devs)) if len(devs) == 1 else None,
+    )
+    _LAST[0] = (key, enabled, plan)
+    return plan
 
 
 def _run(group, tensors_ops: list[tuple[torch.Tensor, dist.ReduceOp]], what: str) -> None:
@@ -79,11 +139,14 @@ def _run(group, tensors_ops: list[tuple[torch.Tensor, dist.ReduceOp]], what: str
         for w in works:
             w.wait()
     except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError subclasses
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise SyncError(
-            f"amax sync over the {what} group failed: a rank died or timed out ({exc})".splitlines()[
-                0
-            ]
+            f"amax sync over the {what} group failed: a rank died or timed out ({first})"
         ) from None
+
+
+def _idx(items: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(items, dtype=torch.int64, device=device)
 
 
 def sync_amax(
@@ -102,6 +165,7 @@ def sync_amax(
       stays ``None`` everywhere; a calibrated zero stays zero.
     * ``channel`` and ``block`` (static) amax: nobody: skipped; every expected rank: MAX; only
       some: :class:`SyncError` on every rank naming the quantizer and how many ranks lacked it.
+      (Expected: the ranks whose quantizer is ``local``; under EP a remote expert's is not.)
     * Routed-expert inputs with a ``share_group`` that nobody calibrated take the max over their
       layer's experts (over all ranks) and are marked ``shared_from_layer``. Routed-expert inputs
       without one that nobody calibrated: "MoE calibration incomplete" on every rank.
@@ -111,56 +175,60 @@ def sync_amax(
     * ``group=None`` (a world of one): no collectives, the same rules applied locally.
     """
     t0 = time.perf_counter()
-    order = [q for q in quantizers if q.enabled]
-    # scalars first so that they form one contiguous region that is unpacked in one call
-    order = [q for q in order if q.is_scalar] + [q for q in order if not q.is_scalar]
-    ns = sum(1 for q in order if q.is_scalar)
-    n = len(order)
+    plan = _plan(quantizers)
+    order, ns, offsets = plan.order, plan.ns, plan.offsets
+    n, total = len(order), plan.offsets[-1]
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     res = SyncResult(what=what, world=world, quantizers=n)
     dev = group_device(group)
 
-    amaxes = [q._amax for q in order]
-    present = [i for i, a in enumerate(amaxes) if a is not None]
-    numels = [1] * ns + [max(1, _numel(q.amax_shape)) for q in order[ns:]]
-    offsets = [0] * (n + 1)
-    for i, m in enumerate(numels):
-        offsets[i + 1] = offsets[i] + m
-    total = offsets[n]
-
     # -- local packing (no communication yet) ---------------------------------------------------
+    amaxes = [q.__dict__["_amax"] for q in order]
+    codes = [
+        -1 if a is None else _CODE.get((a[0] if type(a) is tuple else a).dtype, -2) for a in amaxes
+    ]
     values = torch.zeros(total, dtype=torch.float32, device=dev)
-    codes = torch.full((n,), -1, dtype=torch.int64)
-    if present:
-        sp = [i for i in present if i < ns]
-        if sp:
-            stacked = torch.stack([amaxes[i].reshape(()) for i in sp])
-            values[torch.tensor(sp, device=dev)] = stacked.to(device=dev, dtype=torch.float32)
-            codes[sp] = torch.tensor([_CODE.get(amaxes[i].dtype, -2) for i in sp])
-        for i in present:
-            if i >= ns:
-                a = amaxes[i]
-                values[offsets[i] : offsets[i + 1]] = a.reshape(-1).to(dev, torch.float32)
-                codes[i] = _CODE.get(a.dtype, -2)
-        if local_error is None and not bool(torch.isfinite(values).all()):
-            bad = [order[i].key for i in present if not bool(torch.isfinite(amaxes[i]).all())]
-            local_error = f"non-finite amax in {_names(bad)}"
-    if local_error is None and bool((codes == -2).any()):
-        local_error = (
-            "an amax has a dtype the sync cannot carry (use float32/16, bfloat16 or float64)"
-        )
+    sa = amaxes[:ns]
+    refs = [i for i, a in enumerate(sa) if type(a) is tuple]
+    if refs:
+        bufs = {id(sa[i][0]) for i in refs}
+        if len(bufs) == 1:  # the usual case: all left by one earlier sync
+            buf = sa[refs[0]][0]
+            pos = _idx([sa[i][1] for i in refs], buf.device)
+            values[_idx(refs, dev)] = buf[pos].to(device=dev, dtype=torch.float32)
+        else:
+            for i in refs:
+                values[i] = sa[i][0][sa[i][1]].to(device=dev, dtype=torch.float32)
+    tens = [i for i, a in enumerate(sa) if a is not None and type(a) is not tuple]
+    if tens:
+        stacked = torch.stack([sa[i] for i in tens])
+        values[_idx(tens, dev)] = stacked.to(device=dev, dtype=torch.float32)
+    for i in range(ns, n):
+        a = amaxes[i]
+        if a is not None:
+            values[offsets[i] : offsets[i + 1]] = a.reshape(-1).to(dev, torch.float32)
+    codes_t = torch.tensor(codes, dtype=torch.int64)
+    if local_error is None and bool((codes_t == -2).any()):
+        local_error = "an amax dtype the sync cannot carry (float32/16, bfloat16 or float64 only)"
+    if local_error is None and total and not bool(torch.isfinite(values).all()):
+        bad = []
+        for i, q in enumerate(order):
+            if codes[i] >= 0 and not bool(
+                torch.isfinite(values[offsets[i] : offsets[i + 1]]).all()
+            ):
+                bad.append(q.key)
+        local_error = f"non-finite amax in {_names(bad)}"
 
-    flags = torch.zeros(n * K + n, dtype=torch.int32)
-    have_local = codes >= 0
-    if present:
-        idx = torch.nonzero(have_local).squeeze(1)
-        flags[idx * K + codes[idx]] = 1
-    flags[n * K :] = torch.tensor([1 if q.local else 0 for q in order], dtype=torch.int32)
+    flags = torch.zeros(n * K + (n - ns), dtype=torch.int32)
+    have_local = codes_t >= 0
+    pidx = torch.nonzero(have_local).squeeze(1)
+    flags[pidx * K + codes_t[pidx]] = 1
+    flags[n * K :] = plan.expected
 
     # -- collectives ----------------------------------------------------------------------------
     if group is not None:
-        h = _layout_hash(order)
+        h = plan.layout_hash
         err = rank + 1 if local_error is not None else 0
         header = torch.tensor([err, h, -h, total, -total], dtype=torch.int64, device=dev)
         _run(group, [(header, dist.ReduceOp.MAX)], what)
@@ -182,114 +250,96 @@ def sync_amax(
         _run(group, [(flags, dist.ReduceOp.SUM), (values, dist.ReduceOp.MAX)], what)
         res.collectives += 2
         res.bytes = header.numel() * 8 + flags.numel() * 4 + values.numel() * 4
+        flags = flags.cpu()
     elif local_error is not None:
         raise SyncError(f"calibration failed: {local_error}")
 
     # -- decisions, identical on every rank because they read only reduced data -----------------
-    flags = flags.cpu()
     counts = flags[: n * K].view(n, K)
     have = counts.sum(1)
-    expected = flags[n * K :]
-    have_l, exp_l = have.tolist(), expected.tolist()
-
-    uneven = [
-        f"{order[i].key} ({order[i].granularity}: {exp_l[i] - have_l[i]} of {exp_l[i]} ranks lacked it)"
-        for i in range(ns, n)
-        if 0 < have_l[i] < exp_l[i]
-    ]
-    if uneven:
-        raise SyncError(
-            f"amax sync over the {what} group: static amax calibrated on only some ranks: "
-            f"{_names(uneven)}; every rank must calibrate a per-channel/per-block quantizer, "
-            "or none"
-        )
-
-    # routed-expert layer values: max over the layer's experts of the reduced values
-    groups: dict[str, list[int]] = {}
-    cold_strict: dict[str, list[int]] = {}
-    for i, q in enumerate(order):
-        if q.share_group is not None:
-            groups.setdefault(q.share_group, []).append(i)
-        elif q.expert_layer is not None and q.kind == "input" and have_l[i] == 0:
-            cold_strict.setdefault(q.expert_layer, []).append(i)
-    if cold_strict:
+    if n > ns:
+        hs, es = have[ns:], flags[n * K :].to(torch.int64)
+        uneven = torch.nonzero((hs > 0) & (hs < es)).squeeze(1).tolist()
+        if uneven:
+            items = [
+                f"{order[ns + j].key} ({order[ns + j].granularity}: "
+                f"{int(es[j] - hs[j])} of {int(es[j])} ranks lacked it)"
+                for j in uneven
+            ]
+            raise SyncError(
+                f"amax sync over the {what} group: static amax calibrated on only some ranks: "
+                f"{_names(items)}; every rank must calibrate a per-channel/per-block quantizer, "
+                "or none"
+            )
+    have_l = have.tolist()
+    if plan.strict:
         parts = []
-        for layer, idx in cold_strict.items():
-            experts = sorted({order[i].expert for i in idx if order[i].expert is not None})
-            parts.append(f"{layer}: experts {', '.join(map(str, experts))}")
-        raise SyncError(
-            "MoE calibration incomplete: routed experts received no tokens on any rank of the "
-            f"{what} group: {'; '.join(parts)} (more calibration data, or let the experts share "
-            "the layer's input amax: calibrate.share_expert_inputs: true)"
-        )
+        for layer, idx in plan.strict.items():
+            cold = sorted({order[i].expert for i in idx if have_l[i] == 0} - {None})
+            if cold:
+                parts.append(f"{layer}: experts {', '.join(map(str, cold))}")
+        if parts:
+            raise SyncError(
+                "MoE calibration incomplete: routed experts received no tokens on any rank of "
+                f"the {what} group: {'; '.join(parts)} (more calibration data, or let them share "
+                "the layer's input amax: calibrate.share_expert_inputs: true)"
+            )
 
-    # the dtype a rank without the amax adopts: the preferred one among the ranks that have it
-    group_code = torch.argmax((counts > 0).to(torch.int8), dim=1)  # first present in DTYPES order
-    final_code = torch.where(have_local, codes, group_code).tolist()
-
-    shared_src: dict[int, torch.Tensor] = {}
-    for idx in groups.values():
+    # the dtype a rank without the amax adopts: the first in DTYPES among the ranks that have it
+    group_code = torch.argmax((counts > 0).to(torch.int8), dim=1)
+    final = torch.where(have_local, codes_t, group_code)
+    assigned = have > 0
+    shared: list[int] = []
+    for idx in plan.share_groups:
         hot = [i for i in idx if have_l[i] > 0]
         if not hot or len(hot) == len(idx):
             continue
-        layer_val = _layer_max(values, order, offsets, hot, ns)
-        hot_code = final_code[hot[0]]
+        layer_val = _layer_max(values, offsets, hot, ns)
         for i in idx:
             if have_l[i] == 0:
-                shared_src[i] = layer_val
-                if not have_local[i]:
-                    final_code[i] = hot_code
+                values[offsets[i] : offsets[i + 1]] = layer_val.reshape(-1)
+                final[i] = final[hot[0]]
+                assigned[i] = True
+                shared.append(i)
+    shared_set = set(shared)
 
     # -- write back -------------------------------------------------------------------------------
     if ns:
-        scal = values[:ns]
-        for code in set(final_code[:ns]):
-            sel = [i for i in range(ns) if final_code[i] == code and have_l[i] > 0]
-            if not sel:
-                continue
-            dev_q = order[sel[0]].device
-            vals = scal[torch.tensor(sel, device=dev)].to(device=dev_q, dtype=DTYPES[code])
-            for i, v in zip(sel, vals.unbind(0), strict=True):
+        sel = torch.nonzero(assigned[:ns]).squeeze(1)
+        sel_l = sel.tolist()
+        fcodes = final[:ns][sel].unique().tolist() if sel_l else []
+        if len(fcodes) == 1 and plan.scalar_device is not None:
+            # one dtype, one device: one conversion, and each quantizer gets a reference into it
+            buf = values[:ns].to(device=plan.scalar_device, dtype=DTYPES[fcodes[0]])
+            for i in sel_l:
+                order[i].__dict__["_amax"] = (buf, i, i in shared_set)
+        else:
+            final_l = final.tolist()
+            for code in fcodes:
+                buf = values[:ns].to(dtype=DTYPES[code])
+                for i in sel_l:
+                    if final_l[i] == code:
+                        q = order[i]
+                        q.__dict__["_amax"] = buf[i].to(q.device)
+                        q.__dict__["_shared"] = i in shared_set
+    if n > ns:
+        final_l = final.tolist()
+        for i in range(ns, n):
+            if assigned[i]:
                 q = order[i]
-                if q.device != dev_q:
-                    v = v.to(q.device)
-                d = q.__dict__
-                d["_amax"] = v
-                d["shared_from_layer"] = False
-    for i in range(ns, n):
-        if have_l[i] > 0:
-            q = order[i]
-            v = values[offsets[i] : offsets[i + 1]].reshape(q.amax_shape)
-            q.__dict__["_amax"] = v.to(device=q.device, dtype=DTYPES[final_code[i]])
-            q.__dict__["shared_from_layer"] = False
-    for i, v in shared_src.items():
-        q = order[i]
-        q.__dict__["_amax"] = v.reshape(q.amax_shape).to(
-            device=q.device, dtype=DTYPES[final_code[i]]
-        )
-        q.__dict__["shared_from_layer"] = True
-        res.shared.append(q.key)
-    for i in range(n):
-        if have_l[i] == 0 and i not in shared_src:
-            order[i].__dict__["_amax"] = None
-            res.uncalibrated.append(order[i].key)
-    res.calibrated = n - len(res.uncalibrated)
+                v = values[offsets[i] : offsets[i + 1]].reshape(q.amax_shape)
+                q.__dict__["_amax"] = v.to(device=q.device, dtype=DTYPES[final_l[i]])
+                q.__dict__["_shared"] = i in shared_set
+    res.shared = [order[i].key for i in shared]
+    unassigned = torch.nonzero(~assigned).squeeze(1).tolist()
+    res.uncalibrated = [order[i].key for i in unassigned]
+    res.calibrated = n - len(unassigned)
     res.seconds = time.perf_counter() - t0
     return res
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    m = 1
-    for s in shape:
-        m *= s
-    return m
-
-
-def _layer_max(
-    values: torch.Tensor, order: list[TensorQuantizer], offsets: list[int], hot: list[int], ns: int
-) -> torch.Tensor:
+def _layer_max(values: torch.Tensor, offsets: list[int], hot: list[int], ns: int) -> torch.Tensor:
     """Elementwise max over the reduced amaxes of the layer's experts that some rank calibrated."""
     if all(i < ns for i in hot):
-        return values[torch.tensor(hot, device=values.device)].max()
-    parts = [values[offsets[i] : offsets[i + 1]] for i in hot]
-    return torch.stack(parts).amax(dim=0)
+        return values[_idx(hot, values.device)].max()
+    return torch.stack([values[offsets[i] : offsets[i + 1]] for i in hot]).amax(dim=0)

@@ -1,0 +1,182 @@
+"""Instrumentation of tiny-moe / tiny-dense, and calibrate_model in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qckpt.calib.calibrate import calibrate_model
+from qckpt.calib.data import calibration_batches
+from qckpt.calib.instrument import insert_quantizers, remove_quantizers
+from qckpt.calib.state_file import load_calibration, model_fingerprint, save_calibration
+from qckpt.models.build import build_model
+from qckpt.models.naming import hf_tensors
+from qckpt.parallel.mesh import Mesh
+from qckpt.recipe import DataConfig, QuantConfig, TensorQuantConfig
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return build_model("tiny-moe", dtype="float32", seed=0)
+
+
+def _ids(n=2, seq=24, seed=0):
+    return torch.randint(0, 256, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_weight_modules(model) -> set[str]:
+    mt = model.config.model_type
+    return {
+        n[: -len(".weight")]
+        for name, t in model.state_dict().items()
+        for n, _ in hf_tensors(name, t, mt)
+        if n.endswith("_proj.weight")
+    }
+
+
+def test_quantizers_cover_every_hf_linear_but_ignored_ones(moe):
+    qs = insert_quantizers(moe, QuantConfig())
+    try:
+        modules = {q.name for q in qs.values()}
+        assert modules == _hf_weight_modules(moe)  # per-expert names as save_pretrained writes them
+        assert "model.layers.0.mlp.experts.7.down_proj" in modules
+        assert not any(m.startswith("lm_head") or m.endswith("mlp.gate") for m in modules)
+        assert len(qs) == 2 * len(modules)
+    finally:
+        remove_quantizers(moe)
+
+
+def test_ignore_patterns_are_fnmatch_on_module_names(moe):
+    cfg = QuantConfig(ignore=["lm_head", "*.mlp.gate", "*.self_attn.*", "model.layers.1.*"])
+    qs = insert_quantizers(moe, cfg)
+    try:
+        names = {q.name for q in qs.values()}
+        assert names and all(n.startswith("model.layers.0.mlp.experts.") for n in names)
+    finally:
+        remove_quantizers(moe)
+
+
+def test_instrumented_logits_unchanged_and_removal_restores(moe):
+    ids = _ids()
+    moe.config._experts_implementation = "eager"
+    try:
+        with torch.no_grad():
+            ref = moe(ids).logits
+            sd = {k: v.clone() for k, v in moe.state_dict().items()}
+            insert_quantizers(moe, QuantConfig())
+            assert list(moe.state_dict()) == list(sd)  # nothing registered in the model
+            got = moe(ids).logits
+            remove_quantizers(moe)
+            after = moe(ids).logits
+    finally:
+        moe.config._experts_implementation = "grouped_mm"
+    assert torch.equal(got, ref)  # the same ops as transformers' eager experts, bit for bit
+    assert torch.equal(after, ref)
+    assert all(torch.equal(v, sd[k]) for k, v in moe.state_dict().items())
+    with torch.no_grad():
+        default = moe(ids).logits
+    torch.testing.assert_close(got, default, rtol=1e-4, atol=1e-4)
+
+
+def test_expert_input_quantizer_sees_only_its_tokens(moe):
+    ids = _ids(seq=8)
+    qs = insert_quantizers(moe, QuantConfig())
+    captured = {}
+    mlp = moe.model.layers[0].mlp
+    h = mlp.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0].detach()))
+    try:
+        with torch.no_grad():
+            moe(ids)
+    finally:
+        h.remove()
+        remove_quantizers(moe)
+    x = captured["x"].reshape(-1, captured["x"].shape[-1])
+    with torch.no_grad():
+        _, _, idx = mlp.gate(x)
+    for e in range(8):
+        q = qs[f"model.layers.0.mlp.experts.{e}.gate_proj.input_amax"]
+        up = qs[f"model.layers.0.mlp.experts.{e}.up_proj.input_amax"]
+        rows = (idx == e).any(dim=-1)
+        if rows.any():
+            assert q.amax == x[rows].abs().max()
+            assert torch.equal(up.amax, q.amax)  # gate and up read the same input
+        else:
+            assert q.amax is None
+
+
+def test_calibrate_model_single_process_state_and_report(moe, tmp_path):
+    batches = calibration_batches(
+        DataConfig(num_samples=4, seq_len=16, batch_size=2), vocab_size=256
+    )
+    ticks = []
+    state, report = calibrate_model(moe, batches, QuantConfig(), Mesh(), progress=ticks.append)
+    assert ticks == [1, 1]
+    assert not hasattr(moe, "_qckpt_instrumentation")
+    # weight amax from the weight itself, for every expert
+    gu = moe.model.layers[1].mlp.experts.gate_up_proj.detach()
+    for e in range(8):
+        assert (
+            state.amax[f"model.layers.1.mlp.experts.{e}.gate_proj.weight_amax"]
+            == gu[e, :32].abs().max()
+        )
+        assert (
+            state.amax[f"model.layers.1.mlp.experts.{e}.up_proj.weight_amax"]
+            == gu[e, 32:].abs().max()
+        )
+    names_shapes = [
+        (n, tuple(t.shape))
+        for k, v in moe.state_dict().items()
+        for n, t in hf_tensors(k, v, "qwen3_moe")
+    ]
+    assert state.model_fingerprint == model_fingerprint(names_shapes)
+    assert state.model_type == "qwen3_moe"
+    meta = state.quantizers["model.layers.0.self_attn.q_proj.input_amax"]
+    assert meta["calibrated"] and meta["granularity"] == "tensor" and meta["format"] == "fp8"
+    row = report["layers"]["model.layers.0"]
+    assert row["total"] == 56 and row["experts_total"] == 8
+    assert row["amax_min"] <= row["amax_max"]
+    # round trip through the calibration file
+    back = load_calibration(save_calibration(state, tmp_path / "calib.safetensors"))
+    assert back.amax.keys() == state.amax.keys()
+    assert back.quantizers == state.quantizers
+
+
+def test_dynamic_inputs_are_disabled_and_nvfp4_weights_are_dynamic_block():
+    m = build_model("tiny-dense", dtype="float32")
+    cfg = QuantConfig(
+        weights=TensorQuantConfig(format="nvfp4"),
+        inputs=TensorQuantConfig(dynamic=True),
+    )
+    state, report = calibrate_model(m, [_ids()], cfg, Mesh())
+    q = state.quantizers["model.layers.0.mlp.down_proj.input_amax"]
+    assert q["enabled"] is False and "model.layers.0.mlp.down_proj.input_amax" not in state.amax
+    w = state.quantizers["model.layers.0.mlp.down_proj.weight_amax"]
+    assert (
+        w["granularity"] == "dynamic_block"
+        and state.amax["model.layers.0.mlp.down_proj.weight_amax"].shape == ()
+    )
+    assert report["disabled"] == report["quantizers"]
+
+
+def test_zero_weight_is_calibrated_zero_and_flagged():
+    m = build_model("tiny-dense", dtype="float32")
+    with torch.no_grad():
+        m.model.layers[1].mlp.up_proj.weight.zero_()
+    state, report = calibrate_model(m, [_ids()], QuantConfig(), Mesh())
+    assert state.amax["model.layers.1.mlp.up_proj.weight_amax"].item() == 0.0
+    # up is zero, so down_proj's input act(gate) * up is all zeros too: both are flagged
+    assert report["layers"]["model.layers.1"]["zero_amax"] == [
+        "model.layers.1.mlp.up_proj.weight_amax",
+        "model.layers.1.mlp.down_proj.input_amax",
+    ]
+
+
+def test_nan_activation_fails_naming_the_module():
+    m = build_model("tiny-dense", dtype="float32")
+    with torch.no_grad():
+        m.model.layers[0].self_attn.o_proj.weight[0, 0] = float("nan")
+    with pytest.raises(Exception, match=r"model\.layers\.0\.self_attn\.o_proj.*non-finite"):
+        calibrate_model(m, [_ids()], QuantConfig(), Mesh())
+    assert not hasattr(m, "_qckpt_instrumentation")

@@ -338,18 +338,24 @@ def plot_memory(reports: list[LoadReport] | LoadReport, path: str | os.PathLike)
     if not reports:
         raise UsageError("--plot: no load to draw")
     fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4), squeeze=False)
-    top = max((s[1] for r in reports for s in r.samples), default=0) / 2**20
+
+    def rss_delta(r: LoadReport) -> list[float]:
+        base = r.samples[0][2] if r.samples else 0
+        return [(s[2] - base) / 2**20 if s[2] else 0.0 for s in r.samples]
+
+    # one y scale for all panels, so bulk and stream compare at a glance
+    top = max(
+        [s[1] / 2**20 for r in reports for s in r.samples]
+        + [v for r in reports for v in rss_delta(r)]
+        + [r.predicted_transient_bytes / 2**20 for r in reports],
+        default=1.0,
+    )
     for ax, r in zip(axes[0], reports, strict=True):
         t = [s[0] for s in r.samples]
-        ax.plot(t, [s[1] / 2**20 for s in r.samples], label="transient (MiB)")
-        if r.samples and any(s[2] for s in r.samples):
-            base = r.samples[0][2]
-            ax.plot(
-                t,
-                [(s[2] - base) / 2**20 for s in r.samples],
-                label="host RSS - start (MiB)",
-                alpha=0.6,
-            )
+        # levels change at the sampled events and stay until the next: draw steps
+        ax.step(t, [s[1] / 2**20 for s in r.samples], where="post", label="transient (MiB)")
+        if any(s[2] for s in r.samples):
+            ax.step(t, rss_delta(r), where="post", label="host RSS - start (MiB)", alpha=0.6)
         ax.axhline(r.predicted_transient_bytes / 2**20, ls="--", c="gray", label="2·max(numel)")
         ax.set_title(
             f"{'stream' if r.stream else 'bulk'}: peak transient "

@@ -383,3 +383,14 @@ def test_report_fields_and_plot(toy_ckpt, tmp_path):
     out = plot_memory([b, a], tmp_path / "mem.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert isinstance(a, LoadReport)
+
+
+def test_tied_weights_load_from_the_name_the_checkpoint_holds(tmp_path):
+    src = Toy(seed=1)
+    save_model_dcp(src, tmp_path / "c")  # holds l1.weight only, as save_pretrained would
+    m = Toy(seed=2)
+    m.l3 = m.l1  # the same weight under two names (l1.weight, l3.weight)
+    assert "l3.weight" in m.state_dict()
+    rep = load_checkpoint(m, tmp_path / "c")
+    assert rep.tensors == 7
+    assert m.l3.weight is m.l1.weight and torch.equal(m.l1.weight, src.l1.weight)

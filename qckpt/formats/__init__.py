@@ -1,9 +1,33 @@
 """Quantization formats: ``quantize(x, fmt, **opts) -> QuantizedTensor``.
 
-Formats (``FORMATS``): ``fp8``, ``fp8_delayed`` (see ``qckpt.formats.fp8``), ``mxfp8``,
-``fp8_block``, ``nvfp4`` (each documented in its module). Every format stores ``qdata`` (codes)
-and ``scale`` (the dequantization multiplier), ``nvfp4`` also ``global_scale`` and
-``fp8_delayed`` also ``amax_history``.
+Public API
+----------
+* ``quantize(x, fmt, **opts)``: ``amax=`` (fp8, fp8_delayed, nvfp4) replaces the computed amax;
+  the rest are the format's options. NaN/Inf input raises ``FormatError``.
+* ``FORMATS``: name -> ``Format``; ``is_quantized(t)``; ``dequantize(t, dtype)``.
+* ``QuantizedTensor`` (``qckpt.formats.tensor``): nominal ``shape``/``dtype``; fields ``qdata``,
+  ``scale`` (+ ``global_scale`` for nvfp4, ``amax_history``/``quant_scale`` for fp8_delayed),
+  ``fmt``, ``opts``; ``dequantize(dtype)``, ``quantize_(src, update_state=True)``, ``copy_``,
+  ``quant_state()`` / ``load_quant_state()``, ``quantized_nbytes()``.
+* ``set_compile("auto" | True | False)``: the per-chunk kernels under torch.compile (auto = CUDA).
+
+Formats (layouts in each module's docstring; ``scale`` is always the dequantization multiplier)
+------------------------------------------------------------------------------------------------
+* ``fp8``: E4M3/E5M2 codes of the nominal shape; f32 scale ``()`` (tensor) or ``(rows, 1, ..)``
+  (channel). Round trip bit-exact with ``pow2_scale=True``; otherwise the codes come back via
+  f32 but the recomputed scale may move an ulp (and codes too via bf16).
+* ``fp8_delayed``: as fp8 per-tensor, the scale from an amax history (``quant_scale`` for the
+  next quantize_); a round trip re-derives the scale from the history, not the data.
+* ``mxfp8``: E4M3/E5M2 codes; uint8 E8M0 (biased) per 32 along the last dim. Bit-exact round
+  trip through f32 and bf16.
+* ``fp8_block``: E4M3/E5M2 codes; f32 scale per 128x128 tile (1x128 for activations).
+  Bit-exact round trip with ``pow2_scale=True``.
+* ``nvfp4``: uint8, two E2M1 codes per byte, low nibble first; E4M3 scale per 16 along the last
+  dim and an f32 ``global_scale``. Not idempotent (float global scale, E4M3 block scales).
+
+Padding: a block/tile that runs past the tensor's edge is scaled by its valid elements (as if
+zero-padded) and nothing is stored for the padding. Quantize works in chunks of
+``_common.CHUNK_ELEMS`` elements: the temporaries are O(chunk), never a full-size FP32 copy.
 """
 
 from __future__ import annotations

@@ -110,6 +110,10 @@ class QuantizedTensor(torch.Tensor):
             self.spec.quantize_into(self, src, update_state)
         return self
 
+    def quantized_nbytes(self) -> int:
+        """Bytes actually held (codes, scales, state), not the nominal ``numel * itemsize``."""
+        return sum(t.numel() * t.element_size() for t in self.fields().values())
+
     def quant_state(self) -> dict[str, torch.Tensor]:
         """Cloned state beyond qdata/scale that a load must leave untouched."""
         return {k: getattr(self, k).clone() for k in self.spec.state_fields}

@@ -175,3 +175,9 @@ def test_parameter_in_linear(fmt: str, opts: dict) -> None:
 
 def test_repr_does_not_dequantize(q: QuantizedTensor) -> None:
     assert "fp8" in repr(q) and "(32, 16)" in repr(q)
+
+
+def test_quantized_nbytes() -> None:
+    q = quantize(torch.randn(64, 32, dtype=torch.bfloat16), "mxfp8")
+    assert q.quantized_nbytes() == 64 * 32 + 64 * 1
+    assert quantize(torch.randn(10, 32), "nvfp4").quantized_nbytes() == 10 * 16 + 10 * 2 + 4

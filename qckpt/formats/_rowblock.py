@@ -44,8 +44,8 @@ def padded_blocks(c: torch.Tensor, block: int) -> torch.Tensor:
     return cf.view(r, nb, block)
 
 
-def row_chunks(rows: int, k: int):  # noqa: ANN201
-    return _common.chunk_ranges(rows, _common.rows_per_chunk(k))
+def row_chunks(rows: int, k: int, chunk_elems: int | None = None):  # noqa: ANN201
+    return _common.chunk_ranges(rows, _common.rows_per_chunk(k, chunk_elems))
 
 
 def view_keep_last(

@@ -126,7 +126,7 @@ def _quantize_tensorwise(
     flat = x.reshape(-1)
     oflat = out.view(-1)
     bad = torch.zeros((), device=x.device)
-    for s, e in chunk_ranges(flat.numel(), _common.CHUNK_ELEMS):
+    for s, e in chunk_ranges(flat.numel(), _common.quant_chunk(x.device, _cast_kernel)):
         # with amax= given no reduction has seen the values yet: the kernel checks them
         bad = torch.maximum(bad, _cast_chunk(flat[s:e], scale, oflat[s:e], check))
     if check:
@@ -140,7 +140,7 @@ def _quantize_rowwise(
     o2 = out.view(x2.shape)
     s2 = scale_rows.reshape(-1, 1)
     bad = torch.zeros((), device=x.device)
-    step = rows_per_chunk(x2.shape[1])
+    step = rows_per_chunk(x2.shape[1], _common.quant_chunk(x.device, _cast_kernel))
     for s, e in chunk_ranges(x2.shape[0], step):
         bad = torch.maximum(bad, _cast_chunk(x2[s:e], s2[s:e], o2[s:e], check))
     if check:

@@ -138,7 +138,8 @@ class Fp8BlockFormat(Format):
         if x3.numel() == 0:
             return
         bad = torch.zeros((), device=x.device)
-        rows = _common.rows_per_chunk(n, multiple=br)
+        ce = _common.quant_chunk(x.device, _block_kernel)
+        rows = _common.rows_per_chunk(n, ce, multiple=br)
         for i in range(b):
             for lo, hi in _common.chunk_ranges(m, rows):
                 bad = torch.maximum(

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from qckpt.errors import FormatError
+from qckpt.formats import _common
 from qckpt.formats._base import Format, register
 from qckpt.formats._common import (
     FP8_EMAX,
@@ -103,7 +104,8 @@ class MxFp8Format(Format):
         bad = torch.zeros((), device=x.device)
         if k == 0:
             return
-        for a, b in row_chunks(x2.shape[0], k):
+        ce = _common.quant_chunk(x.device, _mx_kernel)
+        for a, b in row_chunks(x2.shape[0], k, ce):
             m = run_kernel(_mx_kernel, x2[a:b], q2[a:b], s2[a:b], FP8_EMAX[opts["dtype"]])
             bad = torch.maximum(bad, m)
         check_finite_amax(bad, self.name)

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from qckpt.errors import FormatError
+from qckpt.formats import _common
 from qckpt.formats._base import Format, register
 from qckpt.formats._common import (
     as_amax,
@@ -138,7 +139,8 @@ class NvFp4Format(Format):
         q2 = qdata.view(x2.shape[0], -(-k // 2))
         s2 = scale.view(x2.shape[0], nblocks(k, BLOCK))
         bad = torch.zeros((), device=x.device)
-        for lo, hi in row_chunks(x2.shape[0], k):
+        ce = _common.quant_chunk(x.device, _nvfp4_kernel)
+        for lo, hi in row_chunks(x2.shape[0], k, ce):
             bad = torch.maximum(bad, run_kernel(_nvfp4_kernel, x2[lo:hi], gs, q2[lo:hi], s2[lo:hi]))
         if check:
             check_finite_amax(bad, self.name)

@@ -181,3 +181,65 @@ def test_quantized_nbytes() -> None:
     q = quantize(torch.randn(64, 32, dtype=torch.bfloat16), "mxfp8")
     assert q.quantized_nbytes() == 64 * 32 + 64 * 1
     assert quantize(torch.randn(10, 32), "nvfp4").quantized_nbytes() == 10 * 16 + 10 * 2 + 4
+
+
+def test_every_registered_op_handler() -> None:
+    """Each aten op in the handler table, called directly, gives the expected value."""
+    aten = torch.ops.aten
+    torch.manual_seed(3)
+    x = torch.randn(4, 8)
+    q = quantize(x, "fp8")
+    d = q.dequantize(torch.float32)
+    q3 = q.view(1, 4, 8)
+    b = torch.randn(2, 8, 3)
+
+    def deq(t: torch.Tensor) -> torch.Tensor:
+        assert isinstance(t, QuantizedTensor)
+        return t.dequantize(torch.float32)
+
+    checks = {
+        aten.detach.default: lambda: torch.equal(deq(aten.detach.default(q)), d),
+        aten.alias.default: lambda: torch.equal(deq(aten.alias.default(q)), d),
+        aten.clone.default: lambda: torch.equal(deq(aten.clone.default(q)), d),
+        aten._to_copy.default: lambda: torch.equal(
+            deq(aten._to_copy.default(q, dtype=torch.float16)), d
+        ),
+        aten.copy_.default: lambda: torch.equal(
+            deq(aten.copy_.default(q.clone(), d)), quantize(d, "fp8").dequantize(torch.float32)
+        ),
+        aten.view.default: lambda: torch.equal(deq(aten.view.default(q, [8, 4])), d.view(8, 4)),
+        aten._unsafe_view.default: lambda: torch.equal(
+            deq(aten._unsafe_view.default(q, [32])), d.view(32)
+        ),
+        aten.reshape.default: lambda: torch.equal(
+            deq(aten.reshape.default(q, [2, 16])), d.view(2, 16)
+        ),
+        aten.unsqueeze.default: lambda: torch.equal(
+            deq(aten.unsqueeze.default(q, -1)), d.unsqueeze(-1)
+        ),
+        aten.squeeze.default: lambda: torch.equal(deq(aten.squeeze.default(q3)), d),
+        aten.squeeze.dim: lambda: torch.equal(deq(aten.squeeze.dim(q3, 0)), d),
+        aten.squeeze.dims: lambda: torch.equal(deq(aten.squeeze.dims(q3, [0])), d),
+        aten.select.int: lambda: torch.equal(deq(aten.select.int(q3, 0, 0)), d),
+        aten.slice.Tensor: lambda: torch.equal(deq(aten.slice.Tensor(q, 1, 0, 8)), d),
+        aten.t.default: lambda: torch.equal(deq(aten.t.default(q)), d.t()),
+        aten.transpose.int: lambda: torch.equal(deq(aten.transpose.int(q, 1, 0)), d.t()),
+        aten.mm.default: lambda: torch.allclose(aten.mm.default(q, b[0]), d @ b[0]),
+        aten.bmm.default: lambda: torch.allclose(
+            aten.bmm.default(q3.view(1, 4, 8), b[:1]), (d @ b[0]).unsqueeze(0)
+        ),
+        aten.matmul.default: lambda: torch.allclose(aten.matmul.default(q, b[0]), d @ b[0]),
+        aten.addmm.default: lambda: torch.allclose(
+            aten.addmm.default(torch.ones(3), q, b[0]), d @ b[0] + 1
+        ),
+        aten.linear.default: lambda: torch.allclose(
+            aten.linear.default(b[0].t(), q), b[0].t() @ d.t()
+        ),
+        aten.is_pinned.default: lambda: aten.is_pinned.default(q) is False,
+        aten._has_compatible_shallow_copy_type.default: lambda: (
+            aten._has_compatible_shallow_copy_type.default(q, q.clone()) is True
+        ),
+    }
+    assert set(checks) == set(QuantizedTensor._OPS), set(QuantizedTensor._OPS) ^ set(checks)
+    for op, check in checks.items():
+        assert check(), op

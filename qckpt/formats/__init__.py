@@ -19,7 +19,7 @@ Formats (layouts in each module's docstring; ``scale`` is always the dequantizat
 * ``fp8_delayed``: as fp8 per-tensor, the scale from an amax history (``quant_scale`` for the
   next quantize_); a round trip re-derives the scale from the history, not the data.
 * ``mxfp8``: E4M3/E5M2 codes; uint8 E8M0 (biased) per 32 along the last dim. Bit-exact round
-  trip through f32 and bf16.
+  trip through f32 and bf16 (bf16: except values below 2**-133 in blocks of amax < 2**-116).
 * ``fp8_block``: E4M3/E5M2 codes; f32 scale per 128x128 tile (1x128 for activations).
   Bit-exact round trip with ``pow2_scale=True``.
 * ``nvfp4``: uint8, two E2M1 codes per byte, low nibble first; E4M3 scale per 16 along the last

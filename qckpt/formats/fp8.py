@@ -24,7 +24,8 @@ above 448 saturates to 448, at most 12.5% error for the largest elements. The ro
 (``2**ceil(log2(amax / fp8_max))``) would avoid that saturation but is *not* idempotent: an amax
 that rounds to code 224 re-quantizes with half the scale. With the floor rule
 ``quantize(dequantize(q)) == q`` bit for bit, through bfloat16 as well (every code times a power
-of two is exact in bfloat16 unless it leaves bfloat16's range).
+of two is exact in bfloat16 unless it falls below bfloat16's smallest subnormal, 2**-133: only
+for tensors/rows with amax < 2**-116).
 
 Round trips with the default (non power-of-two) scale: through float32 the *codes* come back
 identical, but the recomputed scale ``fl(fl(448 * s) / 448)`` can differ from ``s`` in the last

@@ -24,9 +24,11 @@ smallest normal) while storing code 0 (2**-127), so its codes and its scale disa
 divide by the stored 2**-127 (by multiplying with the exact 2**127), so dequantize matches. All
 other blocks agree bit for bit (tests/unit/test_formats_ref.py).
 
-Round trip: ``quantize(dequantize(q)) == q`` bit for bit, through float32 and bfloat16 (each
-code times a power of two is exact in bfloat16; the block's max code lies in [256, 448] so the
-recomputed exponent is the same). Views keep the layout only if they keep the last dim.
+Round trip: ``quantize(dequantize(q)) == q`` bit for bit through float32, and through bfloat16
+(each code times a power of two is exact in bfloat16; the block's max code lies in [256, 448]
+so the recomputed exponent is the same) with one exception: a block with exponent below -124
+(amax < 2**-116) can hold codes whose value is below bfloat16's smallest subnormal 2**-133;
+bfloat16 flushes those (tested). Views keep the layout only if they keep the last dim.
 """
 
 from __future__ import annotations

@@ -277,3 +277,16 @@ def test_chunk_boundaries(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     q = quantize(x, fmt)
     assert same(q, ref)
     assert torch.equal(q.dequantize(torch.float32), ref.dequantize(torch.float32))
+
+
+def test_mxfp8_bf16_round_trip_exception_is_the_documented_one() -> None:
+    # amax 2**-117: exponent -125; a code of 2**-9 is worth 2**-134, below bf16's smallest
+    # subnormal (2**-133): bf16 flushes it (ties to even: 0), float32 keeps it
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 2.0**-117, 2.0**-134
+    q = quantize(x, "mxfp8")
+    assert q.scale.item() == 127 - 125 and q.qdata[0, 1].float().item() == 2.0**-9
+    q32 = quantize(q.dequantize(torch.float32), "mxfp8")
+    assert torch.equal(u8(q32.qdata), u8(q.qdata))
+    q16 = quantize(q.dequantize(torch.bfloat16), "mxfp8")
+    assert q16.qdata[0, 1].float().item() == 0.0 and torch.equal(q16.scale, q.scale)

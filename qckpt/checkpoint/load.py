@@ -23,9 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
 
 from qckpt.checkpoint.planner import (
     MemoryMeter,
@@ -97,15 +95,45 @@ def _destinations(model: nn.Module | dict[str, Any], md: Metadata) -> dict[str, 
     return out
 
 
+def expert_shards(
+    model: nn.Module | dict[str, Any],
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Local blocks of EP-sharded fused experts (``qckpt.parallel.expert.shard_experts``):
+    param name -> (global shape, offsets of this rank's experts)."""
+    if not isinstance(model, nn.Module):
+        return {}
+    out: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for name, mod in model.named_modules():
+        ids = getattr(mod, "qckpt_expert_ids", None)
+        n_global = getattr(mod, "qckpt_num_experts", None)
+        if not ids or n_global is None:
+            continue
+        start = int(ids[0])
+        if list(ids) != list(range(start, start + len(ids))):
+            raise CheckpointError(f"{name}: its local experts {list(ids)} are not one block")
+        for attr in ("gate_up_proj", "down_proj"):
+            p = getattr(mod, attr, None)
+            if isinstance(p, torch.Tensor) and p.dim() == 3 and p.shape[0] == len(ids):
+                full = f"{name}.{attr}" if name else attr
+                out[full] = ((int(n_global), *map(int, p.shape[1:])), (start, 0, 0))
+    return out
+
+
 def _loadable(src: torch.dtype, dst: torch.dtype) -> bool:
     if src == dst:
         return True
     return src.is_floating_point and dst.is_floating_point
 
 
-def check_fit(state: dict[str, Any], md: Metadata, path: str | os.PathLike) -> None:
+def check_fit(
+    state: dict[str, Any],
+    md: Metadata,
+    path: str | os.PathLike,
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+) -> None:
     """Raise a one-line CheckpointError for the first tensor the checkpoint cannot fill."""
     where = f"checkpoint {path}"
+    shards = shards or {}
     for name, t in state.items():
         if not isinstance(t, torch.Tensor):
             continue
@@ -114,8 +142,8 @@ def check_fit(state: dict[str, Any], md: Metadata, path: str | os.PathLike) -> N
             raise CheckpointError(f"{name}: missing from {where}")
         if not isinstance(m, TensorStorageMetadata):
             raise CheckpointError(f"{name}: {where} holds a non-tensor value under this name")
-        shape = tuple(t.shape)
-        if tuple(m.size) != shape and prepended_axes(m.size, shape, name) == 0:
+        shape = tuple(shards[name][0]) if name in shards else tuple(t.shape)
+        if tuple(m.size) != shape and (name in shards or prepended_axes(m.size, shape, name) == 0):
             raise CheckpointError(f"{name}: shape {tuple(m.size)} in {where}, {shape} in the model")
         if not _loadable(m.properties.dtype, t.dtype):
             raise CheckpointError(
@@ -149,20 +177,10 @@ def _one_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-class _MeteredDefaultPlanner(DefaultLoadPlanner):
-    """The default planner (bulk baseline) with the same sampling and progress as streaming."""
-
-    def __init__(self, meter: MemoryMeter, progress: Callable[[int], Any] | None) -> None:
-        super().__init__()
-        self.meter = meter
-        self.progress = progress
-        self.items = 0
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        self.items += 1
-        self.meter.sample()
-        if self.progress is not None:
-            self.progress(1)
+class _BulkPlanner(StreamingDequantLoadPlanner):
+    """The bulk baseline's planner: its state dict holds no quantized tensor (they were all
+    dequantized), so every item takes the default path; kept for the same sampling, progress
+    and local-shard planning as streaming."""
 
 
 def _dcp(state: dict[str, Any], reader: Any, planner: Any, group: Any, no_dist: bool) -> None:
@@ -200,10 +218,13 @@ def load_checkpoint(
     if main_params not in (None, "fp32"):
         raise UsageError(f"load.main_params: must be none or fp32; got {main_params!r}")
     fmt = _resolve_format(path, format)
-    reader = open_reader(path, fmt, model=model)
+    shards = expert_shards(model)
+    expected = {k: torch.Size(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    expected.update({k: torch.Size(g) for k, (g, _) in shards.items()})
+    reader = open_reader(path, fmt, model=model, expected=expected)
     md = reader.read_metadata()
     state = _destinations(model, md)
-    check_fit(state, md, path)
+    check_fit(state, md, path, shards)
 
     group = getattr(mesh, "world_group", None)
     world = int(getattr(mesh, "world_size", 0) or 0)
@@ -227,7 +248,7 @@ def load_checkpoint(
     t0 = time.perf_counter()
     if stream:
         planner = StreamingDequantLoadPlanner(
-            main_params=main_params == "fp32", meter=meter, progress=progress
+            main_params=main_params == "fp32", meter=meter, progress=progress, shards=shards
         )
         try:
             _dcp(state, reader, planner, group, no_dist)
@@ -239,7 +260,9 @@ def load_checkpoint(
         finally:
             planner.reset()
     else:
-        items, masters = _bulk_load(state, md, reader, meter, progress, main_params, group, no_dist)
+        items, masters = _bulk_load(
+            state, md, reader, meter, progress, main_params, group, no_dist, shards
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
@@ -280,6 +303,7 @@ def _bulk_load(
     main_params: str | None,
     group: Any,
     no_dist: bool,
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """The baseline: every quantized destination dequantized at once (2 * sum(numel) bytes)."""
     meter.open_window()
@@ -290,7 +314,7 @@ def _bulk_load(
             hp[name] = t
             continue
         ckpt_shape = md.state_dict_metadata[name].size
-        k = prepended_axes(ckpt_shape, t.shape, name)
+        k = 0 if name in shards else prepended_axes(ckpt_shape, t.shape, name)
         if _is_quantized(t):
             buf = t.dequantize(torch.float32 if main_params == "fp32" else t.dtype)
             nbytes = buf.numel() * buf.element_size()
@@ -303,7 +327,7 @@ def _bulk_load(
             meter.sample()
         else:
             hp[name] = t.view(ckpt_shape) if k else t
-    planner = _MeteredDefaultPlanner(meter, progress)
+    planner = _BulkPlanner(meter=meter, progress=progress, shards=shards)
     _dcp(hp, reader, planner, group, no_dist)
     masters: dict[str, torch.Tensor] = {}
     for name, (t, k, nbytes) in quant.items():
@@ -324,7 +348,7 @@ def _bulk_load(
         del src, full
         meter.sample()
     meter.close_window()
-    return planner.items, masters
+    return planner.stats["items"], masters
 
 
 def plot_memory(reports: list[LoadReport] | LoadReport, path: str | os.PathLike) -> Path:

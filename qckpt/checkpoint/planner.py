@@ -33,9 +33,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
 from qckpt.errors import CheckpointError, FormatError
@@ -202,8 +211,12 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         meter: MemoryMeter | None = None,
         progress: Callable[[int], Any] | None = None,
         allow_partial_load: bool = False,
+        shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
     ) -> None:
         super().__init__(allow_partial_load=allow_partial_load)
+        # local shards of plain tensors (EP-sharded experts): fqn -> (global shape, offsets of
+        # this rank's block); DCP plans them as one chunk of the checkpoint's global tensor
+        self.shards = dict(shards or {})
         self.keep_main_params = bool(main_params)
         self.meter = meter
         self.progress = progress
@@ -254,6 +267,7 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         md_all = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        shards = {k: v for k, v in self.shards.items() if k in self.state_dict}
         for fqn, obj in self.state_dict.items():
             md = md_all.get(fqn)
             if md is None:
@@ -262,12 +276,32 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
                 continue
             size = getattr(obj, "size", None)
             if isinstance(md, TensorStorageMetadata) and size is not None:
-                if tuple(md.size) != tuple(obj.size()):
+                want = tuple(shards[fqn][0]) if fqn in shards else tuple(obj.size())
+                if tuple(md.size) != want:
                     raise CheckpointError(
-                        f"{fqn}: shape {tuple(md.size)} in the checkpoint, "
-                        f"{tuple(obj.size())} in the model"
+                        f"{fqn}: shape {tuple(md.size)} in the checkpoint, {want} in the model"
                     )
-        return super().create_local_plan()
+        if not shards:
+            return super().create_local_plan()
+        full = self.state_dict
+        # DCP's own helper on the other entries (super() would see the shards as keys missing
+        # from the state dict and fall back to the full dict)
+        rest = {k: v for k, v in full.items() if k not in shards}
+        plan = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        items = list(plan.items)
+        for fqn, (_, offsets) in shards.items():
+            local = ChunkStorageMetadata(
+                offsets=torch.Size(offsets), sizes=torch.Size(full[fqn].size())
+            )
+            # dest offsets come out relative to the local block, which is what we hold
+            items += create_read_items_for_chunk_list(fqn, md_all[fqn], [local])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        if index.fqn in self.shards:
+            # a plain local block: DCP's lookup would look for a shard at that offset
+            return self.state_dict[index.fqn]
+        return super().lookup_tensor(index)
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         """Group each destination's items together and count them (for the last-item quantize)."""

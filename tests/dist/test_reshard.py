@@ -47,6 +47,30 @@ def _load(rank: int, world: int, path: str, out: str) -> dict:
     }
 
 
+def _load_ep(rank: int, world: int, path: str) -> dict:
+    """EP=2 over 4 ranks: each rank holds half the experts (fp8, its own per-tensor scale)."""
+    from qckpt import formats
+    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.models.quantize_params import quantize_model_params
+    from qckpt.parallel.expert import shard_experts
+    from qckpt.parallel.mesh import init_mesh
+    from tests.unit.test_load import Toy
+
+    mesh = init_mesh(ep=2, tp=1, timeout_s=10, device="cpu")
+    out = {"ep_rank": mesh.ep_rank}
+    for stream in (True, False):
+        m = Toy(seed=99)
+        assert shard_experts(m, mesh) == ["moe.experts"]
+        quantize_model_params(m, "fp8")
+        rep = load_checkpoint(m, path, stream=stream, mesh=mesh)
+        out[stream] = {
+            k: (v.fields() if formats.is_quantized(v) else {"t": v.detach()})
+            for k, v in m.state_dict(keep_vars=True).items()
+        }
+        out[f"items_{stream}"] = rep.read_items
+    return out
+
+
 def _fields_of(m) -> dict:
     from qckpt import formats
 
@@ -107,6 +131,25 @@ def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
             assert s["transient"] == s["predicted"] == ref_rep.predicted_transient_bytes, (what, s)
             _assert_same(torch.load(f"{out}.{rank}.pt"), ref, f"{what}, rank {rank}")
 
+    # save 2 -> load on 4 ranks as DP2 x EP2: each rank reads only its experts' rows
+    from qckpt import formats
+
+    src = Toy(seed=1)
+    for v in _ok(w4.run(_load_ep, c2)):
+        e0 = 2 * v["ep_rank"]
+        assert v[True].keys() == ref.keys()
+        _assert_same(v[True], v[False], f"EP rank {v['ep_rank']}: stream vs bulk")
+        for k in ref:
+            if k.startswith("moe.experts."):
+                block = getattr(src.moe.experts, k.rsplit(".", 1)[1]).detach()[e0 : e0 + 2]
+                want = formats.quantize(block.contiguous(), "fp8").fields()
+                _assert_same({k: v[True][k]}, {k: want}, f"EP rank {v['ep_rank']}")
+            else:
+                _assert_same({k: v[True][k]}, {k: ref[k]}, f"EP rank {v['ep_rank']}")
+        # experts: 2 of 4 experts per rank; each saved half (2 experts) overlaps one rank's
+        # block exactly for gate_up and down, so 1 item each; the rest 2 items per tensor
+        assert v["items_True"] == 2 * 5 + 2
+
     # save 2 -> load 1 (this process, no process group)
     m = toy_quantized("fp8")
     rep = load_checkpoint(m, c2)
@@ -115,7 +158,6 @@ def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
 
     # why the plan-order reader: DCP's stock FileSystemReader walks file by file, so with every
     # tensor split over 4 files all scratches are alive at once (2 * sum(numel))
-    from qckpt import formats
     from qckpt.checkpoint.planner import MemoryMeter, StreamingDequantLoadPlanner
     from qckpt.checkpoint.safe_metadata import SafeFileSystemReader
     from qckpt.checkpoint.sources import OrderedFileSystemReader

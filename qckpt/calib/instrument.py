@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from qckpt.calib.quantizer import TensorQuantizer
+from qckpt.calib.quantizer import SCALAR_GRANULARITIES, AmaxBank, TensorQuantizer
 from qckpt.errors import CalibrationError
 from qckpt.models.naming import expert_slices
 from qckpt.recipe import QuantConfig, TensorQuantConfig
@@ -94,15 +94,24 @@ def insert_quantizers(
     ignore = list(quant_cfg.ignore)
     mtype = _model_type(model)
     instr = Instrumentation(quantizers={}, weights=[], experts=[])
+    # one bank per device for every per-tensor amax: the sync then moves them as one tensor
+    banks: dict[torch.device, AmaxBank] = {}
 
     def make(name: str, kind: str, shape, device, **kw) -> TensorQuantizer:
         cfg = wcfg if kind == "weight" else icfg
+        gran = _granularity(cfg)
+        bank = None
+        if gran in SCALAR_GRANULARITIES:
+            bank = banks.get(torch.device(device))
+            if bank is None:
+                bank = banks[torch.device(device)] = AmaxBank(device, capacity=1024)
         q = TensorQuantizer(
             name,
             kind,
             shape=shape,
-            granularity=_granularity(cfg),
+            granularity=gran,
             fmt=cfg.format,
+            bank=bank,
             block_size=cfg.block_size,
             # a dynamic input is scaled per batch at run time: nothing to calibrate or sync
             enabled=not (kind == "input" and cfg.dynamic),

@@ -5,12 +5,13 @@ records the running max of ``|x|`` (max calibration), at the granularity the rec
 Its amax is ``None`` until it has seen data: the sync tells "never calibrated" from "calibrated
 to zero" by presence, never by value.
 
-The amax is kept as a plain attribute (not a registered buffer) on purpose: instrumenting a model
-must not change its ``state_dict``, and the sync reads and writes tens of thousands of amaxes, which
-has to stay far below the cost of ``nn.Module.__setattr__`` per quantizer. For the same reason the
-sync may leave a per-tensor amax as a reference ``(buffer, index, shared)`` into its result buffer
-instead of a tensor of its own: creating 10,000 tensor views costs more than the collectives. The
-``amax`` property turns the reference into a 0-d tensor on first access.
+The amax is not a registered buffer: instrumenting a model must not change its ``state_dict``.
+A per-tensor amax (one number; the vast majority of quantizers) lives in a slot of an
+:class:`AmaxBank`, one float32 tensor shared by many quantizers, with its presence, dtype and
+"shared from the layer" flags in byte arrays beside it. The sync packs and unpacks 10,000s of
+amaxes; with one tensor per quantizer that is per-quantizer Python and kernel launches, which
+costs more than the collectives themselves. With a bank it is a few vector operations.
+Per-channel and per-block amaxes are tensors of their own (few, and large).
 """
 
 from __future__ import annotations
@@ -24,9 +25,50 @@ from torch import nn
 from qckpt.errors import CalibrationError
 
 GRANULARITIES = ("tensor", "channel", "block", "dynamic_block")
+# calibrator dtypes an amax may have, by code; the order is the preference when ranks that
+# calibrated a quantizer in different dtypes meet a rank that must adopt one
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 KINDS = ("weight", "input")
 # the granularities whose stored amax is one number; the sync treats them alike
 SCALAR_GRANULARITIES = ("tensor", "dynamic_block")
+# bumped whenever a quantizer is enabled or disabled, so that the sync's cached buffer layout
+# is rebuilt without re-reading ``enabled`` on every quantizer at every sync
+CONFIG_VERSION = [0]
+
+
+class AmaxBank:
+    """Per-tensor amaxes of many quantizers: one float32 tensor plus byte flags per slot.
+
+    Values are stored in float32 (the sync's wire format, exact for bfloat16/float16 values);
+    ``codes`` keeps each slot's calibrator dtype, which :attr:`TensorQuantizer.amax` restores.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", capacity: int = 64) -> None:
+        self.device = torch.device(device)
+        capacity = max(1, capacity)
+        self.values = torch.zeros(capacity, dtype=torch.float32, device=self.device)
+        self.present = bytearray(capacity)
+        self.codes = bytearray(capacity)
+        self.shared = bytearray(capacity)
+        self.size = 0
+
+    def allocate(self) -> int:
+        if self.size == len(self.present):
+            n = len(self.present)
+            grown = torch.zeros(2 * n, dtype=torch.float32, device=self.device)
+            grown[:n] = self.values
+            self.values = grown
+            # new objects rather than extend(): a byte array viewed by a tensor cannot be resized
+            self.present = self.present + bytearray(n)
+            self.codes = self.codes + bytearray(n)
+            self.shared = self.shared + bytearray(n)
+        self.size += 1
+        return self.size - 1
+
+    def view(self, name: str) -> torch.Tensor:
+        """A uint8 tensor over one of the flag arrays (no copy: writes go to the bank)."""
+        return torch.frombuffer(getattr(self, name), dtype=torch.uint8)
 
 
 class TensorQuantizer(nn.Module):
@@ -56,6 +98,7 @@ class TensorQuantizer(nn.Module):
         enabled: bool = True,
         calib_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        bank: AmaxBank | None = None,
         local: bool = True,
         share_group: str | None = None,
         expert_layer: str | None = None,
@@ -86,11 +129,21 @@ class TensorQuantizer(nn.Module):
         # routed-expert quantizers: the experts module and the global expert index (for messages)
         self.expert_layer = expert_layer
         self.expert = expert
-        self._shared = False
+        if calib_dtype not in DTYPE_CODE:
+            raise ValueError(f"calib_dtype must be one of {DTYPES}, got {calib_dtype}")
         # plain attributes, not properties: the sync reads them for every quantizer
         self.is_scalar = granularity in SCALAR_GRANULARITIES
         self.amax_shape = self._amax_shape()
-        self._amax: torch.Tensor | None = None
+        self._shared = False
+        self._amax: torch.Tensor | None = None  # per-channel / per-block only
+        self._bank: AmaxBank | None = None
+        self._slot = -1
+        if self.is_scalar:
+            bank = bank if bank is not None else AmaxBank(self.device, capacity=1)
+            if bank.device != self.device:
+                raise ValueError(f"{self.key}: bank on {bank.device}, quantizer on {self.device}")
+            self._bank = bank
+            self._slot = bank.allocate()
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -99,24 +152,14 @@ class TensorQuantizer(nn.Module):
 
     @property
     def amax(self) -> torch.Tensor | None:
-        a = self.__dict__["_amax"]
-        if type(a) is tuple:  # a reference left by the sync
-            buf, i, shared = a
-            a = buf[i]
-            self.__dict__["_amax"] = a
-            self.__dict__["_shared"] = shared
-        return a
-
-    @property
-    def shared_from_layer(self) -> bool:
-        """True when this routed expert saw no tokens and took its layer's input amax."""
-        a = self.__dict__["_amax"]
-        return a[2] if type(a) is tuple else self.__dict__["_shared"]
-
-    @shared_from_layer.setter
-    def shared_from_layer(self, value: bool) -> None:
-        _ = self.amax  # resolve a reference first, or it would override this
-        self.__dict__["_shared"] = bool(value)
+        b = self._bank
+        if b is None:
+            return self.__dict__["_amax"]
+        s = self._slot
+        if not b.present[s]:
+            return None
+        # a copy, so that a later sync writing into the bank does not change it under the caller
+        return b.values[s].to(DTYPES[b.codes[s]], copy=True)
 
     @amax.setter
     def amax(self, value: torch.Tensor | None) -> None:
@@ -124,16 +167,51 @@ class TensorQuantizer(nn.Module):
             raise ValueError(
                 f"{self.key}: amax of shape {tuple(value.shape)}, expected {self.amax_shape}"
             )
-        self.__dict__["_amax"] = value
-        self.__dict__["_shared"] = False
+        if value is not None and value.dtype not in DTYPE_CODE:
+            raise ValueError(f"{self.key}: amax dtype {value.dtype} is not one of {DTYPES}")
+        b = self._bank
+        if b is None:
+            self.__dict__["_amax"] = value
+            self.__dict__["_shared"] = False
+            return
+        s = self._slot
+        b.shared[s] = 0
+        if value is None:
+            b.present[s] = 0
+            return
+        b.values[s] = value.detach().to(device=b.device, dtype=torch.float32)
+        b.codes[s] = DTYPE_CODE[value.dtype]
+        b.present[s] = 1
+
+    @property
+    def shared_from_layer(self) -> bool:
+        """True when this routed expert saw no tokens and took its layer's input amax."""
+        b = self._bank
+        return bool(b.shared[self._slot]) if b is not None else self.__dict__["_shared"]
+
+    @shared_from_layer.setter
+    def shared_from_layer(self, value: bool) -> None:
+        b = self._bank
+        if b is not None:
+            b.shared[self._slot] = 1 if value else 0
+        else:
+            self.__dict__["_shared"] = bool(value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.__dict__["_enabled"]
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.__dict__["_enabled"] = bool(value)
+        CONFIG_VERSION[0] += 1
 
     @property
     def is_enabled(self) -> bool:
-        return self.enabled
+        return self.__dict__["_enabled"]
 
     def reset(self) -> None:
-        self.__dict__["_amax"] = None
-        self.__dict__["_shared"] = False
+        self.amax = None
 
     def _amax_shape(self) -> tuple[int, ...]:
         if self.granularity in SCALAR_GRANULARITIES:
@@ -193,9 +271,20 @@ class TensorQuantizer(nn.Module):
                 f"{self.name}: non-finite {self.kind} during calibration (NaN or Inf in the "
                 f"{'weight' if self.kind == 'weight' else 'activations'}); amax would be meaningless"
             )
+        b = self._bank
+        if b is not None:
+            s = self._slot
+            a32 = a.to(device=b.device, dtype=torch.float32)  # exact: a is a calib_dtype value
+            if b.present[s]:
+                b.values[s] = torch.maximum(b.values[s], a32)
+            else:
+                b.values[s] = a32
+                b.codes[s] = DTYPE_CODE[self.calib_dtype]
+                b.present[s] = 1
+            return
         a = a.to(self.device)
-        cur = self.amax
-        # not in place: a synced amax may be a view into a shared buffer
+        cur = self.__dict__["_amax"]
+        # not in place: a synced amax may be a view into the sync's buffer
         self.__dict__["_amax"] = a if cur is None else torch.maximum(cur, a.to(cur.dtype))
 
     def extra_repr(self) -> str:

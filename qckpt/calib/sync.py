@@ -33,14 +33,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from qckpt.calib.quantizer import TensorQuantizer
+from qckpt.calib import quantizer as _quantizer
+from qckpt.calib.quantizer import DTYPE_CODE, DTYPES, AmaxBank, TensorQuantizer
 from qckpt.errors import SyncError
 from qckpt.parallel.mesh import group_device
 
-# calibrator dtypes the flags can carry, in order of preference when ranks that have the amax
-# used different dtypes and a rank that has none must adopt one
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-_CODE = {dt: i for i, dt in enumerate(DTYPES)}
+# the flags count, per quantizer, the ranks that hold its amax in each of these dtypes
 K = len(DTYPES)
 COLLECTIVES_PER_SYNC = 3
 _MAX_NAMED = 6  # how many quantizers an error message names before "and N more"
@@ -84,22 +82,24 @@ class _Plan:
     share_groups: list[list[int]]  # routed-expert inputs that share their layer's value
     strict: dict[str, list[int]]  # experts module -> routed-expert inputs that do not share
     expected: torch.Tensor  # int32, per static quantizer: 1 if this rank holds its tensor
-    scalar_device: torch.device | None  # the device of every per-tensor quantizer, if only one
+    # per-tensor quantizers by bank: (bank, slots in the bank, positions in ``order``)
+    banks: list[tuple[AmaxBank, torch.Tensor, torch.Tensor]]
 
 
 # Building a plan walks every quantizer a few times; a sync repeated on the same list (TP after DP,
 # a benchmark) reuses it. The routing attributes (granularity, share_group, expert_layer, local)
-# are fixed when a quantizer is made; ``enabled`` is re-checked on every call.
+# are fixed when a quantizer is made; changing ``enabled`` anywhere bumps CONFIG_VERSION.
 _LAST: list = [None]
 
 
 def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
     qs = quantizers if isinstance(quantizers, list) else list(quantizers)
     key = tuple(qs)
-    enabled = [q.enabled for q in qs]
+    version = _quantizer.CONFIG_VERSION[0]
     last = _LAST[0]
-    if last is not None and last[0] == key and last[1] == enabled:
+    if last is not None and last[1] == version and last[0] == key:
         return last[2]
+    enabled = [q.enabled for q in qs]
     on = [q for q, e in zip(qs, enabled, strict=True) if e]
     scal = [q for q in on if q.is_scalar]
     rest = [q for q in on if not q.is_scalar]
@@ -117,7 +117,12 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
     sig = "\n".join([q.key for q in order]).encode()
     # 62 bits, so that its negation fits in int64 too (MAX of -h gives the minimum)
     h = ((zlib.crc32(sig) << 30) ^ zlib.adler32(sig) ^ len(order)) & ((1 << 62) - 1)
-    devs = {q.device for q in scal}
+    by_bank: dict[int, tuple[AmaxBank, list[int], list[int]]] = {}
+    for i, q in enumerate(scal):
+        entry = by_bank.setdefault(id(q._bank), (q._bank, [], []))
+        entry[1].append(q._slot)
+        entry[2].append(i)
+    banks = [(b, torch.tensor(sl), torch.tensor(pos)) for b, sl, pos in by_bank.values()]
     plan = _Plan(
         order=order,
         ns=len(scal),
@@ -126,9 +131,9 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
         share_groups=list(groups.values()),
         strict=strict,
         expected=torch.tensor([1 if q.local else 0 for q in rest], dtype=torch.int32),
-        scalar_device=next(iter(devs)) if len(devs) == 1 else None,
+        banks=banks,
     )
-    _LAST[0] = (key, enabled, plan)
+    _LAST[0] = (key, version, plan)
     return plan
 
 
@@ -184,39 +189,25 @@ def sync_amax(
     dev = group_device(group)
 
     # -- local packing (no communication yet) ---------------------------------------------------
-    amaxes = [q.__dict__["_amax"] for q in order]
-    codes = [
-        -1 if a is None else _CODE.get((a[0] if type(a) is tuple else a).dtype, -2) for a in amaxes
-    ]
     values = torch.zeros(total, dtype=torch.float32, device=dev)
-    sa = amaxes[:ns]
-    refs = [i for i, a in enumerate(sa) if type(a) is tuple]
-    if refs:
-        bufs = {id(sa[i][0]) for i in refs}
-        if len(bufs) == 1:  # the usual case: all left by one earlier sync
-            buf = sa[refs[0]][0]
-            pos = _idx([sa[i][1] for i in refs], buf.device)
-            values[_idx(refs, dev)] = buf[pos].to(device=dev, dtype=torch.float32)
-        else:
-            for i in refs:
-                values[i] = sa[i][0][sa[i][1]].to(device=dev, dtype=torch.float32)
-    tens = [i for i, a in enumerate(sa) if a is not None and type(a) is not tuple]
-    if tens:
-        stacked = torch.stack([sa[i] for i in tens])
-        values[_idx(tens, dev)] = stacked.to(device=dev, dtype=torch.float32)
+    codes_t = torch.full((n,), -1, dtype=torch.int64)
+    for bank, slots, pos in plan.banks:
+        # a bank's absent slots may hold stale numbers: select, never trust them
+        present = bank.view("present")[slots].bool()
+        codes_t[pos] = torch.where(present, bank.view("codes")[slots].to(torch.int64), -1)
+        vals = bank.values[slots.to(bank.device)].to(device=dev)
+        values[pos.to(dev)] = torch.where(present.to(dev), vals, 0.0)
     for i in range(ns, n):
-        a = amaxes[i]
+        a = order[i].__dict__["_amax"]
         if a is not None:
             values[offsets[i] : offsets[i + 1]] = a.reshape(-1).to(dev, torch.float32)
-    codes_t = torch.tensor(codes, dtype=torch.int64)
+            codes_t[i] = DTYPE_CODE.get(a.dtype, -2)
     if local_error is None and bool((codes_t == -2).any()):
         local_error = "an amax dtype the sync cannot carry (float32/16, bfloat16 or float64 only)"
     if local_error is None and total and not bool(torch.isfinite(values).all()):
         bad = []
         for i, q in enumerate(order):
-            if codes[i] >= 0 and not bool(
-                torch.isfinite(values[offsets[i] : offsets[i + 1]]).all()
-            ):
+            if not bool(torch.isfinite(values[offsets[i] : offsets[i + 1]]).all()):
                 bad.append(q.key)
         local_error = f"non-finite amax in {_names(bad)}"
 
@@ -301,27 +292,15 @@ def sync_amax(
                 final[i] = final[hot[0]]
                 assigned[i] = True
                 shared.append(i)
-    shared_set = set(shared)
+    shared_mask = torch.zeros(n, dtype=torch.bool)
+    shared_mask[shared] = True
 
     # -- write back -------------------------------------------------------------------------------
-    if ns:
-        sel = torch.nonzero(assigned[:ns]).squeeze(1)
-        sel_l = sel.tolist()
-        fcodes = final[:ns][sel].unique().tolist() if sel_l else []
-        if len(fcodes) == 1 and plan.scalar_device is not None:
-            # one dtype, one device: one conversion, and each quantizer gets a reference into it
-            buf = values[:ns].to(device=plan.scalar_device, dtype=DTYPES[fcodes[0]])
-            for i in sel_l:
-                order[i].__dict__["_amax"] = (buf, i, i in shared_set)
-        else:
-            final_l = final.tolist()
-            for code in fcodes:
-                buf = values[:ns].to(dtype=DTYPES[code])
-                for i in sel_l:
-                    if final_l[i] == code:
-                        q = order[i]
-                        q.__dict__["_amax"] = buf[i].to(q.device)
-                        q.__dict__["_shared"] = i in shared_set
+    for bank, slots, pos in plan.banks:
+        bank.values[slots.to(bank.device)] = values[pos.to(dev)].to(bank.device)
+        bank.view("present")[slots] = assigned[pos].to(torch.uint8)
+        bank.view("codes")[slots] = final[pos].clamp(min=0).to(torch.uint8)
+        bank.view("shared")[slots] = shared_mask[pos].to(torch.uint8)
     if n > ns:
         final_l = final.tolist()
         for i in range(ns, n):
@@ -329,7 +308,7 @@ def sync_amax(
                 q = order[i]
                 v = values[offsets[i] : offsets[i + 1]].reshape(q.amax_shape)
                 q.__dict__["_amax"] = v.to(device=q.device, dtype=DTYPES[final_l[i]])
-                q.__dict__["_shared"] = i in shared_set
+                q.__dict__["_shared"] = bool(shared_mask[i])
     res.shared = [order[i].key for i in shared]
     unassigned = torch.nonzero(~assigned).squeeze(1).tolist()
     res.uncalibrated = [order[i].key for i in unassigned]

@@ -50,13 +50,15 @@ class Hang(AssertionError):
     """Ranks did not report back before the deadline: the thing the protocol must never do."""
 
 
-def _init(rank: int, world: int, init_file: str, timeout_s: float) -> None:
+def _init(rank: int, world: int, init_file: str, timeout_s: float, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
@@ -94,9 +96,9 @@ def _serve(rank, world, init_file, timeout_s, env, tasks, results) -> None:
     dist.destroy_process_group()
 
 
-def _once(rank, world, init_file, timeout_s, env, fn, args, results) -> None:
+def _once(rank, world, init_file, timeout_s, env, fn, args, results, backend="gloo") -> None:
     os.environ.update(env)
-    _init(rank, world, init_file, timeout_s)
+    _init(rank, world, init_file, timeout_s, backend)
     out = _call(rank, world, fn, args)
     results.put(out)
     # Queue.put hands the item to a feeder thread: flush it before os._exit kills the process
@@ -216,15 +218,19 @@ def run_once(
     timeout_s: float = 10.0,
     deadline_s: float = 90.0,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Outcome]:
-    """Spawn ``n`` fresh ranks, run ``fn(rank, n, *args)`` on each, exit; outcomes by rank."""
+    """Spawn ``n`` fresh ranks, run ``fn(rank, n, *args)`` on each, exit; outcomes by rank.
+
+    ``backend="nccl"`` puts rank r on CUDA device r (for tests/gpu).
+    """
     with tempfile.TemporaryDirectory(prefix="qckpt-once-") as d:
         results = _CTX.Queue()
         e = {**_ENV, **(env or {})}
         procs = [
             _CTX.Process(
                 target=_once,
-                args=(r, n, os.path.join(d, "store"), timeout_s, e, fn, args, results),
+                args=(r, n, os.path.join(d, "store"), timeout_s, e, fn, args, results, backend),
                 daemon=True,
             )
             for r in range(n)

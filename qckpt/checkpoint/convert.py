@@ -21,13 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from qckpt.checkpoint.planner import destination_of
 from qckpt.errors import CheckpointError
-
-
-def _is_quantized(t: Any) -> bool:
-    from qckpt.formats import is_quantized
-
-    return is_quantized(t)
 
 
 def _plain_state_dict(model_or_state_dict: nn.Module | dict[str, Any]) -> dict[str, Any]:
@@ -41,7 +36,8 @@ def _plain_state_dict(model_or_state_dict: nn.Module | dict[str, Any]) -> dict[s
         if isinstance(v, torch.Tensor):
             # checkpoints hold high-precision values (as TE's save path does): a quantized
             # param is saved as its dequantized nominal-dtype value
-            v = v.dequantize(v.dtype) if _is_quantized(v) else v.detach()
+            dest = destination_of(v)
+            v = dest.dequantize(dest.dtype) if dest is not None else v.detach()
         out[k] = v
     return out
 

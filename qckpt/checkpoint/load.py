@@ -28,17 +28,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from qckpt.checkpoint.planner import (
     MemoryMeter,
     StreamingDequantLoadPlanner,
+    destination_of,
     prepended_axes,
     unwrap_prepended,
 )
 from qckpt.checkpoint.sources import _resolve_format, open_reader
 from qckpt.errors import CheckpointError, QckptError, UsageError
-
-
-def _is_quantized(t: Any) -> bool:
-    from qckpt.formats import is_quantized
-
-    return is_quantized(t)
 
 
 @dataclass
@@ -238,9 +233,10 @@ def load_checkpoint(
     per_fmt: dict[str, int] = {}
     predicted = 0
     for v in tensors:
-        if _is_quantized(v):
-            per_fmt[v.fmt] = per_fmt.get(v.fmt, 0) + 1
-            predicted = max(predicted, v.numel() * v.dtype.itemsize)
+        dest = destination_of(v)
+        if dest is not None:
+            per_fmt[dest.fmt] = per_fmt.get(dest.fmt, 0) + 1
+            predicted = max(predicted, dest.numel() * dest.dtype.itemsize)
         else:
             per_fmt["none"] = per_fmt.get("none", 0) + 1
 
@@ -315,14 +311,15 @@ def _bulk_load(
             continue
         ckpt_shape = md.state_dict_metadata[name].size
         k = 0 if name in shards else prepended_axes(ckpt_shape, t.shape, name)
-        if _is_quantized(t):
-            buf = t.dequantize(torch.float32 if main_params == "fp32" else t.dtype)
+        dest = destination_of(t)
+        if dest is not None:
+            buf = dest.dequantize(torch.float32 if main_params == "fp32" else dest.dtype)
             nbytes = buf.numel() * buf.element_size()
             if main_params == "fp32":
                 meter.add_output(nbytes)
             else:
                 meter.add_scratch(nbytes)
-            quant[name] = (t, k, nbytes)
+            quant[name] = (dest, k, nbytes)
             hp[name] = buf.view(ckpt_shape) if k else buf
             meter.sample()
         else:

@@ -49,11 +49,28 @@ from torch.distributed.tensor import DTensor
 
 from qckpt.errors import CheckpointError, FormatError
 
+_TE_PRESENT: bool | None = None
 
-def _is_quantized(t: Any) -> bool:
+
+def destination_of(t: Any) -> Any:
+    """The quantized-destination protocol object for ``t`` (nominal shape/dtype/device, ``fmt``,
+    ``quantize_``, ``quant_state``/``load_quant_state``, ``dequantize``), or None for a plain
+    tensor: native QuantizedTensors as they are, Transformer Engine ones through the adapter."""
+    global _TE_PRESENT
     from qckpt.formats import is_quantized
 
-    return is_quantized(t)
+    if is_quantized(t):
+        return t
+    if _TE_PRESENT is None:
+        from qckpt.formats import te
+
+        _TE_PRESENT = te.te_available()
+    if _TE_PRESENT:
+        from qckpt.formats import te
+
+        if te.is_te_quantized(t):
+            return te.TEDestination(t)
+    return None
 
 
 def _numel(shape: Any) -> int:
@@ -186,7 +203,7 @@ class MemoryMeter:
 class _Dest:
     """A quantized destination being filled (lives from its first item to its last)."""
 
-    target: torch.Tensor  # the QuantizedTensor
+    target: Any  # the destination protocol object (QuantizedTensor or TE adapter)
     ckpt_shape: torch.Size  # shape the read items address (with prepended axes, if any)
     prepended: int
     expected: int = 0
@@ -246,13 +263,14 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
             k = 0
             if isinstance(md, TensorStorageMetadata):
                 k = prepended_axes(md.size, local.shape, fqn)
-            if _is_quantized(local):
+            dest = destination_of(local)
+            if dest is not None:
                 if isinstance(value, DTensor):
                     raise CheckpointError(
                         f"{fqn}: a DTensor of quantized shards is not a supported destination"
                     )
                 ckpt_shape = torch.Size(md.size) if k else torch.Size(local.shape)
-                self._dests[fqn] = _Dest(target=local, ckpt_shape=ckpt_shape, prepended=k)
+                self._dests[fqn] = _Dest(target=dest, ckpt_shape=ckpt_shape, prepended=k)
                 if k:
                     # DCP plans against the checkpoint's shape; a zero-byte placeholder of that
                     # shape stands in (the data goes to our scratch, never to it)

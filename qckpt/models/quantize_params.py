@@ -56,10 +56,13 @@ def quantize_model_params(
     """
     if params_fmt in (None, "none"):
         return {}
+    if backend == "te":
+        # Transformer Engine linears with TE quantized weights (qckpt.formats.te, issue 9)
+        from qckpt.formats.te import build_te_linears
+
+        return build_te_linears(model, params_fmt, ignore=ignore)
     if backend != "native":
-        # Transformer Engine destinations come with the TE adapter (issue 9); refusing here is
-        # better than building native tensors the user did not ask for.
-        raise UsageError(f"load.backend: {backend!r} params are not supported by this build")
+        raise UsageError(f"load.backend: must be native or te; got {backend!r}")
     from qckpt import formats
 
     if params_fmt not in formats.FORMATS:

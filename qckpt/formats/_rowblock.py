@@ -52,7 +52,8 @@ def view_keep_last(
     shape_old: tuple[int, ...], shape_new: tuple[int, ...], fmt: str
 ) -> tuple[int, ...]:
     """Check that a view keeps the last dim (the block axis); returns the new leading shape."""
-    if last_dim(shape_old) != last_dim(shape_new) or len(shape_new) == 0 or len(shape_old) == 0:
+    # a 0-d tensor counts as one block of one element (last dim 1), like its stored layout
+    if last_dim(shape_old) != last_dim(shape_new):
         raise _common.UnsupportedOpError(
             f"{fmt}: cannot view shape {shape_old} as {shape_new} without dequantizing: "
             "the blocks run along the last dim, so a view must keep it"

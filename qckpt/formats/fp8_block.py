@@ -65,6 +65,15 @@ def _as3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, m, n)
 
 
+def _mn(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The (M, N) matrix that the tiles cover (see _as3d)."""
+    if len(shape) == 0:
+        return (1, 1)
+    if len(shape) == 1:
+        return (1, shape[0])
+    return (shape[-2], shape[-1])
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -195,16 +204,12 @@ class Fp8BlockFormat(Format):
 
     def view_fields(self, q, shape):  # noqa: ANN001, ANN201
         old = tuple(q.shape)
-        keep = min(2, len(old))
-        if len(shape) < keep or tuple(shape[len(shape) - keep :]) != old[len(old) - keep :]:
+        # the tiles live on the (M, N) matrix of _as3d: a view may reshape the leading dims only
+        if _mn(old) != _mn(tuple(shape)):
             raise UnsupportedOpError(
                 f"fp8_block: cannot view shape {old} as {tuple(shape)} without dequantizing: "
                 "the tiles span the last two dims, so a view must keep them"
             )
-        if len(old) < 2 and len(shape) >= 2:
-            # a 1-D tensor is one row of tiles: viewing it as (1, ..., N) keeps that
-            if any(s != 1 for s in shape[:-1]):
-                raise UnsupportedOpError(f"fp8_block: cannot view {old} as {tuple(shape)}")
         sshape = self.scale_shape(tuple(shape), q.opts["block_size"])
         return {"qdata": q.qdata.reshape(shape), "scale": q.scale.reshape(sshape)}
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from qckpt.errors import FormatError
 from qckpt.formats._base import FORMATS, Format, infer_shape
 from qckpt.formats._common import UnsupportedOpError
 
@@ -433,7 +434,11 @@ def _scaled_mm_linear(
         return None
     from qckpt.formats import quantize
 
-    xq = quantize(x2, "fp8")
+    try:
+        xq = quantize(x2, "fp8")
+    except FormatError:
+        # non-finite activations: let the dequantized matmul propagate them as torch would
+        return None
     try:
         out = torch._scaled_mm(
             xq.qdata,

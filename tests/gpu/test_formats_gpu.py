@@ -126,3 +126,12 @@ def test_to_device_round_trip() -> None:
     c = q.to("cuda")
     assert c.device.type == "cuda" and c.qdata.is_cuda and c.global_scale.is_cuda
     assert torch.equal(c.to("cpu").dequantize(torch.float32), q.dequantize(torch.float32))
+
+
+def test_linear_scaled_mm_non_finite_input_propagates() -> None:
+    lin = torch.nn.Linear(64, 32, device="cuda", dtype=torch.bfloat16)
+    lin.weight = torch.nn.Parameter(quantize(lin.weight.detach(), "fp8"), requires_grad=False)
+    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    x[3, 5] = float("nan")
+    y = lin(x)  # no FormatError: the dequantized matmul propagates NaN as torch would
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[:3]).all()

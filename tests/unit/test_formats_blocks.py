@@ -290,3 +290,18 @@ def test_mxfp8_bf16_round_trip_exception_is_the_documented_one() -> None:
     assert torch.equal(u8(q32.qdata), u8(q.qdata))
     q16 = quantize(q.dequantize(torch.bfloat16), "mxfp8")
     assert q16.qdata[0, 1].float().item() == 0.0 and torch.equal(q16.scale, q.scale)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("shape", [(), (0,), (0, 32), (5, 0), (1,), (3, 1, 1), (17,)])
+def test_degenerate_shapes(fmt: str, shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(11))
+    q = quantize(x, fmt)
+    d = q.dequantize(torch.float32)
+    assert d.shape == x.shape
+    if x.numel():
+        assert torch.allclose(d, x, rtol=0.2, atol=1e-6 + 0.2 * x.abs().max().item())
+    q.copy_(x)
+    v = q.view((1, *shape))  # a prepended singleton (what a checkpoint unwrap undoes)
+    assert torch.equal(v.dequantize(torch.float32), d.view((1, *shape)))
+    assert torch.equal(v.view(shape).dequantize(torch.float32), d)

@@ -70,6 +70,15 @@ def sc_uneven_block(rank, world):
     return _sync_or_error([b])
 
 
+def sc_ep_remote_expert_weight(rank, world, owner_lacks):
+    # EP2 x DP2: ranks 0 and 1 hold expert 5 (local), ranks 2 and 3 keep a remote placeholder
+    w = _q("model.layers.0.mlp.experts.5.down_proj", "channel", kind="weight", local=rank < 2)
+    if rank == 0 or (rank == 1 and not owner_lacks):
+        w.collect(torch.full((4, 8), 2.0))
+    out = _sync_or_error([w])
+    return out | {"w": _amax(w)}
+
+
 def sc_nobody(rank, world):
     c = _q("m.c", "channel", kind="weight")
     b = _q("m.b", "block", kind="weight")
@@ -261,6 +270,14 @@ def test_uneven_per_channel_raises_on_every_rank_naming_it(world):
 def test_uneven_per_block_raises_on_every_rank(world):
     out = world.run(sc_uneven_block)
     _assert_all_raise(out, "model.layers.1.self_attn.o_proj.input_amax", "3 of 4 ranks lacked it")
+
+
+def test_remote_expert_weight_needs_only_its_holders(world):
+    out = world.run(sc_ep_remote_expert_weight, False)
+    _assert_all_ok(out)
+    assert [o.value["w"] for o in out] == [[2.0] * 4] * 4  # the holders' value reaches everyone
+    out = world.run(sc_ep_remote_expert_weight, True)
+    _assert_all_raise(out, "experts.5.down_proj.weight_amax", "1 of 2 ranks lacked it")
 
 
 def test_per_channel_nobody_calibrated_is_fine(world):

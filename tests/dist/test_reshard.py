@@ -156,6 +156,14 @@ def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
     assert rep.read_items == 2 * n_tensors and rep.transient_bytes == rep.predicted_transient_bytes
     _assert_same(_fields_of(m), ref, "save 2 -> load 1")
 
+    # a sharded checkpoint reads back whole, one tensor at a time (export / inspect / convert)
+    from qckpt.checkpoint.sources import iter_checkpoint_tensors
+
+    want = Toy(seed=1).state_dict()
+    for c in (c2, c4):
+        got = dict(iter_checkpoint_tensors(c))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
     # why the plan-order reader: DCP's stock FileSystemReader walks file by file, so with every
     # tensor split over 4 files all scratches are alive at once (2 * sum(numel))
     from qckpt.checkpoint.planner import MemoryMeter, StreamingDequantLoadPlanner

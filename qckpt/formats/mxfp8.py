@@ -18,6 +18,15 @@ emax = 8 (E4M3) / 15 (E5M2), clamped to ``[-127, 127]``; codes are
 * Elements below the E4M3 normal range become FP8 subnormals; E8M0 has no subnormals.
 * ``amax=`` is not an option: MX scales are per block and always computed (current scaling).
 
+``scale_rounding="rceil"`` (the rule of NVIDIA's MXFP8 kernels, cuBLAS and Transformer Engine:
+``cvt.rp.satfinite.ue8m0``): ``e = ceil(log2(amax_block / fp8_max))``, computed exactly from the
+bits of the float32 quotient, clamped to ``[-127, 127]``. Nothing saturates, but it is *not*
+idempotent: a block whose largest element rounds down to code 224 (``amax / 2**e`` in
+(224, 232)) dequantizes to an amax of exactly ``224 * 2**e = 448 * 2**(e-1)``, which
+re-quantizes with half the scale and doubled codes (tested). That is the mechanism behind Megatron-LM #6666's non-idempotent MXFP8 round trip;
+the default FLOOR rule has no such case. RCEIL matches torchao's ``ScaleCalculationMode.RCEIL``
+bit for bit except for blocks clamped to code 0 (torchao then multiplies by 1.0).
+
 Deliberate difference from torchao's ``to_mx`` (FLOOR): for a block whose exponent clamps to
 -127 (amax < 2**-119, e.g. all zeros) torchao divides by 2**-126 (it clamps the FP32 scale to the
 smallest normal) while storing code 0 (2**-127), so its codes and its scale disagree by 2x; we
@@ -62,7 +71,7 @@ BLOCK = 32
 
 
 def _mx_kernel(
-    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, emax: int
+    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, emax: int, rceil: bool
 ) -> torch.Tensor:
     """One (R, K) chunk -> codes into out_q (R, K), biased exponents into out_s (R, nb)."""
     r, k = c.shape
@@ -70,8 +79,16 @@ def _mx_kernel(
     blocks = padded_blocks(c, BLOCK)
     # inf-norm = max|x| without an |x| temporary; NaN/Inf propagate (checked by the caller)
     amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
-    bits = amax.view(torch.int32)
-    e = (((bits >> 23) & 0xFF) - 127 - emax).clamp(-127, 127)
+    if rceil:
+        # 2**ceil(log2(amax / fp8_max)), exactly from the bits of the FP32 quotient: its
+        # exponent, plus one if any mantissa bit is set; a subnormal/zero quotient -> -127
+        bits = (amax / fmax).view(torch.int32)
+        ebits = (bits >> 23) & 0xFF
+        e = ebits - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        e = torch.where(ebits == 0, torch.full_like(e, -127), e).clamp(-127, 127)
+    else:
+        bits = amax.view(torch.int32)
+        e = (((bits >> 23) & 0xFF) - 127 - emax).clamp(-127, 127)
     # multiply by the exact 2**-e (always a normal float32 here) rather than divide by 2**e,
     # which is subnormal at e = -127 and flushed to zero by some GPU code paths
     inv = exp2_int(-e)  # -e is in [-119, 127]: exact and normal
@@ -87,7 +104,15 @@ class MxFp8Format(Format):
 
     def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
         opts = dict(opts)
-        out = {"dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)), "block_size": BLOCK}
+        out = {
+            "dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)),
+            "block_size": BLOCK,
+            "scale_rounding": opts.pop("scale_rounding", "floor"),
+        }
+        if out["scale_rounding"] not in ("floor", "rceil"):
+            raise FormatError(
+                f"mxfp8: scale_rounding must be 'floor' or 'rceil', got {out['scale_rounding']!r}"
+            )
         bs = opts.pop("block_size", BLOCK)
         if bs != BLOCK:
             raise FormatError(f"mxfp8: block_size is {BLOCK} (OCP MX v1.0), got {bs}")
@@ -108,7 +133,14 @@ class MxFp8Format(Format):
             return
         ce = _common.quant_chunk(x.device, _mx_kernel)
         for a, b in row_chunks(x2.shape[0], k, ce):
-            m = run_kernel(_mx_kernel, x2[a:b], q2[a:b], s2[a:b], FP8_EMAX[opts["dtype"]])
+            m = run_kernel(
+                _mx_kernel,
+                x2[a:b],
+                q2[a:b],
+                s2[a:b],
+                FP8_EMAX[opts["dtype"]],
+                opts["scale_rounding"] == "rceil",
+            )
             bad = torch.maximum(bad, m)
         check_finite_amax(bad, self.name)
 

@@ -305,3 +305,22 @@ def test_degenerate_shapes(fmt: str, shape: tuple[int, ...]) -> None:
     v = q.view((1, *shape))  # a prepended singleton (what a checkpoint unwrap undoes)
     assert torch.equal(v.dequantize(torch.float32), d.view((1, *shape)))
     assert torch.equal(v.view(shape).dequantize(torch.float32), d)
+
+
+def test_mxfp8_rceil_no_saturation_but_not_idempotent() -> None:
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 229.0 * 2**-7, 1.0
+    q = quantize(x, "mxfp8", scale_rounding="rceil")
+    assert q.scale.item() == 127 - 7  # ceil(log2(1.789 / 448)) = -7
+    assert q.qdata[0, 0].float().item() == 224.0  # 229 rounds down to 224
+    q2 = quantize(q.dequantize(torch.float32), "mxfp8", scale_rounding="rceil")
+    assert q2.scale.item() == 127 - 8 and q2.qdata[0, 0].float().item() == 448.0
+    assert torch.equal(q2.dequantize(torch.float32), q.dequantize(torch.float32))
+    # FLOOR (the default) keeps it: floor(log2 1.789) - 8 = -8 both times
+    f = quantize(x, "mxfp8")
+    f2 = quantize(f.dequantize(torch.bfloat16), "mxfp8")
+    assert torch.equal(f.scale, f2.scale) and torch.equal(u8(f.qdata), u8(f2.qdata))
+    # RCEIL never saturates: amax / 2**e <= 448
+    y = torch.randn(64, 256, generator=torch.Generator().manual_seed(12)) * 100
+    qr = quantize(y, "mxfp8", scale_rounding="rceil")
+    assert torch.all((qr.dequantize(torch.float32) - y).abs() <= y.abs() * 2**-4 + 1e-30)

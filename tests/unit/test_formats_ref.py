@@ -75,6 +75,18 @@ def test_mxfp8_matches_torchao(elem: torch.dtype, dtype: torch.dtype, name: str)
     assert torch.equal(q.dequantize(torch.float32)[same], ref_hp[same])
 
 
+@pytest.mark.parametrize("elem", [E4, E5])
+@pytest.mark.parametrize("dtype,name", CASES)
+def test_mxfp8_rceil_matches_torchao(elem: torch.dtype, dtype: torch.dtype, name: str) -> None:
+    x = _inputs(dtype)[name]
+    q = quantize(x, "mxfp8", dtype=elem, scale_rounding="rceil")
+    ref_s, ref_d = mx.to_mx(x, elem, 32, scaling_mode=mx.ScaleCalculationMode.RCEIL)
+    assert torch.equal(q.scale, u8(ref_s).view(q.scale.shape))
+    # blocks clamped to code 0: torchao multiplies by 1.0 there (documented difference)
+    same = (q.scale != 0).repeat_interleave(32, dim=-1)
+    assert torch.equal(u8(q.qdata)[same], u8(ref_d)[same])
+
+
 def test_mxfp8_tiny_block_difference_is_documented() -> None:
     # amax < 2**-119: both store E8M0 code 0 (2**-127); torchao divides by 2**-126 (its FP32
     # scale floor), we by the stored 2**-127, so our codes dequantize to the input

@@ -158,9 +158,11 @@ def test_plain_tensors_untouched_by_streaming_path(toy_ckpt):
 def test_streaming_is_the_default(toy_ckpt):
     assert inspect.signature(load_checkpoint).parameters["stream"].default is True
     assert recipe_from_dict({}).load.stream is True
-    rep = load_checkpoint(toy_quantized("fp8"), toy_ckpt[0])
+    ticks = []
+    rep = load_checkpoint(toy_quantized("fp8"), toy_ckpt[0], progress=ticks.append)
     assert rep.stream is True
     assert rep.transient_bytes == rep.predicted_transient_bytes
+    assert sum(ticks) == rep.tensors == 7  # progress: one tick per finished tensor
 
 
 def test_recipe_flags_reach_the_planner(toy_ckpt, monkeypatch):

@@ -21,7 +21,17 @@ recomputes the scale per piece (per-tensor scaling: silently wrong weights). So 
   ``update_state=False`` and restore a ``quant_state()`` snapshot as well;
 * with ``main_params=True`` the full-shape buffer is an FP32 master copy that is kept: it receives
   the checkpoint values exactly (FP32 holds BF16/FP16/FP32 exactly) and the destination is
-  quantized from its nominal-dtype rounding, the same value a BF16 scratch would hold.
+  quantized from its nominal-dtype rounding, the same value a BF16 scratch would hold;
+* checkpoints whose tensors carry extra leading singleton axes plan against the checkpoint's
+  shape (a zero-byte placeholder) and the scratch is unwrapped with ``view`` at the end;
+* ``shards`` places local blocks (EP-sharded fused experts) inside the checkpoint's global
+  tensor, so a DP x EP layout reads only its rows;
+* destinations are reached through ``destination_of``: native ``QuantizedTensor`` or, through
+  ``qckpt.formats.te``, Transformer Engine's quantized tensors.
+
+Host side (CPU loads): DCP's reader ``torch.load``s each stored chunk before copying it into the
+scratch, so the host holds chunk + scratch (up to 2 x 2 * max(numel)) for a moment; on CUDA the
+chunk stays on the host and the device transient is the scratch alone.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -210,7 +220,6 @@ class _Dest:
     done: int = 0
     buf: torch.Tensor | None = None  # full-shape scratch (nominal dtype) or FP32 master
     buf_bytes: int = 0
-    covered: int = field(default=0)
 
 
 class StreamingDequantLoadPlanner(DefaultLoadPlanner):

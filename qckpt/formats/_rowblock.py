@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,7 @@ def padded_blocks(c: torch.Tensor, block: int) -> torch.Tensor:
     return cf.view(r, nb, block)
 
 
-def row_chunks(rows: int, k: int, chunk_elems: int | None = None):  # noqa: ANN201
+def row_chunks(rows: int, k: int, chunk_elems: int | None = None) -> Iterator[tuple[int, int]]:
     return _common.chunk_ranges(rows, _common.rows_per_chunk(k, chunk_elems))
 
 

@@ -55,7 +55,7 @@ history; a zero amax_h keeps the previous ``quant_scale``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,6 +78,9 @@ from qckpt.formats._common import (
     run_kernel,
     tensor_amax,
 )
+
+if TYPE_CHECKING:
+    from qckpt.formats.tensor import QuantizedTensor
 
 
 def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
@@ -222,7 +225,7 @@ class Fp8Format(Format):
             _quantize_tensorwise(x, s, qdata, self.name, check)
         scale.copy_(s.reshape(scale.shape))
 
-    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+    def quantize(self, x: torch.Tensor, opts: dict[str, Any], amax: Any) -> dict[str, torch.Tensor]:
         check_input(x, self.name)
         qdata = torch.empty(x.shape, dtype=opts["dtype"], device=x.device)
         shape = _channel_scale_shape(tuple(x.shape)) if opts["granularity"] == "channel" else ()
@@ -230,7 +233,7 @@ class Fp8Format(Format):
         self._write(x, opts, amax, qdata, scale)
         return {"qdata": qdata, "scale": scale}
 
-    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         check_input(x, self.name)
         if q.qdata.is_contiguous() and tuple(q.qdata.shape) == tuple(x.shape):
             # write the codes straight into the destination: no second output-size buffer
@@ -241,7 +244,7 @@ class Fp8Format(Format):
             q.qdata.copy_(fields["qdata"])
             q.scale.copy_(fields["scale"].reshape(q.scale.shape))
 
-    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         qd = q.qdata
         out = torch.empty(qd.shape, dtype=dtype, device=qd.device)
         if qd.dim() == 0 or qd.numel() == 0:
@@ -257,7 +260,7 @@ class Fp8Format(Format):
         # per-channel: the scale broadcasts against qdata, whatever view it is
         return out.copy_(qd.to(torch.float32) * q.scale)
 
-    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+    def view_fields(self, q: QuantizedTensor, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
         if q.scale.numel() == 1 and q.opts["granularity"] == "tensor":
             # one scale: any view of the codes is a view of the value
             return {"qdata": q.qdata.reshape(shape), "scale": q.scale}
@@ -279,7 +282,7 @@ class Fp8Format(Format):
             "a view must keep the channel dim"
         )
 
-    def transpose_fields(self, q):  # noqa: ANN001, ANN201
+    def transpose_fields(self, q: QuantizedTensor) -> Any:
         # the scale broadcasts against qdata, so transposing both keeps it per output row
         return {"qdata": q.qdata.t(), "scale": q.scale.t() if q.scale.dim() == 2 else q.scale}
 
@@ -321,7 +324,7 @@ class Fp8DelayedFormat(Format):
         # no amax seen yet (or an all-zero tensor): keep the previous scale, like TE
         return torch.where(a > 0, s, prev_scale.reshape(()))
 
-    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+    def quantize(self, x: torch.Tensor, opts: dict[str, Any], amax: Any) -> dict[str, torch.Tensor]:
         check_input(x, self.name)
         if amax is not None:
             a = as_amax(amax, x.device).reshape(())
@@ -337,7 +340,7 @@ class Fp8DelayedFormat(Format):
         _quantize_tensorwise(x, scale, qdata, self.name, check)
         return {"qdata": qdata, "scale": scale, "amax_history": hist, "quant_scale": scale.clone()}
 
-    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         check_input(x, self.name)
         # the amax is needed for the NaN/Inf check even when the state is not updated
         a = tensor_amax(x)
@@ -356,10 +359,10 @@ class Fp8DelayedFormat(Format):
             h[0] = a
             q.quant_scale.copy_(self.scale_from_history(h, qs, q.opts))
 
-    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         return FP8.dequantize(q, dtype)
 
-    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+    def view_fields(self, q: QuantizedTensor, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
         return {
             "qdata": q.qdata.reshape(shape),
             "scale": q.scale,
@@ -367,7 +370,7 @@ class Fp8DelayedFormat(Format):
             "quant_scale": q.quant_scale,
         }
 
-    def transpose_fields(self, q):  # noqa: ANN001, ANN201
+    def transpose_fields(self, q: QuantizedTensor) -> Any:
         return {
             "qdata": q.qdata.t(),
             "scale": q.scale,

@@ -30,7 +30,7 @@ ulp, through bfloat16 more); with ``pow2_scale=True`` bit-exact.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ from qckpt.formats._common import (
     pow2_exponent,
     run_kernel,
 )
+
+if TYPE_CHECKING:
+    from qckpt.formats.tensor import QuantizedTensor
 
 
 def _as3d(x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +139,14 @@ class Fp8BlockFormat(Format):
             return (_cdiv(shape[0], bs[1]),)
         return tuple(shape[:-2]) + (_cdiv(shape[-2], bs[0]), _cdiv(shape[-1], bs[1]))
 
-    def _write(self, x, opts, amax, qdata, scale) -> None:  # noqa: ANN001
+    def _write(
+        self,
+        x: torch.Tensor,
+        opts: dict[str, Any],
+        amax: Any,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+    ) -> None:
         if amax is not None:
             raise FormatError("fp8_block: amax= is not supported (scales are per tile)")
         br, bc = opts["block_size"]
@@ -165,7 +175,7 @@ class Fp8BlockFormat(Format):
                 )
         check_finite_amax(bad, self.name)
 
-    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+    def quantize(self, x: torch.Tensor, opts: dict[str, Any], amax: Any) -> dict[str, torch.Tensor]:
         check_input(x, self.name)
         qdata = torch.empty(x.shape, dtype=opts["dtype"], device=x.device)
         scale = torch.empty(
@@ -176,7 +186,7 @@ class Fp8BlockFormat(Format):
         self._write(x, opts, amax, qdata, scale)
         return {"qdata": qdata, "scale": scale}
 
-    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         check_input(x, self.name)
         if q.qdata.is_contiguous() and q.scale.is_contiguous():
             self._write(x, q.opts, None, q.qdata, q.scale)
@@ -185,7 +195,7 @@ class Fp8BlockFormat(Format):
             q.qdata.copy_(f["qdata"])
             q.scale.copy_(f["scale"])
 
-    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         br, bc = q.opts["block_size"]
         out = torch.empty(q.shape, dtype=dtype, device=q.qdata.device)
         if out.numel() == 0:
@@ -202,7 +212,7 @@ class Fp8BlockFormat(Format):
                 o3[i, lo:hi].copy_(q3[i, lo:hi].to(torch.float32) * s)
         return out
 
-    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+    def view_fields(self, q: QuantizedTensor, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
         old = tuple(q.shape)
         # the tiles live on the (M, N) matrix of _as3d: a view may reshape the leading dims only
         if _mn(old) != _mn(tuple(shape)):
@@ -213,7 +223,7 @@ class Fp8BlockFormat(Format):
         sshape = self.scale_shape(tuple(shape), q.opts["block_size"])
         return {"qdata": q.qdata.reshape(shape), "scale": q.scale.reshape(sshape)}
 
-    def transpose_fields(self, q):  # noqa: ANN001, ANN201
+    def transpose_fields(self, q: QuantizedTensor) -> Any:
         if q.dim() != 2:
             raise UnsupportedOpError("fp8_block: t() needs a 2-D tensor")
         # tiles of the transpose are the transposed tiles: (br, bc) becomes (bc, br)

@@ -42,7 +42,7 @@ bfloat16 flushes those (tested). Views keep the layout only if they keep the las
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -68,6 +68,9 @@ from qckpt.formats._rowblock import (
 )
 
 BLOCK = 32
+
+if TYPE_CHECKING:
+    from qckpt.formats.tensor import QuantizedTensor
 
 
 def _mx_kernel(
@@ -144,7 +147,7 @@ class MxFp8Format(Format):
             bad = torch.maximum(bad, m)
         check_finite_amax(bad, self.name)
 
-    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+    def quantize(self, x: torch.Tensor, opts: dict[str, Any], amax: Any) -> dict[str, torch.Tensor]:
         check_input(x, self.name)
         if amax is not None:
             raise FormatError("mxfp8: amax= is not supported (scales are per 32-element block)")
@@ -155,7 +158,7 @@ class MxFp8Format(Format):
         self._write(x, opts, qdata, scale)
         return {"qdata": qdata, "scale": scale}
 
-    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         check_input(x, self.name)
         if q.qdata.is_contiguous() and q.scale.is_contiguous():
             self._write(x, q.opts, q.qdata, q.scale)
@@ -164,7 +167,7 @@ class MxFp8Format(Format):
             q.qdata.copy_(f["qdata"])
             q.scale.copy_(f["scale"])
 
-    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         shape = tuple(q.shape)
         out = torch.empty(shape, dtype=dtype, device=q.qdata.device)
         q2 = rows2d(q.qdata)
@@ -183,7 +186,7 @@ class MxFp8Format(Format):
             o2[a:b].copy_(v.view(b - a, -1)[:, :k])
         return out
 
-    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+    def view_fields(self, q: QuantizedTensor, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
         lead = view_keep_last(tuple(q.shape), tuple(shape), self.name)
         nb = q.scale.shape[-1]
         return {"qdata": q.qdata.reshape(shape), "scale": q.scale.reshape(lead + (nb,))}

@@ -33,7 +33,7 @@ the dequantized values themselves are rounded too (a code times a non-power-of-t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,6 +62,9 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_TINY = 2.0**-6
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+if TYPE_CHECKING:
+    from qckpt.formats.tensor import QuantizedTensor
 
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
@@ -122,7 +125,14 @@ class NvFp4Format(Format):
             raise FormatError(f"nvfp4: unknown options {sorted(opts)}")
         return {"block_size": BLOCK}
 
-    def _write(self, x, amax, qdata, scale, gscale) -> None:  # noqa: ANN001
+    def _write(
+        self,
+        x: torch.Tensor,
+        amax: Any,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        gscale: torch.Tensor,
+    ) -> None:
         if amax is None:
             a = tensor_amax(x)
             check_finite_amax(a, self.name)
@@ -151,7 +161,7 @@ class NvFp4Format(Format):
         lead = shape[:-1] if shape else ()
         return lead + (-(-k // 2),), lead + (nblocks(k, BLOCK),)
 
-    def quantize(self, x, opts, amax):  # noqa: ANN001, ANN201
+    def quantize(self, x: torch.Tensor, opts: dict[str, Any], amax: Any) -> dict[str, torch.Tensor]:
         check_input(x, self.name)
         qshape, sshape = self._shapes(tuple(x.shape))
         qdata = torch.empty(qshape, dtype=torch.uint8, device=x.device)
@@ -160,7 +170,7 @@ class NvFp4Format(Format):
         self._write(x, amax, qdata, scale, gscale)
         return {"qdata": qdata, "scale": scale, "global_scale": gscale}
 
-    def quantize_into(self, q, x, update_state=True):  # noqa: ANN001, ANN201
+    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         check_input(x, self.name)
         if all(t.is_contiguous() for t in (q.qdata, q.scale)):
             self._write(x, None, q.qdata, q.scale, q.global_scale)
@@ -169,7 +179,7 @@ class NvFp4Format(Format):
             for k, v in f.items():
                 getattr(q, k).copy_(v)
 
-    def dequantize(self, q, dtype):  # noqa: ANN001, ANN201
+    def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         shape = tuple(q.shape)
         out = torch.empty(shape, dtype=dtype, device=q.qdata.device)
         k = last_dim(shape)
@@ -190,7 +200,7 @@ class NvFp4Format(Format):
             o2[lo:hi].copy_(v.view(hi - lo, -1)[:, :k])
         return out
 
-    def view_fields(self, q, shape):  # noqa: ANN001, ANN201
+    def view_fields(self, q: QuantizedTensor, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
         lead = view_keep_last(tuple(q.shape), tuple(shape), self.name)
         return {
             "qdata": q.qdata.reshape(lead + (q.qdata.shape[-1],)),

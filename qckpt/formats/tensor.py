@@ -204,7 +204,12 @@ def is_quantized(t: Any) -> bool:
     return isinstance(t, QuantizedTensor)
 
 
-def _like(q: QuantizedTensor, fields: dict[str, torch.Tensor], shape=None, dtype=None):  # noqa: ANN001, ANN202
+def _like(
+    q: QuantizedTensor,
+    fields: dict[str, torch.Tensor],
+    shape: Any = None,
+    dtype: torch.dtype | None = None,
+) -> QuantizedTensor:
     return QuantizedTensor(
         fields,
         q.fmt,
@@ -218,20 +223,20 @@ def _like(q: QuantizedTensor, fields: dict[str, torch.Tensor], shape=None, dtype
 
 
 @implements([aten.detach.default, aten.alias.default])
-def _detach(func, args, kwargs):  # noqa: ANN001, ANN202
+def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
     q = args[0]
     return _like(q, {k: func(v) for k, v in q.fields().items()})
 
 
 @implements([aten.clone.default])
-def _clone(func, args, kwargs):  # noqa: ANN001, ANN202
+def _clone(func: Any, args: tuple, kwargs: dict) -> Any:
     q = args[0]
     # memory_format is about the nominal layout; the codes keep theirs
     return _like(q, {k: v.clone() for k, v in q.fields().items()})
 
 
 @implements([aten._to_copy.default])
-def _to_copy(func, args, kwargs):  # noqa: ANN001, ANN202
+def _to_copy(func: Any, args: tuple, kwargs: dict) -> Any:
     q = args[0]
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", None) or q.dtype
@@ -255,7 +260,7 @@ def _to_copy(func, args, kwargs):  # noqa: ANN001, ANN202
 
 
 @implements([aten.copy_.default])
-def _copy_(func, args, kwargs):  # noqa: ANN001, ANN202
+def _copy_(func: Any, args: tuple, kwargs: dict) -> Any:
     dst, src = args[0], args[1]
     if isinstance(dst, QuantizedTensor):
         if isinstance(src, QuantizedTensor) and src.fmt == dst.fmt and src.shape == dst.shape:
@@ -285,12 +290,12 @@ def _view(q: QuantizedTensor, shape: Any) -> QuantizedTensor:
 
 
 @implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
-def _view_op(func, args, kwargs):  # noqa: ANN001, ANN202
+def _view_op(func: Any, args: tuple, kwargs: dict) -> Any:
     return _view(args[0], args[1])
 
 
 @implements([aten.unsqueeze.default])
-def _unsqueeze(func, args, kwargs):  # noqa: ANN001, ANN202
+def _unsqueeze(func: Any, args: tuple, kwargs: dict) -> Any:
     q, dim = args[0], args[1]
     shape = list(q.shape)
     dim = dim if dim >= 0 else dim + len(shape) + 1
@@ -299,7 +304,7 @@ def _unsqueeze(func, args, kwargs):  # noqa: ANN001, ANN202
 
 
 @implements([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default])
-def _squeeze(func, args, kwargs):  # noqa: ANN001, ANN202
+def _squeeze(func: Any, args: tuple, kwargs: dict) -> Any:
     q = args[0]
     nd = q.dim()
     if func is aten.squeeze.default:
@@ -313,7 +318,7 @@ def _squeeze(func, args, kwargs):  # noqa: ANN001, ANN202
 
 
 @implements([aten.select.int])
-def _select(func, args, kwargs):  # noqa: ANN001, ANN202
+def _select(func: Any, args: tuple, kwargs: dict) -> Any:
     q, dim, index = args[0], args[1], args[2]
     dim = dim % q.dim()
     if q.shape[dim] != 1 or index not in (0, -1):
@@ -326,7 +331,7 @@ def _select(func, args, kwargs):  # noqa: ANN001, ANN202
 
 
 @implements([aten.slice.Tensor])
-def _slice(func, args, kwargs):  # noqa: ANN001, ANN202
+def _slice(func: Any, args: tuple, kwargs: dict) -> Any:
     q = args[0]
     dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % q.dim()
     start = args[2] if len(args) > 2 else kwargs.get("start", None)
@@ -346,7 +351,7 @@ def _slice(func, args, kwargs):  # noqa: ANN001, ANN202
 
 
 @implements([aten.t.default])
-def _t(func, args, kwargs):  # noqa: ANN001, ANN202
+def _t(func: Any, args: tuple, kwargs: dict) -> Any:
     q = args[0]
     if q.dim() < 2:
         return _like(q, {k: aten.alias.default(v) for k, v in q.fields().items()})
@@ -356,7 +361,7 @@ def _t(func, args, kwargs):  # noqa: ANN001, ANN202
 
 
 @implements([aten.transpose.int])
-def _transpose(func, args, kwargs):  # noqa: ANN001, ANN202
+def _transpose(func: Any, args: tuple, kwargs: dict) -> Any:
     q, d0, d1 = args[0], args[1] % args[0].dim(), args[2] % args[0].dim()
     if d0 == d1:
         return _like(q, {k: aten.alias.default(v) for k, v in q.fields().items()})
@@ -384,19 +389,19 @@ def _compute_dtype(*ts: Any) -> torch.dtype:
 
 
 @implements([aten.mm.default, aten.bmm.default, aten.matmul.default])
-def _mm(func, args, kwargs):  # noqa: ANN001, ANN202
+def _mm(func: Any, args: tuple, kwargs: dict) -> Any:
     dt = _compute_dtype(*args)
     return func(_hp(args[0], dt), _hp(args[1], dt), **kwargs)
 
 
 @implements([aten.addmm.default])
-def _addmm(func, args, kwargs):  # noqa: ANN001, ANN202
+def _addmm(func: Any, args: tuple, kwargs: dict) -> Any:
     dt = _compute_dtype(*args)
     return func(*[_hp(a, dt) for a in args], **kwargs)
 
 
 @implements([aten.linear.default])
-def _linear_aten(func, args, kwargs):  # noqa: ANN001, ANN202
+def _linear_aten(func: Any, args: tuple, kwargs: dict) -> Any:
     return _linear(*args, **kwargs)
 
 
@@ -459,10 +464,10 @@ def _scaled_mm_linear(
 
 
 @implements([aten.is_pinned.default])
-def _is_pinned(func, args, kwargs):  # noqa: ANN001, ANN202
+def _is_pinned(func: Any, args: tuple, kwargs: dict) -> Any:
     return args[0].qdata.is_pinned()
 
 
 @implements([aten._has_compatible_shallow_copy_type.default])
-def _compat(func, args, kwargs):  # noqa: ANN001, ANN202
+def _compat(func: Any, args: tuple, kwargs: dict) -> Any:
     return isinstance(args[0], QuantizedTensor) and isinstance(args[1], QuantizedTensor)

@@ -129,7 +129,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.empty_cache()
     set_compile("auto")
     env = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+        "device": (
+            torch.cuda.get_device_name()
+            if device.type == "cuda"
+            else f"cpu {platform.machine()} x{torch.get_num_threads()} threads"
+        ),
         "torch": torch.__version__,
         "chunk_elems": _common.CHUNK_ELEMS,
         "iters": args.iters,

@@ -7,20 +7,20 @@ that silently keeps its own value exports a wrong scale. So every enabled quanti
 sync of its group, presence travels with the values, and every decision that can fail is taken
 from data that all ranks share, so all ranks take it together.
 
-A sync is three collectives per group however many quantizers there are:
+A sync is two collectives per group however many quantizers there are:
 
 1. ``header`` (int64, MAX): a local-error flag (the failing rank + 1) and a hash of the layout
    (names, granularities, amax shapes), with its negation so that MAX also yields the minimum.
    It is fixed-size, so it is safe even when ranks disagree on the layout, and it lets every rank
-   raise before the variable-size collectives if any rank failed locally or the layouts differ.
-2. ``flags`` (int32, SUM): per quantizer, how many ranks hold its amax in each calibrator dtype
-   (float32/bfloat16/float16/float64), and how many ranks were expected to hold it (``local``).
-3. ``values`` (float32, MAX): every amax flattened into one buffer; a rank without an amax
-   contributes zero, which is neutral because an amax is a max of absolute values.
+   raise before the variable-size collective if any rank failed locally or the layouts differ.
+2. one float32 MAX over ``[values | presence | lacks]``: every amax flattened (a rank without it
+   contributes zero, neutral because an amax is a max of absolute values); per quantizer
+   ``K - dtype code`` or 0 when absent (MAX says whether anyone has it and the preferred dtype
+   among those who do); per static quantizer 1 where a rank that should hold it lacks it.
 
-2 and 3 are issued together (async) since neither depends on the other; the decisions that need
-the flags (raise for a static per-channel amax only some ranks have, raise for an incomplete MoE
-layer in strict mode) are taken afterwards, identically on every rank.
+Every decision that can fail is taken from the reduced buffer, so all ranks take it together. A
+static (per-channel/per-block) amax that some ranks have and others lack costs one more small SUM,
+on every rank, only to count the ranks for the error message.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from qckpt.calib.quantizer import DTYPE_CODE, DTYPES, AmaxBank, TensorQuantizer
 from qckpt.errors import SyncError
 from qckpt.parallel.mesh import group_device
 
-# the flags count, per quantizer, the ranks that hold its amax in each of these dtypes
+# presence travels as K - (dtype code): 1..K for the dtypes in DTYPES, 0 for absent
 K = len(DTYPES)
-COLLECTIVES_PER_SYNC = 3
+COLLECTIVES_PER_SYNC = 2  # + 1 only on the way to raising for a static amax some ranks lack
 _MAX_NAMED = 6  # how many quantizers an error message names before "and N more"
 
 
@@ -189,7 +189,10 @@ def sync_amax(
     dev = group_device(group)
 
     # -- local packing (no communication yet) ---------------------------------------------------
-    values = torch.zeros(total, dtype=torch.float32, device=dev)
+    # one float32 buffer, reduced with MAX: [amax values | presence+dtype per quantizer | "lacks
+    # it" per static quantizer]. Presence travels in the same collective as the values.
+    buf = torch.zeros(total + n + (n - ns), dtype=torch.float32, device=dev)
+    values = buf[:total]
     codes_t = torch.full((n,), -1, dtype=torch.int64)
     for bank, slots, pos in plan.banks:
         # a bank's absent slots may hold stale numbers: select, never trust them
@@ -210,12 +213,12 @@ def sync_amax(
             if not bool(torch.isfinite(values[offsets[i] : offsets[i + 1]]).all()):
                 bad.append(q.key)
         local_error = f"non-finite amax in {_names(bad)}"
-
-    flags = torch.zeros(n * K + (n - ns), dtype=torch.int32)
     have_local = codes_t >= 0
-    pidx = torch.nonzero(have_local).squeeze(1)
-    flags[pidx * K + codes_t[pidx]] = 1
-    flags[n * K :] = plan.expected
+    # K - code: 0 for "not here"; under MAX, > 0 means "somebody has it", and the largest is the
+    # most preferred dtype among those who have it (DTYPES is in order of preference)
+    tail = torch.where(have_local, K - codes_t, 0).to(torch.float32)
+    lacks = (plan.expected > 0) & ~have_local[ns:]  # static: this rank should have it but does not
+    buf[total:] = torch.cat([tail, lacks.to(torch.float32)]).to(dev)
 
     # -- collectives ----------------------------------------------------------------------------
     if group is not None:
@@ -237,25 +240,30 @@ def sync_amax(
                 f"amax sync over the {what} group: ranks disagree on the quantizers to sync "
                 "(different models or recipes on different ranks)"
             )
-        flags = flags.to(dev)
-        _run(group, [(flags, dist.ReduceOp.SUM), (values, dist.ReduceOp.MAX)], what)
-        res.collectives += 2
-        res.bytes = header.numel() * 8 + flags.numel() * 4 + values.numel() * 4
-        flags = flags.cpu()
+        _run(group, [(buf, dist.ReduceOp.MAX)], what)
+        res.collectives += 1
+        res.bytes = header.numel() * 8 + buf.numel() * 4
     elif local_error is not None:
         raise SyncError(f"calibration failed: {local_error}")
 
     # -- decisions, identical on every rank because they read only reduced data -----------------
-    counts = flags[: n * K].view(n, K)
-    have = counts.sum(1)
+    tail_r = buf[total:].cpu()
+    best = tail_r[:n].to(torch.int64)
+    have = best > 0
     if n > ns:
-        hs, es = have[ns:], flags[n * K :].to(torch.int64)
-        uneven = torch.nonzero((hs > 0) & (hs < es)).squeeze(1).tolist()
-        if uneven:
+        some = torch.nonzero(have[ns:] & (tail_r[n:] > 0)).squeeze(1).tolist()
+        if some:
+            # every rank is here (the condition reads reduced data only): count who lacked what
+            counts = torch.stack([lacks, plan.expected > 0]).to(torch.int32)[:, some]
+            if group is not None:
+                counts = counts.to(dev)
+                _run(group, [(counts, dist.ReduceOp.SUM)], what)
+                res.collectives += 1
+            lacked, expected = counts.cpu().tolist()
             items = [
                 f"{order[ns + j].key} ({order[ns + j].granularity}: "
-                f"{int(es[j] - hs[j])} of {int(es[j])} ranks lacked it)"
-                for j in uneven
+                f"{lacked[k]} of {expected[k]} ranks lacked it)"
+                for k, j in enumerate(some)
             ]
             raise SyncError(
                 f"amax sync over the {what} group: static amax calibrated on only some ranks: "
@@ -277,9 +285,8 @@ def sync_amax(
             )
 
     # the dtype a rank without the amax adopts: the first in DTYPES among the ranks that have it
-    group_code = torch.argmax((counts > 0).to(torch.int8), dim=1)
-    final = torch.where(have_local, codes_t, group_code)
-    assigned = have > 0
+    final = torch.where(have_local, codes_t, (K - best).clamp(max=K - 1))
+    assigned = have.clone()
     shared: list[int] = []
     for idx in plan.share_groups:
         hot = [i for i in idx if have_l[i] > 0]

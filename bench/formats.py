@@ -152,7 +152,7 @@ def table(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         lines.append(
             f"| {r['size_mib']:g} | {r['format']} | {r['mode']} | {r['op']} | "
-            f"{r['seconds'] * 1e3:.3f} | {r['gbps']:.1f} | {r['vs_copy']:.2f} | "
+            f"{r['seconds'] * 1e3:.3f} | {r['gbps']:.3g} | {r['vs_copy']:.2f} | "
             f"{r['temp_mib']:.0f} |"
         )
     return "\n".join(lines)

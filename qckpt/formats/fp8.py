@@ -235,11 +235,20 @@ class Fp8Format(Format):
 
     def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         check_input(x, self.name)
-        if q.qdata.is_contiguous() and tuple(q.qdata.shape) == tuple(x.shape):
+        per_row = q.scale.numel() == 1 or tuple(q.scale.shape) == _channel_scale_shape(
+            tuple(x.shape)
+        )
+        if not per_row:
+            # a transposed per-channel tensor (scale (1, n)): its channels are the columns, so
+            # quantize the source back in the original orientation and write it transposed
+            f = self.quantize(x.t(), q.opts, None)
+            q.qdata.copy_(f["qdata"].t())
+            q.scale.copy_(f["scale"].t())
+        elif q.qdata.is_contiguous():
             # write the codes straight into the destination: no second output-size buffer
             self._write(x, q.opts, None, q.qdata, q.scale)
         else:
-            # a transposed view: quantize the transposed source into a contiguous buffer
+            # a transposed per-tensor view: quantize into a contiguous buffer, copy over
             fields = self.quantize(x, q.opts, None)
             q.qdata.copy_(fields["qdata"])
             q.scale.copy_(fields["scale"].reshape(q.scale.shape))

@@ -231,8 +231,13 @@ def _detach(func: Any, args: tuple, kwargs: dict) -> Any:
 @implements([aten.clone.default])
 def _clone(func: Any, args: tuple, kwargs: dict) -> Any:
     q = args[0]
-    # memory_format is about the nominal layout; the codes keep theirs
-    return _like(q, {k: v.clone() for k, v in q.fields().items()})
+    if kwargs.get("memory_format") == torch.contiguous_format:
+        # .contiguous() of a transposed view: make the codes (and scales) row-major too, so the
+        # nominal strides (taken from qdata) say contiguous; the scales still broadcast/tile
+        fields = {k: v.clone(memory_format=torch.contiguous_format) for k, v in q.fields().items()}
+    else:
+        fields = {k: v.clone() for k, v in q.fields().items()}
+    return _like(q, fields)
 
 
 @implements([aten._to_copy.default])

@@ -123,16 +123,18 @@ def test_copy_semantics(q: QuantizedTensor) -> None:
         dst.quantize_(torch.randn(16, 32))
 
 
-def test_copy_into_transposed_view() -> None:
+@pytest.mark.parametrize("g", ["tensor", "channel"])
+def test_copy_into_transposed_view(g: str) -> None:
     x = torch.randn(8, 4)
-    q = quantize(x, "fp8")
+    q = quantize(x, "fp8", granularity=g)
     qt = q.t()
-    y = torch.randn(4, 8)
+    y = torch.randn(4, 8) * torch.arange(1, 9)  # columns of different magnitude
     qt.copy_(y)
-    # the transposed view writes through to the original codes
-    assert torch.equal(
-        q.dequantize(torch.float32), quantize(y, "fp8").dequantize(torch.float32).t()
-    )
+    # the transposed view writes through to the original codes; a per-channel scale stays per
+    # row of the original (= per column of the view)
+    ref = quantize(y.t().contiguous(), "fp8", granularity=g)
+    assert torch.equal(q.dequantize(torch.float32), ref.dequantize(torch.float32))
+    assert torch.equal(q.scale, ref.scale)
 
 
 @pytest.mark.parametrize(
@@ -243,3 +245,20 @@ def test_every_registered_op_handler() -> None:
     assert set(checks) == set(QuantizedTensor._OPS), set(QuantizedTensor._OPS) ^ set(checks)
     for op, check in checks.items():
         assert check(), op
+
+
+@pytest.mark.parametrize(
+    "fmt,opts",
+    [("fp8", {}), ("fp8", {"granularity": "channel"}), ("fp8_block", {"block_size": (1, 32)})],
+)
+def test_contiguous_of_transposed_view(fmt: str, opts: dict) -> None:
+    x = torch.randn(48, 64)
+    qt = quantize(x, fmt, **opts).t()
+    assert not qt.is_contiguous() and not qt.qdata.is_contiguous()
+    c = qt.contiguous()
+    assert isinstance(c, QuantizedTensor) and c.is_contiguous() and c.qdata.is_contiguous()
+    assert torch.equal(c.dequantize(torch.float32), qt.dequantize(torch.float32))
+    y = torch.randn(48, 64) * torch.arange(1, 49).view(48, 1)
+    c.copy_(y.t())  # contiguous now: quantized straight into the codes, same semantics
+    expect = quantize(y, fmt, **opts).dequantize(torch.float32).t()
+    assert torch.equal(c.dequantize(torch.float32), expect)

@@ -1,6 +1,7 @@
 """The amax sync over NCCL with 2 processes on 2 GPUs (skipped without them).
 
     python -m pytest -q -s tests/gpu/test_sync_nccl.py
+    python tests/gpu/test_sync_nccl.py          # the same, where pytest is not installed
 
 Checks on real NCCL what the gloo tests check on CPU, plus what only NCCL can show: the reduce
 buffers live on CUDA (an NCCL all-reduce of a CPU tensor fails), the amaxes stay on each rank's
@@ -10,21 +11,33 @@ of one sync of 10,000 quantizers against one-or-two collectives per quantizer.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist._harness import run_once
+try:
+    import pytest
+except ImportError:  # run as a script on a machine without pytest
+    pytest = None
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-pytestmark = [
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-        reason="needs 2 CUDA devices",
-    ),
-]
+from tests.dist._harness import run_once  # noqa: E402
+
+pytestmark = (
+    []
+    if pytest is None
+    else [
+        pytest.mark.timeout(300),
+        pytest.mark.skipif(
+            not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+            reason="needs 2 CUDA devices",
+        ),
+    ]
+)
 
 
 def _scenario(rank, world, device_type="cuda"):
@@ -151,3 +164,10 @@ def test_sync_over_nccl_two_gpus():
         f"naive (2 collectives/quantizer, extrapolated from 1,000) {t['naive_10k_s'] * 1e3:.1f} ms, "
         f"ratio {t['naive_10k_s'] / t['ours_median_s']:.0f}x"
     )
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        sys.exit("needs 2 CUDA devices")
+    test_sync_over_nccl_two_gpus()
+    print("PASSED")

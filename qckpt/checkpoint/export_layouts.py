@@ -136,21 +136,36 @@ def _row_chunks(rows: int, cols: int, align: int = 1) -> Iterator[tuple[int, int
 def fp8_quantize(
     w: torch.Tensor, scale: torch.Tensor, granularity: str, block: tuple[int, int] = (128, 128)
 ) -> torch.Tensor:
-    """``w / scale`` saturated to E4M3, chunk by chunk (scale: float32, tensor/channel/block)."""
+    """``w / scale`` saturated to E4M3, chunk by chunk (scale: float32, tensor/channel/block).
+
+    Each chunk is converted into one reused float32 buffer, divided and clamped in place, and
+    converted into the output by the copy: no full-size temporaries. (A single mixed-dtype
+    ``torch.div(bf16, f32, out=f32)`` would save a pass but runs ~3x slower on CPU.)
+    """
     rows, cols = w.shape
     out = torch.empty((rows, cols), dtype=FP8)
     b0, b1 = block
+    scale = scale.to(torch.float32)
+    buf = torch.empty(0, dtype=torch.float32)
     for r0, r1 in _row_chunks(rows, cols, b0 if granularity == "block" else 1):
-        x = w[r0:r1].to(torch.float32)
+        n = r1 - r0
+        if buf.numel() < n * cols:
+            buf = torch.empty(n * cols, dtype=torch.float32)
+        x = buf[: n * cols].view(n, cols)
+        x.copy_(w[r0:r1])
         if granularity == "tensor":
             x.div_(scale.reshape(()))
         elif granularity == "channel":
             x.div_(scale.reshape(-1, 1)[r0:r1])
         else:
             s = scale[r0 // b0 : math.ceil(r1 / b0)]
-            s = s.repeat_interleave(b0, 0)[: r1 - r0].repeat_interleave(b1, 1)[:, :cols]
-            x.div_(s)
-        out[r0:r1] = x.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+            if n % b0 == 0 and cols % b1 == 0:
+                # whole blocks: broadcast each block's scale over a 4-D view, no expanded copy
+                x.view(n // b0, b0, cols // b1, b1).div_(s.view(n // b0, 1, cols // b1, 1))
+            else:  # a partial last block: expand the scales over the chunk
+                x.div_(s.repeat_interleave(b0, 0)[:n].repeat_interleave(b1, 1)[:, :cols])
+        x.clamp_(-FP8_MAX, FP8_MAX)
+        out[r0:r1].copy_(x)
     return out
 
 

@@ -84,7 +84,7 @@ class ExportReport:
     largest_tensor_bytes: int
     seconds: float
     gbps: float  # bytes_read / seconds / 1e9
-    peak_rss_bytes: int  # the process's peak RSS (ru_maxrss), so it includes what ran before
+    peak_rss_bytes: int  # the process's peak RSS (VmHWM), so it includes what ran before
     files: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,6 +272,17 @@ class _ShardWriter:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
+
+
+def _peak_rss() -> int:
+    """The process's peak RSS: VmHWM (ru_maxrss would carry a parent's peak over fork+exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _pid_alive(pid: int) -> bool:
@@ -520,6 +531,6 @@ def export_checkpoint(
         largest_tensor_bytes=largest,
         seconds=seconds,
         gbps=bytes_read / seconds / 1e9 if seconds > 0 else 0.0,
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_rss_bytes=_peak_rss(),
         files=sorted(p.name for p in target.iterdir()),
     )

@@ -11,13 +11,16 @@ compressed-tensors (``format: float-quantized``), FP8 only:
   ``group_size`` = the last block dim). No scale is stored for dynamic inputs.
 * scales are stored in the model dtype, because that is the dtype the clients' scale parameters
   have (compressed-tensors creates them in the weight's dtype). The weight is quantized with the
-  *rounded* scale, so dequantizing with what is stored gives back what we meant.
+  *rounded* scale, so dequantizing with what is stored gives back what we meant. That is why
+  this layout quantizes here (:func:`fp8_quantize`) and not through ``qckpt.formats``, which
+  derives a float32 scale from the amax and has no option to quantize with a given scale.
 
 ModelOpt (``hf_quant_config.json`` + ``quant_method: modelopt``):
 
 * ``FP8``: per-tensor weights and static per-tensor inputs; ``weight_scale`` and ``input_scale``
   are float32 scalars ``amax / 448``.
-* ``NVFP4``: ``weight`` uint8 ``[out, in/2]`` (two E2M1 codes a byte, the even column in the low
+* ``NVFP4``: (quantized by :mod:`qckpt.formats`, whose nvfp4 layout is ModelOpt's)
+  ``weight`` uint8 ``[out, in/2]`` (two E2M1 codes a byte, the even column in the low
   nibble), ``weight_scale`` float8_e4m3fn ``[out, in/16]``, ``weight_scale_2`` float32 scalar
   ``amax / (6 * 448)``, ``input_scale`` float32 scalar ``input_amax / (6 * 448)``.
 
@@ -167,37 +170,6 @@ def fp8_quantize(
         x.clamp_(-FP8_MAX, FP8_MAX)
         out[r0:r1].copy_(x)
     return out
-
-
-# E2M1 magnitudes and the midpoints between them: a value rounds to the nearest magnitude
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-
-
-def nvfp4_quantize(
-    w: torch.Tensor, global_amax: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [out, in/2], E4M3 block scales [out, in/16], float32 scale_2)."""
-    rows, cols = w.shape
-    if cols % NVFP4_GROUP:
-        raise ExportError(f"NVFP4 needs the input dim divisible by {NVFP4_GROUP}, got {cols}")
-    scale_2 = _amax_scalar(global_amax) / (FP4_MAX * FP8_MAX)
-    packed = torch.empty((rows, cols // 2), dtype=torch.uint8)
-    scales = torch.empty((rows, cols // NVFP4_GROUP), dtype=FP8)
-    for r0, r1 in _row_chunks(rows, cols):
-        x = w[r0:r1].to(torch.float32).reshape(r1 - r0, cols // NVFP4_GROUP, NVFP4_GROUP)
-        block_amax = x.abs().amax(-1)
-        s = (block_amax / FP4_MAX / scale_2).clamp_(max=FP8_MAX).to(FP8)
-        scales[r0:r1] = s
-        # the decoder multiplies by the stored (rounded) E4M3 scale: divide by the same value
-        denom = (s.to(torch.float32) * scale_2).unsqueeze(-1)
-        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
-        x.div_(denom)
-        mag = torch.bucketize(x.abs().clamp_(max=FP4_MAX), _E2M1_MIDPOINTS).to(torch.uint8)
-        codes = mag | (x < 0).to(torch.uint8) << 3
-        codes = codes.reshape(r1 - r0, cols // 2, 2)
-        packed[r0:r1] = codes[..., 0] | (codes[..., 1] << 4)
-    return packed, scales, scale_2
 
 
 class CompressedTensorsLayout(Layout):
@@ -367,18 +339,24 @@ class ModelOptLayout(Layout):
     def quantize_linear(
         self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        # ModelOpt's scales are float32 and derived from the amax exactly as qckpt.formats
+        # derives them (amax / 448, amax / (6 * 448)), so the formats layer does the math
+        from qckpt.formats import quantize
+
         wa = _amax_scalar(amax[f"{module}.weight_amax"])
         ia = _amax_scalar(amax[f"{module}.input_amax"])
         if self.algo == "FP8":
-            scale = wa / FP8_MAX
-            yield f"{module}.weight", fp8_quantize(w, scale, "tensor")
-            yield f"{module}.weight_scale", scale
+            q = quantize(w, "fp8", granularity="tensor", amax=wa)
+            yield f"{module}.weight", q.qdata
+            yield f"{module}.weight_scale", q.scale.to(torch.float32).reshape(())
             yield f"{module}.input_scale", ia / FP8_MAX
             return
-        packed, scales, scale_2 = nvfp4_quantize(w, wa)
-        yield f"{module}.weight", packed
-        yield f"{module}.weight_scale", scales
-        yield f"{module}.weight_scale_2", scale_2
+        if w.shape[1] % NVFP4_GROUP:
+            raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
+        q = quantize(w, "nvfp4", amax=wa)
+        yield f"{module}.weight", q.qdata
+        yield f"{module}.weight_scale", q.scale
+        yield f"{module}.weight_scale_2", q.global_scale.to(torch.float32).reshape(())
         yield f"{module}.input_scale", ia / (FP4_MAX * FP8_MAX)
 
     def kv_specs(self, attn: str) -> list[OutSpec]:

@@ -80,6 +80,10 @@ def _destinations(model: nn.Module | dict[str, Any], md: Metadata) -> dict[str, 
             by_id.setdefault(id(v), []).append(k)
     out: dict[str, Any] = {}
     for k, v in sd.items():
+        if k.endswith("._extra_state") and k not in md.state_dict_metadata:
+            # Transformer Engine's per-module recipe metadata: a checkpoint written from a plain
+            # model has none, and the recipe the model was built with is the one to keep
+            continue
         names = by_id.get(id(v), [k]) if isinstance(v, torch.Tensor) else [k]
         if len(names) > 1:
             present = [n for n in names if n in md.state_dict_metadata]

@@ -31,22 +31,23 @@ def calibrate_cmd(
     from qckpt.calib.data import calibration_batches
     from qckpt.calib.state_file import fingerprint_model, save_calibration
     from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.models.build import build_model
+    from qckpt.models.build import build_model, materialize
     from qckpt.parallel.expert import shard_experts
     from qckpt.report import render_amax_report
 
     with world(r, r.load.device) as mesh:
-        model = build_model(
-            r.model.source, dtype=r.model.dtype, seed=r.model.seed, device=mesh.device
-        )
+        # built on the meta device: with parallel.ep each rank then allocates and reads only
+        # its own experts, never the whole model
+        model = build_model(r.model.source, dtype=r.model.dtype, seed=r.model.seed, device="meta")
+        fingerprint = fingerprint_model(model)  # of the whole model, before EP drops experts
+        sharded = shard_experts(model, mesh)
+        materialize(model, mesh.device)
+        if sharded:
+            _output.log(f"experts of {len(sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
         _output.log(f"reading weights from {r.checkpoint.path}")
         load_checkpoint(
             model, r.checkpoint.path, format=r.checkpoint.format, stream=True, mesh=mesh
         )
-        fingerprint = fingerprint_model(model)  # of the whole model, before EP drops experts
-        sharded = shard_experts(model, mesh)
-        if sharded:
-            _output.log(f"experts of {len(sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
         batches = calibration_batches(
             r.calibrate.data,
             vocab_size=model.config.vocab_size,

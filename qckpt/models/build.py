@@ -106,3 +106,28 @@ def model_type(model_or_config) -> str:
 
 def config_json(model: nn.Module) -> dict:
     return json.loads(model.config.to_json_string())
+
+
+def materialize(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Allocate a model built on the meta device, for a checkpoint to fill.
+
+    Parameters and persistent buffers get uninitialized memory (the load overwrites every one of
+    them); non-persistent buffers, which no checkpoint holds (rotary ``inv_freq``), are rebuilt
+    by constructing their module again from its config on the real device.
+    """
+    device = torch.device(device)
+    model.to_empty(device=device)
+    for name, mod in list(model.named_modules()):
+        transient = getattr(mod, "_non_persistent_buffers_set", set())
+        if not transient:
+            continue
+        cfg = getattr(mod, "config", None)
+        if cfg is None:
+            raise UsageError(
+                f"{name}: cannot rebuild its non-persistent buffers {sorted(transient)}"
+            )
+        with torch.device(device):
+            fresh = type(mod)(cfg)
+        for b in transient:
+            getattr(mod, b).copy_(getattr(fresh, b))
+    return model

@@ -360,3 +360,78 @@ def test_collective_count_does_not_grow_with_quantizers(world):
         # gloo: the buffers live on the CPU, as group_device says for this group
         assert {d for _, d in calls} == {"cpu"}
         assert o.value["dev_calls"] == [True]
+
+
+# ---- random scenarios against a reference written from DESIGN.md --------------------------------
+_DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+_PREF = ["f32", "f16", "bf16"]  # the order of preference among these (after float64)
+
+
+def sc_random(rank, world, spec):
+    qs = []
+    for i, s in enumerate(spec):
+        q = _q(f"model.layers.{i}.q", s["gran"], kind="weight", calib_dtype=_DT[s["dt"][rank]])
+        if rank in s["have"]:
+            w = torch.tensor(s["vals"][rank], dtype=torch.float32).view(4, 8)
+            q.collect(w.to(_DT[s["dt"][rank]]))
+        qs.append(q)
+    out = _sync_or_error(qs)
+    out["amax"] = [None if q.amax is None else q.amax.float().flatten().tolist() for q in qs]
+    out["dtype"] = [None if q.amax is None else str(q.amax.dtype).replace("torch.", "") for q in qs]
+    return out
+
+
+def _reference(spec, rank, world):
+    """What DESIGN.md says rank ``rank`` ends with, or the error every rank raises."""
+    names = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+    amax, dtype = [], []
+    for s in spec:
+        have = sorted(s["have"])
+        if s["gran"] in ("channel", "block") and 0 < len(have) < world:
+            return "SyncError"
+        if not have:
+            amax.append(None)
+            dtype.append(None)
+            continue
+        vals = []
+        for r in have:
+            w = torch.tensor(s["vals"][r]).view(4, 8).to(_DT[s["dt"][r]])
+            q = _q("x", s["gran"], kind="weight", calib_dtype=_DT[s["dt"][r]])
+            vals.append(q.reduce(w).float())
+        m = torch.stack(vals).amax(dim=0)
+        mine = s["dt"][rank] if rank in have else min((s["dt"][r] for r in have), key=_PREF.index)
+        amax.append(m.to(_DT[mine]).float().flatten().tolist())
+        dtype.append({v: k for k, v in names.items()}[mine])
+    return amax, dtype
+
+
+def test_random_presence_patterns_match_the_design(world):
+    g = torch.Generator().manual_seed(7)
+    for trial in range(12):
+        spec = []
+        for _ in range(int(torch.randint(1, 6, (1,), generator=g))):
+            gran = ["tensor", "dynamic_block", "channel", "block"][
+                int(torch.randint(0, 4, (1,), generator=g))
+            ]
+            # static quantizers mostly all-or-nothing (else the whole sync raises); sometimes not
+            if gran in ("channel", "block") and trial % 3:
+                have = list(range(N)) if torch.rand(1, generator=g) < 0.7 else []
+            else:
+                have = [r for r in range(N) if torch.rand(1, generator=g) < 0.5]
+            spec.append(
+                {
+                    "gran": gran,
+                    "have": have,
+                    "dt": [_PREF[int(torch.randint(0, 3, (1,), generator=g))] for _ in range(N)],
+                    "vals": [(torch.randn(32, generator=g) * 3).tolist() for _ in range(N)],
+                }
+            )
+        out = world.run(sc_random, spec)
+        for o in out:
+            assert o.ok, o.traceback
+            ref = _reference(spec, o.rank, N)
+            if ref == "SyncError":
+                assert o.value["error"].startswith("SyncError"), (trial, o.value)
+                continue
+            assert "error" not in o.value, (trial, o.value["error"])
+            assert (o.value["amax"], o.value["dtype"]) == ref, (trial, o.rank, spec)

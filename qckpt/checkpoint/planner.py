@@ -424,6 +424,11 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
             raise CheckpointError(f"{fqn}: cannot quantize the checkpoint's value: {exc}") from None
         # belt and braces for formats whose quantize_ touches state anyway
         d.target.load_quant_state(state)
+        if not self.keep_main_params:
+            # DCP's reader still holds a view of this scratch in its loop variable while it
+            # resolves the next item; without this, two scratches are alive at that moment
+            # (twice the bound). Freeing the storage makes the old view empty, not dangling.
+            d.buf.untyped_storage().resize_(0)
         del src, full
         d.buf = None
         if meter is not None:

@@ -12,7 +12,9 @@ The export runs in two passes over the checkpoint's *metadata* and one over its 
    flight, so host memory stays near the largest tensor however large the model is.
 
 Atomicity: everything goes into ``.{name}.qckpt-export-{pid}-{token}`` beside the target, which
-is renamed to the target at the very end. SIGINT/SIGTERM remove the temp dir; after a SIGKILL it
+is renamed to the target at the very end (with ``overwrite``, the old target is first renamed
+aside and removed after the swap; a crash between those two renames leaves the old export under
+``.{name}.qckpt-old-*`` and no target, never a partial one). SIGINT/SIGTERM remove the temp dir; after a SIGKILL it
 stays (under its hidden name) and the next export to that target removes it once its pid is gone.
 
 Test hook: ``QCKPT_EXPORT_PAUSE_AFTER=N:MARKER`` makes the export touch ``MARKER`` after writing
@@ -327,8 +329,8 @@ def _pause_hook() -> tuple[int, Path] | None:
     return int(n), Path(marker)
 
 
-class _Interrupted(BaseException):
-    """SIGTERM during an export: unwinds like KeyboardInterrupt so the temp dir is removed."""
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM during an export: unwinds as an interrupt does, so the temp dir is removed."""
 
 
 def export_checkpoint(

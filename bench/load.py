@@ -79,9 +79,11 @@ def warm_page_cache(path: Path) -> None:
                 pass
 
 
-def build(layers: int, dim: int, device: torch.device, fmt: str) -> nn.Module:
+def build(
+    layers: int, dim: int, device: torch.device, fmt: str, backend: str = "native"
+) -> nn.Module:
     m = Stack(layers, dim, device)
-    quantize_model_params(m, fmt)
+    quantize_model_params(m, fmt, backend=backend)
     return m
 
 
@@ -128,10 +130,17 @@ def stock_dcp_seconds(ckpt: Path, layers: int, dim: int, device: torch.device) -
 
 
 def same_params(a: nn.Module, b: nn.Module) -> bool:
+    from qckpt.formats.te import is_te_quantized
+
     for (_, x), (_, y) in zip(
         a.state_dict(keep_vars=True).items(), b.state_dict(keep_vars=True).items(), strict=True
     ):
-        if formats.is_quantized(x):
+        if not isinstance(x, torch.Tensor):  # TE's _extra_state
+            continue
+        if is_te_quantized(x):
+            if not torch.equal(x.dequantize(), y.dequantize()):
+                return False
+        elif formats.is_quantized(x):
             for k, v in x.fields().items():
                 w = y.fields()[k]
                 if not torch.equal(
@@ -150,8 +159,10 @@ def run(args: argparse.Namespace) -> dict:
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if args.formats is None:
+        args.formats = "fp8_delayed,fp8_block" if args.backend == "te" else "fp8,mxfp8"
     fmts = [f for f in args.formats.split(",") if f]
-    missing = [f for f in fmts if f not in formats.FORMATS]
+    missing = [f for f in fmts if f not in formats.FORMATS and args.backend == "native"]
     if missing:
         raise SystemExit(f"formats not available: {missing} (have {sorted(formats.FORMATS)})")
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="qckpt-bench-"))
@@ -166,12 +177,13 @@ def run(args: argparse.Namespace) -> dict:
     else:
         nbytes = args.layers * args.dim * args.dim * 2
     warm_page_cache(ckpt)
-    warm_kernels(fmts, args.dim, device)
+    if args.backend == "native":
+        warm_kernels(fmts, args.dim, device)
     numel = args.dim * args.dim
     rows: list[tuple[str, LoadReport]] = []
 
     def load(fmt: str, stream: bool) -> tuple[nn.Module, LoadReport]:
-        m = build(args.layers, args.dim, device, fmt)
+        m = build(args.layers, args.dim, device, fmt, args.backend if fmt != "none" else "native")
         release(device)
         rep = load_checkpoint(m, ckpt, stream=stream)
         return m, rep
@@ -228,6 +240,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{'PASS' if v else 'FAIL'}  {k}")
     result = {
         "device": str(device),
+        "backend": args.backend,
         "torch": torch.__version__,
         "layers": args.layers,
         "dim": args.dim,
@@ -264,7 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--dim", type=int, default=8192)
-    p.add_argument("--formats", default="fp8,mxfp8", help="comma-separated param formats")
+    p.add_argument(
+        "--formats",
+        default=None,
+        help="comma-separated param formats (default fp8,mxfp8; with --backend te fp8_delayed,fp8_block)",
+    )
+    p.add_argument(
+        "--backend",
+        default="native",
+        choices=["native", "te"],
+        help="te: Transformer Engine params",
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument(
         "--dir", help="where the checkpoint lives (reused if present); default a temp dir"

@@ -33,7 +33,7 @@ from qckpt.calib.quantizer import TensorQuantizer
 from qckpt.calib.state_file import CalibrationState, model_fingerprint
 from qckpt.calib.sync import sync_amax
 from qckpt.errors import SyncError
-from qckpt.models.naming import hf_tensors
+from qckpt.models.naming import hf_tensors, is_fused_experts_param
 from qckpt.parallel.mesh import Mesh, group_device
 from qckpt.recipe import QuantConfig
 
@@ -142,10 +142,23 @@ def _layer_of(name: str) -> str:
 
 def _state(model: nn.Module, qs: list[TensorQuantizer], quant_cfg: QuantConfig) -> CalibrationState:
     mtype = getattr(getattr(model, "config", None), "model_type", "") or ""
+    # under EP a rank holds only its experts; the fingerprint is of the whole checkpoint
+    n_global = {
+        name: int(mod.qckpt_num_experts)
+        for name, mod in model.named_modules()
+        if getattr(mod, "qckpt_num_experts", None) is not None
+    }
+
+    def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+        n = n_global.get(name.rpartition(".")[0])
+        if n is None or not is_fused_experts_param(name) or t.shape[0] == n:
+            return t
+        return t.new_empty(()).expand(n, *t.shape[1:])  # the global shape, no memory
+
     names_shapes = (
         (n, tuple(t.shape))
         for name, tensor in model.state_dict().items()
-        for n, t in hf_tensors(name, tensor, mtype)
+        for n, t in hf_tensors(name, whole(name, tensor), mtype)
     )
     amax = {q.key: q.amax.detach().float().cpu() for q in qs if q.amax is not None}
     return CalibrationState(

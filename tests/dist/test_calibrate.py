@@ -90,6 +90,45 @@ def sc_world_size_invariance(rank, world):
     } | {"report": report}
 
 
+def sc_dp2_ep2(rank, world):
+    """DP2 x EP2 with the EP runtime (qckpt.parallel.expert) sharding the experts."""
+    import datetime
+
+    from qckpt.parallel.expert import shard_experts
+    from qckpt.parallel.mesh import Mesh
+
+    to = datetime.timedelta(seconds=10)
+    eps = [dist.new_group([0, 1], timeout=to), dist.new_group([2, 3], timeout=to)]
+    dps = [dist.new_group([0, 2], timeout=to), dist.new_group([1, 3], timeout=to)]
+    dp_rank, ep_rank = rank // 2, rank % 2  # rank = dp_rank * ep + ep_rank
+    mesh = Mesh(
+        world_size=4,
+        rank=rank,
+        dp=2,
+        ep=2,
+        dp_rank=dp_rank,
+        ep_rank=ep_rank,
+        backend="gloo",
+        ep_group=eps[dp_rank],
+        dp_group=dps[ep_rank],
+        data_group=dist.group.WORLD,
+        world_group=dist.group.WORLD,
+    )
+    from qckpt.calib.calibrate import calibrate_model
+    from qckpt.calib.data import calibration_batches
+    from qckpt.models.build import build_model
+    from qckpt.recipe import DataConfig, QuantConfig
+
+    model = build_model("tiny-moe", dtype="bfloat16", seed=0)
+    shard_experts(model, mesh)
+    batches = calibration_batches(
+        DataConfig(**DATA), vocab_size=256, data_rank=mesh.data_rank, data_world=4
+    )
+    state, report = calibrate_model(model, batches, QuantConfig(), mesh)
+    one = _calibrate(None, 1, 0)[0] if rank == 0 else None
+    return {"state": state, "one": one, "report": report}
+
+
 def sc_cold_experts(rank, world, share):
     try:
         state, report = _calibrate(dist.group.WORLD, world, rank, share=share, bias_router=True)
@@ -156,6 +195,21 @@ def test_world_size_invariance_tiny_moe_bit_identical(world):
     layer0 = r0["report"]["layers"]["model.layers.0"]
     per_rank = [sum(c[r] for c in layer0["expert_tokens"].values()) for r in range(4)]
     assert all(n > 0 for n in per_rank) and sum(per_rank) == 16 * 32 * 2  # top-2
+
+
+def test_dp2_ep2_with_sharded_experts_matches_one_rank_bit_for_bit(world):
+    out = world.run(sc_dp2_ep2, deadline_s=180)
+    assert all(o.ok for o in out), [o.traceback for o in out if not o.ok]
+    one = out[0].value["one"]
+    for o in out:
+        state = o.value["state"]
+        assert sorted(state.amax) == sorted(one.amax)  # every expert, though each rank holds half
+        diff = [k for k in one.amax if not torch.equal(one.amax[k], state.amax[k])]
+        assert not diff, diff[:5]
+        assert state.model_fingerprint == one.model_fingerprint
+    # experts 0-3 live on EP rank 0 (world ranks 0 and 2), 4-7 on EP rank 1 (ranks 1 and 3)
+    hot = out[0].value["report"]["layers"]["model.layers.0"]["experts_with_tokens"]
+    assert hot == {str(e): "r0 r2" if e < 4 else "r1 r3" for e in range(8)}
 
 
 def test_cold_experts_take_the_layer_value_when_opted_in(world):

@@ -82,8 +82,9 @@ class _Plan:
     share_groups: list[list[int]]  # routed-expert inputs that share their layer's value
     strict: dict[str, list[int]]  # experts module -> routed-expert inputs that do not share
     expected: torch.Tensor  # int32, per static quantizer: 1 if this rank holds its tensor
-    # per-tensor quantizers by bank: (bank, slots in the bank, positions in ``order``)
-    banks: list[tuple[AmaxBank, torch.Tensor, torch.Tensor]]
+    # per-tensor quantizers by bank: (bank, slots in the bank, positions in ``order``), each a
+    # slice when contiguous (the usual case: views and copies instead of gathers and scatters)
+    banks: list[tuple[AmaxBank, torch.Tensor | slice, torch.Tensor | slice]]
 
 
 # Building a plan walks every quantizer a few times; a sync repeated on the same list (TP after DP,
@@ -122,7 +123,7 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
         entry = by_bank.setdefault(id(q._bank), (q._bank, [], []))
         entry[1].append(q._slot)
         entry[2].append(i)
-    banks = [(b, torch.tensor(sl), torch.tensor(pos)) for b, sl, pos in by_bank.values()]
+    banks = [(b, _index(sl), _index(pos)) for b, sl, pos in by_bank.values()]
     plan = _Plan(
         order=order,
         ns=len(scal),
@@ -135,6 +136,16 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
     )
     _LAST[0] = (key, version, plan)
     return plan
+
+
+def _index(items: list[int]) -> torch.Tensor | slice:
+    if items and items == list(range(items[0], items[0] + len(items))):
+        return slice(items[0], items[0] + len(items))
+    return torch.tensor(items, dtype=torch.int64)
+
+
+def _on(idx: torch.Tensor | slice, device: torch.device) -> torch.Tensor | slice:
+    return idx if isinstance(idx, slice) else idx.to(device)
 
 
 def _run(group, tensors_ops: list[tuple[torch.Tensor, dist.ReduceOp]], what: str) -> None:
@@ -198,8 +209,8 @@ def sync_amax(
         # a bank's absent slots may hold stale numbers: select, never trust them
         present = bank.view("present")[slots].bool()
         codes_t[pos] = torch.where(present, bank.view("codes")[slots].to(torch.int64), -1)
-        vals = bank.values[slots.to(bank.device)].to(device=dev)
-        values[pos.to(dev)] = torch.where(present.to(dev), vals, 0.0)
+        vals = bank.values[_on(slots, bank.device)].to(device=dev)
+        values[_on(pos, dev)] = torch.where(present.to(dev), vals, 0.0)
     for i in range(ns, n):
         a = order[i].__dict__["_amax"]
         if a is not None:
@@ -304,7 +315,7 @@ def sync_amax(
 
     # -- write back -------------------------------------------------------------------------------
     for bank, slots, pos in plan.banks:
-        bank.values[slots.to(bank.device)] = values[pos.to(dev)].to(bank.device)
+        bank.values[_on(slots, bank.device)] = values[_on(pos, dev)].to(bank.device)
         bank.view("present")[slots] = assigned[pos].to(torch.uint8)
         bank.view("codes")[slots] = final[pos].clamp(min=0).to(torch.uint8)
         bank.view("shared")[slots] = shared_mask[pos].to(torch.uint8)

@@ -2,7 +2,8 @@
 
 Public API
 ----------
-* ``quantize(x, fmt, **opts)``: ``amax=`` (fp8, fp8_delayed, nvfp4) replaces the computed amax;
+* ``quantize(x, fmt, **opts)``: ``amax=`` (fp8, fp8_delayed, nvfp4; per tile for fp8_block)
+  replaces the computed amax;
   the rest are the format's options. NaN/Inf input raises ``FormatError``.
 * ``FORMATS``: name -> ``Format``; ``is_quantized(t)``; ``dequantize(t, dtype)``.
 * ``QuantizedTensor`` (``qckpt.formats.tensor``): nominal ``shape``/``dtype``; fields ``qdata``,

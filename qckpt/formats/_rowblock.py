@@ -43,7 +43,7 @@ def padded_blocks(c: torch.Tensor, block: int) -> torch.Tensor:
     cf = c.to(torch.float32)
     if nb * block != k:
         cf = F.pad(cf, (0, nb * block - k))
-    return cf.view(r, nb, block)
+    return cf.reshape(r, nb, block)
 
 
 def row_chunks(rows: int, k: int, chunk_elems: int | None = None) -> Iterator[tuple[int, int]]:

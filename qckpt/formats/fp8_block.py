@@ -20,7 +20,8 @@ Scale rule: ``scale = amax_tile / fp8_max`` in float32 (448 for E4M3), codes
   valid elements only (as if zero-padded); nothing is stored for the padding.
 * An all-zero tile gets scale 1.0 (DeepSeek's reference divides 0 by 0: NaN) and zero codes; a
   tiny non-zero amax never gives a scale below float32's smallest normal.
-* Saturation and subnormal codes as in ``fp8``.
+* Saturation and subnormal codes as in ``fp8``. ``amax=`` takes one calibrated amax per tile
+  (the scale's shape); values beyond it saturate.
 
 Views keep the layout if they keep the last two dims (leading dims may be reshaped, size-1 dims
 added or removed); ``t()`` of a 2-D tensor transposes codes and scales and swaps ``block_size``.
@@ -42,13 +43,14 @@ from qckpt.formats._common import (
     FP8_EMAX,
     FP8_MAX,
     UnsupportedOpError,
+    as_amax,
     check_finite_amax,
     check_input,
     exp2_int,
     float_scale,
     fp8_dtype,
     pow2_exponent,
-    run_kernel,
+    run_block_kernel,
 )
 
 if TYPE_CHECKING:
@@ -88,23 +90,46 @@ def _tile_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Ten
     return float_scale(amax, FP8_MAX[dtype])
 
 
-def _block_kernel(
-    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, br: int, bc: int, pow2: bool
-) -> torch.Tensor:
-    """(R, N) rows (R a multiple of br, or the tail) -> codes and the (R/br, N/bc) scales."""
+def _block_compute(
+    c: torch.Tensor,
+    br: int,
+    bc: int,
+    pow2: bool,
+    tile_amax: torch.Tensor | None,
+    qdtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(R, N) rows (R a multiple of br, or the tail) -> (codes, (R/br, N/bc) scales, max amax).
+
+    ``tile_amax`` (calibrated, per tile) replaces the tiles' own amax; values beyond it
+    saturate. The tiles' own max is returned either way, for the NaN/Inf check."""
     r, n = c.shape
     rp, np_ = _cdiv(r, br) * br, _cdiv(n, bc) * bc
     cf = c.to(torch.float32)
     if (rp, np_) != (r, n):
         cf = F.pad(cf, (0, np_ - n, 0, rp - r))
-    tiles = cf.view(rp // br, br, np_ // bc, bc)
+    tiles = cf.reshape(rp // br, br, np_ // bc, bc)
     amax = torch.linalg.vector_norm(tiles, ord=float("inf"), dim=(1, 3))
-    s = _tile_scale(amax, out_q.dtype, pow2)
-    fmax = FP8_MAX[out_q.dtype]
-    q = (tiles / s[:, None, :, None]).clamp_(-fmax, fmax).to(out_q.dtype)
-    out_q.copy_(q.view(rp, np_)[:r, :n])
+    s = _tile_scale(amax if tile_amax is None else tile_amax, qdtype, pow2)
+    fmax = FP8_MAX[qdtype]
+    q = (tiles / s[:, None, :, None]).clamp_(-fmax, fmax).to(qdtype)
+    m = amax.amax() if amax.numel() else amax.new_zeros(())
+    return q.reshape(rp, np_)[:r, :n], s, m
+
+
+def _block_into(
+    c: torch.Tensor,
+    out_q: torch.Tensor,
+    out_s: torch.Tensor,
+    br: int,
+    bc: int,
+    pow2: bool,
+    tile_amax: torch.Tensor | None,
+) -> torch.Tensor:
+    """_block_compute written into out_q / out_s (whole tiles only: see run_block_kernel)."""
+    q, s, m = _block_compute(c, br, bc, pow2, tile_amax, out_q.dtype)
+    out_q.copy_(q)
     out_s.copy_(s)
-    return amax.amax() if amax.numel() else amax.new_zeros(())
+    return m
 
 
 class Fp8BlockFormat(Format):
@@ -147,32 +172,39 @@ class Fp8BlockFormat(Format):
         qdata: torch.Tensor,
         scale: torch.Tensor,
     ) -> None:
-        if amax is not None:
-            raise FormatError("fp8_block: amax= is not supported (scales are per tile)")
         br, bc = opts["block_size"]
         x3 = _as3d(x)
         b, m, n = x3.shape
+        a3 = None
+        if amax is not None:
+            # calibrated per-tile amax (the scale's shape), e.g. from a static block calibration
+            a = as_amax(amax, x.device)
+            if a.numel() != scale.numel():
+                raise FormatError(
+                    f"fp8_block: amax must have one value per tile, shape {tuple(scale.shape)}, "
+                    f"got {tuple(a.shape)}"
+                )
+            a3 = a.reshape(b, _cdiv(m, br), _cdiv(n, bc))
         q3 = qdata.view(b, m, n)
         s3 = scale.view(b, _cdiv(m, br), _cdiv(n, bc))
         if x3.numel() == 0:
             return
         bad = torch.zeros((), device=x.device)
-        ce = _common.quant_chunk(x.device, _block_kernel)
+        ce = _common.quant_chunk(x.device, _block_into)
         rows = _common.rows_per_chunk(n, ce, multiple=br)
         for i in range(b):
             for lo, hi in _common.chunk_ranges(m, rows):
-                bad = torch.maximum(
-                    bad,
-                    run_kernel(
-                        _block_kernel,
-                        x3[i, lo:hi],
-                        q3[i, lo:hi],
-                        s3[i, lo // br : _cdiv(hi, br)],
-                        br,
-                        bc,
-                        opts["pow2_scale"],
-                    ),
+                tile_amax = None if a3 is None else a3[i, lo // br : _cdiv(hi, br)]
+                got = run_block_kernel(
+                    _block_into,
+                    _block_compute,
+                    (hi - lo) % br != 0 or n % bc != 0,
+                    x3[i, lo:hi],
+                    (q3[i, lo:hi], s3[i, lo // br : _cdiv(hi, br)]),
+                    (br, bc, opts["pow2_scale"], tile_amax),
+                    (opts["dtype"],),
                 )
+                bad = torch.maximum(bad, got)
         check_finite_amax(bad, self.name)
 
     def quantize(self, x: torch.Tensor, opts: dict[str, Any], amax: Any) -> dict[str, torch.Tensor]:

@@ -56,7 +56,7 @@ from qckpt.formats._common import (
     check_input,
     exp2_int,
     fp8_dtype,
-    run_kernel,
+    run_block_kernel,
 )
 from qckpt.formats._rowblock import (
     last_dim,
@@ -73,12 +73,12 @@ if TYPE_CHECKING:
     from qckpt.formats.tensor import QuantizedTensor
 
 
-def _mx_kernel(
-    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, emax: int, rceil: bool
-) -> torch.Tensor:
-    """One (R, K) chunk -> codes into out_q (R, K), biased exponents into out_s (R, nb)."""
+def _mx_compute(
+    c: torch.Tensor, emax: int, rceil: bool, qdtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One (R, K) chunk -> (codes (R, K), biased exponents uint8 (R, nb), max block amax)."""
     r, k = c.shape
-    fmax = FP8_MAX[out_q.dtype]
+    fmax = FP8_MAX[qdtype]
     blocks = padded_blocks(c, BLOCK)
     # inf-norm = max|x| without an |x| temporary; NaN/Inf propagate (checked by the caller)
     amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
@@ -95,10 +95,19 @@ def _mx_kernel(
     # multiply by the exact 2**-e (always a normal float32 here) rather than divide by 2**e,
     # which is subnormal at e = -127 and flushed to zero by some GPU code paths
     inv = exp2_int(-e)  # -e is in [-119, 127]: exact and normal
-    q = (blocks * inv.unsqueeze(-1)).clamp_(-fmax, fmax).to(out_q.dtype)
-    out_q.copy_(q.view(r, -1)[:, :k])
-    out_s.copy_((e + 127).to(torch.uint8))
-    return amax.amax() if amax.numel() else amax.new_zeros(())
+    q = (blocks * inv.unsqueeze(-1)).clamp_(-fmax, fmax).to(qdtype)
+    m = amax.amax() if amax.numel() else amax.new_zeros(())
+    return q.reshape(r, -1)[:, :k], (e + 127).to(torch.uint8), m
+
+
+def _mx_into(
+    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, emax: int, rceil: bool
+) -> torch.Tensor:
+    """_mx_compute written into out_q / out_s (K a multiple of 32: see run_block_kernel)."""
+    q, s, m = _mx_compute(c, emax, rceil, out_q.dtype)
+    out_q.copy_(q)
+    out_s.copy_(s)
+    return m
 
 
 class MxFp8Format(Format):
@@ -134,15 +143,17 @@ class MxFp8Format(Format):
         bad = torch.zeros((), device=x.device)
         if k == 0:
             return
-        ce = _common.quant_chunk(x.device, _mx_kernel)
+        ce = _common.quant_chunk(x.device, _mx_into)
+        args = (FP8_EMAX[opts["dtype"]], opts["scale_rounding"] == "rceil")
         for a, b in row_chunks(x2.shape[0], k, ce):
-            m = run_kernel(
-                _mx_kernel,
+            m = run_block_kernel(
+                _mx_into,
+                _mx_compute,
+                k % BLOCK != 0,
                 x2[a:b],
-                q2[a:b],
-                s2[a:b],
-                FP8_EMAX[opts["dtype"]],
-                opts["scale_rounding"] == "rceil",
+                (q2[a:b], s2[a:b]),
+                args,
+                (opts["dtype"],),
             )
             bad = torch.maximum(bad, m)
         check_finite_amax(bad, self.name)

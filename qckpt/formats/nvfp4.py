@@ -45,7 +45,7 @@ from qckpt.formats._common import (
     check_finite_amax,
     check_input,
     float_scale,
-    run_kernel,
+    run_block_kernel,
     tensor_amax,
 )
 from qckpt.formats._rowblock import (
@@ -93,22 +93,31 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) != 0, -v, v)
 
 
-def _nvfp4_kernel(
-    c: torch.Tensor, gs: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor
-) -> torch.Tensor:
-    """(R, K) chunk -> packed codes into out_q (R, ceil(K/2)), E4M3 scales into out_s."""
-    r = c.shape[0]
+def _nvfp4_compute(
+    c: torch.Tensor, gs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(R, K) chunk -> (packed codes (R, ceil(K/2)), E4M3 scales (R, nb), max block amax)."""
+    r, k = c.shape
     blocks = padded_blocks(c, BLOCK)  # (R, nb, 16) float32
     amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
     sb = ((amax / E2M1_MAX) / gs).clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
     # the reciprocal form ((1 / gs) / s_b), not x / (gs * s_b): NVIDIA's kernels and torchao
     # compute it so, and the E2M1 rounding of a value on a boundary depends on it
     rec = (1.0 / gs) / sb.to(torch.float32)
-    codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)).view(r, -1)
+    codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)).reshape(r, -1)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    out_q.copy_(packed[:, : out_q.shape[1]])
-    out_s.copy_(sb)
-    return amax.amax() if amax.numel() else amax.new_zeros(())
+    m = amax.amax() if amax.numel() else amax.new_zeros(())
+    return packed[:, : -(-k // 2)], sb, m
+
+
+def _nvfp4_into(
+    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, gs: torch.Tensor
+) -> torch.Tensor:
+    """_nvfp4_compute written into out_q / out_s (K a multiple of 16: see run_block_kernel)."""
+    q, s, m = _nvfp4_compute(c, gs)
+    out_q.copy_(q)
+    out_s.copy_(s)
+    return m
 
 
 class NvFp4Format(Format):
@@ -149,9 +158,17 @@ class NvFp4Format(Format):
         q2 = qdata.view(x2.shape[0], -(-k // 2))
         s2 = scale.view(x2.shape[0], nblocks(k, BLOCK))
         bad = torch.zeros((), device=x.device)
-        ce = _common.quant_chunk(x.device, _nvfp4_kernel)
+        ce = _common.quant_chunk(x.device, _nvfp4_into)
         for lo, hi in row_chunks(x2.shape[0], k, ce):
-            bad = torch.maximum(bad, run_kernel(_nvfp4_kernel, x2[lo:hi], gs, q2[lo:hi], s2[lo:hi]))
+            m = run_block_kernel(
+                _nvfp4_into,
+                _nvfp4_compute,
+                k % BLOCK != 0,
+                x2[lo:hi],
+                (q2[lo:hi], s2[lo:hi]),
+                (gs,),
+            )
+            bad = torch.maximum(bad, m)
         if check:
             check_finite_amax(bad, self.name)
 

@@ -324,3 +324,19 @@ def test_mxfp8_rceil_no_saturation_but_not_idempotent() -> None:
     y = torch.randn(64, 256, generator=torch.Generator().manual_seed(12)) * 100
     qr = quantize(y, "mxfp8", scale_rounding="rceil")
     assert torch.all((qr.dequantize(torch.float32) - y).abs() <= y.abs() * 2**-4 + 1e-30)
+
+
+def test_fp8_block_given_tile_amax() -> None:
+    x = torch.randn(200, 300, generator=torch.Generator().manual_seed(13))
+    own = quantize(x, "fp8_block")
+    amax = own.scale * 448
+    q = quantize(x, "fp8_block", amax=amax)  # the tiles' own amax: identical result
+    assert same(q, own)
+    half = quantize(x, "fp8_block", amax=amax / 2)  # a smaller calibrated amax saturates
+    assert torch.equal(half.scale, own.scale / 2)
+    assert half.qdata.float().abs().max().item() == 448.0
+    with pytest.raises(FormatError, match="one value per tile"):
+        quantize(x, "fp8_block", amax=torch.ones(3))
+    x[5, 5] = float("nan")
+    with pytest.raises(FormatError, match="NaN"):
+        quantize(x, "fp8_block", amax=amax)

@@ -211,11 +211,18 @@ def sync_amax(
         codes_t[pos] = torch.where(present, bank.view("codes")[slots].to(torch.int64), -1)
         vals = bank.values[_on(slots, bank.device)].to(device=dev)
         values[_on(pos, dev)] = torch.where(present.to(dev), vals, 0.0)
-    for i in range(ns, n):
-        a = order[i].__dict__["_amax"]
-        if a is not None:
-            values[offsets[i] : offsets[i + 1]] = a.reshape(-1).to(dev, torch.float32)
-            codes_t[i] = DTYPE_CODE.get(a.dtype, -2)
+    if n > ns:
+        rest = [q.__dict__["_amax"] for q in order[ns:]]
+        here = [j for j, a in enumerate(rest) if a is not None]
+        if len(here) == n - ns:  # the usual case (weights): one copy for all of them
+            flat = torch.cat([a.reshape(-1).to(dev, torch.float32) for a in rest])
+            values[offsets[ns] :] = flat
+        else:
+            for j in here:
+                i = ns + j
+                values[offsets[i] : offsets[i + 1]] = rest[j].reshape(-1).to(dev, torch.float32)
+        if here:
+            codes_t[ns:][here] = torch.tensor([DTYPE_CODE.get(rest[j].dtype, -2) for j in here])
     if local_error is None and bool((codes_t == -2).any()):
         local_error = "an amax dtype the sync cannot carry (float32/16, bfloat16 or float64 only)"
     if local_error is None and total and not bool(torch.isfinite(values).all()):
@@ -312,6 +319,7 @@ def sync_amax(
                 shared.append(i)
     shared_mask = torch.zeros(n, dtype=torch.bool)
     shared_mask[shared] = True
+    shared_set = set(shared)
 
     # -- write back -------------------------------------------------------------------------------
     for bank, slots, pos in plan.banks:
@@ -320,13 +328,17 @@ def sync_amax(
         bank.view("codes")[slots] = final[pos].clamp(min=0).to(torch.uint8)
         bank.view("shared")[slots] = shared_mask[pos].to(torch.uint8)
     if n > ns:
-        final_l = final.tolist()
-        for i in range(ns, n):
-            if assigned[i]:
-                q = order[i]
-                v = values[offsets[i] : offsets[i + 1]].reshape(q.amax_shape)
-                q.__dict__["_amax"] = v.to(device=q.device, dtype=DTYPES[final_l[i]])
-                q.__dict__["_shared"] = bool(shared_mask[i])
+        final_l = final[ns:].tolist()
+        assigned_l = assigned[ns:].tolist()
+        # one split into views of this sync's own buffer (nobody else writes it, so no copies)
+        chunks = torch.split(
+            values[offsets[ns] :], [offsets[i + 1] - offsets[i] for i in range(ns, n)]
+        )
+        for j, (q, v) in enumerate(zip(order[ns:], chunks, strict=True)):
+            if assigned_l[j]:
+                d = q.__dict__
+                d["_amax"] = v.view(q.amax_shape).to(device=q.device, dtype=DTYPES[final_l[j]])
+                d["_shared"] = (ns + j) in shared_set
     res.shared = [order[i].key for i in shared]
     unassigned = torch.nonzero(~assigned).squeeze(1).tolist()
     res.uncalibrated = [order[i].key for i in unassigned]

@@ -9,8 +9,9 @@ from data that all ranks share, so all ranks take it together.
 
 A sync is two collectives per group however many quantizers there are:
 
-1. ``header`` (int64, MAX): a local-error flag (the failing rank + 1) and a hash of the layout
-   (names, granularities, amax shapes), with its negation so that MAX also yields the minimum.
+1. ``header`` (int64, MAX): a local-error flag (the failing rank + 1), a hash of the enabled
+   quantizers' names and the value-buffer size, each with its negation so that MAX also yields
+   the minimum (equal on every rank, or the ranks disagree on the layout).
    It is fixed-size, so it is safe even when ranks disagree on the layout, and it lets every rank
    raise before the variable-size collective if any rank failed locally or the layouts differ.
 2. one float32 MAX over ``[values | presence | lacks]``: every amax flattened (a rank without it

@@ -83,6 +83,10 @@ class _Plan:
     share_groups: list[list[int]]  # routed-expert inputs that share their layer's value
     strict: dict[str, list[int]]  # experts module -> routed-expert inputs that do not share
     expected: torch.Tensor  # int32, per static quantizer: 1 if this rank holds its tensor
+    # per static quantizer: a routed-expert input that shares its layer's value. Under DP/EP such
+    # an input is routinely seen by only some ranks; its MAX with zeros from the others is still
+    # exact, and sharing is the completeness rule for it, so "only some ranks" is no error
+    static_shared: torch.Tensor
     # per-tensor quantizers by bank: (bank, slots in the bank, positions in ``order``), each a
     # slice when contiguous (the usual case: views and copies instead of gathers and scatters)
     banks: list[tuple[AmaxBank, torch.Tensor | slice, torch.Tensor | slice]]
@@ -133,6 +137,7 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
         share_groups=list(groups.values()),
         strict=strict,
         expected=torch.tensor([1 if q.local else 0 for q in rest], dtype=torch.int32),
+        static_shared=torch.tensor([q.share_group is not None for q in rest], dtype=torch.bool),
         banks=banks,
     )
     _LAST[0] = (key, version, plan)
@@ -181,7 +186,8 @@ def sync_amax(
     * ``tensor`` and ``dynamic_block`` amax: MAX over the ranks that have it; nobody has it: it
       stays ``None`` everywhere; a calibrated zero stays zero.
     * ``channel`` and ``block`` (static) amax: nobody: skipped; every expected rank: MAX; only
-      some: :class:`SyncError` on every rank naming the quantizer and how many ranks lacked it.
+      some: :class:`SyncError` on every rank naming the quantizer and how many ranks lacked it
+      (except routed-expert inputs that share their layer's value: for them MAX, as per-tensor).
       (Expected: the ranks whose quantizer is ``local``; under EP a remote expert's is not.)
     * Routed-expert inputs with a ``share_group`` that nobody calibrated take the max over their
       layer's experts (over all ranks) and are marked ``shared_from_layer``. Routed-expert inputs
@@ -270,7 +276,8 @@ def sync_amax(
     best = tail_r[:n].to(torch.int64)
     have = best > 0
     if n > ns:
-        some = torch.nonzero(have[ns:] & (tail_r[n:] > 0)).squeeze(1).tolist()
+        some = have[ns:] & (tail_r[n:] > 0) & ~plan.static_shared
+        some = torch.nonzero(some).squeeze(1).tolist()
         if some:
             # every rank is here (the condition reads reduced data only): count who lacked what
             counts = torch.stack([lacks, plan.expected > 0]).to(torch.int32)[:, some]

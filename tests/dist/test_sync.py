@@ -170,6 +170,27 @@ def sc_ep_share(rank, world):
     }
 
 
+def sc_ep_share_block(rank, world):
+    layer = "model.layers.1.mlp.experts"
+    qs = [
+        _q(
+            f"{layer}.{e}.down_proj",
+            "block",
+            share_group=f"{layer}:down_input",
+            expert_layer=layer,
+            expert=e,
+        )
+        for e in range(4)
+    ]
+    x = torch.arange(8.0) * (rank + 1)
+    if rank in (0, 1):
+        qs[0].collect(x.view(1, 8))  # expert 0 on ranks 0 and 1 only: not an error when shared
+    if rank == 1:
+        qs[1].collect(x.flip(0).view(1, 8))
+    out = _sync_or_error(qs)
+    return out | {"amax": [_amax(q) for q in qs], "shared": [q.shared_from_layer for q in qs]}
+
+
 def sc_ep_strict(rank, world):
     layer = "model.layers.0.mlp.experts"
     qs = _experts(layer, share=False)
@@ -341,6 +362,18 @@ def test_ep_opt_in_gives_cold_experts_the_layer_value(world):
     _assert_all_ok(out)
     for o in out:
         assert o.value["amax"] == [2.0, 3.0, 3.0, 3.0]
+        assert o.value["shared"] == [False, False, True, True]
+
+
+def test_ep_opt_in_block_inputs_seen_by_some_ranks_are_fine(world):
+    out = world.run(sc_ep_share_block)
+    _assert_all_ok(out)
+    for o in out:
+        # blocks of 4: expert 0 is the max of ranks 0 and 1, expert 1 is rank 1's alone
+        assert o.value["amax"][0] == [6.0, 14.0]
+        assert o.value["amax"][1] == [14.0, 6.0]
+        # cold experts: the elementwise max over the layer's experts
+        assert o.value["amax"][2] == o.value["amax"][3] == [14.0, 14.0]
         assert o.value["shared"] == [False, False, True, True]
 
 

@@ -142,10 +142,41 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
     return ((e + 127) << 23).view(torch.float32)
 
 
-def float_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """amax / qmax as a float32 scale; 1.0 where amax == 0; never below float32's tiny."""
+def f64_const(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-d float64 tensor on ``device``: a divisor for :func:`div_f32`.
+
+    Pass it *into* a compiled kernel as an argument (never build it inside): inductor turns a
+    division by a constant into a multiplication by its reciprocal."""
+    return torch.full((), value, dtype=torch.float64, device=device)
+
+
+def div_f32(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``fl32(a / d)``, the correctly rounded float32 quotient, the same bits on every device,
+    eager or compiled, for float32 ``a`` and a float64 tensor ``d`` holding a float32 value.
+
+    Why not ``a / 448.0``: CPU torch divides, but CUDA torch computes ``tensor / python_scalar``
+    as ``tensor * fl32(1 / scalar)`` (ATen's CPU-scalar optimization in div_true_kernel_cuda)
+    and inductor (GPU) does the same for any constant divisor; that product is off by one ulp
+    for about half of all inputs (``1/448`` is not a float32). Here the quotient is computed
+    in float64 by a true division (the divisor is a device tensor, not a constant; float64
+    division is IEEE in eager CUDA and in Triton) and rounded once to float32. That double
+    rounding is innocuous: for +-*/ with p-bit operands, an intermediate of >= 2p + 2 bits
+    (53 >= 2 * 24 + 2) rounds to the correctly rounded p-bit result (Figueroa), including ties
+    and float32 subnormal results (float64 has no subnormals in this range).
+    """
+    return (a.to(torch.float64) / d).to(torch.float32)
+
+
+def float_scale(amax: torch.Tensor, qmax: float | torch.Tensor) -> torch.Tensor:
+    """amax / qmax as a float32 scale; 1.0 where amax == 0; never below float32's tiny.
+
+    Bit-identical to float32 ``(amax / qmax).clamp_min(tiny)`` on CPU, on every device (see
+    :func:`div_f32`; the clamp is applied in float64 first, which rounds the same since
+    rounding is monotone and ``tiny`` is a float32). Inside a compiled kernel pass ``qmax`` as
+    an :func:`f64_const` argument."""
     amax = amax.to(torch.float32)
-    s = (amax / qmax).clamp_min(F32_TINY)
+    d = qmax if isinstance(qmax, torch.Tensor) else f64_const(qmax, amax.device)
+    s = (amax.to(torch.float64) / d).clamp_min(F32_TINY).to(torch.float32)
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 

@@ -10,10 +10,12 @@ Layout
   so that it broadcasts against ``qdata`` (a 2-D weight's scale is ``(out, 1)``, the
   compressed-tensors channel layout). A 0-d input has one channel.
 
-Scale rule: ``scale = amax / fp8_max`` (448 for E4M3, 57344 for E5M2), computed in float32
-(``amax=`` replaces the computed amax; values beyond it saturate). An all-zero tensor (or row)
-gets ``scale = 1.0`` and zero codes; a non-zero amax never yields a scale below float32's
-smallest normal. Codes are ``clamp(x / scale, -fp8_max, fp8_max)`` rounded to nearest-even by
+Scale rule: ``scale = amax / fp8_max`` (448 for E4M3, 57344 for E5M2), the correctly rounded
+float32 quotient with the same bits on CPU and CUDA, eager or compiled: it is computed in float64
+and rounded once, because CUDA torch would multiply by ``fl32(1/448)`` instead, one ulp off for
+about half of all amaxes (``_common.div_f32``). ``amax=`` replaces the computed amax; values
+beyond it saturate. An all-zero tensor (or row) gets ``scale = 1.0`` and zero codes; a non-zero
+amax never yields a scale below float32's smallest normal. Codes are ``clamp(x / scale, -fp8_max, fp8_max)`` rounded to nearest-even by
 the cast, so values beyond the range *saturate* to +-fp8_max (never Inf/NaN); results below the
 FP8 normal range become FP8 subnormals, and below half the smallest subnormal, zero.
 
@@ -328,7 +330,9 @@ class Fp8DelayedFormat(Format):
         history: torch.Tensor, prev_scale: torch.Tensor, opts: dict[str, Any]
     ) -> torch.Tensor:
         a = history.max() if opts["amax_compute"] == "max" else history[0]
-        s = a * (2.0 ** opts["margin"]) / FP8_MAX[opts["dtype"]]
+        # fl32(a * 2**margin / fp8_max) on every device: see _common.div_f32
+        fmax = _common.f64_const(FP8_MAX[opts["dtype"]], a.device)
+        s = _common.div_f32(a * (2.0 ** opts["margin"]), fmax)
         s = s.clamp_min(_common.F32_TINY)
         # no amax seen yet (or an all-zero tensor): keep the previous scale, like TE
         return torch.where(a > 0, s, prev_scale.reshape(()))

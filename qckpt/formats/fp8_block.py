@@ -11,7 +11,9 @@ compressed-tensors block layout; DeepSeek-V3 calls it ``weight_scale_inv``). Deq
 Weights use 128x128 tiles (the default); activations 1x128 (``block_size=(1, 128)``). A 1-D
 input is one row (shape ``(N,)`` -> scale ``(ceil(N / bc),)``); a 0-d input one element.
 
-Scale rule: ``scale = amax_tile / fp8_max`` in float32 (448 for E4M3), codes
+Scale rule: ``scale = amax_tile / fp8_max``, the correctly rounded float32 quotient (448 for
+E4M3; computed in float64 and rounded once, so CPU, CUDA and compiled kernels agree bit for bit:
+see ``_common.div_f32``), codes
 ``clamp(x / scale, -fp8_max, fp8_max)`` cast round-to-nearest-even, as in DeepSeek-V3's
 ``act_quant`` (``s = amax / 448; y = x / s``). ``pow2_scale=True`` uses the MX floor rule
 (``2**(floor(log2 amax) - emax)``, see ``fp8``) and is then idempotent through bfloat16.
@@ -83,11 +85,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tile_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+def _tile_scale(
+    amax: torch.Tensor, dtype: torch.dtype, pow2: bool, fmax64: torch.Tensor
+) -> torch.Tensor:
     if pow2:
         s = exp2_int(pow2_exponent(amax, FP8_EMAX[dtype], emin=-126))
         return torch.where(amax > 0, s, torch.ones_like(s))
-    return float_scale(amax, FP8_MAX[dtype])
+    # fmax64: fp8_max as a float64 kernel argument, so that the quotient is correctly rounded
+    # in compiled code too (inductor would multiply by the reciprocal of a constant)
+    return float_scale(amax, fmax64)
 
 
 def _block_compute(
@@ -96,6 +102,7 @@ def _block_compute(
     bc: int,
     pow2: bool,
     tile_amax: torch.Tensor | None,
+    fmax64: torch.Tensor,
     qdtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(R, N) rows (R a multiple of br, or the tail) -> (codes, (R/br, N/bc) scales, max amax).
@@ -109,7 +116,7 @@ def _block_compute(
         cf = F.pad(cf, (0, np_ - n, 0, rp - r))
     tiles = cf.reshape(rp // br, br, np_ // bc, bc)
     amax = torch.linalg.vector_norm(tiles, ord=float("inf"), dim=(1, 3))
-    s = _tile_scale(amax if tile_amax is None else tile_amax, qdtype, pow2)
+    s = _tile_scale(amax if tile_amax is None else tile_amax, qdtype, pow2, fmax64)
     fmax = FP8_MAX[qdtype]
     q = (tiles / s[:, None, :, None]).clamp_(-fmax, fmax).to(qdtype)
     m = amax.amax() if amax.numel() else amax.new_zeros(())
@@ -124,9 +131,10 @@ def _block_into(
     bc: int,
     pow2: bool,
     tile_amax: torch.Tensor | None,
+    fmax64: torch.Tensor,
 ) -> torch.Tensor:
     """_block_compute written into out_q / out_s (whole tiles only: see run_block_kernel)."""
-    q, s, m = _block_compute(c, br, bc, pow2, tile_amax, out_q.dtype)
+    q, s, m = _block_compute(c, br, bc, pow2, tile_amax, fmax64, out_q.dtype)
     out_q.copy_(q)
     out_s.copy_(s)
     return m
@@ -190,6 +198,7 @@ class Fp8BlockFormat(Format):
         if x3.numel() == 0:
             return
         bad = torch.zeros((), device=x.device)
+        fmax64 = _common.f64_const(FP8_MAX[opts["dtype"]], x.device)
         ce = _common.quant_chunk(x.device, _block_into)
         rows = _common.rows_per_chunk(n, ce, multiple=br)
         for i in range(b):
@@ -201,7 +210,7 @@ class Fp8BlockFormat(Format):
                     (hi - lo) % br != 0 or n % bc != 0,
                     x3[i, lo:hi],
                     (q3[i, lo:hi], s3[i, lo // br : _cdiv(hi, br)]),
-                    (br, bc, opts["pow2_scale"], tile_amax),
+                    (br, bc, opts["pow2_scale"], tile_amax, fmax64),
                     (opts["dtype"],),
                 )
                 bad = torch.maximum(bad, got)

@@ -20,7 +20,8 @@ emax = 8 (E4M3) / 15 (E5M2), clamped to ``[-127, 127]``; codes are
 
 ``scale_rounding="rceil"`` (the rule of NVIDIA's MXFP8 kernels, cuBLAS and Transformer Engine:
 ``cvt.rp.satfinite.ue8m0``): ``e = ceil(log2(amax_block / fp8_max))``, computed exactly from the
-bits of the float32 quotient, clamped to ``[-127, 127]``. Nothing saturates, but it is *not*
+bits of the correctly rounded float32 quotient (the same bits on CPU and CUDA:
+``_common.div_f32``), clamped to ``[-127, 127]``. Nothing saturates, but it is *not*
 idempotent: a block whose largest element rounds down to code 224 (``amax / 2**e`` in
 (224, 232)) dequantizes to an amax of exactly ``224 * 2**e = 448 * 2**(e-1)``, which
 re-quantizes with half the scale and doubled codes (tested). That is the mechanism behind Megatron-LM #6666's non-idempotent MXFP8 round trip;
@@ -54,6 +55,7 @@ from qckpt.formats._common import (
     FP8_MAX,
     check_finite_amax,
     check_input,
+    div_f32,
     exp2_int,
     fp8_dtype,
     run_block_kernel,
@@ -74,7 +76,7 @@ if TYPE_CHECKING:
 
 
 def _mx_compute(
-    c: torch.Tensor, emax: int, rceil: bool, qdtype: torch.dtype
+    c: torch.Tensor, emax: int, rceil: bool, fmax64: torch.Tensor, qdtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One (R, K) chunk -> (codes (R, K), biased exponents uint8 (R, nb), max block amax)."""
     r, k = c.shape
@@ -85,7 +87,9 @@ def _mx_compute(
     if rceil:
         # 2**ceil(log2(amax / fp8_max)), exactly from the bits of the FP32 quotient: its
         # exponent, plus one if any mantissa bit is set; a subnormal/zero quotient -> -127
-        bits = (amax / fmax).view(torch.int32)
+        # (fl32(amax / fp8_max), correctly rounded on CUDA and compiled too: _common.div_f32;
+        # a reciprocal multiply can round up to 2**-126 where the quotient is subnormal)
+        bits = div_f32(amax, fmax64).view(torch.int32)
         ebits = (bits >> 23) & 0xFF
         e = ebits - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
         e = torch.where(ebits == 0, torch.full_like(e, -127), e).clamp(-127, 127)
@@ -101,10 +105,15 @@ def _mx_compute(
 
 
 def _mx_into(
-    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, emax: int, rceil: bool
+    c: torch.Tensor,
+    out_q: torch.Tensor,
+    out_s: torch.Tensor,
+    emax: int,
+    rceil: bool,
+    fmax64: torch.Tensor,
 ) -> torch.Tensor:
     """_mx_compute written into out_q / out_s (K a multiple of 32: see run_block_kernel)."""
-    q, s, m = _mx_compute(c, emax, rceil, out_q.dtype)
+    q, s, m = _mx_compute(c, emax, rceil, fmax64, out_q.dtype)
     out_q.copy_(q)
     out_s.copy_(s)
     return m
@@ -144,7 +153,8 @@ class MxFp8Format(Format):
         if k == 0:
             return
         ce = _common.quant_chunk(x.device, _mx_into)
-        args = (FP8_EMAX[opts["dtype"]], opts["scale_rounding"] == "rceil")
+        fmax64 = _common.f64_const(FP8_MAX[opts["dtype"]], x.device)
+        args = (FP8_EMAX[opts["dtype"]], opts["scale_rounding"] == "rceil", fmax64)
         for a, b in row_chunks(x2.shape[0], k, ce):
             m = run_block_kernel(
                 _mx_into,

@@ -7,7 +7,9 @@ bits 0-3 of byte ``j``, element ``2j+1`` in bits 4-7. Shape ``(*shape[:-1], ceil
 An E2M1 code is ``sign << 3 | magnitude``, magnitudes 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 ``scale``: float8_e4m3fn block scales, shape ``(*shape[:-1], ceil(K / 16))``.
 ``global_scale``: float32 ``()``: ``amax / (6 * 448)`` of the whole tensor (``amax=`` replaces
-the computed amax; an all-zero tensor gets 1.0). Dequantize:
+the computed amax; an all-zero tensor gets 1.0). Both divisions by constants (this one and
+``amax_block / 6`` below) give the correctly rounded float32 quotient on every device, eager or
+compiled (``_common.div_f32``: CUDA torch would multiply by a rounded reciprocal instead). Dequantize:
 ``x = e2m1(code) * (global_scale * float(scale_block))``.
 
 Quantize (the NVIDIA two-level recipe, bit-exact with torchao's ``nvfp4_quantize`` given a
@@ -44,6 +46,7 @@ from qckpt.formats._common import (
     as_amax,
     check_finite_amax,
     check_input,
+    div_f32,
     float_scale,
     run_block_kernel,
     tensor_amax,
@@ -94,13 +97,16 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _nvfp4_compute(
-    c: torch.Tensor, gs: torch.Tensor
+    c: torch.Tensor, gs: torch.Tensor, six64: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(R, K) chunk -> (packed codes (R, ceil(K/2)), E4M3 scales (R, nb), max block amax)."""
+    """(R, K) chunk -> (packed codes (R, ceil(K/2)), E4M3 scales (R, nb), max block amax).
+
+    ``six64`` is 6.0 as a float64 tensor argument: ``amax / 6`` must be the correctly rounded
+    float32 quotient on CUDA and in compiled code too (see ``_common.div_f32``)."""
     r, k = c.shape
     blocks = padded_blocks(c, BLOCK)  # (R, nb, 16) float32
     amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
-    sb = ((amax / E2M1_MAX) / gs).clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+    sb = (div_f32(amax, six64) / gs).clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
     # the reciprocal form ((1 / gs) / s_b), not x / (gs * s_b): NVIDIA's kernels and torchao
     # compute it so, and the E2M1 rounding of a value on a boundary depends on it
     rec = (1.0 / gs) / sb.to(torch.float32)
@@ -111,10 +117,14 @@ def _nvfp4_compute(
 
 
 def _nvfp4_into(
-    c: torch.Tensor, out_q: torch.Tensor, out_s: torch.Tensor, gs: torch.Tensor
+    c: torch.Tensor,
+    out_q: torch.Tensor,
+    out_s: torch.Tensor,
+    gs: torch.Tensor,
+    six64: torch.Tensor,
 ) -> torch.Tensor:
     """_nvfp4_compute written into out_q / out_s (K a multiple of 16: see run_block_kernel)."""
-    q, s, m = _nvfp4_compute(c, gs)
+    q, s, m = _nvfp4_compute(c, gs, six64)
     out_q.copy_(q)
     out_s.copy_(s)
     return m
@@ -158,6 +168,7 @@ class NvFp4Format(Format):
         q2 = qdata.view(x2.shape[0], -(-k // 2))
         s2 = scale.view(x2.shape[0], nblocks(k, BLOCK))
         bad = torch.zeros((), device=x.device)
+        six64 = _common.f64_const(E2M1_MAX, x.device)
         ce = _common.quant_chunk(x.device, _nvfp4_into)
         for lo, hi in row_chunks(x2.shape[0], k, ce):
             m = run_block_kernel(
@@ -166,7 +177,7 @@ class NvFp4Format(Format):
                 k % BLOCK != 0,
                 x2[lo:hi],
                 (q2[lo:hi], s2[lo:hi]),
-                (gs,),
+                (gs, six64),
             )
             bad = torch.maximum(bad, m)
         if check:

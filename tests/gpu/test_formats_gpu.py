@@ -21,10 +21,6 @@ def _field_bytes(q) -> int:  # noqa: ANN001
     return sum(t.numel() * t.element_size() for t in q.fields().values())
 
 
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous()
-
-
 @pytest.fixture(params=["eager", "compiled"])
 def compile_mode(request: pytest.FixtureRequest):  # noqa: ANN201
     set_compile(request.param == "compiled")
@@ -83,22 +79,109 @@ def test_dequantize_memory_is_bounded(fmt: str) -> None:
     assert temps <= 8 * _common.CHUNK_ELEMS * 4, f"{fmt}: {temps / 2**20:.0f} MiB"
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Exact bit patterns to compare (float32 fields as int32: -0.0 != 0.0, NaN == NaN)."""
+    t = t.contiguous()
+    if t.element_size() == 1:
+        return t.view(torch.uint8)
+    if t.element_size() == 4:
+        return t.view(torch.int32)
+    return t
+
+
+def _show(t: torch.Tensor, idx: tuple[int, ...]) -> str:
+    """One element as value and bits (fp8 / float32) or hex (uint8 codes, E8M0 exponents)."""
+    v = t[idx]
+    if v.dtype == torch.uint8:
+        return f"0x{int(v):02x}"
+    if v.element_size() == 1:
+        return f"{float(v.float()):.9g} (0x{int(v.view(torch.uint8)):02x})"
+    if v.dtype == torch.float32:
+        return f"{float(v):.9g} (0x{int(v.view(torch.int32)) & 0xFFFFFFFF:08x})"
+    return f"{float(v.float()):.9g}"
+
+
+def _input_of(fmt: str, opts: dict, field: str, idx: tuple[int, ...], x: torch.Tensor) -> str:
+    """The input element(s) that one output element was computed from, for a mismatch report."""
+    r = idx[0] if idx else 0
+    c = idx[1] if len(idx) > 1 else 0
+
+    def amax(t: torch.Tensor) -> str:
+        a = t.abs().max().float()
+        return f"amax {float(a):.9g} (0x{int(a.view(torch.int32)) & 0xFFFFFFFF:08x})"
+
+    if field == "qdata" and fmt != "nvfp4":  # codes have the input's shape
+        return f"x={_show(x, idx)}"
+    if fmt == "nvfp4" and field == "qdata":
+        return f"x[{r}, {2 * c}:{2 * c + 2}]={x[r, 2 * c : 2 * c + 2].float().tolist()}"
+    if fmt in ("mxfp8", "nvfp4") and field == "scale":
+        b = 32 if fmt == "mxfp8" else 16
+        return f"block x[{r}, {c * b}:{(c + 1) * b}] " + amax(x[r, c * b : (c + 1) * b])
+    if fmt == "fp8_block" and field == "scale":
+        br, bc = opts.get("block_size", (128, 128))
+        return f"tile [{r * br}:, {c * bc}:] " + amax(
+            x[r * br : (r + 1) * br, c * bc : (c + 1) * bc]
+        )
+    if fmt == "fp8" and opts.get("granularity") == "channel":
+        return f"row {r} " + amax(x[r])
+    return "tensor " + amax(x)
+
+
+CASES = [pytest.param(f, {}, id=f) for f in FMTS] + [
+    pytest.param("fp8", {"granularity": "channel"}, id="fp8_channel"),
+    pytest.param("mxfp8", {"scale_rounding": "rceil"}, id="mxfp8_rceil"),
+    pytest.param("fp8_block", {"block_size": (1, 128)}, id="fp8_block_1x128"),
+]
+
+
 @pytest.mark.parametrize("cols", [1056, 1000])  # 1000: partial last blocks for every format
-@pytest.mark.parametrize("fmt", FMTS)
-def test_cuda_matches_cpu_bit_for_bit(fmt: str, compile_mode: str, cols: int) -> None:
+@pytest.mark.parametrize("fmt,opts", CASES)
+def test_cuda_matches_cpu_bit_for_bit(fmt: str, opts: dict, compile_mode: str, cols: int) -> None:
+    """No tolerance and no excluded inputs: every scale and code must be the same bits.
+
+    The input spans 12 decades and has an all-zero row, float32 subnormals (row 7), values
+    whose quotients by 448 / 6 are float32 subnormals (row 13) and exact 448 * 2**k (row 11:
+    amax / 448 a power of two, the RCEIL boundary)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1000, cols, generator=g) * torch.logspace(-6, 6, 1000).view(-1, 1)
     x[3] = 0
     x[7, :40] = 2.0**-130
+    k = torch.randint(-20, 20, (cols,), generator=g).float()
+    x[11] = 448.0 * torch.exp2(k) * torch.where(torch.rand(cols, generator=g) < 0.5, -1.0, 1.0)
+    x[13] = torch.randn(cols, generator=g) * 2.0**-121
+    errors = []
     for dt in (torch.float32, torch.bfloat16):
         xc = x.to(dt)
-        ref = quantize(xc, fmt)
-        got = quantize(xc.cuda(), fmt)
-        for k in FORMATS[fmt].tensor_fields:
-            a, b = _u8(getattr(ref, k)), _u8(getattr(got, k)).cpu()
-            mism = (a != b).sum().item()
-            assert mism == 0, f"{fmt} {compile_mode} {dt}: {k} differs in {mism} places"
-        assert torch.equal(ref.dequantize(torch.float32), got.dequantize(torch.float32).cpu())
+        ref = quantize(xc, fmt, **opts)
+        got = quantize(xc.cuda(), fmt, **opts)
+        for name in FORMATS[fmt].tensor_fields:
+            rt, gt = getattr(ref, name), getattr(got, name).cpu()
+            diff = (_bits(rt) != _bits(gt)).nonzero()
+            if len(diff) == 0:
+                continue
+            errors.append(f"{dt} {name} differs in {len(diff)} places")
+            for i in diff[:5].tolist():
+                idx = tuple(i)
+                errors.append(
+                    f"    at {list(idx)}: {_input_of(fmt, opts, name, idx, xc)}; "
+                    f"cpu {_show(rt, idx)}, cuda {_show(gt, idx)}"
+                )
+        if not torch.equal(ref.dequantize(torch.float32), got.dequantize(torch.float32).cpu()):
+            errors.append(f"{dt} dequantize differs")
+    if errors:
+        head = (
+            f"{fmt} {opts} {compile_mode} cols={cols} (torch {torch.__version__}, "
+            f"inductor options {_common._compile_options()}):"
+        )
+        pytest.fail("\n".join([head, *errors]), pytrace=False)
+
+
+def test_compile_options_make_division_exact() -> None:
+    """The compiled kernels' float32 x / scale must be div_rn (eager's IEEE division): the
+    option that makes inductor emit it must exist under one of its names in this torch."""
+    opts = _common._compile_options()
+    print(f"torch {torch.__version__}: inductor options {opts}")
+    assert opts.get("eager_numerics.division_rounding") or opts.get("emulate_divison_rounding")
 
 
 def test_compiled_path_is_used_on_cuda() -> None:

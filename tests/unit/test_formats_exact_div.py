@@ -1,0 +1,42 @@
+"""The scale divisions by constants (amax / 448, amax / 6, ...) give the correctly rounded
+float32 quotient through ``_common.div_f32`` (float64, rounded once): the same bits as CPU
+float32 division, which the reference tests pin. CUDA torch would multiply by a rounded
+reciprocal instead (tests/gpu/test_formats_gpu.py compares the devices)."""
+
+from __future__ import annotations
+
+import torch
+
+from qckpt.formats import _common
+
+
+def _edge_amaxes() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 0x7F7FFFFF, (1 << 20,), generator=g, dtype=torch.int32)
+    special = torch.tensor(
+        [0.0, 2.0**-149, 2.0**-130, 2.0**-126, 2.0**-118, 3 * 2.0**-130, 6 * 2.0**-140, 1.0, 6.0]
+        + [448.0 * 2.0**k for k in range(-140, 110, 7)]
+        + [57344.0 * 2.0**k for k in range(-150, 100, 9)]
+        + [torch.finfo(torch.float32).max]
+    )
+    # every subnormal float32 with a small mantissa: quotients that are exact float32 ties
+    sub = torch.arange(1, 1 << 16, dtype=torch.int32).view(torch.float32)
+    return torch.cat([bits.view(torch.float32), special, sub])
+
+
+def test_div_f32_is_float32_division() -> None:
+    a = _edge_amaxes()
+    for d in (448.0, 57344.0, 6.0, 2688.0, 3.0):
+        want = a / d  # CPU float32 division: correctly rounded, ties to even
+        got = _common.div_f32(a, _common.f64_const(d, a.device))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), d
+
+
+def test_float_scale_is_float32_division_clamped() -> None:
+    a = _edge_amaxes()
+    for q in (448.0, 57344.0, 2688.0):
+        want = (a / q).clamp_min(_common.F32_TINY)
+        want = torch.where(a > 0, want, torch.ones_like(want))
+        for qmax in (q, _common.f64_const(q, a.device)):
+            got = _common.float_scale(a, qmax)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), q

@@ -100,7 +100,9 @@ def init_mesh(*, ep: int = 1, tp: int = 1, timeout_s: float = 600.0, device: str
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout)
+        # NCCL: bind the communicator to this rank's GPU up front (no guessing on first use)
+        kw = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, timeout=timeout, **kw)
     rank = dist.get_rank()
     world = dist.get_world_size()
     dp = world // (ep * tp)

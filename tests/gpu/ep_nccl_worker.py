@@ -74,4 +74,13 @@ def main(out_path: str, device: str = "cuda") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    try:
+        main(*sys.argv[1:3])
+    except BaseException:
+        import os
+        import traceback
+
+        with open(sys.argv[1], "a") as f:
+            rec = {"rank": int(os.environ.get("RANK", "0")), "error": traceback.format_exc()}
+            f.write(json.dumps(rec) + "\n")
+        raise

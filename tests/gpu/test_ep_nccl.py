@@ -26,7 +26,11 @@ def test_ep2_over_nccl_matches_one_gpu(tmp_path):
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
+    (tmp_path / "stderr.log").write_text(r.stderr)
+    if r.returncode != 0:
+        errs = out.read_text() if out.exists() else ""
+        lines = [ln for ln in r.stderr.splitlines() if "rror" in ln or "what()" in ln]
+        raise AssertionError("EP2 worker failed:\n" + errs + "\n".join(lines[:40]))
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) == 2
     for rec in recs:

@@ -157,8 +157,8 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if args.formats is None:
         args.formats = "fp8_delayed,fp8_block" if args.backend == "te" else "fp8,mxfp8"
     fmts = [f for f in args.formats.split(",") if f]

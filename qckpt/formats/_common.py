@@ -26,11 +26,10 @@ from qckpt.errors import FormatError
 # the FP32 temporaries of one chunk stay at a few x 64 MiB. Tests shrink it to hit chunk edges.
 CHUNK_ELEMS: int = 1 << 24
 # Chunk size for the compiled (fused) kernels: their FP32 math stays in registers, so bigger
-# chunks cost little memory and pay the per-call Python/guard/launch overhead fewer times. On an
-# H200 a 64 Mi-element chunk is ~30 us of memory traffic, about what one call costs, so at 1 << 26
-# fp8 reached only 0.35 of copy bandwidth on 512 MiB; 256 Mi elements (512 MiB of BF16) makes
-# most weights one call per kernel.
-CHUNK_ELEMS_COMPILED: int = 1 << 28
+# chunks cost little memory and pay the per-call Python/guard/launch overhead fewer times. Measured
+# on an H200 (docs/BENCHMARKS.md): 1 << 28 doubled mxfp8's throughput but quadrupled nvfp4's
+# compiled temporaries (80 -> 320 MiB on a 512 MiB input) and did not help fp8; we keep 1 << 26.
+CHUNK_ELEMS_COMPILED: int = 1 << 26
 
 FP8_DTYPES = {
     "e4m3": torch.float8_e4m3fn,

@@ -8,12 +8,13 @@ Dispatch and combine go through a forward pre-hook and a forward hook on the exp
 whatever ``forward`` the module runs (transformers' own, or calibration's instrumented loop) is
 left alone:
 
-1. pre-hook: all-gather every EP rank's tokens and routing (padded to the largest rank), and lay
-   them out one row per (slot, token): row ``j * T + t`` carries token t routed to its j-th
-   expert only, as a local row index, or the "dropped" index ``n_local`` when that expert lives
-   elsewhere. The local forward then computes, per row, one expert's weighted output or zero.
-2. hook: an all-reduce (SUM) of those rows over the EP group. Each (slot, token) has exactly one
-   owner and every other rank adds an exact zero, so the sum is exact. Each rank then takes its
+1. pre-hook: all-gather every EP rank's tokens and routing (padded to the largest rank). Each
+   (slot j, token t) pair routed to a local expert becomes one row for the local forward, with
+   that expert alone (as a local index) and its routing weight, so each row's output is one
+   expert's weighted output.
+2. hook: those rows go back to their places ``j * T + t`` of a zero buffer, all-reduced (SUM) over
+   the EP group. Each (slot, token) has exactly one owner and every other rank adds an exact
+   zero, so the sum is exact. Each rank then takes its
    own tokens and adds their slots in ascending expert order, the order transformers' eager loop
    uses, so the result is the single-process result bit for bit (given a batch-invariant matmul).
 
@@ -77,21 +78,24 @@ class _Exchange:
         idx_all = gather(top_k_index, -1)  # -1 marks padding rows: never routed
         w_all = gather(top_k_weights, 0)
         t_all = h_all.shape[0]
-        # rows ordered (slot, token): the local forward sees each token once per slot
-        local = idx_all - self.start
-        in_range = (idx_all >= self.start) & (local < self.n_local)
-        local = torch.where(in_range, local, torch.full_like(local, self.n_local))
-        rows_idx = local.t().reshape(k * t_all, 1)
-        rows_w = w_all.t().reshape(k * t_all, 1)
-        rows_h = h_all.repeat(k, 1)
-        self.pending = (t_local, k, t_max, t_all, top_k_index)
+        # rows ordered (slot, token); only the (slot, token) pairs routed to a local expert are
+        # run, so no sentinel index is needed (older transformers have none)
+        flat_idx = idx_all.t().reshape(k * t_all)
+        sel = torch.nonzero((flat_idx >= self.start) & (flat_idx < self.start + self.n_local))
+        sel = sel.squeeze(1)
+        rows_idx = (flat_idx[sel] - self.start).unsqueeze(1)
+        rows_w = w_all.t().reshape(k * t_all)[sel].unsqueeze(1)
+        rows_h = h_all[sel % t_all]
+        self.pending = (t_local, k, t_max, t_all, top_k_index, sel)
         return (rows_h, rows_idx, rows_w, *args[3:])
 
     def post(self, _mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
-        t_local, k, t_max, t_all, top_k_index = self.pending
+        t_local, k, t_max, t_all, top_k_index, sel = self.pending
         self.pending = None
-        out = out.contiguous()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        full = torch.zeros((k * t_all, out.shape[-1]), dtype=out.dtype, device=out.device)
+        full[sel] = out
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
+        out = full
         me = dist.get_rank(self.group)
         per_slot = out.view(k, t_all, -1)[:, me * t_max : me * t_max + t_local]
         # add each token's slots in ascending expert order, as the eager single-process loop does
@@ -115,7 +119,7 @@ def shard_experts(model: nn.Module, mesh: Mesh) -> list[str]:
     found = _fused_experts(model)
     if not found:
         raise UsageError("parallel.ep: > 1 but the model has no fused MoE experts to shard")
-    # the eager experts loop honours the "dropped" index n_local that remote slots are given
+    # the eager loop keeps each token's experts in ascending order, which the combine reproduces
     if getattr(model, "config", None) is not None and hasattr(
         model.config, "_experts_implementation"
     ):

@@ -131,6 +131,15 @@ def insert_quantizers(
             iq = make(name, "input", (mod.in_features,), dev)
             instr.weights.append((wq, (lambda m=mod: m.weight)))
             instr.hooks.append(mod.register_forward_pre_hook(_input_hook(iq)))
+            if quant_cfg.kv_cache and name.rpartition(".")[2] in ("k_proj", "v_proj"):
+                # the KV-cache scales: the cache holds these outputs (k after its norm and
+                # rotary, which a per-tensor amax of k_proj's output bounds only approximately)
+                oq = TensorQuantizer(
+                    name, "output", shape=(mod.out_features,), granularity="tensor",
+                    fmt="fp8", calib_dtype=calib_dtype, device=dev,
+                )  # fmt: skip
+                instr.quantizers[oq.key] = oq
+                instr.hooks.append(mod.register_forward_hook(_output_hook(oq)))
         elif _is_fused_experts(mod):
             if _ignored(name, ignore):
                 continue
@@ -143,6 +152,13 @@ def _input_hook(q: TensorQuantizer):
     def hook(_mod, args):
         if args:
             q.collect(args[0])
+
+    return hook
+
+
+def _output_hook(q: TensorQuantizer):
+    def hook(_mod, _args, out):
+        q.collect(out)
 
     return hook
 

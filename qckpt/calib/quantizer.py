@@ -29,7 +29,8 @@ GRANULARITIES = ("tensor", "channel", "block", "dynamic_block")
 # calibrated a quantizer in different dtypes meet a rank that must adopt one
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
-KINDS = ("weight", "input")
+# "output": a linear's output, per tensor (k_proj/v_proj for the KV-cache scales)
+KINDS = ("weight", "input", "output")
 # the granularities whose stored amax is one number; the sync treats them alike
 SCALAR_GRANULARITIES = ("tensor", "dynamic_block")
 # bumped whenever a quantizer is enabled or disabled, so that the sync's cached buffer layout

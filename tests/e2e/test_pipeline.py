@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from safetensors import safe_open
 
+from qckpt.recipe import load_recipe
 from tests.conftest import ROOT, run_qckpt
 
 
@@ -24,9 +26,16 @@ def _torchrun(*args, cwd, timeout=300):
     )
 
 
-@pytest.mark.parametrize("model", ["tiny-moe", "tiny-dense"])
-def test_end_to_end(tmp_path, model):
-    recipe = ROOT / "configs" / f"{model}.yaml"
+CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+
+
+def test_every_config_is_exercised():
+    assert {"tiny-moe", "tiny-dense"} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_end_to_end(tmp_path, config):
+    recipe = ROOT / "configs" / f"{config}.yaml"
     run = tmp_path / "run"
     sets = [
         "--set", f"checkpoint.path={run}/dcp",
@@ -51,7 +60,9 @@ def test_end_to_end(tmp_path, model):
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run / "calib.safetensors").is_file()
 
-    r = run_qckpt("inspect", str(run / "calib.safetensors"), "--json", str(run / "ci.json"), cwd=tmp_path)
+    r = run_qckpt(
+        "inspect", str(run / "calib.safetensors"), "--json", str(run / "ci.json"), cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr
     info = json.loads((run / "ci.json").read_text())
     assert info["kind"] == "calibration" and info["calibrated"] > 0
@@ -60,6 +71,13 @@ def test_end_to_end(tmp_path, model):
     assert r.returncode == 0, r.stderr
     cfg = json.loads((run / "fp8" / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    names = set()
+    for shard in (run / "fp8").glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            names |= set(f.keys())
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in names
+    if load_recipe(recipe).quant.kv_cache:
+        assert {"model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"} <= names
 
     r = run_qckpt("inspect", str(run / "fp8"), "--json", str(run / "ei.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -67,7 +85,15 @@ def test_end_to_end(tmp_path, model):
 
     # transformers (with compressed-tensors) loads the export; logits stay close to BF16
     r = subprocess.run(
-        [sys.executable, "-m", "qckpt.verify", str(run / "fp8"), str(run / "dcp"), "--min-cosine", "0.99"],
+        [
+            sys.executable,
+            "-m",
+            "qckpt.verify",
+            str(run / "fp8"),
+            str(run / "dcp"),
+            "--min-cosine",
+            "0.99",
+        ],
         cwd=str(tmp_path),
         capture_output=True,
         text=True,
@@ -79,4 +105,6 @@ def test_end_to_end(tmp_path, model):
     # and back to HF safetensors from the DCP checkpoint
     r = run_qckpt("convert", str(run / "dcp"), str(run / "hf"), "--to", "hf", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert (run / "hf" / "model.safetensors").is_file() or (run / "hf" / "model.safetensors.index.json").is_file()
+    assert (run / "hf" / "model.safetensors").is_file() or (
+        run / "hf" / "model.safetensors.index.json"
+    ).is_file()

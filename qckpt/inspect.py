@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from qckpt.checkpoint.export_source import read_safetensors_header
 from qckpt.errors import CheckpointError
 
 _DTYPE_BYTES = {
@@ -26,17 +27,7 @@ def _numel(shape) -> int:
 
 def _safetensors_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """(tensor name -> {dtype, shape}, metadata) from the JSON header, without reading data."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file (too short)")
-        n = int.from_bytes(head, "little")
-        if n > 100 * 2**20:
-            raise CheckpointError(f"{path}: not a safetensors file (header of {n} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            raise CheckpointError(f"{path}: not a safetensors file (bad header)") from None
+    header, _ = read_safetensors_header(path)
     meta = header.pop("__metadata__", None) or {}
     return header, meta
 

@@ -26,24 +26,13 @@ from pathlib import Path
 
 import torch
 
-from qckpt.checkpoint.safe_metadata import SafeFileSystemReader, is_dcp_dir, read_metadata_file
+from qckpt.checkpoint.hf_reader import ST_DTYPES
+from qckpt.checkpoint.safe_metadata import SafeFileSystemReader, read_metadata_file
+from qckpt.checkpoint.sources import detect_format as _detect
 from qckpt.errors import CheckpointError
 from qckpt.models.naming import hf_tensors
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = ST_DTYPES
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
@@ -77,16 +66,10 @@ class HFEntry:
 
 
 def detect_format(path: str | os.PathLike, format: str = "auto") -> str:
-    p = Path(path)
+    """The source's format: an explicit one as given, ``auto`` as the loader detects it."""
     if format not in ("auto", "dcp", "safetensors"):
-        raise CheckpointError(f"{p}: unknown checkpoint format {format!r}")
-    if format == "auto":
-        if is_dcp_dir(p):
-            return "dcp"
-        if p.is_dir() and any(p.glob("*.safetensors")):
-            return "safetensors"
-        raise CheckpointError(f"{p}: neither a DCP dir (.metadata) nor a dir with *.safetensors")
-    return format
+        raise CheckpointError(f"{Path(path)}: unknown checkpoint format {format!r}")
+    return _detect(path) if format == "auto" else format
 
 
 def read_safetensors_header(file: Path) -> tuple[dict, int]:

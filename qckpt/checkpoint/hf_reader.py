@@ -99,7 +99,8 @@ def hf_index(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...], t
     return out
 
 
-_ST_DTYPES = {
+# safetensors dtype names -> torch dtypes (the readers of both loading and export use this)
+ST_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -117,7 +118,7 @@ _ST_DTYPES = {
 
 def _st_dtype(s: str, f: str, k: str) -> torch.dtype:
     try:
-        return _ST_DTYPES[s]
+        return ST_DTYPES[s]
     except KeyError:
         raise CheckpointError(f"{f}: tensor {k} has unsupported dtype {s}") from None
 

@@ -15,21 +15,21 @@ def _mesh(ep):
     return init_mesh(ep=ep, tp=1, timeout_s=10, device="cpu")
 
 
-def _reference_logits():
+def _reference_logits(source="tiny-moe"):
     from qckpt.models.build import build_model
 
-    m = build_model("tiny-moe")
+    m = build_model(source)
     m.config._experts_implementation = "eager"
     with torch.no_grad():
         return m(IDS).logits
 
 
-def _ep_logits(rank, world, ep):
+def _ep_logits(rank, world, ep, source="tiny-moe"):
     from qckpt.models.build import build_model
     from qckpt.parallel.expert import shard_experts
 
     mesh = _mesh(ep)
-    m = build_model("tiny-moe")
+    m = build_model(source)
     names = shard_experts(m, mesh)
     n_data = mesh.data_parallel_size
     rows = IDS[mesh.data_rank :: n_data]
@@ -44,9 +44,25 @@ def _ep_logits(rank, world, ep):
     }
 
 
-@pytest.mark.parametrize("ep", [1, 2, 4])
-def test_ep_forward_equals_single_process(ep):
-    world = shared_world(4)
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory):
+    """A local HF dir holding a tiny Mixtral config (experts named w1/w2/w3 in its checkpoint)."""
+    from transformers import MixtralConfig
+
+    d = tmp_path_factory.mktemp("mixtral")
+    MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    ).save_pretrained(str(d))  # fmt: skip
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "world_size, ep", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]
+)  # DP2, EP2, DP4, DP2 x EP2, EP4
+def test_ep_forward_equals_single_process(world_size, ep):
+    world = shared_world(world_size)
     out = world.run(_ep_logits, ep)
     assert all(o.ok for o in out), [o.error for o in out]
     ref = _reference_logits()
@@ -57,6 +73,16 @@ def test_ep_forward_equals_single_process(ep):
         mine = ref[v["data_rank"] :: v["n_data"]]
         # bit for bit: the combine adds each token's experts in the eager loop's order
         assert torch.equal(v["logits"], mine), (ep, (v["logits"] - mine).abs().max())
+
+
+def test_mixtral_ep_forward_equals_single_process(tiny_mixtral):
+    out = shared_world(4).run(_ep_logits, 2, tiny_mixtral)
+    assert all(o.ok for o in out), [o.error for o in out]
+    ref = _reference_logits(tiny_mixtral)
+    for o in out:
+        v = o.value
+        assert v["experts"] == 4 and v["sharded"]
+        assert torch.equal(v["logits"], ref[v["data_rank"] :: v["n_data"]])
 
 
 def _bad_ep(rank, world):

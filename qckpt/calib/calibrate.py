@@ -6,7 +6,10 @@ Order (the same on every rank, so every rank reaches every collective):
 3. forwards over this rank's batches under ``no_grad``; a failure here is remembered, not raised,
    so that this rank still reaches the sync and tells the others (who would otherwise wait);
 4. :func:`qckpt.calib.sync.sync_amax` over ``mesh.data_group`` (DP x EP: the ranks that saw
-   different data), then over ``mesh.tp_group`` for the per-tensor amaxes of TP-sharded modules;
+   different data), then over ``mesh.tp_group`` for the per-tensor amaxes (MAX over the shards of
+   TP-sharded linears; gated on ``enabled`` only), then one all-gather over ``mesh.tp_group``
+   that turns the per-channel / per-block amaxes of TP-sharded linears into the whole tensor's
+   (:func:`qckpt.parallel.tensor.gather_sharded_amax`), so the file is the one TP=1 writes;
 5. one more collective for the report: which experts got tokens on which rank;
 6. quantizers out; the result is a :class:`CalibrationState` in HF module naming + the report.
 """
@@ -35,6 +38,7 @@ from qckpt.calib.sync import sync_amax
 from qckpt.errors import SyncError
 from qckpt.models.naming import hf_tensors, is_fused_experts_param
 from qckpt.parallel.mesh import Mesh, group_device
+from qckpt.parallel.tensor import check_sharded_quantizers, gather_sharded_amax, tp_sharded_linears
 from qckpt.recipe import QuantConfig
 
 _LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
@@ -57,6 +61,9 @@ def calibrate_model(
     )
     try:
         instr = instrumentation(model)
+        tp_mods = tp_sharded_linears(model)
+        # a block size that straddles TP shards: a config error, the same on every rank
+        check_sharded_quantizers(quantizers.values(), tp_mods)
         device = _model_device(model)
         failure: BaseException | None = None
         tokens = 0
@@ -76,13 +83,20 @@ def calibrate_model(
         try:
             dres = sync_amax(qs, mesh.data_group, what="data-parallel", local_error=local_error)
             tres = None
+            tp_gathers = 0
             if mesh.tp_group is not None:
                 # TP ranks see the same tokens but hold different shards of the sharded modules:
-                # one amax per tensor is the max over the shards; per-channel/per-block amaxes
-                # describe the local shard and stay local
+                # one amax per tensor is the max over the shards (every enabled per-tensor
+                # quantizer joins; replicated modules' are equal on every TP rank anyway)
+                was_shared = [q for q in qs if q.is_scalar and q.shared_from_layer]
                 tres = sync_amax(
                     [q for q in qs if q.is_scalar], mesh.tp_group, what="tensor-parallel"
                 )
+                for q in was_shared:  # the TP sync has nothing to share; keep the DP verdict
+                    q.shared_from_layer = True
+            if tp_mods:
+                # per-channel / per-block amaxes of a shard: the whole tensor's, as on 1 rank
+                tp_gathers = gather_sharded_amax(qs, tp_mods, mesh.tp_group)
         except SyncError:
             if failure is not None:
                 raise failure from None
@@ -96,7 +110,7 @@ def calibrate_model(
             tokens_this_rank=tokens,
             forward_seconds=round(t_fwd - t0, 4),
             sync_seconds=round(t_sync - t_fwd, 6),
-            sync_collectives=dres.collectives + (tres.collectives if tres else 0),
+            sync_collectives=dres.collectives + (tres.collectives if tres else 0) + tp_gathers,
             shared_from_layer=len(dres.shared),
         )
         return state, report
@@ -148,8 +162,17 @@ def _state(model: nn.Module, qs: list[TensorQuantizer], quant_cfg: QuantConfig) 
         for name, mod in model.named_modules()
         if getattr(mod, "qckpt_num_experts", None) is not None
     }
+    # under TP a rank holds a block of each sharded linear's weight (and a column's bias)
+    tp_full = {}
+    for name, mod in tp_sharded_linears(model).items():
+        full = tuple(mod.qckpt_full_shape)
+        tp_full[f"{name}.weight"] = full
+        if mod.qckpt_tp_dim == 0 and getattr(mod, "bias", None) is not None:
+            tp_full[f"{name}.bias"] = full[:1]
 
     def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in tp_full:
+            return t.new_empty(()).expand(tp_full[name])
         n = n_global.get(name.rpartition(".")[0])
         if n is None or not is_fused_experts_param(name) or t.shape[0] == n:
             return t

@@ -118,6 +118,28 @@ def expert_shards(
     return out
 
 
+def tensor_shards(
+    model: nn.Module | dict[str, Any],
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Local blocks of TP-sharded linears (``qckpt.parallel.tensor.shard_tensor_parallel``):
+    param name -> (global shape, offsets of this rank's rows (column-parallel) or columns
+    (row-parallel)). A row-parallel bias is whole on every rank and not listed."""
+    if not isinstance(model, nn.Module):
+        return {}
+    out: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for name, mod in model.named_modules():
+        dim = getattr(mod, "qckpt_tp_dim", None)
+        if dim is None:
+            continue
+        full = tuple(int(s) for s in mod.qckpt_full_shape)
+        start = int(mod.qckpt_tp_rank) * (full[dim] // int(mod.qckpt_tp_size))
+        pre = f"{name}." if name else ""
+        out[f"{pre}weight"] = (full, (start, 0) if dim == 0 else (0, start))
+        if dim == 0 and getattr(mod, "bias", None) is not None:
+            out[f"{pre}bias"] = (full[:1], (start,))
+    return out
+
+
 def _loadable(src: torch.dtype, dst: torch.dtype) -> bool:
     if src == dst:
         return True
@@ -217,7 +239,7 @@ def load_checkpoint(
     if main_params not in (None, "fp32"):
         raise UsageError(f"load.main_params: must be none or fp32; got {main_params!r}")
     fmt = _resolve_format(path, format)
-    shards = expert_shards(model)
+    shards = {**expert_shards(model), **tensor_shards(model)}
     expected = {k: torch.Size(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     expected.update({k: torch.Size(g) for k, (g, _) in shards.items()})
     reader = open_reader(path, fmt, model=model, expected=expected)

@@ -24,6 +24,8 @@ def calibrate_cmd(
 
         qckpt calibrate configs/tiny-moe.yaml --nproc-per-node 4 --set parallel.ep=2
 
+        torchrun --nproc-per-node 2 -m qckpt calibrate configs/tiny-dense.yaml --set parallel.tp=2
+
         qckpt calibrate configs/tiny-dense.yaml --set calibrate.data.source=text --set calibrate.data.path=my.txt
     """
     r = start(recipe, set_, nproc_per_node, verbose)
@@ -33,17 +35,21 @@ def calibrate_cmd(
     from qckpt.checkpoint.load import load_checkpoint
     from qckpt.models.build import build_model, materialize
     from qckpt.parallel.expert import shard_experts
+    from qckpt.parallel.tensor import shard_tensor_parallel
     from qckpt.report import render_amax_report
 
     with world(r, r.load.device) as mesh:
-        # built on the meta device: with parallel.ep each rank then allocates and reads only
-        # its own experts, never the whole model
+        # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
+        # reads only its own experts and linear shards, never the whole model
         model = build_model(r.model.source, dtype=r.model.dtype, seed=r.model.seed, device="meta")
-        fingerprint = fingerprint_model(model)  # of the whole model, before EP drops experts
+        fingerprint = fingerprint_model(model)  # of the whole model, before EP/TP shard it
         sharded = shard_experts(model, mesh)
+        tp_sharded = shard_tensor_parallel(model, mesh)
         materialize(model, mesh.device)
         if sharded:
             _output.log(f"experts of {len(sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
+        if tp_sharded:
+            _output.log(f"{len(tp_sharded)} linears split over {mesh.tp} TP ranks")
         _output.log(f"reading weights from {r.checkpoint.path}")
         load_checkpoint(
             model, r.checkpoint.path, format=r.checkpoint.format, stream=True, mesh=mesh

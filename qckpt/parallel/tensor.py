@@ -1,0 +1,330 @@
+"""Tensor parallelism for transformers decoder layers: attention and dense-MLP linears split over TP.
+
+``shard_tensor_parallel(model, mesh)`` splits, in every decoder layer,
+
+* ``self_attn.q_proj/k_proj/v_proj`` and a dense MLP's ``gate_proj/up_proj`` column-parallel: this
+  rank keeps output rows ``[tp_rank * n, (tp_rank + 1) * n)`` of the weight (and of a bias);
+* ``self_attn.o_proj`` and a dense MLP's ``down_proj`` row-parallel: this rank keeps the matching
+  input columns, and a forward hook all-reduces (SUM) the partial outputs over ``mesh.tp_group``;
+  a bias is added by TP rank 0 only, so it is added once.
+
+Heads split evenly (``num_attention_heads`` and ``num_key_value_heads`` must both divide by tp),
+so each rank holds whole heads: q heads ``[r * H/tp, ...)`` and their key/value heads
+``[r * KV/tp, ...)``. transformers' attention reshapes with ``-1`` heads and reads
+``num_key_value_groups`` (unchanged: (H/tp) / (KV/tp) = H/KV), so the module code runs as is on
+local heads; head-count attributes some architectures keep on the module (``num_heads``,
+``num_key_value_heads``, ``num_attention_heads``) are divided by tp. MoE experts and the router
+stay replicated (expert parallelism shards experts; see :mod:`qckpt.parallel.expert`), as do
+embeddings, norms and ``lm_head``.
+
+Parameter names are unchanged. Each sharded ``nn.Linear`` carries ``qckpt_tp_dim`` (0 column,
+1 row), ``qckpt_tp_size``, ``qckpt_tp_rank`` and ``qckpt_full_shape`` (the whole weight's
+shape), which the loader (:func:`qckpt.checkpoint.load.tensor_shards`: read only this block of
+the checkpoint's tensor) and the calibrator (:func:`gather_sharded_amax`) read. Works on the meta
+device, so a rank allocates only its shards.
+
+The row-parallel partial sums are reduced in float32 (for half-precision outputs) and rounded
+once; the sum is in a different order than one process's matmul, so logits match a single
+process to float tolerance, not bit for bit. Inference only: the all-reduce is not autograd-aware.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qckpt.errors import SyncError, UsageError
+from qckpt.parallel.mesh import Mesh
+
+ATTN_COLUMN = ("q_proj", "k_proj", "v_proj")
+ATTN_ROW = ("o_proj",)
+MLP_COLUMN = ("gate_proj", "up_proj")
+MLP_ROW = ("down_proj",)
+_HEAD_ATTRS = ("num_heads", "num_key_value_heads", "num_attention_heads")
+
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _text_config(model: nn.Module):
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    return cfg
+
+
+def _linear(mod: nn.Module, attr: str) -> nn.Linear | None:
+    m = getattr(mod, attr, None)
+    return m if isinstance(m, nn.Linear) else None
+
+
+def tp_plan(model: nn.Module) -> list[tuple[str, nn.Linear, int]]:
+    """Every linear tensor parallelism splits: (module name, module, 0 column / 1 row)."""
+    plan = []
+    for name, mod in model.named_modules():
+        attn = getattr(mod, "self_attn", None)
+        if attn is None or _linear(attn, "q_proj") is None:
+            continue  # not a decoder layer
+        for attrs, dim in ((ATTN_COLUMN, 0), (ATTN_ROW, 1)):
+            for a in attrs:
+                lin = _linear(attn, a)
+                if lin is not None:
+                    plan.append((f"{name}.self_attn.{a}", lin, dim))
+        mlp = getattr(mod, "mlp", None)
+        # a dense MLP: all three projections are plain linears (a MoE block has experts instead)
+        if mlp is not None and all(_linear(mlp, a) for a in MLP_COLUMN + MLP_ROW):
+            for attrs, dim in ((MLP_COLUMN, 0), (MLP_ROW, 1)):
+                for a in attrs:
+                    plan.append((f"{name}.mlp.{a}", getattr(mlp, a), dim))
+    return plan
+
+
+class _RowParallel:
+    """Forward hook of a row-parallel linear: SUM of the partial outputs over the TP group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, _mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if out.dtype in (torch.float16, torch.bfloat16):
+            acc = out.float()
+            dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
+            return acc.to(out.dtype)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+
+def _bias_once(mod: nn.Linear, tp_rank: int):
+    """``forward`` of a row-parallel linear with a bias: only TP rank 0 adds it."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, mod.weight, mod.bias if tp_rank == 0 else None)
+
+    return forward
+
+
+def _keep(p: nn.Parameter, dim: int, start: int, n: int) -> nn.Parameter:
+    local = p.detach().narrow(dim, start, n).clone()
+    return nn.Parameter(local, requires_grad=p.requires_grad)
+
+
+def shard_tensor_parallel(model: nn.Module, mesh: Mesh) -> list[str]:
+    """Split the attention and dense-MLP linears of every decoder layer over ``mesh.tp_group``.
+
+    Returns the names of the sharded linears; a no-op (empty list) when ``mesh.tp == 1``.
+    """
+    tp = mesh.tp
+    if tp <= 1:
+        return []
+    if mesh.tp_group is None:
+        raise UsageError("parallel.tp: > 1 needs a torchrun world with a TP group")
+    plan = tp_plan(model)
+    if any(getattr(lin, "qckpt_tp_dim", None) is not None for _, lin, _ in plan):
+        raise UsageError("parallel.tp: the model is already split over TP ranks")
+    if not plan:
+        raise UsageError("parallel.tp: > 1 but the model has no attention layers to split")
+    cfg = _text_config(model)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads is not None and (heads % tp or kv % tp):
+        raise UsageError(
+            f"parallel.tp: {tp} does not divide the {heads} attention heads and "
+            f"{kv} key/value heads"
+        )
+    for name, lin, dim in plan:
+        size = lin.weight.shape[dim]
+        if size % tp:
+            raise UsageError(f"parallel.tp: {tp} does not divide the {size} features of {name}")
+    r = mesh.tp_rank
+    names = []
+    with torch.no_grad():
+        for name, lin, dim in plan:
+            full = tuple(int(s) for s in lin.weight.shape)
+            n = full[dim] // tp
+            lin.weight = _keep(lin.weight, dim, r * n, n)
+            if dim == 0:
+                if lin.bias is not None:
+                    lin.bias = _keep(lin.bias, 0, r * n, n)
+                lin.out_features = n
+            else:
+                lin.in_features = n
+                lin.register_forward_hook(_RowParallel(mesh.tp_group))
+                if lin.bias is not None:
+                    lin.forward = _bias_once(lin, r)
+            lin.qckpt_tp_dim = dim
+            lin.qckpt_tp_size = tp
+            lin.qckpt_tp_rank = r
+            lin.qckpt_full_shape = full
+            names.append(name)
+    for _name, mod in model.named_modules():
+        attn = getattr(mod, "self_attn", None)
+        if attn is None or _linear(attn, "q_proj") is None:
+            continue
+        for a in _HEAD_ATTRS:
+            v = getattr(attn, a, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                setattr(attn, a, v // tp)
+        attn.qckpt_tp_size = tp
+    return names
+
+
+def tp_sharded_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """The linears :func:`shard_tensor_parallel` split, by module name."""
+    return {
+        name: mod
+        for name, mod in model.named_modules()
+        if getattr(mod, "qckpt_tp_dim", None) is not None
+    }
+
+
+# ---- calibration ---------------------------------------------------------------------------------
+# Per-tensor amaxes (weight, input, output; NVFP4's global) of a sharded linear are synced as a
+# MAX over the TP group by calibrate_model with every other per-tensor amax. The static
+# per-channel / per-block amaxes describe the local shard; here they become the whole tensor's.
+
+
+def _block(q) -> tuple[int, int]:
+    bs = tuple(q.block_size)
+    return bs if len(bs) == 2 else (1, bs[0])
+
+
+def _tp_action(q, mod: nn.Module) -> tuple[str, int]:
+    """How one static amax of a sharded linear becomes the whole tensor's: (op, axis).
+
+    ``("cat", axis)``: each rank holds a slice along ``axis`` of the amax; ``("max", 0)``: each
+    rank holds an amax over its slice of the reduced dims; ``("same", 0)``: identical on every
+    rank (a column-parallel linear's input, replicated). Raises UsageError when blocks would
+    straddle shards (the block size does not divide the shard).
+    """
+    dim, tp = int(mod.qckpt_tp_dim), int(mod.qckpt_tp_size)
+    full = tuple(mod.qckpt_full_shape)
+    local = full[dim] // tp
+    if q.kind == "weight":
+        if q.granularity == "channel":
+            return ("cat", 0) if (q.axis % 2) == dim else ("max", 0)
+        b = _block(q)[dim]
+        if local % b:
+            raise UsageError(
+                f"parallel.tp: {tp} splits {q.name}'s weight into shards of {local} "
+                f"{'rows' if dim == 0 else 'columns'}, which the weight block size {b} does not "
+                "divide (quant.weights.block_size)"
+            )
+        return ("cat", dim)
+    # inputs: per-block over the last (feature) dim, split only by a row-parallel linear
+    if dim == 0:
+        return ("same", 0)
+    b = q.block_size[-1]
+    if local % b:
+        raise UsageError(
+            f"parallel.tp: {tp} splits {q.name}'s input into shards of {local} features, which "
+            f"the input block size {b} does not divide (quant.inputs.block_size)"
+        )
+    return ("cat", 0)
+
+
+def _full_shapes(q, mod: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The observed tensor's whole shape and the whole amax shape, as on one process."""
+    full = tuple(int(s) for s in mod.qckpt_full_shape)
+    shape = full if q.kind == "weight" else (full[1],)
+    if q.granularity == "channel":
+        return shape, (shape[q.axis],)
+    if q.kind == "input":
+        return shape, (math.ceil(shape[-1] / q.block_size[-1]),)
+    b0, b1 = _block(q)
+    return shape, (math.ceil(shape[0] / b0), math.ceil(shape[1] / b1))
+
+
+def check_sharded_quantizers(quantizers, modules: dict[str, nn.Module]) -> list:
+    """The enabled static quantizers of TP-sharded linears; UsageError if one cannot be gathered.
+
+    Call before calibrating: the check reads only the config, so every rank fails alike.
+    """
+    out = []
+    for q in quantizers:
+        mod = modules.get(q.name)
+        if mod is None or q.is_scalar or not q.enabled or q.kind == "output":
+            continue
+        _tp_action(q, mod)
+        out.append(q)
+    return out
+
+
+def gather_sharded_amax(
+    quantizers, modules: dict[str, nn.Module], group: dist.ProcessGroup | None
+) -> int:
+    """Whole-tensor per-channel / per-block amaxes of TP-sharded linears; collectives issued.
+
+    One all-gather for all of them: every rank's local amaxes (float32) and a presence flag per
+    quantizer. Column-parallel slices are concatenated in TP rank order, amaxes over split
+    reduced dims take the MAX; each quantizer then has the shapes a one-process run has. A
+    static amax some TP ranks hold and others lack raises SyncError on every rank (the decision
+    reads gathered data only); one nobody holds stays None, with the whole shape.
+    """
+    qs = check_sharded_quantizers(quantizers, modules)
+    if not qs:
+        return 0
+    from qckpt.calib import quantizer as _quantizer
+    from qckpt.parallel.mesh import group_device
+
+    world = 1 if group is None else dist.get_world_size(group)
+    dev = group_device(group)
+    sizes = [max(1, math.prod(q.amax_shape)) for q in qs]
+    total = sum(sizes)
+    local = torch.zeros(total + len(qs), dtype=torch.float32, device=dev)
+    off = 0
+    for i, (q, n) in enumerate(zip(qs, sizes, strict=True)):
+        a = q.__dict__["_amax"]
+        if a is not None:
+            local[off : off + n] = a.reshape(-1).to(dev, torch.float32)
+            local[total + i] = 1.0
+        off += n
+    collectives = 0
+    if group is not None:
+        allv = torch.empty(world * local.numel(), dtype=torch.float32, device=dev)
+        try:
+            _gather(allv, local, group=group)
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL errors become one line
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise SyncError(
+                f"amax gather over the tensor-parallel group failed: a rank died or timed out "
+                f"({first})"
+            ) from None
+        collectives = 1
+        allv = allv.view(world, -1).cpu()
+    else:
+        allv = local.view(1, -1).cpu()
+    present = allv[:, total:]
+    some = [q.key for i, q in enumerate(qs) if 0 < int(present[:, i].sum()) < world]
+    if some:
+        raise SyncError(
+            "amax gather over the tensor-parallel group: static amax calibrated on only some TP "
+            f"ranks: {', '.join(some[:6])}{' and more' if len(some) > 6 else ''}"
+        )
+    off = 0
+    for i, (q, n) in enumerate(zip(qs, sizes, strict=True)):
+        mod = modules[q.name]
+        op, axis = _tp_action(q, mod)
+        shape, amax_shape = _full_shapes(q, mod)
+        had = q.__dict__["_amax"]
+        parts = [allv[r, off : off + n].view(q.amax_shape) for r in range(world)]
+        off += n
+        if op == "cat":
+            whole = torch.cat(parts, dim=axis)
+        elif op == "max":
+            whole = torch.stack(parts).amax(dim=0)
+        else:
+            whole = parts[0]
+        q.shape = shape
+        q.amax_shape = amax_shape
+        if bool(present[0, i]):
+            if tuple(whole.shape) != amax_shape:
+                raise SyncError(
+                    f"{q.key}: gathered amax of shape {tuple(whole.shape)}, expected {amax_shape}"
+                )
+            dt = had.dtype if had is not None else torch.float32
+            q.__dict__["_amax"] = whole.to(device=q.device, dtype=dt)
+    # the sync's cached buffer layout knew the local shapes
+    _quantizer.CONFIG_VERSION[0] += 1
+    return collectives

@@ -136,6 +136,43 @@ def _config_dict(model_config: Any) -> dict[str, Any]:
     raise CheckpointError(f"dcp_to_hf_dir: cannot write a config.json from {type(cfg).__name__}")
 
 
+def _check_fits(dcp_dir: str | os.PathLike, config: Any) -> None:
+    """The checkpoint holds exactly the model's tensors, names and shapes, or a one-line error
+    naming the first that does not fit (before anything is written)."""
+    from transformers import AutoModelForCausalLM
+
+    from qckpt.checkpoint.sources import checkpoint_names_shapes
+    from qckpt.models import naming
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    want = {
+        n: tuple(t.shape)
+        for k, v in model.state_dict().items()
+        for n, t in naming.hf_tensors(k, v, config.model_type)
+    }
+    have = {}
+    for k, (shape, _dtype) in checkpoint_names_shapes(dcp_dir, "dcp").items():
+        meta = torch.empty(tuple(shape), device="meta")
+        for n, t in naming.hf_tensors(k, meta, config.model_type):
+            have[n] = tuple(t.shape)
+    tied = getattr(config, "tie_word_embeddings", False)
+    for n, shape in want.items():
+        if n not in have:
+            if tied and n == "lm_head.weight":
+                continue
+            raise CheckpointError(
+                f"{n}: the model ({config.model_type}) has it, the checkpoint does not"
+            )
+        if have[n] != shape:
+            raise CheckpointError(f"{n}: shape {have[n]} in the checkpoint, {shape} in the model")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise CheckpointError(
+            f"{extra[0]}: in the checkpoint but not in the model ({config.model_type})"
+        )
+
+
 def dcp_to_hf_dir(
     dcp_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -156,6 +193,8 @@ def dcp_to_hf_dir(
 
     cfg = _config_dict(model_config)
     model_type = str(cfg.get("model_type", ""))
+    if hasattr(model_config, "to_json_string"):
+        _check_fits(dcp_dir, model_config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from qckpt.cli import _output
-from qckpt.cli._common import start, world
+from qckpt.cli._common import quiet_torch_logs, start, world
 from qckpt.cli._launch import relaunch
 from qckpt.cli._options import NprocOpt, SetOpt, VerboseOpt
 from qckpt.errors import UsageError
@@ -69,7 +71,11 @@ def convert_cmd(
     from qckpt.checkpoint.convert import dcp_to_hf_dir, hf_dir_to_dcp, save_model_dcp
     from qckpt.models.build import build_model, load_config
 
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UsageError(f"{dst}: already exists; remove it or choose another destination")
+    final, dst = dst, dst.with_name(f".{dst.name}.qckpt-partial")
     with world(r, "cpu") as mesh:
+        _fresh_dir(dst, mesh)
         if kind == "dcp":
             cfg_src = model or (str(src) if (src / "config.json").is_file() else None)
             if cfg_src is None:
@@ -91,7 +97,27 @@ def convert_cmd(
                 if mesh.is_main:
                     # the DCP dir carries its model config so that `--to hf` and `inspect` need no recipe
                     (Path(dst) / "config.json").write_text(built.config.to_json_string())
-    _output.result(f"wrote {dst} ({to})")
+        _barrier(mesh)
+        if mesh.is_main:  # written whole, then renamed: a failure leaves no half checkpoint
+            if final.exists():
+                final.rmdir()
+            os.replace(dst, final)
+    _output.result(f"wrote {final} ({to})")
+
+
+def _barrier(mesh) -> None:
+    if mesh.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _fresh_dir(path: Path, mesh) -> None:
+    """An empty staging dir that every rank sees before anyone writes into it."""
+    if mesh.is_main:
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    _barrier(mesh)
 
 
 def start_without_recipe(
@@ -103,5 +129,6 @@ def start_without_recipe(
     if code is not None:
         raise typer.Exit(code)
     _output.set_verbose(verbose)
+    quiet_torch_logs()
     raw = {"model": {"source": str(hf_dir)}} if hf_dir is not None else {}
     return recipe_from_dict(raw, overrides or [])

@@ -76,32 +76,37 @@ def convert_cmd(
     final, dst = dst, dst.with_name(f".{dst.name}.qckpt-partial")
     with world(r, "cpu") as mesh:
         _fresh_dir(dst, mesh)
-        if kind == "dcp":
-            cfg_src = model or (str(src) if (src / "config.json").is_file() else None)
-            if cfg_src is None:
-                raise UsageError(
-                    f"{src}: has no config.json; pass --model SOURCE for the model config"
-                )
-            if mesh.is_main:
-                dcp_to_hf_dir(src, dst, load_config(cfg_src))
-        else:
-            built = build_model(r.model.source, dtype=r.model.dtype, seed=r.model.seed)
-            if to == "hf":  # a recipe's seeded model, written the way transformers writes it
+        try:
+            if kind == "dcp":
+                cfg_src = model or (str(src) if (src / "config.json").is_file() else None)
+                if cfg_src is None:
+                    raise UsageError(
+                        f"{src}: has no config.json; pass --model SOURCE for the model config"
+                    )
                 if mesh.is_main:
-                    built.save_pretrained(str(dst))
+                    dcp_to_hf_dir(src, dst, load_config(cfg_src))
             else:
-                if kind == "hf":
-                    hf_dir_to_dcp(src, dst, built)
+                built = build_model(r.model.source, dtype=r.model.dtype, seed=r.model.seed)
+                if to == "hf":  # a recipe's seeded model, written the way transformers writes it
+                    if mesh.is_main:
+                        built.save_pretrained(str(dst))
                 else:
-                    save_model_dcp(built, dst, mesh=mesh)
-                if mesh.is_main:
-                    # the DCP dir carries its model config so that `--to hf` and `inspect` need no recipe
-                    (Path(dst) / "config.json").write_text(built.config.to_json_string())
-        _barrier(mesh)
-        if mesh.is_main:  # written whole, then renamed: a failure leaves no half checkpoint
-            if final.exists():
-                final.rmdir()
-            os.replace(dst, final)
+                    if kind == "hf":
+                        hf_dir_to_dcp(src, dst, built)
+                    else:
+                        save_model_dcp(built, dst, mesh=mesh)
+                    if mesh.is_main:
+                        # the DCP dir carries its model config so that `--to hf` and `inspect` need no recipe
+                        (Path(dst) / "config.json").write_text(built.config.to_json_string())
+            _barrier(mesh)
+            if mesh.is_main:  # written whole, then renamed: a failure leaves no half checkpoint
+                if final.exists():
+                    final.rmdir()
+                os.replace(dst, final)
+        except BaseException:
+            if mesh.is_main:  # nothing half-written stays behind
+                shutil.rmtree(dst, ignore_errors=True)
+            raise
     _output.result(f"wrote {final} ({to})")
 
 

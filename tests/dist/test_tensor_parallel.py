@@ -37,6 +37,12 @@ BLOCK = {
     "inputs": {"format": "fp8", "granularity": "block", "block_size": [16]},
     "ignore": ["lm_head", "*.mlp.gate"],
 }
+# NVFP4: only the per-tensor global amax is static; dynamic inputs are disabled, join no sync
+NVFP4 = {
+    "weights": {"format": "nvfp4"},
+    "inputs": {"format": "nvfp4", "dynamic": True},
+    "ignore": ["lm_head", "*.mlp.gate"],
+}
 BF16_ATOL, F32_ATOL, AMAX_RTOL = 2e-2, 1e-4, 2e-2
 # tiny-dense-bias: every split linear has a bias (column: split with the rows; row: added once)
 LOGIT_SOURCES = ("tiny-dense", "tiny-moe", "tiny-dense-bias")
@@ -252,7 +258,7 @@ def _compare_calibration(ref, got, what):
 @pytest.mark.parametrize("world_size, ep", [(2, 1), (4, 1), (4, 2)])  # TP2; DP2xTP2; EP2xTP2
 def test_tp_calibration_matches_world1(world_size, ep):
     worst = {}
-    for name, quant in (("channel", CHANNEL), ("block", BLOCK)):
+    for name, quant in (("channel", CHANNEL), ("block", BLOCK), ("nvfp4", NVFP4)):
         sources = ("tiny-dense", "tiny-moe") if name == "channel" else ("tiny-dense",)
         if ep > 1:
             sources = ("tiny-moe",)

@@ -4,8 +4,10 @@
     python bench/formats.py --sizes 64 512 2048 --json formats.json
     python bench/formats.py --device cpu --sizes 4 --iters 2  # smoke test on CPU (eager only)
 
-For every format and mode (``eager``; ``compiled`` = the chunk kernels under torch.compile, the
-default on CUDA) it times, in the same run as the copy:
+For every format and mode (``eager``; ``compiled`` = the chunk kernels under torch.compile;
+``triton`` = the hand-written Triton kernels of qckpt/formats/_triton.py for fp8 / fp8_delayed
+per-tensor and mxfp8 FLOOR, the compiled kernels elsewhere; all three by default on CUDA) it
+times, in the same run as the copy:
 
 * ``quantize(x, fmt)``: a fresh QuantizedTensor (allocates the output);
 * ``q.quantize_(x)``: in place into an existing one (what a checkpoint load does).
@@ -64,7 +66,7 @@ def _timer(device: torch.device):  # noqa: ANN202
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     run = _timer(device)
-    modes = args.modes or (["eager", "compiled"] if device.type == "cuda" else ["eager"])
+    modes = args.modes or (["eager", "compiled", "triton"] if device.type == "cuda" else ["eager"])
     rows: list[dict[str, Any]] = []
     for mib in args.sizes:
         numel = int(mib * 2**20) // 2
@@ -90,12 +92,18 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
         for fmt in args.formats:
             for mode in modes:
-                set_compile(mode == "compiled")
+                set_compile("auto" if mode == "triton" else mode == "compiled")
+                _common.set_triton(mode == "triton")
                 _common._compile_failed.clear()
                 q = quantize(x, fmt)  # warm-up: compiles the chunk kernels
                 q.quantize_(x, update_state=False)
                 if mode == "compiled" and _common._compile_failed:
                     print(f"# {fmt}: torch.compile failed, compiled = eager", file=sys.stderr)
+                if mode == "triton":
+                    from qckpt.formats import _triton
+
+                    if not _triton.available() or _triton._failed:
+                        print(f"# {fmt}: triton not used: {_triton.info()}", file=sys.stderr)
                 for op in ("quantize", "quantize_"):
                     if op == "quantize":
                         fn = functools.partial(quantize, x, fmt)
@@ -128,6 +136,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     set_compile("auto")
+    _common.set_triton(True)
     env = {
         "device": (
             torch.cuda.get_device_name()
@@ -135,15 +144,26 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             else f"cpu {platform.machine()} x{torch.get_num_threads()} threads"
         ),
         "torch": torch.__version__,
+        "triton": _triton_version(),
         "chunk_elems": _common.CHUNK_ELEMS,
         "iters": args.iters,
     }
     return {"env": env, "rows": rows}
 
 
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def table(res: dict[str, Any]) -> str:
     lines = [
         f"device: {res['env']['device']}, torch {res['env']['torch']}, "
+        f"triton {res['env']['triton']}, "
         f"chunk {res['env']['chunk_elems']} elements, median of {res['env']['iters']}",
         "",
         "| input MiB | format | mode | op | ms | GB/s (input) | vs copy | quantize_ temps MiB |",
@@ -165,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sizes", type=float, nargs="+", default=None, help="input sizes, MiB of bf16")
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
-    p.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=None)
+    p.add_argument("--modes", nargs="+", choices=["eager", "compiled", "triton"], default=None)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)

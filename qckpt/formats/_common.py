@@ -113,7 +113,14 @@ def abs_amax(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """Chunked per-tensor amax (float32 scalar)."""
+    """Chunked per-tensor amax (float32 scalar); the Triton kernel where it applies (exact
+    either way: a max does not round)."""
+    if use_triton(x, "amax"):
+        from qckpt.formats import _triton
+
+        a = _triton.amax(x)
+        if a is not None:
+            return a
     flat = flat_view(x)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     # the inf-norm reduction makes no temporaries on CUDA: there the larger chunk saves calls
@@ -281,3 +288,33 @@ def run_kernel(fn: Callable, x: torch.Tensor, *args: Any) -> Any:
                 stacklevel=2,
             )
     return fn(x, *args)
+
+
+# ---- optional hand-written Triton kernels (qckpt/formats/_triton.py) ---------------------------
+# On by default on CUDA where triton imports; QCKPT_TRITON=0 turns them off. Bit-identical to the
+# torch path (tests/gpu/test_formats_triton.py); used for contiguous bfloat16/float32 input only.
+_TRITON_ON: bool = os.environ.get("QCKPT_TRITON", "1").lower() not in ("0", "false", "off")
+TRITON_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def set_triton(mode: str | bool) -> None:
+    """``True``/``"1"`` (use the Triton kernels where they apply, the default), ``False``/``"0"``."""
+    global _TRITON_ON
+    m = {True: "1", False: "0"}.get(mode, str(mode)).lower()  # type: ignore[arg-type]
+    if m not in ("1", "0", "auto"):
+        raise ValueError(f"triton mode must be 1 or 0, got {mode!r}")
+    _TRITON_ON = m != "0"
+
+
+def use_triton(x: torch.Tensor, kind: str, *outs: torch.Tensor) -> bool:
+    """Whether the Triton ``kind`` kernel ("amax", "fp8", "mxfp8") takes ``x`` -> ``outs``."""
+    if not (_TRITON_ON and x.is_cuda and x.dtype in TRITON_DTYPES and x.is_contiguous()):
+        return False
+    # plain tensors only (a subclass, e.g. a DTensor, may not be its own storage)
+    if type(x) is not torch.Tensor or not all(
+        type(o) is torch.Tensor and o.is_cuda and o.is_contiguous() for o in outs
+    ):
+        return False
+    from qckpt.formats import _triton  # imports triton: only ever on CUDA
+
+    return _triton.usable(kind)

@@ -128,7 +128,15 @@ def _rows2d(x: torch.Tensor) -> torch.Tensor:
 def _quantize_tensorwise(
     x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: str, check: bool
 ) -> None:
-    """out (fp8, contiguous, same numel) <- x / scale, chunk by chunk."""
+    """out (fp8, contiguous, same numel) <- x / scale, chunk by chunk (or one Triton kernel)."""
+    if _common.use_triton(x, "fp8", out, scale):
+        from qckpt.formats import _triton
+
+        bad = _triton.fp8_cast(x, scale, out, check)
+        if bad is not None:
+            if check:
+                check_finite_amax(bad, fmt)
+            return
     flat = x.reshape(-1)
     oflat = out.view(-1)
     bad = torch.zeros((), device=x.device)

@@ -152,6 +152,13 @@ class MxFp8Format(Format):
         bad = torch.zeros((), device=x.device)
         if k == 0:
             return
+        if opts["scale_rounding"] == "floor" and _common.use_triton(x2, "mxfp8", q2, s2):
+            from qckpt.formats import _triton
+
+            m = _triton.mx_quantize(x2, q2, s2, FP8_EMAX[opts["dtype"]])
+            if m is not None:
+                check_finite_amax(m, self.name)
+                return
         ce = _common.quant_chunk(x.device, _mx_into)
         fmax64 = _common.f64_const(FP8_MAX[opts["dtype"]], x.device)
         args = (FP8_EMAX[opts["dtype"]], opts["scale_rounding"] == "rceil", fmax64)

@@ -65,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--min-cosine", type=float, default=0.99)
     args = ap.parse_args(argv)
+    import os
+
+    from qckpt.cli._common import quiet_torch_logs
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    quiet_torch_logs()
     ref = reference_model(args.reference_dcp, args.model)
     m = compare_logits(args.export_dir, ref)
     ok = m["min_cosine"] >= args.min_cosine

@@ -152,16 +152,6 @@ class Recipe:
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-    base_dir: Path = field(default_factory=Path.cwd, repr=False)
-
-    def resolve(self, p: str | Path) -> Path:
-        """A path from the recipe, relative to the current directory."""
-        return Path(p).expanduser()
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("base_dir", None)
-        return d
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.I)
@@ -259,7 +249,7 @@ def _build(cls: type, raw: Any, path: str) -> Any:
     if not isinstance(raw, dict):
         raise RecipeError(f"{path or 'recipe'}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "base_dir"}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in raw.items():
         key_path = f"{path}.{key}" if path else str(key)
@@ -317,6 +307,4 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise RecipeError(f"{path}: not valid YAML{where}: {problem}") from None
     if raw is not None and not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
-    recipe = recipe_from_dict(raw, overrides)
-    recipe.base_dir = p.resolve().parent
-    return recipe
+    return recipe_from_dict(raw, overrides)

@@ -40,21 +40,6 @@ def model_fingerprint(names_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> st
     return h.hexdigest()[:16]
 
 
-def fingerprint_model(model) -> str:
-    """The fingerprint of the checkpoint ``model`` saves to, in HF naming.
-
-    Take it before experts are sharded over EP ranks: it describes the whole model.
-    """
-    from qckpt.models.naming import hf_tensors
-
-    mtype = getattr(getattr(model, "config", None), "model_type", "") or ""
-    return model_fingerprint(
-        (n, tuple(t.shape))
-        for name, tensor in model.state_dict().items()
-        for n, t in hf_tensors(name, tensor, mtype)
-    )
-
-
 @dataclass(kw_only=True)
 class CalibrationState:
     amax: dict[str, torch.Tensor] = field(default_factory=dict)  # "{module}.{kind}_amax"

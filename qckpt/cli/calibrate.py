@@ -31,7 +31,7 @@ def calibrate_cmd(
     r = start(recipe, set_, nproc_per_node, verbose)
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.data import calibration_batches
-    from qckpt.calib.state_file import fingerprint_model, save_calibration
+    from qckpt.calib.state_file import save_calibration
     from qckpt.checkpoint.load import load_checkpoint
     from qckpt.models.build import build_model, materialize
     from qckpt.parallel.expert import shard_experts
@@ -42,7 +42,6 @@ def calibrate_cmd(
         # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
         # reads only its own experts and linear shards, never the whole model
         model = build_model(r.model.source, dtype=r.model.dtype, seed=r.model.seed, device="meta")
-        fingerprint = fingerprint_model(model)  # of the whole model, before EP/TP shard it
         sharded = shard_experts(model, mesh)
         tp_sharded = shard_tensor_parallel(model, mesh)
         materialize(model, mesh.device)
@@ -70,7 +69,6 @@ def calibrate_cmd(
                 share_expert_inputs=r.calibrate.share_expert_inputs,
                 progress=advance,
             )
-        state.model_fingerprint = fingerprint
         out = r.calibrate.output
         if mesh.is_main:
             save_calibration(state, out)

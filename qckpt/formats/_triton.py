@@ -12,19 +12,29 @@ The kernels give the same bits as the torch path (tests/gpu/test_formats_triton.
   float conversion can flush a subnormal input.
 * amax is an integer max of ``bits & 0x7fffffff``: the same order as ``|x|`` for finite
   values, exact, and NaN/Inf read above every finite value, so the caller's finiteness check
-  still refuses them. Per-program maxima go to a small int32 buffer (numel / 8192 entries)
-  that one torch ``max`` reduces, on the device, without a host sync.
-* fp8: ``code = fp8_rn(clamp(div_rn(x, scale), -fmax, fmax))`` with ``tl.div_rn`` (IEEE
-  division, as eager torch) and Triton's round-to-nearest-even FP8 conversion (saturating; the
-  clamp comes first anyway). The scale is the torch path's, computed on the device.
+  still refuses them. Per-program maxima go to a small int32 buffer that one torch ``max``
+  reduces on the device (faster on an H200 than atomics on one address).
+* fp8 per-tensor: ``code = fp8_rn(clamp(x / scale, -fmax, fmax))`` with the IEEE quotient and
+  Triton's round-to-nearest-even FP8 conversion (saturating; the clamp comes first anyway).
+  The cast kernel makes the scale itself from the amax (``fp8._scale_from_amax``, in float64,
+  bit for bit) and writes it, so a quantize is two kernels and one host sync: the NaN/Inf
+  check, after the cast. A NaN/Inf amax makes the cast write nothing (no code, no scale).
+* Division: a bfloat16 x divided by a scale in [2**-60, 2**60] is ``x * r`` (r = 1 / s)
+  corrected by one fma residual (``_fast_div``), three instructions instead of an IEEE
+  division; it equals ``div_rn`` for every bfloat16 significand against every float32 one
+  (tests/gpu, 2**31 quotients). float32 input, or a scale outside that range, uses
+  ``tl.div_rn``.
 * mxfp8: the block exponent comes from the bits of the block's integer amax (exact FLOOR
   rule, clamp to [-127, 127]); codes are ``x * 2**-e`` (exact) clamped and converted.
-* Subnormal inputs: such an ``x = m * 2**-149`` is replaced by the normal ``m * 2**-23``
-  (exact, from the integer ``m``), divided/multiplied as above, and the result multiplied by
-  ``2**-126``. Where the true result is a normal float32 this gives the same bits (rounding
-  commutes with exact power-of-two scaling in the normal range); where it is below 2**-126
-  both give an FP8 (signed) zero. So no flush-to-zero mode of any instruction can change a
-  code. The sign is put back by bits, so -0.0 stays -0.0.
+* Subnormal inputs: on the exact paths such an ``x = m * 2**-149`` is replaced by the normal
+  ``m * 2**-23`` (exact, from the integer ``m``), divided/multiplied as above, and the result
+  multiplied by ``2**-126``. Where the true result is a normal float32 this gives the same
+  bits (rounding commutes with exact power-of-two scaling in the normal range); where it is
+  below 2**-126 both give an FP8 (signed) zero. So no flush-to-zero mode of any instruction
+  can change a code. The fast paths skip that work where it cannot matter: with a scale
+  >= 2**-60 (fp8) or a block amax that is 0 or >= 2**-90 (mxfp8, per program), a subnormal x
+  lands far below FP8's smallest subnormal, so whatever the multiply does with it the code is
+  a zero of x's sign.
 """
 
 from __future__ import annotations
@@ -42,10 +52,11 @@ except Exception:  # noqa: BLE001  (no triton, or a broken one: the torch path i
     triton = None
     tl = None
 
-# elements per program: amax and the fp8 cast (1-D), blocks of 32 per program for mxfp8
-AMAX_BLOCK = 8192
-CAST_BLOCK = 4096
-MX_BLOCKS = 128
+# Launch shapes (bench/tune_triton.py sweeps them): elements per tile and tiles per program
+# for the amax and the fp8 cast (1-D), blocks of 32 per program for mxfp8, and warps.
+AMAX_BLOCK, AMAX_TILES, AMAX_WARPS = 8192, 8, 8
+CAST_BLOCK, CAST_TILES, CAST_WARPS = 4096, 4, 4
+MX_BLOCKS, MX_WARPS = 128, 2
 # FP8 conversion: False = Triton's cast (cvt.rn.satfinite on sm_89+), True = the integer
 # round-to-nearest-even of ``_soft_fp8_bits`` (slower; for the CPU interpreter, whose own fp8
 # cast drops mantissa carries, and as a fallback). QCKPT_TRITON_SOFT_CVT=1 selects it.
@@ -101,13 +112,15 @@ def _fp8_consts(dtype: torch.dtype) -> tuple[float, bool]:
 if triton is not None:
 
     @triton.jit
-    def _load_f32_bits(ptrs, mask, IS_BF16: tl.constexpr):
+    def _load_f32_bits(ptrs, mask, IS_BF16: tl.constexpr, MASKED: tl.constexpr = True):
         """float32 bit patterns (int32) of the elements at ``ptrs`` (an int16/int32 view)."""
+        if MASKED:
+            b = tl.load(ptrs, mask=mask, other=0)
+        else:
+            b = tl.load(ptrs)
         if IS_BF16:
             # sign extension does not matter: the high half is shifted out
-            b = tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16
-        else:
-            b = tl.load(ptrs, mask=mask, other=0)
+            b = b.to(tl.int32) << 16
         return b
 
     @triton.jit
@@ -163,38 +176,195 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _amax_kernel(x_ptr, part_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        xb = _load_f32_bits(x_ptr + offs, mask, IS_BF16)
-        tl.store(part_ptr + pid, tl.max(xb & 0x7FFFFFFF, axis=0))
-
-    @triton.jit
-    def _fp8_cast_kernel(
+    def _amax_kernel(
         x_ptr,
-        scale_ptr,
-        out_ptr,
         part_ptr,
         n,
+        IS_BF16: tl.constexpr,
+        EVEN: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
+    ):
+        # the program's start goes into the pointer once (64-bit); per-element offsets are
+        # 32-bit. A bfloat16's |x| order is its 15 low bits' order: shifted once per program
+        start = tl.program_id(0).to(tl.int64) * (BLOCK * TILES)
+        rem = n - start
+        idx = tl.arange(0, BLOCK)
+        m = tl.zeros((BLOCK,), dtype=tl.int32)
+        for i in tl.static_range(TILES):
+            o = idx + i * BLOCK
+            if EVEN:
+                b = tl.load(x_ptr + start + o).to(tl.int32)
+            else:
+                b = tl.load(x_ptr + start + o, mask=o < rem, other=0).to(tl.int32)
+            if IS_BF16:
+                m = tl.maximum(m, b & 0x7FFF)
+            else:
+                m = tl.maximum(m, b & 0x7FFFFFFF)
+        r = tl.max(m, axis=0)
+        if IS_BF16:
+            r = r << 16
+        # one int32 for the whole tensor (zeroed by the caller): no second reduction launch
+        # per-program maxima, reduced by one small torch max: measured faster on an H200 than
+        # atomics on one address (tens of thousands of programs contend for it)
+        tl.store(part_ptr + tl.program_id(0), r)
+
+    @triton.jit
+    def _fast_div(x, s, r):
+        """x / s rounded as div_rn, from r = div_rn(1, s): the product x * r is within an
+        ulp or two and one fma residual corrects it (Markstein). Proven bit-exact by
+        exhaustion for bfloat16 x and s in [2**-60, 2**60] only (tests/gpu). A zero or
+        infinite first product is the answer: it keeps x's sign whatever a flush-to-zero did
+        to the fma, and an overflow (x far beyond the scale's amax) saturates, not NaN."""
+        q0 = x * r
+        q = tl.fma(tl.fma(-q0, s, x), r, q0)
+        return tl.where((q0 == 0.0) | (tl.abs(q0) == float("inf")), q0, q)
+
+    @triton.jit
+    def _fp8_tile(
+        x_ptr,
+        out_ptr,
+        o,
+        rem,
+        s,
+        r,
+        m,
         FMAX: tl.constexpr,
         E4M3: tl.constexpr,
         IS_BF16: tl.constexpr,
         CHECK: tl.constexpr,
         SOFT: tl.constexpr,
-        BLOCK: tl.constexpr,
+        EVEN: tl.constexpr,
+        FASTDIV: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        xb = _load_f32_bits(x_ptr + offs, mask, IS_BF16)
+        """One tile of the fp8 cast; returns the running max of |x| bits when CHECK."""
+        mask = o < rem
+        xb = _load_f32_bits(x_ptr + o, mask, IS_BF16, not EVEN)
         if CHECK:
-            tl.store(part_ptr + pid, tl.max(xb & 0x7FFFFFFF, axis=0))
-        s = tl.load(scale_ptr)
-        is_sub, num = _split_subnormal(xb)
-        q = tl.div_rn(num, s)
-        q = tl.where(is_sub, q * 1.1754943508222875e-38, q)  # * 2**-126
-        tl.store(out_ptr + offs, _to_fp8(q, FMAX, E4M3, SOFT), mask=mask)
+            m = tl.maximum(m, xb & 0x7FFFFFFF)
+        if FASTDIV:
+            q = _fast_div(xb.to(tl.float32, bitcast=True), s, r)
+        else:
+            is_sub, num = _split_subnormal(xb)
+            q = tl.div_rn(num, s)
+            q = tl.where(is_sub, q * 1.1754943508222875e-38, q)  # * 2**-126
+        if EVEN:
+            tl.store(out_ptr + o, _to_fp8(q, FMAX, E4M3, SOFT))
+        else:
+            tl.store(out_ptr + o, _to_fp8(q, FMAX, E4M3, SOFT), mask=mask)
+        return m
+
+    @triton.jit
+    def _fp8_scale(a_bits, FMAX: tl.constexpr, EMAX: tl.constexpr, POW2: tl.constexpr):
+        """fp8._scale_from_amax from the amax's float32 bits (>= 0, finite), bit for bit."""
+        if POW2:
+            # _common.pow2_exponent with emin -126, then exp2_int: from the exponent bits
+            e = ((a_bits >> 23) & 0xFF) - 127 - EMAX
+            e = tl.minimum(tl.maximum(e, -126), 127)
+            s = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        else:
+            # _common.float_scale: the float64 quotient clamped at float32's tiny, rounded once.
+            # A subnormal amax is rebuilt from its integer significand (m * 2**-149), so no
+            # flush-to-zero of a float32 operand can touch it
+            sub = a_bits < 0x800000
+            a_sub = a_bits.to(tl.float64) * 7.888609052210118e-31 * 1.7763568394002505e-15
+            a_nrm = a_bits.to(tl.float32, bitcast=True).to(tl.float64)
+            a64 = tl.where(sub, a_sub, a_nrm)
+            # float64 division is IEEE in PTX (div.rn.f64); tl.div_rn takes float32 only
+            q = a64 / tl.full((), FMAX, tl.float64)
+            s = tl.maximum(q, 1.1754943508222875e-38).to(tl.float32)
+        return tl.where(a_bits > 0, s, 1.0)
+
+    @triton.jit
+    def _fp8_tiles(
+        xs,
+        os,
+        rem,
+        s,
+        r,
+        m,
+        FMAX: tl.constexpr,
+        E4M3: tl.constexpr,
+        IS_BF16: tl.constexpr,
+        CHECK: tl.constexpr,
+        SOFT: tl.constexpr,
+        EVEN: tl.constexpr,
+        FASTDIV: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
+    ):
+        idx = tl.arange(0, BLOCK)
+        for i in tl.static_range(TILES):
+            m = _fp8_tile(
+                xs, os, idx + i * BLOCK, rem, s, r, m, FMAX, E4M3, IS_BF16, CHECK, SOFT, EVEN,
+                FASTDIV,
+            )  # fmt: skip
+        return m
+
+    @triton.jit
+    def _fp8_cast_kernel(
+        x_ptr,
+        scale_ptr,
+        amax_ptr,
+        out_ptr,
+        check_ptr,
+        n,
+        FMAX: tl.constexpr,
+        EMAX: tl.constexpr,
+        E4M3: tl.constexpr,
+        IS_BF16: tl.constexpr,
+        SCALE: tl.constexpr,
+        CHECK: tl.constexpr,
+        GUARD: tl.constexpr,
+        SOFT: tl.constexpr,
+        EVEN: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
+    ):
+        """SCALE 0: the scale is read from scale_ptr; 1 (amax / fmax) and 2 (power of two): it
+        is made from the amax bits at amax_ptr and program 0 writes it to scale_ptr. GUARD
+        (always with SCALE > 0): a NaN/Inf amax writes nothing. CHECK: each program's max |x|
+        bits go to check_ptr[pid] (NaN/Inf read above every finite value)."""
+        pid = tl.program_id(0)
+        start = pid.to(tl.int64) * (BLOCK * TILES)
+        xs = x_ptr + start
+        os = out_ptr + start
+        rem = n - start
+        ok = pid >= 0  # a true scalar
+        if GUARD:
+            a_bits = tl.load(amax_ptr)
+            ok = (a_bits & 0x7FFFFFFF) < 0x7F800000
+        if SCALE == 0:
+            s = tl.load(scale_ptr)
+        else:
+            s = _fp8_scale(a_bits, FMAX, EMAX, SCALE == 2)
+            if ok & (pid == 0):
+                tl.store(scale_ptr, s)
+        m = tl.zeros((BLOCK,), dtype=tl.int32)
+        if ok:
+            r = tl.div_rn(1.0, s)
+            # the fast division's proven range (bfloat16 input only)
+            fast = (s >= 8.673617379884035e-19) & (s <= 1.152921504606847e18)
+            if IS_BF16:
+                if fast:
+                    m = _fp8_tiles(
+                        xs, os, rem, s, r, m, FMAX, E4M3, IS_BF16, CHECK, SOFT, EVEN, True,
+                        BLOCK, TILES,
+                    )  # fmt: skip
+                else:
+                    m = _fp8_tiles(
+                        xs, os, rem, s, r, m, FMAX, E4M3, IS_BF16, CHECK, SOFT, EVEN, False,
+                        BLOCK, TILES,
+                    )  # fmt: skip
+            else:
+                m = _fp8_tiles(
+                    xs, os, rem, s, r, m, FMAX, E4M3, IS_BF16, CHECK, SOFT, EVEN, False,
+                    BLOCK, TILES,
+                )  # fmt: skip
+        else:
+            m = m + 0x7F800000  # reads as Inf: the caller refuses the input
+        if CHECK:
+            tl.store(check_ptr + pid, tl.max(m, axis=0))
 
     @triton.jit
     def _mx_kernel(
@@ -214,96 +384,150 @@ if triton is not None:
         BLOCKS: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        g = pid.to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # block ids, row-major (R, nb)
+        g0 = pid.to(tl.int64) * BLOCKS
+        gl = tl.arange(0, BLOCKS)  # the program's blocks, row-major (R, nb)
         t = tl.arange(0, 32)
-        gmask = g < n_blocks
+        gmask = gl < n_blocks - g0
         if EVEN_K:
-            # K = 32 * nb: block g's elements are g*32 .. g*32+31
-            offs = g[:, None] * 32 + t[None, :]
+            # K = 32 * nb: block g's elements are g*32 .. g*32+31; 32-bit offsets from the
+            # program's start
+            base = g0 * 32
+            offs = gl[:, None] * 32 + t[None, :]
+            xp = x_ptr + base + offs
+            qp = q_ptr + base + offs
             mask = gmask[:, None]
         else:
+            g = g0 + gl
             r = g // nb
             col = (g - r * nb) * 32
             offs = r[:, None] * k + col[:, None] + t[None, :]
+            xp = x_ptr + offs
+            qp = q_ptr + offs
             mask = gmask[:, None] & ((col[:, None] + t[None, :]) < k)
-        xb = _load_f32_bits(x_ptr + offs, mask, IS_BF16)  # padding reads as +0
-        amax = tl.max(xb & 0x7FFFFFFF, axis=1)  # per block, as float32 bits
+        if IS_BF16:
+            b = tl.load(xp, mask=mask, other=0).to(tl.int32)  # padding reads as +0
+            amax = tl.max(b & 0x7FFF, axis=1) << 16  # per block, as float32 bits
+            xb = b << 16
+        else:
+            xb = tl.load(xp, mask=mask, other=0)
+            amax = tl.max(xb & 0x7FFFFFFF, axis=1)
         tl.store(part_ptr + pid, tl.max(amax, axis=0))
         e = ((amax >> 23) & 0xFF) - 127 - EMAX
         e = tl.minimum(tl.maximum(e, -127), 127)
-        tl.store(s_ptr + g, (e + 127).to(tl.uint8), mask=gmask)
+        tl.store(s_ptr + g0 + gl, (e + 127).to(tl.uint8), mask=gmask)
         # 2**-e exactly: finite amax gives e <= 127 - EMAX, so -e + 127 is in [8, 254]
         inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
-        is_sub, num = _split_subnormal(xb)
-        y = num * inv[:, None]
-        y = tl.where(is_sub, y * 1.1754943508222875e-38, y)  # * 2**-126
-        tl.store(q_ptr + offs, _to_fp8(y, FMAX, E4M3, SOFT), mask=mask)
+        # a block whose amax is 0 or >= 2**-90 has 2**-e <= 2**98, so a subnormal x gives
+        # |x * 2**-e| < 2**-28: an FP8 (signed) zero whatever the multiply does with it. Only
+        # programs holding a tinier non-zero block need the exact subnormal split
+        tiny = tl.max(((amax > 0) & (amax < 0x12800000)).to(tl.int32), axis=0)
+        if tiny == 0:
+            y = xb.to(tl.float32, bitcast=True) * inv[:, None]
+        else:
+            is_sub, num = _split_subnormal(xb)
+            y = num * inv[:, None]
+            y = tl.where(is_sub, y * 1.1754943508222875e-38, y)  # * 2**-126
+        tl.store(qp, _to_fp8(y, FMAX, E4M3, SOFT), mask=mask)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _bits_to_f32(part: torch.Tensor) -> torch.Tensor:
+def _zero(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
+def _max_f32(part: torch.Tensor) -> torch.Tensor:
     """max of per-program int32 bit patterns -> float32 scalar (NaN/Inf bits stay NaN/Inf)."""
     return part.max().view(torch.float32).reshape(())
 
 
 def amax(x: torch.Tensor) -> torch.Tensor | None:
-    """max |x| as a float32 scalar on x's device, or None when the kernel failed."""
+    """max |x| as a float32 scalar on x's device (NaN/Inf propagate), or None when the kernel
+    failed."""
     n = x.numel()
     if n == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    grid = _cdiv(n, AMAX_BLOCK)
-    part = torch.empty(grid, dtype=torch.int32, device=x.device)
+        return _zero(x.device)
+    per = AMAX_BLOCK * AMAX_TILES
+    grid = _cdiv(n, per)
+    out = torch.empty(grid, dtype=torch.int32, device=x.device)
     try:
         _amax_kernel[(grid,)](
             _int_view(x),
-            part,
+            out,
             n,
             IS_BF16=x.dtype == torch.bfloat16,
+            EVEN=n % per == 0,
             BLOCK=AMAX_BLOCK,
-            num_warps=8,
+            TILES=AMAX_TILES,
+            num_warps=AMAX_WARPS,
         )
     except Exception as e:  # noqa: BLE001
         _fail("amax", e)
         return None
-    return _bits_to_f32(part)
+    return _max_f32(out)
 
 
 def fp8_cast(
-    x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, check: bool
+    x: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    scale_out: torch.Tensor | None = None,
+    pow2: bool = False,
+    check: bool = False,
 ) -> torch.Tensor | None:
-    """out <- fp8 codes of x / scale (contiguous, same numel); returns max |x| when ``check``
-    (else 0), or None when the kernel failed (nothing usable was written)."""
+    """out <- fp8 codes of x / scale (x, out contiguous, same numel).
+
+    Either ``scale`` is given (``amax``, if also given, only guards: a NaN/Inf amax writes
+    nothing), or it is made in the kernel from ``amax`` as fp8's per-tensor scale (``pow2``:
+    its power-of-two option) and written to ``scale_out`` (float32, one element). ``check``:
+    the kernel also takes max |x| (when no reduction has seen x yet).
+
+    Returns the float32 amax the caller must refuse NaN/Inf in (the kernel's own with
+    ``check``, else ``amax``), or None when the kernel failed (nothing usable was written).
+    So the only host sync is the caller's check, after the cast.
+    """
+    if (scale is None) == (scale_out is None) or (scale is None and amax is None):
+        raise ValueError("fp8_cast: give scale, or amax and scale_out")
     n = x.numel()
     if n == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
+        return _zero(x.device) if check else amax
     fmax, e4m3 = _fp8_consts(out.dtype)
-    grid = _cdiv(n, CAST_BLOCK)
-    part = torch.empty(grid if check else 1, dtype=torch.int32, device=x.device)
-    s = scale.reshape(()).to(torch.float32)
+    from qckpt.formats._common import FP8_EMAX
+
+    per = CAST_BLOCK * CAST_TILES
+    grid = _cdiv(n, per)
+    chk = torch.empty(grid, dtype=torch.int32, device=x.device) if check else None
+    a_bits = amax.reshape(1).view(torch.int32) if amax is not None else None
+    s_ptr = scale.reshape(1).to(torch.float32) if scale is not None else scale_out
     try:
         _fp8_cast_kernel[(grid,)](
             _int_view(x),
-            s,
+            s_ptr,
+            a_bits if a_bits is not None else s_ptr,
             out.view(-1).view(torch.uint8),
-            part,
+            chk if chk is not None else s_ptr,
             n,
             FMAX=fmax,
+            EMAX=FP8_EMAX[out.dtype],
             E4M3=e4m3,
             IS_BF16=x.dtype == torch.bfloat16,
+            SCALE=0 if scale is not None else (2 if pow2 else 1),
             CHECK=check,
+            GUARD=a_bits is not None,
             SOFT=SOFT_CVT,
+            EVEN=n % per == 0,
             BLOCK=CAST_BLOCK,
-            num_warps=4,
+            TILES=CAST_TILES,
+            num_warps=CAST_WARPS,
         )
     except Exception as e:  # noqa: BLE001
         _fail("fp8", e)
         return None
-    if check:
-        return _bits_to_f32(part)
-    return torch.zeros((), dtype=torch.float32, device=x.device)
+    return _max_f32(chk) if chk is not None else amax
 
 
 def mx_quantize(
@@ -316,16 +540,16 @@ def mx_quantize(
     nb = _cdiv(k, 32)
     n_blocks = r * nb
     if n_blocks == 0:
-        return torch.zeros((), dtype=torch.float32, device=x2.device)
+        return _zero(x2.device)
     fmax, e4m3 = _fp8_consts(q2.dtype)
     grid = _cdiv(n_blocks, MX_BLOCKS)
-    part = torch.empty(grid, dtype=torch.int32, device=x2.device)
+    out = torch.empty(grid, dtype=torch.int32, device=x2.device)
     try:
         _mx_kernel[(grid,)](
             _int_view(x2),
             q2.view(torch.uint8),
             s2,
-            part,
+            out,
             n_blocks,
             nb,
             k,
@@ -336,12 +560,12 @@ def mx_quantize(
             EVEN_K=k % 32 == 0,
             SOFT=SOFT_CVT,
             BLOCKS=MX_BLOCKS,
-            num_warps=4,
+            num_warps=MX_WARPS,
         )
     except Exception as e:  # noqa: BLE001
         _fail("mxfp8", e)
         return None
-    return _bits_to_f32(part)
+    return _max_f32(out)
 
 
 def info() -> dict[str, Any]:

@@ -126,17 +126,27 @@ def _rows2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_tensorwise(
-    x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: str, check: bool
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    fmt: str,
+    check: bool,
+    guard: torch.Tensor | None = None,
 ) -> None:
-    """out (fp8, contiguous, same numel) <- x / scale, chunk by chunk (or one Triton kernel)."""
-    if _common.use_triton(x, "fp8", out, scale):
+    """out (fp8, contiguous, same numel) <- x / scale, chunk by chunk (or one Triton kernel).
+
+    ``guard``: the amax of ``x`` not yet checked for NaN/Inf. The Triton kernel reads it and
+    writes nothing when it is not finite, so the check (a host sync) comes once, after the
+    cast, instead of stalling the device between the amax and the cast."""
+    if (check or guard is not None) and _common.use_triton(x, "fp8", out, scale):
         from qckpt.formats import _triton
 
-        bad = _triton.fp8_cast(x, scale, out, check)
-        if bad is not None:
-            if check:
-                check_finite_amax(bad, fmt)
+        a = _triton.fp8_cast(x, out, scale=scale, amax=guard, check=check)
+        if a is not None:
+            check_finite_amax(a, fmt)
             return
+    if guard is not None:
+        check_finite_amax(guard, fmt)
     flat = x.reshape(-1)
     oflat = out.view(-1)
     bad = torch.zeros((), device=x.device)
@@ -198,8 +208,11 @@ class Fp8Format(Format):
             raise FormatError(f"fp8: unknown options {sorted(opts)}")
         return out
 
-    def _amax(self, x: torch.Tensor, opts: dict[str, Any], amax: Any) -> tuple[torch.Tensor, bool]:
-        """(amax, whether the input still needs a NaN/Inf check)."""
+    def _amax(
+        self, x: torch.Tensor, opts: dict[str, Any], amax: Any
+    ) -> tuple[torch.Tensor, bool, bool]:
+        """(amax, whether the cast must check the input for NaN/Inf, whether the amax itself
+        is still to be checked: a per-tensor amax computed here is checked after the cast)."""
         channel = opts["granularity"] == "channel"
         if amax is not None:
             a = as_amax(amax, x.device)
@@ -214,10 +227,12 @@ class Fp8Format(Format):
                 raise FormatError(f"fp8 tensor: amax must be a scalar, got {a.numel()} values")
             else:
                 a = a.reshape(())
-            return a, True
-        a = row_amax(x) if channel else tensor_amax(x)
+            return a, True, False
+        if not channel:
+            return tensor_amax(x), False, True
+        a = row_amax(x)
         check_finite_amax(a, self.name)
-        return a, False
+        return a, False, False
 
     def _write(
         self,
@@ -227,12 +242,25 @@ class Fp8Format(Format):
         qdata: torch.Tensor,
         scale: torch.Tensor,
     ) -> None:
-        a, check = self._amax(x, opts, amax)
+        if amax is None and opts["granularity"] == "tensor":
+            if _common.use_triton(x, "fp8", qdata, scale):
+                # two kernels (amax, then the cast making the scale itself) and one host sync
+                from qckpt.formats import _triton
+
+                a = _triton.amax(x)
+                if a is not None:
+                    a = _triton.fp8_cast(
+                        x, qdata, amax=a, scale_out=scale.view(-1), pow2=opts["pow2_scale"]
+                    )
+                if a is not None:
+                    check_finite_amax(a, self.name)
+                    return
+        a, check, unchecked = self._amax(x, opts, amax)
         s = _scale_from_amax(a, opts["dtype"], opts["pow2_scale"])
         if opts["granularity"] == "channel":
             _quantize_rowwise(x, s, qdata, self.name, check)
         else:
-            _quantize_tensorwise(x, s, qdata, self.name, check)
+            _quantize_tensorwise(x, s, qdata, self.name, check, a if unchecked else None)
         scale.copy_(s.reshape(scale.shape))
 
     def quantize(self, x: torch.Tensor, opts: dict[str, Any], amax: Any) -> dict[str, torch.Tensor]:
@@ -352,26 +380,24 @@ class Fp8DelayedFormat(Format):
             check = True
         else:
             a = tensor_amax(x)
-            check_finite_amax(a, self.name)
             check = False
         hist = torch.zeros(opts["history_len"], dtype=torch.float32, device=x.device)
         hist[0] = a
         scale = self.scale_from_history(hist, torch.ones((), device=x.device), opts)
         qdata = torch.empty(x.shape, dtype=opts["dtype"], device=x.device)
-        _quantize_tensorwise(x, scale, qdata, self.name, check)
+        _quantize_tensorwise(x, scale, qdata, self.name, check, None if check else a)
         return {"qdata": qdata, "scale": scale, "amax_history": hist, "quant_scale": scale.clone()}
 
     def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         check_input(x, self.name)
         # the amax is needed for the NaN/Inf check even when the state is not updated
         a = tensor_amax(x)
-        check_finite_amax(a, self.name)
         qs = q.quant_scale.reshape(())
         if q.qdata.is_contiguous():
-            _quantize_tensorwise(x, qs, q.qdata, self.name, False)
+            _quantize_tensorwise(x, qs, q.qdata, self.name, False, a)
         else:
             tmp = torch.empty(x.shape, dtype=q.qdata.dtype, device=x.device)
-            _quantize_tensorwise(x, qs, tmp, self.name, False)
+            _quantize_tensorwise(x, qs, tmp, self.name, False, a)
             q.qdata.copy_(tmp)
         q.scale.copy_(qs)
         if update_state:

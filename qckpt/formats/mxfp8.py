@@ -149,7 +149,6 @@ class MxFp8Format(Format):
         q2 = qdata.view(x2.shape)
         k = x2.shape[1]
         s2 = scale.view(x2.shape[0], nblocks(k, BLOCK))
-        bad = torch.zeros((), device=x.device)
         if k == 0:
             return
         if opts["scale_rounding"] == "floor" and _common.use_triton(x2, "mxfp8", q2, s2):
@@ -159,6 +158,7 @@ class MxFp8Format(Format):
             if m is not None:
                 check_finite_amax(m, self.name)
                 return
+        bad = torch.zeros((), device=x.device)
         ce = _common.quant_chunk(x.device, _mx_into)
         fmax64 = _common.f64_const(FP8_MAX[opts["dtype"]], x.device)
         args = (FP8_EMAX[opts["dtype"]], opts["scale_rounding"] == "rceil", fmax64)

@@ -18,6 +18,7 @@ import torch
 
 from qckpt.errors import FormatError
 from qckpt.formats import FORMATS, _common, _triton, quantize, set_compile
+from qckpt.formats._triton import tl, triton
 
 HAS_TRITON_CUDA = torch.cuda.is_available() and _triton.available()
 needs_gpu = pytest.mark.skipif(not HAS_TRITON_CUDA, reason="needs CUDA (sm_89+) and triton")
@@ -385,3 +386,61 @@ def test_triton_temporaries_are_bounded(fmt: str) -> None:
     print(f"{fmt} triton: quantize_ temporaries {temps / 2**20:.2f} MiB")
     assert temps <= bound
     assert not _triton._failed, _triton.info()
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_delayed"])
+def test_nan_input_leaves_the_destination_untouched(fmt: str) -> None:
+    """The amax's NaN/Inf check comes after the cast (no host sync in between); the kernel
+    reads the amax and writes nothing, so a refused ``quantize_`` changes no code."""
+    _common.set_triton(True)
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    q = quantize(x, fmt)
+    before = {k: v.clone() for k, v in q.fields().items()}
+    y = torch.randn_like(x) * 7
+    y[123, 45] = float("nan")
+    with pytest.raises(FormatError, match="NaN"):
+        q.quantize_(y)
+    for k, v in q.fields().items():
+        assert torch.equal(
+            v.reshape(-1).view(torch.uint8), before[k].reshape(-1).view(torch.uint8)
+        ), k
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fast_div_check(out_ptr, e_x, e_s, BLOCK: tl.constexpr):
+        """Mismatches of the fp8 kernel's fast division against div_rn: this program's BLOCK
+        float32 significands of the scale (exponent e_s) against all 128 bfloat16
+        significands of x (exponent e_x), with x's sign both ways."""
+        ms = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        s = (((127 + e_s) << 23) | ms).to(tl.float32, bitcast=True)
+        r = tl.div_rn(1.0, s)
+        bad = tl.zeros((BLOCK,), dtype=tl.int32)
+        for k in range(256):
+            xb = ((127 + e_x) << 23) | ((k & 127) << 16)
+            x = tl.full((BLOCK,), xb, tl.int32).to(tl.float32, bitcast=True)
+            if k >= 128:
+                x = -x
+            ref = tl.div_rn(x, s)
+            q = _triton._fast_div(x, s, r)
+            same = q.to(tl.int32, bitcast=True) == ref.to(tl.int32, bitcast=True)
+            bad += tl.where(same, 0, 1)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(bad, axis=0))
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "e_x,e_s",
+    [(0, 0), (0, 60), (0, -60), (-78, -60), (120, 60), (-100, -60), (127, 60), (60, -60)],
+)
+def test_fast_division_equals_ieee_division_for_every_bfloat16(e_x: int, e_s: int) -> None:
+    """The fp8 cast divides bfloat16 x by a scale in [2**-60, 2**60] as ``x * r`` (r = 1/s)
+    corrected by one fma. A quotient's rounding depends only on the significands while the
+    result is a normal float32, so every bfloat16 significand (128, both signs) against every
+    float32 significand (2**23) at these exponents covers the whole range: 2**31 divisions."""
+    block = 1024
+    out = torch.empty((1 << 23) // block, dtype=torch.int32, device="cuda")
+    _fast_div_check[(out.numel(),)](out, e_x, e_s, BLOCK=block)
+    assert int(out.sum()) == 0

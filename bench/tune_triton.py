@@ -1,0 +1,124 @@
+"""Launch shapes of the Triton kernels (qckpt/formats/_triton.py), swept on one input, each
+kernel timed alone next to a device-to-device copy of the same input in the same run.
+
+    python bench/tune_triton.py                 # CUDA + triton; 512 MiB of bf16
+    python bench/tune_triton.py --mib 2048 --json tune.json
+
+Rows: the amax kernel (reads the input), the fp8 cast (reads it, writes 1 byte per element),
+the mxfp8 kernel (reads it, writes codes and scales) and the whole ``quantize_`` of fp8 and
+mxfp8 with the shapes that won. ``vs copy`` = copy time / kernel time; a kernel that moved
+bytes at the copy's rate would read 2 (amax), 1.33 (fp8 cast) and 1.31 (mxfp8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qckpt.formats import _common, _triton, quantize  # noqa: E402
+
+
+def _time(fn, iters: int) -> float:  # noqa: ANN001
+    fn()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(out)
+
+
+def sweep(mib: float, iters: int) -> dict[str, Any]:
+    numel = int(mib * 2**20) // 2
+    x = torch.randn(numel // 8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t_copy = _time(lambda: torch.empty_like(x).copy_(x), iters)
+    rows: list[dict[str, Any]] = []
+    best: dict[str, tuple[float, dict[str, int]]] = {}
+
+    def add(kernel: str, cfg: dict[str, int], t: float) -> None:
+        rows.append({"kernel": kernel, **cfg, "ms": t * 1e3, "vs_copy": t_copy / t})
+        if kernel not in best or t < best[kernel][0]:
+            best[kernel] = (t, cfg)
+
+    for block, tiles, warps in itertools.product((2048, 4096, 8192), (1, 2, 4, 8), (4, 8)):
+        _triton.AMAX_BLOCK, _triton.AMAX_TILES, _triton.AMAX_WARPS = block, tiles, warps
+        add(
+            "amax",
+            {"block": block, "tiles": tiles, "warps": warps},
+            _time(lambda: _triton.amax(x), iters),
+        )
+    a = _triton.amax(x)
+    s = torch.empty(1, dtype=torch.float32, device="cuda")
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    for block, tiles, warps in itertools.product((1024, 2048, 4096, 8192), (1, 2, 4), (4, 8)):
+        _triton.CAST_BLOCK, _triton.CAST_TILES, _triton.CAST_WARPS = block, tiles, warps
+        fn = lambda: _triton.fp8_cast(x, out, amax=a, scale_out=s)  # noqa: E731
+        add("fp8_cast", {"block": block, "tiles": tiles, "warps": warps}, _time(fn, iters))
+    q2 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    s2 = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.uint8, device="cuda")
+    for blocks, warps in itertools.product((32, 64, 128, 256, 512), (2, 4, 8)):
+        _triton.MX_BLOCKS, _triton.MX_WARPS = blocks, warps
+        fn = lambda: _triton.mx_quantize(x, q2, s2, 8)  # noqa: E731
+        add("mxfp8", {"blocks": blocks, "warps": warps}, _time(fn, iters))
+    assert not _triton._failed, _triton.info()
+    c = best["amax"][1]
+    _triton.AMAX_BLOCK, _triton.AMAX_TILES, _triton.AMAX_WARPS = c["block"], c["tiles"], c["warps"]
+    c = best["fp8_cast"][1]
+    _triton.CAST_BLOCK, _triton.CAST_TILES, _triton.CAST_WARPS = c["block"], c["tiles"], c["warps"]
+    c = best["mxfp8"][1]
+    _triton.MX_BLOCKS, _triton.MX_WARPS = c["blocks"], c["warps"]
+    _common.set_triton(True)
+    for fmt in ("fp8", "mxfp8"):
+        q = quantize(x, fmt)
+        add(f"{fmt} quantize_", {}, _time(lambda q=q: q.quantize_(x, update_state=False), iters))
+        add(f"{fmt} quantize", {}, _time(lambda fmt=fmt: quantize(x, fmt), iters))
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": _triton.info()["triton"],
+        "mib": mib,
+        "copy_ms": t_copy * 1e3,
+        "best": {k: v[1] for k, v in best.items()},
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--mib", type=float, default=512.0, help="input size, MiB of bf16")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+    if not (torch.cuda.is_available() and _triton.available()):
+        print("tune_triton: needs CUDA (sm_89+) and triton", file=sys.stderr)
+        return 2
+    res = sweep(a.mib, a.iters)
+    print(
+        f"{res['device']}, torch {res['torch']}, triton {res['triton']}, {a.mib:g} MiB bf16, "
+        f"copy {res['copy_ms']:.3f} ms, median of {a.iters}"
+    )
+    for r in res["rows"]:
+        cfg = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("kernel", "ms", "vs_copy"))
+        print(f"{r['kernel']:18s} {cfg:30s} {r['ms']:8.3f} ms  {r['vs_copy']:.2f} x copy")
+    print("best:", res["best"])
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

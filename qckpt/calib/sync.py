@@ -22,6 +22,17 @@ A sync is two collectives per group however many quantizers there are:
 Every decision that can fail is taken from the reduced buffer, so all ranks take it together. A
 static (per-channel/per-block) amax that some ranks have and others lack costs one more small SUM,
 on every rank, only to count the ranks for the error message.
+
+Where the work happens: a sync moves ~10^4 numbers, so what it costs on GPUs is not bandwidth
+but per-operation overhead: each torch op costs Python and dispatch time, each copy a runtime
+call, and each wait for the GPU a stream synchronization. So packing, checks and decisions run
+on the host, in numpy over whole banks, and the GPU sees a handful of copies. Under NCCL a sync
+waits for the GPU three times, each for a copy whose data the host needs: the local values
+(every bank's and every static amax's, one copy each, one wait), the reduced header, the reduced
+buffer. Everything else is queued without waiting: the buffers go out from pinned host memory,
+and the results go into the banks and static amaxes from the reduced buffer on the GPU. Under
+gloo, or with no group, the buffers are plain host arrays and nothing touches CUDA unless the
+amaxes themselves live on a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -43,6 +55,9 @@ from qckpt.parallel.mesh import group_device
 K = len(DTYPES)
 COLLECTIVES_PER_SYNC = 2  # + 1 only on the way to raising for a static amax some ranks lack
 _MAX_NAMED = 6  # how many quantizers an error message names before "and N more"
+
+_Index = slice | np.ndarray  # positions as a slice when contiguous (views, not gathers)
+_TORCH_DTYPE = {np.dtype(np.float32): torch.float32, np.dtype(np.int64): torch.int64}
 
 
 @dataclass
@@ -73,23 +88,50 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 @dataclass(eq=False)
+class _BankPart:
+    """The per-tensor quantizers of one sync that live in one bank."""
+
+    bank: AmaxBank
+    slots: _Index  # their slots in the bank
+    pos: _Index  # their positions in the plan's order (= in the value buffer)
+    span: slice  # the bank's slots from the first to the last of them: what travels
+    rel: _Index  # ``slots`` relative to ``span``
+
+
+@dataclass(eq=False)
+class _ScalarGroups:
+    """Sharing groups whose members are all per-tensor, flattened so one pass decides them all."""
+
+    idx: np.ndarray  # the members, group after group (positions in the plan's order)
+    starts: np.ndarray  # where each group begins in ``idx``
+    sizes: np.ndarray
+    gid: np.ndarray  # each member's group
+
+
+@dataclass(eq=False)
 class _Plan:
     """The buffer layout of one list of quantizers; the same on every rank for the same model."""
 
     order: list[TensorQuantizer]  # enabled quantizers, per-tensor ones first
+    keys: list[str]  # theirs, for the report
     ns: int  # how many per-tensor ones (one float each, at the start of the value buffer)
     offsets: list[int]  # start of each quantizer's values in the value buffer (+ the end)
+    offsets_np: np.ndarray  # the same, to map a value's position to its quantizer
+    sizes: list[int]  # values per static quantizer
     layout_hash: int
-    share_groups: list[list[int]]  # routed-expert inputs that share their layer's value
-    strict: dict[str, list[int]]  # experts module -> routed-expert inputs that do not share
-    expected: torch.Tensor  # int32, per static quantizer: 1 if this rank holds its tensor
+    # routed-expert inputs that share their layer's value: all-per-tensor groups in one piece,
+    # the others (per-block inputs) group by group; ``share_rank`` is each quantizer's group's
+    # index among all groups (-1: none), to report the shared ones in group order
+    share_scalar: _ScalarGroups | None
+    share_other: list[list[int]]
+    share_rank: np.ndarray
+    strict: list[tuple[str, np.ndarray]]  # experts module -> routed-expert inputs not sharing
+    expected: np.ndarray  # bool, per static quantizer: this rank holds its tensor
     # per static quantizer: a routed-expert input that shares its layer's value. Under DP/EP such
     # an input is routinely seen by only some ranks; its MAX with zeros from the others is still
     # exact, and sharing is the completeness rule for it, so "only some ranks" is no error
-    static_shared: torch.Tensor
-    # per-tensor quantizers by bank: (bank, slots in the bank, positions in ``order``), each a
-    # slice when contiguous (the usual case: views and copies instead of gathers and scatters)
-    banks: list[tuple[AmaxBank, torch.Tensor | slice, torch.Tensor | slice]]
+    static_shared: np.ndarray
+    banks: list[_BankPart]
 
 
 # Building a plan walks every quantizer a few times; a sync repeated on the same list (TP after DP,
@@ -100,19 +142,21 @@ _LAST: list = [None]
 
 def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
     qs = quantizers if isinstance(quantizers, list) else list(quantizers)
-    key = tuple(qs)
     version = _quantizer.CONFIG_VERSION[0]
     last = _LAST[0]
-    if last is not None and last[1] == version and last[0] == key:
+    # list ==, not a tuple: it compares the pointers without touching 10^4 objects
+    if last is not None and last[1] == version and last[0] == qs:
         return last[2]
     enabled = [q.enabled for q in qs]
     on = [q for q, e in zip(qs, enabled, strict=True) if e]
     scal = [q for q in on if q.is_scalar]
     rest = [q for q in on if not q.is_scalar]
     order = scal + rest
-    offsets = list(range(len(scal) + 1))
-    for q in rest:
-        offsets.append(offsets[-1] + max(1, _numel(q.amax_shape)))
+    ns = len(scal)
+    sizes = [max(1, _numel(q.amax_shape)) for q in rest]
+    offsets = list(range(ns + 1))
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
     groups: dict[str, list[int]] = {}
     strict: dict[str, list[int]] = {}
     for i, q in enumerate(order):
@@ -120,7 +164,12 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
             groups.setdefault(q.share_group, []).append(i)
         elif q.expert_layer is not None and q.kind == "input":
             strict.setdefault(q.expert_layer, []).append(i)
-    sig = "\n".join([q.key for q in order]).encode()
+    share_rank = np.full(len(order), -1, dtype=np.int64)
+    for g, idx in enumerate(groups.values()):
+        share_rank[idx] = g
+    scalar_groups = [idx for idx in groups.values() if idx[-1] < ns]
+    keys = [q.key for q in order]
+    sig = "\n".join(keys).encode()
     # 62 bits, so that its negation fits in int64 too (MAX of -h gives the minimum)
     h = ((zlib.crc32(sig) << 30) ^ zlib.adler32(sig) ^ len(order)) & ((1 << 62) - 1)
     by_bank: dict[int, tuple[AmaxBank, list[int], list[int]]] = {}
@@ -128,30 +177,45 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
         entry = by_bank.setdefault(id(q._bank), (q._bank, [], []))
         entry[1].append(q._slot)
         entry[2].append(i)
-    banks = [(b, _index(sl), _index(pos)) for b, sl, pos in by_bank.values()]
+    banks = []
+    for bank, slots, pos in by_bank.values():
+        lo, hi = min(slots), max(slots) + 1
+        rel = _index([s - lo for s in slots])
+        banks.append(_BankPart(bank, _index(slots), _index(pos), slice(lo, hi), rel))
     plan = _Plan(
         order=order,
-        ns=len(scal),
+        keys=keys,
+        ns=ns,
         offsets=offsets,
+        offsets_np=np.array(offsets, dtype=np.int64),
+        sizes=sizes,
         layout_hash=h,
-        share_groups=list(groups.values()),
-        strict=strict,
-        expected=torch.tensor([1 if q.local else 0 for q in rest], dtype=torch.int32),
-        static_shared=torch.tensor([q.share_group is not None for q in rest], dtype=torch.bool),
+        share_scalar=_scalar_groups(scalar_groups) if scalar_groups else None,
+        share_other=[idx for idx in groups.values() if idx[-1] >= ns],
+        share_rank=share_rank,
+        strict=[(layer, np.array(idx, dtype=np.int64)) for layer, idx in strict.items()],
+        expected=np.array([q.local for q in rest], dtype=bool),
+        static_shared=np.array([q.share_group is not None for q in rest], dtype=bool),
         banks=banks,
     )
-    _LAST[0] = (key, version, plan)
+    _LAST[0] = (list(qs), version, plan)  # a copy: the caller may change its list
     return plan
 
 
-def _index(items: list[int]) -> torch.Tensor | slice:
+def _index(items: list[int]) -> _Index:
     if items and items == list(range(items[0], items[0] + len(items))):
         return slice(items[0], items[0] + len(items))
-    return torch.tensor(items, dtype=torch.int64)
+    return np.array(items, dtype=np.int64)
 
 
-def _on(idx: torch.Tensor | slice, device: torch.device) -> torch.Tensor | slice:
-    return idx if isinstance(idx, slice) else idx.to(device)
+def _scalar_groups(groups: list[list[int]]) -> _ScalarGroups:
+    sizes = np.array([len(idx) for idx in groups], dtype=np.int64)
+    return _ScalarGroups(
+        idx=np.concatenate([np.array(idx, dtype=np.int64) for idx in groups]),
+        starts=np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64),
+        sizes=sizes,
+        gid=np.repeat(np.arange(len(groups), dtype=np.int64), sizes),
+    )
 
 
 def _run(group, tensors_ops: list[tuple[torch.Tensor, dist.ReduceOp]], what: str) -> None:
@@ -167,8 +231,44 @@ def _run(group, tensors_ops: list[tuple[torch.Tensor, dist.ReduceOp]], what: str
         ) from None
 
 
-def _idx(items: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(items, dtype=torch.int64, device=device)
+def _host_buffer(numel: int, dtype: np.dtype, pin: bool) -> tuple[torch.Tensor, np.ndarray]:
+    """Uninitialized host memory for a wire buffer: the tensor, and an array viewing it.
+
+    Pinned when the wire is a GPU, so that the copies to it need not wait (cheap after the first
+    sync: the caching host allocator keeps the blocks); plain memory otherwise, where pinning
+    would need CUDA.
+    """
+    if pin:
+        t = torch.empty(numel, dtype=_TORCH_DTYPE[dtype], pin_memory=True)
+        return t, t.numpy()
+    a = np.empty(numel, dtype=dtype)
+    return torch.from_numpy(a), a
+
+
+class _Fetch:
+    """Brings tensors to the host: every copy queued first, then one wait per device."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.devices: set[torch.device] = set()
+
+    def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor | None, np.ndarray]:
+        """``t``'s values as an array (valid once :meth:`wait` has returned) and the host copy
+        holding them; no copy (None) when ``t`` is on the host: the array views ``t`` itself."""
+        t = t.detach()  # an amax set by hand may require grad; numpy refuses those
+        if t.device.type == "cpu":
+            return None, t.numpy()
+        if self.pin:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            self.devices.add(t.device)
+        else:
+            h = t.cpu()
+        return h, h.numpy()
+
+    def wait(self) -> None:
+        for d in self.devices:
+            torch.cuda.current_stream(d).synchronize()
 
 
 def sync_amax(
@@ -201,58 +301,86 @@ def sync_amax(
     plan = _plan(quantizers)
     order, ns, offsets = plan.order, plan.ns, plan.offsets
     n, total = len(order), plan.offsets[-1]
+    nr = n - ns  # static quantizers
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     res = SyncResult(what=what, world=world, quantizers=n)
     dev = group_device(group)
+    pin = dev.type == "cuda"
+
+    # -- local values to the host: one copy per bank, one for all static amaxes ----------------
+    fetch = _Fetch(pin)
+    bank_vals = [
+        (None, p.bank.values.numpy()[p.span])
+        if p.bank.values.device.type == "cpu"
+        else fetch(p.bank.values[p.span])
+        for p in plan.banks
+    ]
+    rest = [q.__dict__["_amax"] for q in order[ns:]]
+    here = [j for j, a in enumerate(rest) if a is not None]
+    flat = None  # the present static amaxes, flattened, as float32
+    if here:
+        parts = [rest[j].reshape(-1) for j in here]
+        parts = [p if p.dtype == torch.float32 else p.to(torch.float32) for p in parts]
+        if len({p.device for p in parts}) == 1:
+            flat = fetch(torch.cat(parts) if len(parts) > 1 else parts[0])[1]
+        else:  # amaxes on several devices: not worth a faster path
+            flat = torch.cat([p.cpu() for p in parts]).numpy()
+    fetch.wait()
 
     # -- local packing (no communication yet) ---------------------------------------------------
     # one float32 buffer, reduced with MAX: [amax values | presence+dtype per quantizer | "lacks
     # it" per static quantizer]. Presence travels in the same collective as the values.
-    buf = torch.zeros(total + n + (n - ns), dtype=torch.float32, device=dev)
-    values = buf[:total]
-    codes_t = torch.full((n,), -1, dtype=torch.int64)
-    for bank, slots, pos in plan.banks:
+    buf, hb = _host_buffer(total + n + nr, np.dtype(np.float32), pin)
+    vals = hb[:total]
+    codes = np.full(n, -1, dtype=np.int64)
+    for p, (_, bv) in zip(plan.banks, bank_vals, strict=True):
         # a bank's absent slots may hold stale numbers: select, never trust them
-        present = bank.view("present")[slots].bool()
-        codes_t[pos] = torch.where(present, bank.view("codes")[slots].to(torch.int64), -1)
-        vals = bank.values[_on(slots, bank.device)].to(device=dev)
-        values[_on(pos, dev)] = torch.where(present.to(dev), vals, 0.0)
-    if n > ns:
-        rest = [q.__dict__["_amax"] for q in order[ns:]]
-        here = [j for j, a in enumerate(rest) if a is not None]
-        if len(here) == n - ns:  # the usual case (weights): one copy for all of them
-            flat = torch.cat([a.reshape(-1).to(dev, torch.float32) for a in rest])
-            values[offsets[ns] :] = flat
-        else:
+        present = np.frombuffer(p.bank.present, dtype=np.uint8)[p.slots] != 0
+        bank_codes = np.frombuffer(p.bank.codes, dtype=np.uint8)[p.slots].astype(np.int64)
+        codes[p.pos] = np.where(present, bank_codes, -1)
+        vals[p.pos] = np.where(present, bv[p.rel], 0.0)
+    if flat is not None and len(here) == nr:  # the usual case (weights): all in one piece
+        vals[offsets[ns] :] = flat
+    elif nr:
+        vals[offsets[ns] :] = 0.0
+        if flat is not None:
+            at = 0
             for j in here:
-                i = ns + j
-                values[offsets[i] : offsets[i + 1]] = rest[j].reshape(-1).to(dev, torch.float32)
-        if here:
-            codes_t[ns:][here] = torch.tensor([DTYPE_CODE.get(rest[j].dtype, -2) for j in here])
-    if local_error is None and bool((codes_t == -2).any()):
+                size = plan.sizes[j]
+                vals[offsets[ns + j] : offsets[ns + j + 1]] = flat[at : at + size]
+                at += size
+    if here:
+        codes[ns:][here] = [DTYPE_CODE.get(rest[j].dtype, -2) for j in here]
+    if local_error is None and nr and bool((codes[ns:] == -2).any()):
         local_error = "an amax dtype the sync cannot carry (float32/16, bfloat16 or float64 only)"
-    if local_error is None and total and not bool(torch.isfinite(values).all()):
-        bad = []
-        for i, q in enumerate(order):
-            if not bool(torch.isfinite(values[offsets[i] : offsets[i + 1]]).all()):
-                bad.append(q.key)
-        local_error = f"non-finite amax in {_names(bad)}"
-    have_local = codes_t >= 0
+    if local_error is None and total and not bool(np.isfinite(vals).all()):
+        at = np.flatnonzero(~np.isfinite(vals))
+        bad = np.unique(np.searchsorted(plan.offsets_np, at, side="right") - 1)
+        local_error = f"non-finite amax in {_names([order[i].key for i in bad.tolist()])}"
+    have_local = codes >= 0
     # K - code: 0 for "not here"; under MAX, > 0 means "somebody has it", and the largest is the
     # most preferred dtype among those who have it (DTYPES is in order of preference)
-    tail = torch.where(have_local, K - codes_t, 0).to(torch.float32)
-    lacks = (plan.expected > 0) & ~have_local[ns:]  # static: this rank should have it but does not
-    buf[total:] = torch.cat([tail, lacks.to(torch.float32)]).to(dev)
+    hb[total : total + n] = np.where(have_local, K - codes, 0)
+    lacks = plan.expected & ~have_local[ns:]  # static: this rank should have it but does not
+    hb[total + n :] = lacks
 
     # -- collectives ----------------------------------------------------------------------------
+    wire = buf
     if group is not None:
         h = plan.layout_hash
         err = rank + 1 if local_error is not None else 0
-        header = torch.tensor([err, h, -h, total, -total], dtype=torch.int64, device=dev)
-        _run(group, [(header, dist.ReduceOp.MAX)], what)
+        header, hh = _host_buffer(5, np.dtype(np.int64), pin)
+        hh[:] = (err, h, -h, total, -total)
+        wire_header = header
+        if pin:  # both queued now; the buffer's copy overlaps the header's round trip
+            wire_header = header.to(dev, non_blocking=True)
+            wire = buf.to(dev, non_blocking=True)
+        _run(group, [(wire_header, dist.ReduceOp.MAX)], what)
         res.collectives += 1
-        err, hmax, hmin_neg, tmax, tmin_neg = header.tolist()
+        if pin:
+            header.copy_(wire_header)
+        err, hmax, hmin_neg, tmax, tmin_neg = hh.tolist()
         if err:
             if local_error is not None:
                 raise SyncError(f"amax sync over the {what} group: this rank failed: {local_error}")
@@ -265,22 +393,22 @@ def sync_amax(
                 f"amax sync over the {what} group: ranks disagree on the quantizers to sync "
                 "(different models or recipes on different ranks)"
             )
-        _run(group, [(buf, dist.ReduceOp.MAX)], what)
+        _run(group, [(wire, dist.ReduceOp.MAX)], what)
         res.collectives += 1
+        if pin:
+            buf.copy_(wire)
         res.bytes = header.numel() * 8 + buf.numel() * 4
     elif local_error is not None:
         raise SyncError(f"calibration failed: {local_error}")
 
     # -- decisions, identical on every rank because they read only reduced data -----------------
-    tail_r = buf[total:].cpu()
-    best = tail_r[:n].to(torch.int64)
+    best = hb[total : total + n].astype(np.int64)
     have = best > 0
-    if n > ns:
-        some = have[ns:] & (tail_r[n:] > 0) & ~plan.static_shared
-        some = torch.nonzero(some).squeeze(1).tolist()
+    if nr:
+        some = np.flatnonzero(have[ns:] & (hb[total + n :] > 0) & ~plan.static_shared).tolist()
         if some:
             # every rank is here (the condition reads reduced data only): count who lacked what
-            counts = torch.stack([lacks, plan.expected > 0]).to(torch.int32)[:, some]
+            counts = torch.from_numpy(np.stack([lacks, plan.expected])[:, some].astype(np.int32))
             if group is not None:
                 counts = counts.to(dev)
                 _run(group, [(counts, dist.ReduceOp.SUM)], what)
@@ -296,67 +424,119 @@ def sync_amax(
                 f"{_names(items)}; every rank must calibrate a per-channel/per-block quantizer, "
                 "or none"
             )
-    have_l = have.tolist()
-    if plan.strict:
-        parts = []
-        for layer, idx in plan.strict.items():
-            cold = sorted({order[i].expert for i in idx if have_l[i] == 0} - {None})
-            if cold:
-                parts.append(f"{layer}: experts {', '.join(map(str, cold))}")
-        if parts:
-            raise SyncError(
-                "MoE calibration incomplete: routed experts received no tokens on any rank of "
-                f"the {what} group: {'; '.join(parts)} (more calibration data, or let them share "
-                "the layer's input amax: calibrate.share_expert_inputs: true)"
-            )
+    parts_msg = []
+    for layer, idx in plan.strict:
+        cold_idx = idx[~have[idx]].tolist()
+        cold = sorted({order[i].expert for i in cold_idx} - {None})
+        if cold:
+            parts_msg.append(f"{layer}: experts {', '.join(map(str, cold))}")
+    if parts_msg:
+        raise SyncError(
+            "MoE calibration incomplete: routed experts received no tokens on any rank of "
+            f"the {what} group: {'; '.join(parts_msg)} (more calibration data, or let them share "
+            "the layer's input amax: calibrate.share_expert_inputs: true)"
+        )
 
     # the dtype a rank without the amax adopts: the first in DTYPES among the ranks that have it
-    final = torch.where(have_local, codes_t, (K - best).clamp(max=K - 1))
-    assigned = have.clone()
-    shared: list[int] = []
-    for idx in plan.share_groups:
-        hot = [i for i in idx if have_l[i] > 0]
-        if not hot or len(hot) == len(idx):
-            continue
-        layer_val = _layer_max(values, offsets, hot, ns)
-        for i in idx:
-            if have_l[i] == 0:
-                values[offsets[i] : offsets[i + 1]] = layer_val.reshape(-1)
-                final[i] = final[hot[0]]
-                assigned[i] = True
-                shared.append(i)
-    shared_mask = torch.zeros(n, dtype=torch.bool)
+    final = np.where(have_local, codes, np.minimum(K - best, K - 1))
+    assigned = have.copy()
+    shared = _share(plan, have, vals, final, assigned)
+    shared_mask = np.zeros(n, dtype=bool)
     shared_mask[shared] = True
-    shared_set = set(shared)
 
     # -- write back -------------------------------------------------------------------------------
-    for bank, slots, pos in plan.banks:
-        bank.values[_on(slots, bank.device)] = values[_on(pos, dev)].to(bank.device)
-        bank.view("present")[slots] = assigned[pos].to(torch.uint8)
-        bank.view("codes")[slots] = final[pos].clamp(min=0).to(torch.uint8)
-        bank.view("shared")[slots] = shared_mask[pos].to(torch.uint8)
-    if n > ns:
+    if wire is not buf and shared.size:
+        # shared values were set on the host: the device buffer feeds the banks and static amaxes
+        wire[:total].copy_(buf[:total], non_blocking=True)
+    for p, (host, bv) in zip(plan.banks, bank_vals, strict=True):
+        bank = p.bank
+        np.frombuffer(bank.present, dtype=np.uint8)[p.slots] = assigned[p.pos]
+        np.frombuffer(bank.codes, dtype=np.uint8)[p.slots] = np.maximum(final[p.pos], 0)
+        np.frombuffer(bank.shared, dtype=np.uint8)[p.slots] = shared_mask[p.pos]
+        target = bank.values
+        if host is not None and target.device == wire.device and isinstance(p.slots, slice):
+            target[p.slots].copy_(wire[p.pos])  # device to device, queued
+        else:  # into the bank (on the host) or its host copy, which then goes back in one copy
+            bv[p.rel] = vals[p.pos]
+            if host is not None:
+                target[p.span].copy_(host, non_blocking=pin)
+    if nr:
         final_l = final[ns:].tolist()
         assigned_l = assigned[ns:].tolist()
+        shared_l = shared_mask[ns:].tolist()
         # one split into views of this sync's own buffer (nobody else writes it, so no copies)
-        chunks = torch.split(
-            values[offsets[ns] :], [offsets[i + 1] - offsets[i] for i in range(ns, n)]
-        )
+        chunks = torch.split(wire[offsets[ns] : total], plan.sizes)
         for j, (q, v) in enumerate(zip(order[ns:], chunks, strict=True)):
             if assigned_l[j]:
                 d = q.__dict__
                 d["_amax"] = v.view(q.amax_shape).to(device=q.device, dtype=DTYPES[final_l[j]])
-                d["_shared"] = (ns + j) in shared_set
-    res.shared = [order[i].key for i in shared]
-    unassigned = torch.nonzero(~assigned).squeeze(1).tolist()
-    res.uncalibrated = [order[i].key for i in unassigned]
+                d["_shared"] = shared_l[j]
+    keys = plan.keys
+    res.shared = [keys[i] for i in shared.tolist()]
+    unassigned = np.flatnonzero(~assigned).tolist()
+    res.uncalibrated = [keys[i] for i in unassigned]
     res.calibrated = n - len(unassigned)
     res.seconds = time.perf_counter() - t0
     return res
 
 
+def _share(
+    plan: _Plan, have: np.ndarray, vals: np.ndarray, final: np.ndarray, assigned: np.ndarray
+) -> np.ndarray:
+    """Give sharing inputs that nobody calibrated their layer's value; returns who got it.
+
+    A group takes part when some but not all of its members were calibrated (on any rank): its
+    cold members get the elementwise max of its hot ones and the dtype of its first hot one.
+    """
+    shared: list[np.ndarray] = []
+    g = plan.share_scalar
+    if g is not None:
+        hot = have[g.idx]
+        n_hot = np.add.reduceat(hot, g.starts, dtype=np.int64)
+        mixed = (n_hot > 0) & (n_hot < g.sizes)
+        if mixed.any():
+            layer_max = np.maximum.reduceat(np.where(hot, vals[g.idx], -np.inf), g.starts)
+            first_hot = np.flatnonzero(hot)
+            # per group, the first hot member (meaningful for the mixed groups only)
+            first_hot = first_hot[np.minimum(np.searchsorted(first_hot, g.starts), hot.sum() - 1)]
+            cold = ~hot & mixed[g.gid]
+            to, gid = g.idx[cold], g.gid[cold]
+            vals[to] = layer_max[gid]
+            final[to] = final[g.idx[first_hot[gid]]]
+            assigned[to] = True
+            shared.append(to)
+    if plan.share_other:
+        shared += _share_one_by_one(plan, have, torch.from_numpy(vals), final, assigned)
+    if not shared:
+        return np.zeros(0, dtype=np.int64)
+    out = np.concatenate(shared)
+    if len(shared) > 1:  # in the order of the groups, as they first appear in the plan
+        out = out[np.lexsort((out, plan.share_rank[out]))]
+    return out
+
+
+def _share_one_by_one(
+    plan: _Plan, have: np.ndarray, values: torch.Tensor, final: np.ndarray, assigned: np.ndarray
+) -> list[np.ndarray]:
+    """The groups with per-channel/per-block members: few, so one by one, in torch as they always
+    were (a group of mismatched shapes fails with the same error)."""
+    offsets, shared = plan.offsets, []
+    for idx in plan.share_other:
+        hot = [i for i in idx if have[i]]
+        if not hot or len(hot) == len(idx):
+            continue
+        layer_val = _layer_max(values, offsets, hot, plan.ns)
+        cold = [i for i in idx if not have[i]]
+        for i in cold:
+            values[offsets[i] : offsets[i + 1]] = layer_val.reshape(-1)
+            final[i] = final[hot[0]]
+            assigned[i] = True
+        shared.append(np.array(cold, dtype=np.int64))
+    return shared
+
+
 def _layer_max(values: torch.Tensor, offsets: list[int], hot: list[int], ns: int) -> torch.Tensor:
     """Elementwise max over the reduced amaxes of the layer's experts that some rank calibrated."""
     if all(i < ns for i in hot):
-        return values[_idx(hot, values.device)].max()
+        return values[torch.tensor(hot, dtype=torch.int64)].max()
     return torch.stack([values[offsets[i] : offsets[i + 1]] for i in hot]).amax(dim=0)

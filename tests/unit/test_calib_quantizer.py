@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qckpt.calib.quantizer import TensorQuantizer
+from qckpt.calib.quantizer import AmaxBank, TensorQuantizer
 from qckpt.calib.sync import sync_amax
 from qckpt.errors import CalibrationError, SyncError
 
@@ -140,3 +140,57 @@ def test_repeated_sync_is_stable_and_amax_resolves_to_tensors():
     assert all(isinstance(q.amax, torch.Tensor) and q.amax.shape == () for q in qs)
     qs[3].collect(torch.full((1, 4), 99.0))  # calibrating after a sync folds into the synced value
     assert qs[3].amax.item() == 99.0
+
+
+def test_world_of_one_banks_in_any_order_leave_other_slots_alone():
+    a, b = AmaxBank("cpu", capacity=2), AmaxBank("cpu", capacity=2)
+    qa = [TensorQuantizer(f"a{i}", "input", shape=(4,), bank=a) for i in range(5)]
+    qb = [TensorQuantizer(f"b{i}", "input", shape=(4,), bank=b) for i in range(2)]
+    off = qa[2]
+    off.amax = torch.tensor(7.0)
+    off.enabled = False  # its slot sits between synced ones: untouched by the sync
+    for q, v in ((qa[0], 1.0), (qa[3], 3.0), (qb[1], 4.0)):
+        q.collect(torch.full((1, 4), v))
+    a.values[qa[4]._slot] = float("nan")  # a stale number in an absent slot is never read
+    qs = [qa[4], qb[1], qa[3], off, qa[0], qb[0], qa[1]]
+    r = sync_amax(qs, None)
+    got = [None if q.amax is None else q.amax.item() for q in qs]
+    assert got == [None, 4.0, 3.0, 7.0, 1.0, None, None]
+    assert r.uncalibrated == ["a4.input_amax", "b0.input_amax", "a1.input_amax"]
+    assert r.calibrated == 3 and r.quantizers == 6
+
+
+def test_world_of_one_sharing_is_decided_layer_by_layer():
+    def experts(layer: int, n: int, dtype=torch.float32):
+        name = f"model.layers.{layer}.mlp.experts"
+        return [
+            TensorQuantizer(
+                f"{name}.{e}.up_proj",
+                "input",
+                shape=(4,),
+                share_group=f"{name}:up_input",
+                expert_layer=name,
+                expert=e,
+                calib_dtype=dtype,
+            )
+            for e in range(n)
+        ]
+
+    hot_cold_hot = experts(0, 3, torch.bfloat16)
+    cold = experts(1, 2)
+    cold_hot = experts(2, 2)
+    all_hot = experts(3, 2)
+    hot_cold_hot[0].collect(torch.full((1, 4), 2.0, dtype=torch.bfloat16))
+    hot_cold_hot[2].amax = torch.tensor(5.0)  # float32 on the second hot expert
+    cold_hot[1].collect(torch.full((1, 4), 1.0))
+    for q in all_hot:
+        q.collect(torch.full((1, 4), 3.0))
+    r = sync_amax(cold_hot + hot_cold_hot + cold + all_hot, None)
+    # the layer's max, in the dtype of the layer's first calibrated expert
+    assert hot_cold_hot[1].amax.item() == 5.0 and hot_cold_hot[1].amax.dtype == torch.bfloat16
+    assert cold_hot[0].amax.item() == 1.0
+    assert [q.amax for q in cold] == [None, None]
+    shared = [q.shared_from_layer for q in hot_cold_hot + cold_hot]
+    assert shared == [False, True, False, True, False]
+    assert r.shared == [cold_hot[0].key, hot_cold_hot[1].key]  # in the order of the layers
+    assert r.uncalibrated == [q.key for q in cold]

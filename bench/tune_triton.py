@@ -26,18 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qckpt.formats import _common, _triton, quantize  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from formats import _timer  # noqa: E402  (bench/formats.py)
+
 
 def _time(fn, iters: int) -> float:  # noqa: ANN001
+    """Median seconds of ``fn`` by CUDA events, after one warm-up call (bench/formats.py's timer)."""
     fn()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+    return statistics.median(_timer(torch.device("cuda"))(fn, iters))
 
 
 def sweep(mib: float, iters: int) -> dict[str, Any]:

@@ -12,15 +12,17 @@ process's matmul, so activations differ by rounding, never by more):
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from tests.conftest import ROOT, run_qckpt
-from tests.dist._harness import shared_world
+from tests.dist._harness import run_once, shared_world
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -340,3 +342,43 @@ def test_cli_tp2_writes_the_one_rank_file(tmp_path):
             else:
                 rel = float(((x - y).abs() / y.abs().clamp(min=1e-6)).max())
                 assert rel < AMAX_RTOL, (k, rel)
+
+
+def sc_tp_rank_dies_in_the_gather(rank, world):
+    """TP2 calibration; rank 1 dies where the TP amax all-gather starts, rank 0 times it."""
+    import qckpt.calib.calibrate as cal
+    from qckpt.calib.data import calibration_batches
+    from qckpt.errors import SyncError
+    from qckpt.parallel.mesh import init_mesh
+    from qckpt.recipe import recipe_from_dict
+
+    r = recipe_from_dict({"quant": CHANNEL, "calibrate": {"data": DATA}})
+    mesh = init_mesh(tp=2, timeout_s=10, device="cpu")
+    m, _ = _model("tiny-dense", "bfloat16", mesh)
+    gather = cal.gather_sharded_amax
+
+    def die(*_a, **_k):
+        os._exit(17)  # gone without a word, in the middle of the collectives
+
+    def timed(*a, **k):
+        t0 = time.monotonic()
+        try:
+            return gather(*a, **k)
+        except SyncError as e:
+            raise SyncError(f"{e} [gather {time.monotonic() - t0:.1f}s]") from None
+
+    cal.gather_sharded_amax = die if rank == 1 else timed
+    batches = calibration_batches(r.calibrate.data, vocab_size=256, data_rank=0, data_world=1)
+    cal.calibrate_model(m, batches, r.quant, mesh)
+
+
+def test_a_rank_dead_in_the_tp_amax_gather_fails_the_other_within_the_timeout():
+    out = run_once(sc_tp_rank_dies_in_the_gather, 2, timeout_s=10.0, deadline_s=120.0)
+    assert out[1].exitcode == 17
+    survivor = out[0]
+    assert survivor.exitcode == 1, survivor  # non-zero, as a CLI run would end
+    assert survivor.error_type == "SyncError", survivor.error
+    assert "amax gather over the tensor-parallel group failed" in survivor.error
+    assert "died or timed out" in survivor.error
+    waited = float(re.search(r"\[gather ([0-9.]+)s\]", survivor.error).group(1))
+    assert waited < 10.0 + 5.0, waited  # the group's timeout, not forever

@@ -41,6 +41,7 @@ import torch
 
 import qckpt
 from qckpt.errors import ExportError
+from qckpt.formats._common import div_f32, f64_const
 from qckpt.recipe import QuantConfig
 
 FP8_MAX = 448.0
@@ -128,6 +129,13 @@ class Layout:
 
 def _amax_scalar(a: torch.Tensor) -> torch.Tensor:
     return a.detach().to(torch.float32).reshape(()).clamp_min(MIN_AMAX)
+
+
+def _over(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """float32 ``amax / qmax``, correctly rounded on every device: CUDA torch turns a division
+    by a Python number into a multiplication by its reciprocal, one ulp off for about half of
+    all values (see ``qckpt.formats._common.div_f32``)."""
+    return div_f32(amax.to(torch.float32), f64_const(qmax, amax.device))
 
 
 def _row_chunks(rows: int, cols: int, align: int = 1) -> Iterator[tuple[int, int]]:
@@ -218,13 +226,13 @@ class CompressedTensorsLayout(Layout):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         g = self.quant.weights.granularity
         wa = amax[f"{module}.weight_amax"].detach().to(torch.float32).clamp_min(MIN_AMAX)
-        scale = (wa / FP8_MAX).reshape(self._scale_shape(tuple(w.shape))).to(self.model_dtype)
+        scale = _over(wa, FP8_MAX).reshape(self._scale_shape(tuple(w.shape))).to(self.model_dtype)
         block = _pair(self.quant.weights.block_size)
         yield f"{module}.weight", fp8_quantize(w, scale.to(torch.float32), g, block)
         yield f"{module}.weight_scale", scale
         if not self.quant.inputs.dynamic:
             ia = _amax_scalar(amax[f"{module}.input_amax"])
-            yield f"{module}.input_scale", (ia / FP8_MAX).reshape(1).to(self.model_dtype)
+            yield f"{module}.input_scale", _over(ia, FP8_MAX).reshape(1).to(self.model_dtype)
 
     def kv_specs(self, attn: str) -> list[OutSpec]:
         return [OutSpec(f"{attn}.{kv}_scale", self.model_dtype, (1,)) for kv in ("k", "v")]
@@ -234,7 +242,7 @@ class CompressedTensorsLayout(Layout):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for kv in ("k", "v"):
             a = _amax_scalar(amax[f"{attn}.{kv}_proj.output_amax"])
-            yield f"{attn}.{kv}_scale", (a / FP8_MAX).reshape(1).to(self.model_dtype)
+            yield f"{attn}.{kv}_scale", _over(a, FP8_MAX).reshape(1).to(self.model_dtype)
 
     def _args(self) -> tuple[dict, dict]:
         base = {
@@ -349,7 +357,7 @@ class ModelOptLayout(Layout):
             q = quantize(w, "fp8", granularity="tensor", amax=wa)
             yield f"{module}.weight", q.qdata
             yield f"{module}.weight_scale", q.scale.to(torch.float32).reshape(())
-            yield f"{module}.input_scale", ia / FP8_MAX
+            yield f"{module}.input_scale", _over(ia, FP8_MAX)
             return
         if w.shape[1] % NVFP4_GROUP:
             raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
@@ -357,7 +365,7 @@ class ModelOptLayout(Layout):
         yield f"{module}.weight", q.qdata
         yield f"{module}.weight_scale", q.scale
         yield f"{module}.weight_scale_2", q.global_scale.to(torch.float32).reshape(())
-        yield f"{module}.input_scale", ia / (FP4_MAX * FP8_MAX)
+        yield f"{module}.input_scale", _over(ia, FP4_MAX * FP8_MAX)
 
     def kv_specs(self, attn: str) -> list[OutSpec]:
         return [OutSpec(f"{attn}.{kv}_proj.{kv}_scale", torch.float32, ()) for kv in ("k", "v")]
@@ -368,7 +376,7 @@ class ModelOptLayout(Layout):
         for kv in ("k", "v"):
             yield (
                 f"{attn}.{kv}_proj.{kv}_scale",
-                _amax_scalar(amax[f"{attn}.{kv}_proj.output_amax"]) / FP8_MAX,
+                _over(_amax_scalar(amax[f"{attn}.{kv}_proj.output_amax"]), FP8_MAX),
             )
 
     def _quantization(self, ignored: list[str]) -> dict:

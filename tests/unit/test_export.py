@@ -442,3 +442,19 @@ def test_interrupted_export_leaves_no_target(root, dense, monkeypatch):
     assert out.is_dir() and rep.shards >= 1
     assert not [p for p in root.iterdir() if p.name.startswith(".interrupted.qckpt-export-")]
     assert math.isfinite(rep.gbps) and rep.peak_rss_bytes > 0
+
+
+def test_scales_are_the_correctly_rounded_quotient_on_any_device():
+    """Export scales are ``amax / 448`` (and ``/ 2688``) rounded once, as CPU torch divides;
+    CUDA torch would multiply by a rounded reciprocal instead, which differs in the last bit
+    for many values: the helper must not."""
+    from qckpt.checkpoint.export_layouts import _over
+
+    a = torch.rand(1 << 18, generator=torch.Generator().manual_seed(0)) * 1000
+    for qmax in (448.0, 2688.0):
+        got = _over(a, qmax)
+        assert torch.equal(got.view(torch.int32), (a / qmax).view(torch.int32))
+        exact = (a.double() / qmax).float()
+        assert torch.equal(got, exact)
+        recip = a * torch.tensor(1 / qmax, dtype=torch.float32)
+        assert (recip != got).sum() > 1000  # the reciprocal multiply is not the same number

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qckpt.formats import FORMATS, _common, quantize, set_compile
+from tests.gpu._bits import bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -79,16 +80,6 @@ def test_dequantize_memory_is_bounded(fmt: str) -> None:
     assert temps <= 8 * _common.CHUNK_ELEMS * 4, f"{fmt}: {temps / 2**20:.0f} MiB"
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Exact bit patterns to compare (float32 fields as int32: -0.0 != 0.0, NaN == NaN)."""
-    t = t.contiguous()
-    if t.element_size() == 1:
-        return t.view(torch.uint8)
-    if t.element_size() == 4:
-        return t.view(torch.int32)
-    return t
-
-
 def _show(t: torch.Tensor, idx: tuple[int, ...]) -> str:
     """One element as value and bits (fp8 / float32) or hex (uint8 codes, E8M0 exponents)."""
     v = t[idx]
@@ -156,7 +147,7 @@ def test_cuda_matches_cpu_bit_for_bit(fmt: str, opts: dict, compile_mode: str, c
         got = quantize(xc.cuda(), fmt, **opts)
         for name in FORMATS[fmt].tensor_fields:
             rt, gt = getattr(ref, name), getattr(got, name).cpu()
-            diff = (_bits(rt) != _bits(gt)).nonzero()
+            diff = (bits(rt) != bits(gt)).nonzero()
             if len(diff) == 0:
                 continue
             errors.append(f"{dt} {name} differs in {len(diff)} places")

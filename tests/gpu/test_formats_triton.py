@@ -19,21 +19,13 @@ import torch
 from qckpt.errors import FormatError
 from qckpt.formats import FORMATS, _common, _triton, quantize, set_compile
 from qckpt.formats._triton import tl, triton
+from tests.gpu._bits import bits
 
 HAS_TRITON_CUDA = torch.cuda.is_available() and _triton.available()
 needs_gpu = pytest.mark.skipif(not HAS_TRITON_CUDA, reason="needs CUDA (sm_89+) and triton")
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    if t.element_size() == 1:
-        return t.view(torch.uint8)
-    if t.element_size() == 4:
-        return t.view(torch.int32)
-    return t
 
 
 def _fval(t: torch.Tensor) -> str:
@@ -51,7 +43,7 @@ def _report(name: str, x: torch.Tensor, ref: torch.Tensor, got: torch.Tensor) ->
         return t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
 
     r2, g2, x2 = as2d(ref), as2d(got), as2d(x)
-    diff = (_bits(r2) != _bits(g2)).nonzero()
+    diff = (bits(r2) != bits(g2)).nonzero()
     if len(diff) == 0:
         return []
     out = [f"{name}: {len(diff)} of {ref.numel()} differ (ref shape {tuple(ref.shape)})"]

@@ -242,7 +242,7 @@ class Fp8Format(Format):
         qdata: torch.Tensor,
         scale: torch.Tensor,
     ) -> None:
-        if amax is None and opts["granularity"] == "tensor":
+        if amax is None and opts["granularity"] == "tensor" and scale.dtype == torch.float32:
             if _common.use_triton(x, "fp8", qdata, scale):
                 # two kernels (amax, then the cast making the scale itself) and one host sync
                 from qckpt.formats import _triton

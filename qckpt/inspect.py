@@ -5,6 +5,7 @@ calibration file, or a single safetensors file. Reads headers and metadata only,
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,13 +19,6 @@ _DTYPE_BYTES = {
 }  # fmt: skip
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
 def _safetensors_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """(tensor name -> {dtype, shape}, metadata) from the JSON header, without reading data."""
     header, _ = read_safetensors_header(path)
@@ -34,8 +28,8 @@ def _safetensors_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
 
 def _summarize_tensors(entries: dict[str, dict]) -> dict[str, Any]:
     dtypes = Counter(e["dtype"] for e in entries.values())
-    nbytes = sum(_numel(e["shape"]) * _DTYPE_BYTES.get(e["dtype"], 0) for e in entries.values())
-    largest = max(entries.items(), key=lambda kv: _numel(kv[1]["shape"]), default=(None, None))
+    nbytes = sum(math.prod(e["shape"]) * _DTYPE_BYTES.get(e["dtype"], 0) for e in entries.values())
+    largest = max(entries.items(), key=lambda kv: math.prod(kv[1]["shape"]), default=(None, None))
     return {
         "tensors": len(entries),
         "bytes": nbytes,

@@ -37,6 +37,7 @@ amaxes themselves live on a GPU.
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from collections.abc import Iterable
@@ -78,13 +79,6 @@ class SyncResult:
 def _names(items: list[str]) -> str:
     shown = ", ".join(items[:_MAX_NAMED])
     return shown + (f" and {len(items) - _MAX_NAMED} more" if len(items) > _MAX_NAMED else "")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    m = 1
-    for s in shape:
-        m *= s
-    return m
 
 
 @dataclass(eq=False)
@@ -153,7 +147,7 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
     rest = [q for q in on if not q.is_scalar]
     order = scal + rest
     ns = len(scal)
-    sizes = [max(1, _numel(q.amax_shape)) for q in rest]
+    sizes = [max(1, math.prod(q.amax_shape)) for q in rest]
     offsets = list(range(ns + 1))
     for size in sizes:
         offsets.append(offsets[-1] + size)

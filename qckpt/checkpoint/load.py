@@ -10,6 +10,7 @@ loaded unless every item was read and every quantized destination was written.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -170,18 +171,11 @@ def check_fit(
             raise CheckpointError(
                 f"{name}: dtype {m.properties.dtype} in {where} cannot load into {t.dtype}"
             )
-        covered = sum(_numel(c.sizes) for c in m.chunks)
-        if covered != _numel(m.size):
+        covered = sum(math.prod(c.sizes) for c in m.chunks)
+        if covered != math.prod(m.size):
             raise CheckpointError(
-                f"{name}: {where} holds {covered} of its {_numel(m.size)} elements"
+                f"{name}: {where} holds {covered} of its {math.prod(m.size)} elements"
             )
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _one_line(exc: BaseException) -> str:

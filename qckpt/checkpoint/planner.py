@@ -37,6 +37,7 @@ chunk stays on the host and the device transient is the scratch alone.
 from __future__ import annotations
 
 import io
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,13 +82,6 @@ def destination_of(t: Any) -> Any:
         if te.is_te_quantized(t):
             return te.TEDestination(t)
     return None
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def prepended_axes(ckpt_shape: Any, dest_shape: Any, name: str = "tensor") -> int:
@@ -338,11 +332,11 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         items: list[ReadItem] = []
         for fqn, its in groups.items():
             items.extend(its)
-            covered = sum(_numel(i.lengths) for i in its)
+            covered = sum(math.prod(i.lengths) for i in its)
             d = self._dests.get(fqn)
             if d is not None:
                 d.expected = len(its)
-                need = _numel(d.ckpt_shape)
+                need = math.prod(d.ckpt_shape)
                 if covered != need:
                     raise CheckpointError(
                         f"{fqn}: the checkpoint covers {covered} of its {need} elements"
@@ -350,7 +344,7 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
             else:
                 self._plain_expected[fqn] = len(its)
         for fqn, d in self._dests.items():
-            if d.expected == 0 and _numel(d.ckpt_shape) > 0 and not self.allow_partial_load:
+            if d.expected == 0 and math.prod(d.ckpt_shape) > 0 and not self.allow_partial_load:
                 raise CheckpointError(f"{fqn}: no data for it in the checkpoint")
         new_plan.items[:] = items
         return new_plan

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from qckpt.formats._rowblock import nblocks
+
 try:  # pragma: no cover - depends on the install
     import triton
     import triton.language as tl
@@ -430,10 +432,6 @@ if triton is not None:
         tl.store(qp, _to_fp8(y, FMAX, E4M3, SOFT), mask=mask)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _zero(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=device)
 
@@ -450,7 +448,7 @@ def amax(x: torch.Tensor) -> torch.Tensor | None:
     if n == 0:
         return _zero(x.device)
     per = AMAX_BLOCK * AMAX_TILES
-    grid = _cdiv(n, per)
+    grid = nblocks(n, per)
     out = torch.empty(grid, dtype=torch.int32, device=x.device)
     try:
         _amax_kernel[(grid,)](
@@ -499,7 +497,7 @@ def fp8_cast(
     from qckpt.formats._common import FP8_EMAX
 
     per = CAST_BLOCK * CAST_TILES
-    grid = _cdiv(n, per)
+    grid = nblocks(n, per)
     chk = torch.empty(grid, dtype=torch.int32, device=x.device) if check else None
     a_bits = amax.reshape(1).view(torch.int32) if amax is not None else None
     s_ptr = scale.reshape(1).to(torch.float32) if scale is not None else scale_out
@@ -537,12 +535,12 @@ def mx_quantize(
     exponents ``s2`` (R, ceil(K / 32)); returns the max block amax (for the NaN/Inf check), or
     None when the kernel failed."""
     r, k = x2.shape
-    nb = _cdiv(k, 32)
+    nb = nblocks(k, 32)
     n_blocks = r * nb
     if n_blocks == 0:
         return _zero(x2.device)
     fmax, e4m3 = _fp8_consts(q2.dtype)
-    grid = _cdiv(n_blocks, MX_BLOCKS)
+    grid = nblocks(n_blocks, MX_BLOCKS)
     out = torch.empty(grid, dtype=torch.int32, device=x2.device)
     try:
         _mx_kernel[(grid,)](

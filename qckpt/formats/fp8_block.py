@@ -54,6 +54,7 @@ from qckpt.formats._common import (
     pow2_exponent,
     run_block_kernel,
 )
+from qckpt.formats._rowblock import nblocks
 
 if TYPE_CHECKING:
     from qckpt.formats.tensor import QuantizedTensor
@@ -81,10 +82,6 @@ def _mn(shape: tuple[int, ...]) -> tuple[int, int]:
     return (shape[-2], shape[-1])
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _tile_scale(
     amax: torch.Tensor, dtype: torch.dtype, pow2: bool, fmax64: torch.Tensor
 ) -> torch.Tensor:
@@ -110,7 +107,7 @@ def _block_compute(
     ``tile_amax`` (calibrated, per tile) replaces the tiles' own amax; values beyond it
     saturate. The tiles' own max is returned either way, for the NaN/Inf check."""
     r, n = c.shape
-    rp, np_ = _cdiv(r, br) * br, _cdiv(n, bc) * bc
+    rp, np_ = nblocks(r, br) * br, nblocks(n, bc) * bc
     cf = c.to(torch.float32)
     if (rp, np_) != (r, n):
         cf = F.pad(cf, (0, np_ - n, 0, rp - r))
@@ -169,8 +166,8 @@ class Fp8BlockFormat(Format):
         if len(shape) == 0:
             return ()
         if len(shape) == 1:
-            return (_cdiv(shape[0], bs[1]),)
-        return tuple(shape[:-2]) + (_cdiv(shape[-2], bs[0]), _cdiv(shape[-1], bs[1]))
+            return (nblocks(shape[0], bs[1]),)
+        return tuple(shape[:-2]) + (nblocks(shape[-2], bs[0]), nblocks(shape[-1], bs[1]))
 
     def _write(
         self,
@@ -192,9 +189,9 @@ class Fp8BlockFormat(Format):
                     f"fp8_block: amax must have one value per tile, shape {tuple(scale.shape)}, "
                     f"got {tuple(a.shape)}"
                 )
-            a3 = a.reshape(b, _cdiv(m, br), _cdiv(n, bc))
+            a3 = a.reshape(b, nblocks(m, br), nblocks(n, bc))
         q3 = qdata.view(b, m, n)
-        s3 = scale.view(b, _cdiv(m, br), _cdiv(n, bc))
+        s3 = scale.view(b, nblocks(m, br), nblocks(n, bc))
         if x3.numel() == 0:
             return
         bad = torch.zeros((), device=x.device)
@@ -203,13 +200,13 @@ class Fp8BlockFormat(Format):
         rows = _common.rows_per_chunk(n, ce, multiple=br)
         for i in range(b):
             for lo, hi in _common.chunk_ranges(m, rows):
-                tile_amax = None if a3 is None else a3[i, lo // br : _cdiv(hi, br)]
+                tile_amax = None if a3 is None else a3[i, lo // br : nblocks(hi, br)]
                 got = run_block_kernel(
                     _block_into,
                     _block_compute,
                     (hi - lo) % br != 0 or n % bc != 0,
                     x3[i, lo:hi],
-                    (q3[i, lo:hi], s3[i, lo // br : _cdiv(hi, br)]),
+                    (q3[i, lo:hi], s3[i, lo // br : nblocks(hi, br)]),
                     (br, bc, opts["pow2_scale"], tile_amax, fmax64),
                     (opts["dtype"],),
                 )
@@ -243,12 +240,12 @@ class Fp8BlockFormat(Format):
             return out
         q3 = _as3d(q.qdata)
         b, m, n = q3.shape
-        s3 = q.scale.reshape(b, _cdiv(m, br), _cdiv(n, bc))
+        s3 = q.scale.reshape(b, nblocks(m, br), nblocks(n, bc))
         o3 = out.view(b, m, n)
         rows = _common.rows_per_chunk(n, multiple=br)
         for i in range(b):
             for lo, hi in _common.chunk_ranges(m, rows):
-                s = s3[i, lo // br : _cdiv(hi, br)]
+                s = s3[i, lo // br : nblocks(hi, br)]
                 s = s.repeat_interleave(br, dim=0)[: hi - lo].repeat_interleave(bc, dim=1)[:, :n]
                 o3[i, lo:hi].copy_(q3[i, lo:hi].to(torch.float32) * s)
         return out

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from qckpt.formats._common import FP8_EMAX, FP8_MAX
 from qckpt.formats._rowblock import nblocks
 
 try:  # pragma: no cover - depends on the install
@@ -106,8 +107,6 @@ def _int_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_consts(dtype: torch.dtype) -> tuple[float, bool]:
-    from qckpt.formats._common import FP8_MAX
-
     return FP8_MAX[dtype], dtype == torch.float8_e4m3fn
 
 
@@ -494,7 +493,6 @@ def fp8_cast(
     if n == 0:
         return _zero(x.device) if check else amax
     fmax, e4m3 = _fp8_consts(out.dtype)
-    from qckpt.formats._common import FP8_EMAX
 
     per = CAST_BLOCK * CAST_TILES
     grid = nblocks(n, per)

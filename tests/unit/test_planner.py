@@ -180,19 +180,24 @@ def test_finish_plan_groups_a_destinations_items_and_counts_them():
         p.finish_plan(LoadPlan([_item("a", 0, 4)]))
 
 
+def _dcp_load(model, path, planner) -> None:
+    """A bare single-process ``dcp.load`` into ``model`` through ``planner`` (no qckpt wrapper)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(
+            model.state_dict(keep_vars=True),
+            storage_reader=OrderedFileSystemReader(path),
+            planner=planner,
+            no_dist=True,
+        )
+
+
 def test_planner_holds_no_state_after_a_load(tmp_path):
     save_model_dcp(Toy(seed=1), tmp_path / "c")
     m = toy_quantized("fp8")
     meter = MemoryMeter("cpu")
     p = StreamingDequantLoadPlanner(meter=meter)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(
-            m.state_dict(keep_vars=True),
-            storage_reader=OrderedFileSystemReader(tmp_path / "c"),
-            planner=p,
-            no_dist=True,
-        )
+    _dcp_load(m, tmp_path / "c", p)
     assert p.pending() == {
         "destinations": 0,
         "plain_items": 0,
@@ -214,17 +219,8 @@ def test_planner_reset_after_a_failed_load_drops_the_scratch(tmp_path):
     m = toy_quantized("fp8")
     p = StreamingDequantLoadPlanner()
     # DCP wraps what the planner raised in its CheckpointException (load_checkpoint unwraps it)
-    with (
-        warnings.catch_warnings(),
-        pytest.raises(BaseException, match="down_proj: cannot quantize"),
-    ):
-        warnings.simplefilter("ignore")
-        dcp.load(
-            m.state_dict(keep_vars=True),
-            storage_reader=OrderedFileSystemReader(tmp_path / "c"),
-            planner=p,
-            no_dist=True,
-        )
+    with pytest.raises(BaseException, match="down_proj: cannot quantize"):
+        _dcp_load(m, tmp_path / "c", p)
     assert p.pending()["scratch_buffers"] == 1  # the failed destination's scratch
     p.reset()
     assert p.pending()["destinations"] == 0 and p.pending()["scratch_buffers"] == 0

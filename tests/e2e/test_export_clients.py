@@ -25,10 +25,14 @@ import pytest
 import torch
 
 from qckpt.calib.calibrate import calibrate_model
-from qckpt.checkpoint.export import export_checkpoint
 from qckpt.parallel.mesh import init_mesh
-from qckpt.recipe import ExportConfig
-from tests.unit.test_export_helpers import calib_inputs, hf_state, quant_config, saved_model
+from tests.unit.test_export_helpers import (
+    calib_inputs,
+    hf_state,
+    quant_config,
+    run_export,
+    saved_model,
+)
 
 CASES = {
     "tensor": ("tensor", "static", (128, 128)),
@@ -54,16 +58,7 @@ def test_compressed_tensors_export_loads_in_transformers(root, source, case):
     q = quant_config(weights, inputs, block, group=32)
     state, _ = calibrate_model(model, calib_inputs(), q, init_mesh(ep=1, tp=1, timeout_s=60))
     out = root / f"{source}-{case}"
-    report = export_checkpoint(
-        source=hf_dir,
-        calibration=state,
-        output=out,
-        model_type=model.config.model_type,
-        model_config=model.config,
-        quant=q,
-        export=ExportConfig(output=str(out)),
-        source_dir=hf_dir,
-    )
+    report = run_export(model, hf_dir, state, out, q, source_dir=hf_dir)
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     group = cfg["config_groups"]["group_0"]
     assert group["weights"]["strategy"] == weights

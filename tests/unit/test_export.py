@@ -26,6 +26,7 @@ from tests.unit.test_export_helpers import (
     hf_state,
     make_calibration,
     quant_config,
+    run_export,
     saved_model,
     write_calibration,
 )
@@ -44,19 +45,6 @@ def moe(root):
 @pytest.fixture(scope="module")
 def dense(root):
     return saved_model(root, "tiny-dense")
-
-
-def run_export(model, src, cal, out, q, fmt="compressed-tensors", source_dir=None, **export_kw):
-    return export_checkpoint(
-        source=src,
-        calibration=cal,
-        output=out,
-        model_type=model.config.model_type,
-        model_config=model.config,
-        quant=q,
-        export=ExportConfig(format=fmt, output=str(out), **export_kw),
-        source_dir=source_dir,
-    )
 
 
 def read_export(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from qckpt.calib.state_file import CalibrationState, model_fingerprint, save_calibration
+from qckpt.checkpoint.export import export_checkpoint
 from qckpt.models.build import build_model
 from qckpt.models.naming import hf_tensors
-from qckpt.recipe import QuantConfig, TensorQuantConfig
+from qckpt.recipe import ExportConfig, QuantConfig, TensorQuantConfig
 
 VOCAB = 256
 
@@ -156,3 +157,16 @@ def write_calibration(
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids).logits[:, -1].float()
+
+
+def run_export(model, src, cal, out, q, fmt="compressed-tensors", source_dir=None, **export_kw):
+    return export_checkpoint(
+        source=src,
+        calibration=cal,
+        output=out,
+        model_type=model.config.model_type,
+        model_config=model.config,
+        quant=q,
+        export=ExportConfig(format=fmt, output=str(out), **export_kw),
+        source_dir=source_dir,
+    )

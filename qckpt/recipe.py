@@ -58,6 +58,10 @@ class TensorQuantConfig:
     def validate(self, path: str) -> None:
         if len(self.block_size) not in (1, 2) or any(b <= 0 for b in self.block_size):
             raise RecipeError(f"{path}.block_size: must be one or two positive integers")
+        # the one place a short spelling is read: ``[b]`` is a b x b block, what the export
+        # layouts and serving stacks assume; everything downstream sees two numbers
+        if len(self.block_size) == 1:
+            self.block_size = [self.block_size[0], self.block_size[0]]
 
 
 @dataclass(kw_only=True)

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from qckpt.calib.quantizer import SCALAR_GRANULARITIES, AmaxBank, TensorQuantizer
+from qckpt.calib.quantizer import AmaxBank, TensorQuantizer
+from qckpt.calib.shapes import SCALAR_GRANULARITIES, calib_granularity
 from qckpt.errors import CalibrationError
 from qckpt.models.naming import expert_slices
-from qckpt.recipe import QuantConfig, TensorQuantConfig
+from qckpt.recipe import QuantConfig
 
 _ATTR = "_qckpt_instrumentation"
 
@@ -59,11 +60,6 @@ class Instrumentation:
     experts: list[ExpertsInfo]
     hooks: list = field(default_factory=list)
     patched: list[nn.Module] = field(default_factory=list)
-
-
-def _granularity(cfg: TensorQuantConfig) -> str:
-    # NVFP4's block scales are computed when quantizing; only the per-tensor global amax is static
-    return "dynamic_block" if cfg.format == "nvfp4" else cfg.granularity
 
 
 def _ignored(name: str, patterns: list[str]) -> bool:
@@ -99,7 +95,7 @@ def insert_quantizers(
 
     def make(name: str, kind: str, shape, device, **kw) -> TensorQuantizer:
         cfg = wcfg if kind == "weight" else icfg
-        gran = _granularity(cfg)
+        gran = calib_granularity(cfg.format, cfg.granularity)
         bank = None
         if gran in SCALAR_GRANULARITIES:
             bank = banks.get(torch.device(device))

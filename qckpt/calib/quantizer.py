@@ -16,12 +16,12 @@ Per-channel and per-block amaxes are tensors of their own (few, and large).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from qckpt.calib.shapes import SCALAR_GRANULARITIES, amax_shape, weight_block
 from qckpt.errors import CalibrationError
 
 GRANULARITIES = ("tensor", "channel", "block", "dynamic_block")
@@ -31,8 +31,6 @@ DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 # "output": a linear's output, per tensor (k_proj/v_proj for the KV-cache scales)
 KINDS = ("weight", "input", "output")
-# the granularities whose stored amax is one number; the sync treats them alike
-SCALAR_GRANULARITIES = ("tensor", "dynamic_block")
 # bumped whenever a quantizer is enabled or disabled, so that the sync's cached buffer layout
 # is rebuilt without re-reading ``enabled`` on every quantizer at every sync
 CONFIG_VERSION = [0]
@@ -215,22 +213,10 @@ class TensorQuantizer(nn.Module):
         self.amax = None
 
     def _amax_shape(self) -> tuple[int, ...]:
-        if self.granularity in SCALAR_GRANULARITIES:
-            return ()
-        if self.granularity == "channel":
-            if len(self.shape) != 2:
-                raise ValueError(
-                    f"{self.name}: per-channel amax needs a 2-D weight, got {self.shape}"
-                )
-            return (self.shape[self.axis],)
-        # static per-block
-        if self.kind == "input":
-            b = self.block_size[-1]
-            return (math.ceil(self.shape[-1] / b),)
-        if len(self.shape) != 2:
-            raise ValueError(f"{self.name}: per-block amax needs a 2-D weight, got {self.shape}")
-        b0, b1 = self.block_size if len(self.block_size) == 2 else (1, self.block_size[0])
-        return (math.ceil(self.shape[0] / b0), math.ceil(self.shape[1] / b1))
+        try:
+            return amax_shape(self.granularity, self.kind, self.shape, self.block_size, self.axis)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
 
     # -- calibration ----------------------------------------------------------------------------
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,7 +243,7 @@ class TensorQuantizer(nn.Module):
         else:
             r, c = x.shape
             n0, n1 = self.amax_shape
-            b0, b1 = self.block_size if len(self.block_size) == 2 else (1, self.block_size[0])
+            b0, b1 = weight_block(self.block_size)
             padded = torch.nn.functional.pad(x, (0, n1 * b1 - c, 0, n0 * b0 - r))
             a = padded.abs().reshape(n0, b0, n1, b1).amax(dim=(1, 3))
         return a.to(self.calib_dtype)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 import qckpt
+from qckpt.calib.shapes import config_amax_shape, weight_block
 from qckpt.errors import ExportError
 from qckpt.formats._common import div_f32, f64_const
 from qckpt.recipe import QuantConfig
@@ -69,10 +70,6 @@ class OutSpec:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _pair(block: list[int]) -> tuple[int, int]:
-    return (block[0], block[0]) if len(block) == 1 else (block[0], block[1])
-
-
 class Layout:
     """The export layout of one recipe; every shape is known before any tensor is read."""
 
@@ -95,10 +92,7 @@ class Layout:
         elif w.granularity == "channel":
             out.append((f"{module}.weight_amax", (shape[0],)))
         else:
-            b0, b1 = _pair(w.block_size)
-            out.append(
-                (f"{module}.weight_amax", (math.ceil(shape[0] / b0), math.ceil(shape[1] / b1)))
-            )
+            out.append((f"{module}.weight_amax", config_amax_shape(w, "weight", shape)))
         if not self.quant.inputs.dynamic:
             out.append((f"{module}.input_amax", ()))
         return out
@@ -202,8 +196,7 @@ class CompressedTensorsLayout(Layout):
             return (1,)
         if w.granularity == "channel":
             return (shape[0], 1)
-        b0, b1 = _pair(w.block_size)
-        return (math.ceil(shape[0] / b0), math.ceil(shape[1] / b1))
+        return config_amax_shape(w, "weight", shape)
 
     def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
         i = self.quant.inputs
@@ -227,7 +220,7 @@ class CompressedTensorsLayout(Layout):
         g = self.quant.weights.granularity
         wa = amax[f"{module}.weight_amax"].detach().to(torch.float32).clamp_min(MIN_AMAX)
         scale = _over(wa, FP8_MAX).reshape(self._scale_shape(tuple(w.shape))).to(self.model_dtype)
-        block = _pair(self.quant.weights.block_size)
+        block = weight_block(self.quant.weights.block_size)
         yield f"{module}.weight", fp8_quantize(w, scale.to(torch.float32), g, block)
         yield f"{module}.weight_scale", scale
         if not self.quant.inputs.dynamic:
@@ -255,7 +248,7 @@ class CompressedTensorsLayout(Layout):
         w = self.quant.weights
         weights = {**base, "strategy": w.granularity, "dynamic": False}
         if w.granularity == "block":
-            weights["block_structure"] = list(_pair(w.block_size))
+            weights["block_structure"] = list(weight_block(w.block_size))
         i = self.quant.inputs
         if not i.dynamic:
             inputs = {**base, "strategy": "tensor", "dynamic": False}

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from qckpt.calib.shapes import amax_shape, weight_block
 from qckpt.errors import SyncError, UsageError
 from qckpt.parallel.mesh import Mesh
 
@@ -185,11 +186,6 @@ def tp_sharded_linears(model: nn.Module) -> dict[str, nn.Module]:
 # per-channel / per-block amaxes describe the local shard; here they become the whole tensor's.
 
 
-def _block(q) -> tuple[int, int]:
-    bs = tuple(q.block_size)
-    return bs if len(bs) == 2 else (1, bs[0])
-
-
 def _tp_action(q, mod: nn.Module) -> tuple[str, int]:
     """How one static amax of a sharded linear becomes the whole tensor's: (op, axis).
 
@@ -204,7 +200,7 @@ def _tp_action(q, mod: nn.Module) -> tuple[str, int]:
     if q.kind == "weight":
         if q.granularity == "channel":
             return ("cat", 0) if (q.axis % 2) == dim else ("max", 0)
-        b = _block(q)[dim]
+        b = weight_block(q.block_size)[dim]
         if local % b:
             raise UsageError(
                 f"parallel.tp: {tp} splits {q.name}'s weight into shards of {local} "
@@ -228,12 +224,7 @@ def _full_shapes(q, mod: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The observed tensor's whole shape and the whole amax shape, as on one process."""
     full = tuple(int(s) for s in mod.qckpt_full_shape)
     shape = full if q.kind == "weight" else (full[1],)
-    if q.granularity == "channel":
-        return shape, (shape[q.axis],)
-    if q.kind == "input":
-        return shape, (math.ceil(shape[-1] / q.block_size[-1]),)
-    b0, b1 = _block(q)
-    return shape, (math.ceil(shape[0] / b0), math.ceil(shape[1] / b1))
+    return shape, amax_shape(q.granularity, q.kind, shape, q.block_size, q.axis)
 
 
 def check_sharded_quantizers(quantizers, modules: dict[str, nn.Module]) -> list:

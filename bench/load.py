@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qckpt import formats  # noqa: E402
 from qckpt.checkpoint.convert import save_model_dcp  # noqa: E402
-from qckpt.checkpoint.load import LoadReport, load_checkpoint, plot_memory  # noqa: E402
+from qckpt.checkpoint.load import LoadReport, load_checkpoint  # noqa: E402
 from qckpt.models.quantize_params import quantize_model_params  # noqa: E402
+from qckpt.plot import plot_memory  # noqa: E402
 
 MiB = 2**20
 SLACK = 64 * MiB

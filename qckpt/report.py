@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from qckpt.cli._output import err
+from qckpt.term import err
 
 
 def human_bytes(n: float | int | None) -> str:

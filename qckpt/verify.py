@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import os
 
-    from qckpt.cli._common import quiet_torch_logs
+    from qckpt.term import quiet_torch_logs
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     quiet_torch_logs()

@@ -9,7 +9,7 @@ Order (the same on every rank, so every rank reaches every collective):
    different data), then over ``mesh.tp_group`` for the per-tensor amaxes (MAX over the shards of
    TP-sharded linears; gated on ``enabled`` only), then one all-gather over ``mesh.tp_group``
    that turns the per-channel / per-block amaxes of TP-sharded linears into the whole tensor's
-   (:func:`qckpt.parallel.tensor.gather_sharded_amax`), so the file is the one TP=1 writes;
+   (:func:`qckpt.calib.tp_gather.gather_sharded_amax`), so the file is the one TP=1 writes;
 5. one more collective for the report: which experts got tokens on which rank;
 6. quantizers out; the result is a :class:`CalibrationState` in HF module naming + the report.
 """
@@ -35,10 +35,11 @@ from qckpt.calib.instrument import (
 from qckpt.calib.quantizer import TensorQuantizer
 from qckpt.calib.state_file import CalibrationState, model_fingerprint
 from qckpt.calib.sync import sync_amax
+from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax
 from qckpt.errors import SyncError
 from qckpt.models.naming import hf_tensors, is_fused_experts_param
 from qckpt.parallel.mesh import Mesh, group_device
-from qckpt.parallel.tensor import check_sharded_quantizers, gather_sharded_amax, tp_sharded_linears
+from qckpt.parallel.tensor import tp_sharded_linears
 from qckpt.recipe import QuantConfig
 
 _LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")

@@ -12,6 +12,7 @@ import typer
 from qckpt.cli import _output
 from qckpt.cli._launch import relaunch
 from qckpt.recipe import Recipe, load_recipe
+from qckpt.term import quiet_torch_logs
 
 
 def start(
@@ -26,18 +27,6 @@ def start(
     recipe.parallel.check_world(_world_size())
     quiet_torch_logs()
     return recipe
-
-
-def quiet_torch_logs() -> None:
-    """torch configures its loggers when imported, so their levels can only be set after it."""
-    if os.environ.get("QCKPT_DEBUG"):
-        return
-    import logging
-
-    import torch  # noqa: F401
-
-    for name in ("torch.utils._pytree", "torch.distributed", "torch.distributed.checkpoint"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 @contextmanager

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -22,8 +21,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-err = Console(stderr=True, highlight=False)
-out = Console(highlight=False, soft_wrap=True)
+from qckpt.term import err, out  # noqa: F401  (the consoles live below the CLI)
 
 _verbose = False
 

@@ -50,9 +50,10 @@ def load_cmd(
                 "load.backend: te needs Transformer Engine, which is not installed "
                 "(pip install 'qckpt[te]', on a machine with CUDA)"
             )
-    from qckpt.checkpoint.load import load_checkpoint, plot_memory
+    from qckpt.checkpoint.load import load_checkpoint
     from qckpt.models.build import build_model
     from qckpt.models.quantize_params import quantize_model_params
+    from qckpt.plot import plot_memory
     from qckpt.report import render_load_report
 
     with world(r, r.load.device) as mesh:

@@ -13,9 +13,10 @@ from torch import nn
 import qckpt.checkpoint.load as load_mod
 from qckpt import formats
 from qckpt.checkpoint.convert import dcp_to_hf_dir, save_model_dcp
-from qckpt.checkpoint.load import LoadReport, load_checkpoint, plot_memory
+from qckpt.checkpoint.load import LoadReport, load_checkpoint
 from qckpt.errors import CheckpointError
 from qckpt.models.quantize_params import quantize_model_params
+from qckpt.plot import plot_memory
 from qckpt.recipe import recipe_from_dict
 
 ALL_FORMATS = ["fp8", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4"]

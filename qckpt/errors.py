@@ -41,3 +41,12 @@ class SyncError(CalibrationError):
 
 class ExportError(QckptError):
     """An export that cannot be written (existing target, mismatched calibration)."""
+
+
+class OutputPathError(UsageError):
+    """An output path that would clobber an input or another output (refused before any work)."""
+
+
+class OutputError(QckptError):
+    """An output that cannot be written: the target exists or appeared, a full disk, a read-only
+    directory. Nothing is left half-written."""

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
+from qckpt.atomic import write_bytes
 from qckpt.errors import CheckpointError
 
 FILE_VERSION = "1"
@@ -52,10 +53,12 @@ class CalibrationState:
         return self.amax.get(f"{module}.{kind}_amax")
 
 
-def save_calibration(state: CalibrationState, path: str | os.PathLike) -> Path:
-    """Write atomically (temp file + rename) so a crash never leaves a half file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def save_calibration(
+    state: CalibrationState, path: str | os.PathLike, key: str = "calibrate.output"
+) -> Path:
+    """Write atomically (``qckpt.atomic``): a crash, a full disk or Ctrl-C never leaves a half
+    file; write failures are one line naming ``key`` and the file. Returns the path written
+    (symlinks followed)."""
     meta = {
         "qckpt_calibration": FILE_VERSION,
         "model_type": state.model_type,
@@ -64,14 +67,9 @@ def save_calibration(state: CalibrationState, path: str | os.PathLike) -> Path:
         "quantizers": json.dumps(state.quantizers, sort_keys=True),
     }
     tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in state.amax.items()}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    # serialized here and written by Python, so a write error is an OSError naming its errno
+    # (safetensors' own file writer reports it as a SafetensorError string)
+    return write_bytes(path, save(tensors, metadata=meta), key=key)
 
 
 def load_calibration(path: str | os.PathLike) -> CalibrationState:

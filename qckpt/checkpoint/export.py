@@ -11,14 +11,13 @@ The export runs in two passes over the checkpoint's *metadata* and one over its 
    each source tensor is read, quantized and appended to its shard, and dropped: one tensor in
    flight, so host memory stays near the largest tensor however large the model is.
 
-Atomicity: everything goes into ``.{name}.qckpt-export-{pid}-{token}`` beside the target, which
-is renamed to the target at the very end (with ``overwrite``, the old target is first renamed
-aside and removed after the swap; a crash between those two renames leaves the old export under
-``.{name}.qckpt-old-*`` and no target, never a partial one). SIGINT/SIGTERM remove the temp dir; after a SIGKILL it
-stays (under its hidden name) and the next export to that target removes it once its pid is gone.
-
-Test hook: ``QCKPT_EXPORT_PAUSE_AFTER=N:MARKER`` makes the export touch ``MARKER`` after writing
-``N`` source tensors and then wait (so tests can interrupt an export mid-write, deterministically).
+Atomicity and safety (``qckpt.atomic``, ``qckpt.outputs``): the output may not equal, contain or
+lie inside the source, the model dir or the calibration file (checked first); everything is
+written into a temp dir beside the target and renamed to it at the very end, refusing atomically a
+target that appeared meanwhile. With ``overwrite`` an existing target is replaced only when it is
+an earlier export (it holds the :data:`~qckpt.outputs.EXPORT_MARKER` file every export carries).
+SIGINT/SIGTERM remove the temp dir; after a SIGKILL it stays (under its hidden name) and the next
+export to that target removes it once its pid is gone.
 """
 
 from __future__ import annotations
@@ -28,11 +27,8 @@ import json
 import math
 import os
 import resource
-import secrets
 import shutil
-import signal
 import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -41,6 +37,7 @@ from typing import Any
 
 import torch
 
+from qckpt.atomic import atomic_dir
 from qckpt.calib.state_file import CalibrationState, load_calibration, model_fingerprint
 from qckpt.checkpoint.export_layouts import Layout, OutSpec, make_layout
 from qckpt.checkpoint.export_source import (
@@ -52,10 +49,9 @@ from qckpt.checkpoint.export_source import (
 )
 from qckpt.errors import CheckpointError, ExportError
 from qckpt.models.naming import expert_slices
+from qckpt.outputs import EXPORT_MARKER, check_export_target, export_marker, guard
 from qckpt.recipe import ExportConfig, QuantConfig
 
-PAUSE_ENV = "QCKPT_EXPORT_PAUSE_AFTER"
-TEMP_TAG = ".qckpt-export-"
 CARRY_FILES = (
     "generation_config.json",
     "tokenizer.json",
@@ -287,32 +283,6 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_temps(target: Path) -> None:
-    """Remove temp dirs of earlier exports to this target whose process is gone (a SIGKILL)."""
-    for d in target.parent.glob(f".{target.name}{TEMP_TAG}*"):
-        pid_text = d.name[len(f".{target.name}{TEMP_TAG}") :].split("-", 1)[0]
-        if d.is_dir() and pid_text.isdigit() and not _pid_alive(int(pid_text)):
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=False)
@@ -321,16 +291,8 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _pause_hook() -> tuple[int, Path] | None:
-    spec = os.environ.get(PAUSE_ENV)
-    if not spec:
-        return None
-    n, _, marker = spec.partition(":")
-    return int(n), Path(marker)
-
-
-class _Interrupted(KeyboardInterrupt):
-    """SIGTERM during an export: unwinds as an interrupt does, so the temp dir is removed."""
+def _refuse_unmarked(target: Path) -> None:
+    check_export_target(target, overwrite=True)
 
 
 def export_checkpoint(
@@ -354,12 +316,12 @@ def export_checkpoint(
     calibration file of another model or format, or a recipe the layout cannot express.
     """
     t0 = time.perf_counter()
-    target = Path(output).expanduser().absolute()
+    inputs = [("checkpoint.path", source), ("model.source", source_dir)]
+    if not isinstance(calibration, CalibrationState):
+        inputs.append(("calibrate.output", calibration))
+    target = guard([("export.output", output)], inputs)["export.output"]
+    check_export_target(target, export.overwrite)
     layout_name = export.format
-    if target.exists() and not export.overwrite:
-        raise ExportError(f"{target}: already exists (set export.overwrite: true to replace it)")
-    if target.exists() and not target.is_dir():
-        raise ExportError(f"{target}: exists and is not a directory; refusing to replace it")
 
     # -- plan ---------------------------------------------------------------------------------
     try:
@@ -435,21 +397,12 @@ def export_checkpoint(
     cfg["quantization_config"] = layout.quantization_config(ignore_list)
 
     # -- write --------------------------------------------------------------------------------
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(target)
-    tmp = target.parent / f".{target.name}{TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}"
-    old_handler = None
-    if threading.current_thread() is threading.main_thread():
-
-        def _on_term(signum: int, frame: Any) -> None:
-            raise _Interrupted(f"export interrupted by signal {signum}")
-
-        old_handler = signal.signal(signal.SIGTERM, _on_term)
-    pause = _pause_hook()
     bytes_read = bytes_written = written = 0
     largest = max(g.entry.source.nbytes for g in groups if g.entry is not None)
-    try:
-        tmp.mkdir()
+    replace = export.overwrite
+    with atomic_dir(
+        target, key="export.output", replace=replace, may_replace=_refuse_unmarked
+    ) as tmp:
         meta = layout.shard_metadata()
         amax = cal.amax
         done_sources = 0
@@ -478,10 +431,6 @@ def export_checkpoint(
                     bytes_read += he.source.nbytes
                     if progress is not None:
                         progress(done_sources, n_source, he.source.name)
-                    if pause is not None and done_sources == pause[0]:
-                        pause[1].touch()
-                        while True:  # wait for the test to interrupt us
-                            time.sleep(0.05)
             for g in shard:
                 if g.entry is None:  # the KV scales: from the calibration file only
                     for a in attn_modules:
@@ -501,22 +450,8 @@ def export_checkpoint(
                 f = Path(source_dir) / fname
                 if f.is_file():
                     shutil.copy2(f, tmp / fname)
-        _fsync_dir(tmp)
-        # the swap: the target name only ever points at a complete export
-        if target.exists():
-            old = target.parent / f".{target.name}.qckpt-old-{os.getpid()}-{secrets.token_hex(4)}"
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
-        _fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if old_handler is not None:
-            signal.signal(signal.SIGTERM, old_handler)
+        # last: overwrite replaces only a dir holding this file
+        _write_json(tmp / EXPORT_MARKER, export_marker(layout=layout_name, shards=n))
 
     seconds = time.perf_counter() - t0
     return ExportReport(

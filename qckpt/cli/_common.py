@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,15 +16,25 @@ from qckpt.term import quiet_torch_logs
 
 
 def start(
-    recipe_path: Path, overrides: list[str] | None, nproc: int = 1, verbose: bool = False
+    recipe_path: Path,
+    overrides: list[str] | None,
+    nproc: int = 1,
+    verbose: bool = False,
+    guard: Callable[[Recipe], None] | None = None,
 ) -> Recipe:
-    """Relaunch under torchrun if asked; otherwise read and validate the recipe."""
+    """Relaunch under torchrun if asked; otherwise read and validate the recipe.
+
+    ``guard(recipe)`` checks the command's output paths against its inputs (``qckpt.outputs``);
+    it runs before torch is imported, so a refused output costs no start-up time.
+    """
     code = relaunch(nproc)
     if code is not None:
         raise typer.Exit(code)
     _output.set_verbose(verbose)
     recipe = load_recipe(recipe_path, overrides or [])
     recipe.parallel.check_world(_world_size())
+    if guard is not None:
+        guard(recipe)
     quiet_torch_logs()
     return recipe
 

@@ -6,9 +6,12 @@ is a bug and also prints one line, pointing at ``QCKPT_DEBUG=1`` for the traceba
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -18,6 +21,24 @@ except ImportError:  # pragma: no cover - older Typer uses Click itself
     from click import exceptions as _click_exc
 
 from qckpt.errors import QckptError, UsageError
+
+
+class CommandInterrupted(Exception):
+    """Ctrl-C or SIGTERM inside a command, carried past Typer: Typer turns a KeyboardInterrupt
+    into a silent ``Exit(130)``, so a command's KeyboardInterrupt travels as this instead."""
+
+
+def interruptible(fn: Callable) -> Callable:
+    """Wrap a command so that its KeyboardInterrupt reaches :func:`report` (see above)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KeyboardInterrupt as exc:
+            raise CommandInterrupted(str(exc)) from exc
+
+    return wrapper
 
 
 def debug() -> bool:
@@ -54,7 +75,7 @@ def report(exc: BaseException) -> int:
         return exc.exit_code
     if isinstance(exc, typer.Exit):
         return exc.exit_code
-    if isinstance(exc, typer.Abort | KeyboardInterrupt):
+    if isinstance(exc, typer.Abort | KeyboardInterrupt | CommandInterrupted):
         print("qckpt: interrupted", file=sys.stderr)
         return 130
     if type(exc).__name__ == "NoArgsIsHelpError":  # help was already printed

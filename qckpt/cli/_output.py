@@ -57,11 +57,9 @@ def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
     """The machine-readable report; written atomically, by rank 0 only."""
     if path is None or rank() != 0:
         return
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, p)
+    from qckpt.atomic import write_text
+
+    write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", key="--json")
 
 
 @contextmanager

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from typing import Any
 
 import typer
 
 from qckpt import __version__
 from qckpt.cli import calibrate, convert, export, inspect, load
-from qckpt.cli._errors import report
+from qckpt.cli._errors import interruptible, report
 
 app = typer.Typer(
     name="qckpt",
@@ -24,11 +26,11 @@ app = typer.Typer(
     rich_markup_mode="markdown",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-app.command("load")(load.load_cmd)
-app.command("calibrate")(calibrate.calibrate_cmd)
-app.command("export")(export.export_cmd)
-app.command("inspect")(inspect.inspect_cmd)
-app.command("convert")(convert.convert_cmd)
+app.command("load")(interruptible(load.load_cmd))
+app.command("calibrate")(interruptible(calibrate.calibrate_cmd))
+app.command("export")(interruptible(export.export_cmd))
+app.command("inspect")(interruptible(inspect.inspect_cmd))
+app.command("convert")(interruptible(convert.convert_cmd))
 
 
 def _version(value: bool) -> None:
@@ -61,12 +63,33 @@ def _quiet_third_party() -> None:
     logging.getLogger("torch").setLevel(logging.ERROR)
 
 
+def _terminate_as_interrupt() -> Any:
+    """SIGTERM unwinds like Ctrl-C (temps removed, ``qckpt: interrupted``, exit 130). Not under
+    torchrun: there a SIGTERM is torchrun stopping its workers, and a worker blocked in a
+    collective must die at once, not when the collective returns."""
+    from qckpt.cli._launch import under_torchrun
+
+    if under_torchrun():
+        return None
+
+    from qckpt.atomic import Interrupted
+
+    def _on_term(signum: int, frame: object) -> None:
+        raise Interrupted(f"signal {signum}")
+
+    return signal.signal(signal.SIGTERM, _on_term)
+
+
 def main(argv: list[str] | None = None) -> None:
     _quiet_third_party()
+    old_term = _terminate_as_interrupt()
     try:
         rv = app(args=argv, prog_name="qckpt", standalone_mode=False)
     except BaseException as exc:  # the one place exceptions become exit codes
         if isinstance(exc, SystemExit):
             raise
         sys.exit(report(exc))
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
+from qckpt.outputs import guard as guard_paths
+from qckpt.outputs import recipe_inputs
+from qckpt.recipe import Recipe
 
 
 def calibrate_cmd(
@@ -28,7 +31,13 @@ def calibrate_cmd(
 
         qckpt calibrate configs/tiny-dense.yaml --set calibrate.data.source=text --set calibrate.data.path=my.txt
     """
-    r = start(recipe, set_, nproc_per_node, verbose)
+
+    def guard(r: Recipe) -> None:
+        ins = recipe_inputs(r, recipe) + [("calibrate.data.path", r.calibrate.data.path)]
+        outs = [("calibrate.output", r.calibrate.output), ("--json", json_path)]
+        guard_paths(outs, ins, file_outputs=["calibrate.output", "--json"])
+
+    r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.data import calibration_batches
     from qckpt.calib.state_file import save_calibration

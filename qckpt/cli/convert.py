@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from qckpt.atomic import AtomicDir, terminate_as_interrupt, write_error
 from qckpt.cli import _output
 from qckpt.cli._common import quiet_torch_logs, start, world
 from qckpt.cli._launch import relaunch
 from qckpt.cli._options import NprocOpt, SetOpt, VerboseOpt
-from qckpt.errors import UsageError
+from qckpt.errors import OutputError, UsageError
+from qckpt.recipe import Recipe
 
 
 def convert_cmd(
@@ -53,16 +54,31 @@ def convert_cmd(
 
         qckpt convert runs/tiny-moe/dcp runs/tiny-moe/hf --to hf
     """
+    from qckpt.outputs import guard, recipe_inputs
+
+    is_recipe = src.suffix in (".yaml", ".yml")
+    outs = [("DST", dst)]
+    model_in = [("--model", model)] if model and os.path.lexists(model) else []
+    if is_recipe:
+
+        def guard_recipe(r: Recipe) -> None:
+            guard(outs, recipe_inputs(r, src, checkpoint=False) + model_in)
+
+    else:
+        guard(outs, [("SRC", src), *model_in])
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UsageError(f"{dst}: already exists; remove it or choose another destination")
+
     from qckpt.checkpoint.safe_metadata import is_dcp_dir
 
-    kind = "recipe" if src.suffix in (".yaml", ".yml") else ("dcp" if is_dcp_dir(src) else "hf")
+    kind = "recipe" if is_recipe else ("dcp" if is_dcp_dir(src) else "hf")
     to = to or ("hf" if kind == "dcp" else "dcp")
     if to not in ("dcp", "hf"):
         raise UsageError(f"--to: must be dcp or hf, got {to!r}")
     if kind == to:
         raise UsageError(f"{src}: is already a {to} checkpoint")
     if kind == "recipe":
-        r = start(src, set_, nproc_per_node, verbose)
+        r = start(src, set_, nproc_per_node, verbose, guard=guard_recipe)
     else:
         if not src.is_dir():
             raise UsageError(f"{src}: not a recipe, an HF model dir or a DCP dir")
@@ -71,11 +87,9 @@ def convert_cmd(
     from qckpt.checkpoint.convert import dcp_to_hf_dir, hf_dir_to_dcp, save_model_dcp
     from qckpt.models.build import build_model, load_config
 
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise UsageError(f"{dst}: already exists; remove it or choose another destination")
-    final, dst = dst, dst.with_name(f".{dst.name}.qckpt-partial")
-    with world(r, "cpu") as mesh:
-        _fresh_dir(dst, mesh)
+    with world(r, "cpu") as mesh, terminate_as_interrupt():
+        out = AtomicDir(dst, key="DST", replace=True, may_replace=_empty_dir)
+        tmp = _begin_all(out, mesh)
         try:
             if kind == "dcp":
                 cfg_src = model or (str(src) if (src / "config.json").is_file() else None)
@@ -84,30 +98,57 @@ def convert_cmd(
                         f"{src}: has no config.json; pass --model SOURCE for the model config"
                     )
                 if mesh.is_main:
-                    dcp_to_hf_dir(src, dst, load_config(cfg_src))
+                    dcp_to_hf_dir(src, tmp, load_config(cfg_src))
             else:
                 built = build_model(r.model.source, dtype=r.model.dtype, seed=r.model.seed)
                 if to == "hf":  # a recipe's seeded model, written the way transformers writes it
                     if mesh.is_main:
-                        built.save_pretrained(str(dst))
+                        built.save_pretrained(str(tmp))
                 else:
                     if kind == "hf":
-                        hf_dir_to_dcp(src, dst, built)
+                        hf_dir_to_dcp(src, tmp, built)
                     else:
-                        save_model_dcp(built, dst, mesh=mesh)
+                        save_model_dcp(built, tmp, mesh=mesh)
                     if mesh.is_main:
                         # the DCP dir carries its model config so that `--to hf` and `inspect` need no recipe
-                        (Path(dst) / "config.json").write_text(built.config.to_json_string())
+                        (tmp / "config.json").write_text(built.config.to_json_string())
             _barrier(mesh)
             if mesh.is_main:  # written whole, then renamed: a failure leaves no half checkpoint
-                if final.exists():
-                    final.rmdir()
-                os.replace(dst, final)
-        except BaseException:
+                out.commit()
+        except BaseException as exc:
             if mesh.is_main:  # nothing half-written stays behind
-                shutil.rmtree(dst, ignore_errors=True)
+                out.abort()
+            err = write_error(exc, out.target, "DST", None)
+            if err is not None:
+                raise err from exc
             raise
-    _output.result(f"wrote {final} ({to})")
+    _output.result(f"wrote {dst} ({to})")
+
+
+def _empty_dir(path: Path) -> None:
+    """DST may be an empty dir (replaced), never anything else: checked again at the swap."""
+    if not path.is_dir() or path.is_symlink() or any(path.iterdir()):
+        raise OutputError(
+            f"DST: {path} appeared while this command wrote it; refusing to replace it"
+        )
+
+
+def _begin_all(out: AtomicDir, mesh) -> Path:
+    """One temp dir for all ranks: the main rank makes it, the others learn its name (or that
+    it failed, so that nobody waits for a dir that will never come)."""
+    if mesh.world_size == 1:
+        return out.begin()
+    import torch.distributed as dist
+
+    box: list[str | None] = [None]
+    try:
+        if mesh.is_main:
+            box[0] = str(out.begin())
+    finally:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        raise OutputError(f"DST: the main rank could not create a temp dir beside {out.target}")
+    return Path(box[0])
 
 
 def _barrier(mesh) -> None:
@@ -115,14 +156,6 @@ def _barrier(mesh) -> None:
         import torch.distributed as dist
 
         dist.barrier()
-
-
-def _fresh_dir(path: Path, mesh) -> None:
-    """An empty staging dir that every rank sees before anyone writes into it."""
-    if mesh.is_main:
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-    _barrier(mesh)
 
 
 def start_without_recipe(

@@ -5,6 +5,9 @@ from __future__ import annotations
 from qckpt.cli import _output
 from qckpt.cli._common import start
 from qckpt.cli._options import JsonOpt, RecipeArg, SetOpt, VerboseOpt
+from qckpt.outputs import check_export_target, recipe_inputs
+from qckpt.outputs import guard as guard_paths
+from qckpt.recipe import Recipe
 
 
 def export_cmd(
@@ -23,7 +26,17 @@ def export_cmd(
 
         qckpt export configs/tiny-dense.yaml --set export.overwrite=true --json export.json
     """
-    r = start(recipe, set_, 1, verbose)
+
+    def guard(r: Recipe) -> None:
+        ins = recipe_inputs(r, recipe) + [("calibrate.output", r.calibrate.output)]
+        guard_paths(
+            [("export.output", r.export.output), ("--json", json_path)],
+            ins,
+            file_outputs=["--json"],
+        )
+        check_export_target(r.export.output, r.export.overwrite)
+
+    r = start(recipe, set_, 1, verbose, guard=guard)
     from qckpt.calib.state_file import load_calibration
     from qckpt.checkpoint.export import export_checkpoint
     from qckpt.models.build import load_config

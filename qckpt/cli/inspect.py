@@ -27,6 +27,9 @@ def inspect_cmd(
 
         qckpt inspect runs/tiny-moe/fp8 --json export.json
     """
+    from qckpt.outputs import guard
+
+    guard([("--json", json_path)], [("PATH", path)], file_outputs=["--json"])
     from qckpt.inspect import inspect_path
     from qckpt.report import render_mapping
 

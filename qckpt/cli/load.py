@@ -11,6 +11,9 @@ from qckpt.cli import _output
 from qckpt.cli._common import start, world
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
 from qckpt.errors import UsageError
+from qckpt.outputs import guard as guard_paths
+from qckpt.outputs import recipe_inputs
+from qckpt.recipe import Recipe
 
 
 def load_cmd(
@@ -41,7 +44,12 @@ def load_cmd(
 
         qckpt load configs/tiny-dense.yaml --nproc-per-node 2
     """
-    r = start(recipe, set_, nproc_per_node, verbose)
+
+    def guard(r: Recipe) -> None:
+        outs = [("--json", json_path), ("--plot", plot)]
+        guard_paths(outs, recipe_inputs(r, recipe), file_outputs=["--json", "--plot"])
+
+    r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
     if r.load.backend == "te":
         import importlib.util
 
@@ -83,7 +91,10 @@ def load_cmd(
         if _output.speaks():
             render_load_report(data)
         if plot is not None and mesh.is_main:
-            plot_memory(reports, plot)
+            from qckpt.atomic import atomic_file
+
+            with atomic_file(plot, key="--plot") as tmp:
+                plot_memory(reports, tmp)
         _output.write_json(json_path, data)
         first = data["runs"][0]
         _output.result(

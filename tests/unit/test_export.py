@@ -19,8 +19,9 @@ from safetensors import safe_open
 
 from qckpt.calib.state_file import load_calibration, save_calibration
 from qckpt.checkpoint import export_source
-from qckpt.checkpoint.export import PAUSE_ENV, export_checkpoint
+from qckpt.checkpoint.export import export_checkpoint
 from qckpt.errors import ExportError
+from qckpt.outputs import EXPORT_MARKER
 from qckpt.recipe import ExportConfig
 from tests.unit.test_export_helpers import (
     hf_state,
@@ -326,7 +327,7 @@ def test_kv_cache_scales_from_kv_proj_output_amax(root, dense):
 
 
 def _no_temp_dirs(parent: Path) -> bool:
-    return not [p for p in parent.iterdir() if ".qckpt-export-" in p.name]
+    return not [p for p in parent.iterdir() if ".qckpt-tmp-" in p.name]
 
 
 def test_existing_target_refused_unless_overwrite(root, dense):
@@ -338,9 +339,17 @@ def test_existing_target_refused_unless_overwrite(root, dense):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match="already exists"):
         run_export(model, hf_dir, cal, out, q)
-    assert (out / "keep.txt").read_text() == "mine"
-    rep = run_export(model, hf_dir, cal, out, q, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    # overwrite replaces only an export qckpt wrote (it holds the marker); this dir is not one
+    with pytest.raises(ExportError, match="not written by qckpt export"):
+        run_export(model, hf_dir, cal, out, q, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "mine" and _no_temp_dirs(root)
+    first = root / "replaced"
+    run_export(model, hf_dir, cal, first, q)
+    assert (first / EXPORT_MARKER).is_file()
+    (first / "stale.txt").write_text("from the first export")
+    rep = run_export(model, hf_dir, cal, first, q, overwrite=True)
+    assert not (first / "stale.txt").exists() and (first / "config.json").is_file()
     assert rep.tensors_written > 0 and _no_temp_dirs(root)
     assert not [p for p in root.iterdir() if ".qckpt-old-" in p.name]
 
@@ -376,8 +385,15 @@ def test_calibration_of_another_model_or_format_is_one_line_error(root, moe, den
 # -- interrupted exports --------------------------------------------------------------------------
 
 
-def _child(hf_dir: str, cal: str, out: str) -> None:
+def _child(hf_dir: str, cal: str, out: str, marker: str) -> None:
     from qckpt.models.build import load_config
+
+    def pause(done: int, total: int, name: str) -> None:
+        # mid-write, deterministically: say so, then wait for the test's signal
+        if done == 5:
+            Path(marker).touch()
+            while True:
+                time.sleep(0.05)
 
     export_checkpoint(
         source=hf_dir,
@@ -387,18 +403,18 @@ def _child(hf_dir: str, cal: str, out: str) -> None:
         model_config=load_config("tiny-dense"),
         quant=quant_config(),
         export=ExportConfig(max_shard_size="32KB"),
+        progress=pause,
     )
 
 
-def _start_and_pause(hf_dir: Path, cal: Path, out: Path, marker: Path, monkeypatch):
+def _start_and_pause(hf_dir: Path, cal: Path, out: Path, marker: Path):
     # fork: the child has torch and transformers imported already (a fresh interpreter would
-    # spend seconds importing them); the pause hook stops it mid-write, deterministically
+    # spend seconds importing them); its progress callback stops it mid-write
     import multiprocessing as mp
 
-    monkeypatch.setenv(PAUSE_ENV, f"5:{marker}")
-    proc = mp.get_context("fork").Process(target=_child, args=(str(hf_dir), str(cal), str(out)))
+    args = (str(hf_dir), str(cal), str(out), str(marker))
+    proc = mp.get_context("fork").Process(target=_child, args=args)
     proc.start()
-    monkeypatch.delenv(PAUSE_ENV)
     deadline = time.monotonic() + 60
     while not marker.exists():
         assert proc.is_alive(), f"export child exited early ({proc.exitcode})"
@@ -407,20 +423,20 @@ def _start_and_pause(hf_dir: Path, cal: Path, out: Path, marker: Path, monkeypat
     return proc
 
 
-def test_interrupted_export_leaves_no_target(root, dense, monkeypatch):
+def test_interrupted_export_leaves_no_target(root, dense):
     model, hf_dir = dense
     cal = write_calibration(root, model, quant_config(), "calib-int.safetensors")
     out = root / "interrupted"
     for sig in (signal.SIGINT, signal.SIGKILL):
         marker = root / f"paused-{sig.name}"
-        proc = _start_and_pause(hf_dir, cal, out, marker, monkeypatch)
-        temps = [p for p in root.iterdir() if p.name.startswith(".interrupted.qckpt-export-")]
+        proc = _start_and_pause(hf_dir, cal, out, marker)
+        temps = [p for p in root.iterdir() if p.name.startswith(".interrupted.qckpt-tmp-")]
         assert len(temps) == 1 and any(temps[0].glob("*.safetensors"))  # mid-write, for real
         os.kill(proc.pid, sig)
         proc.join(timeout=60)
         assert proc.exitcode not in (0, None)
         assert not out.exists()
-        left = [p for p in root.iterdir() if p.name.startswith(".interrupted.qckpt-export-")]
+        left = [p for p in root.iterdir() if p.name.startswith(".interrupted.qckpt-tmp-")]
         if sig == signal.SIGINT:
             assert left == []  # the interrupt removed its temp dir
         else:
@@ -428,7 +444,7 @@ def test_interrupted_export_leaves_no_target(root, dense, monkeypatch):
     # the next export to that target removes the dead process's temp dir and completes
     rep = run_export(model, hf_dir, cal, out, quant_config())
     assert out.is_dir() and rep.shards >= 1
-    assert not [p for p in root.iterdir() if p.name.startswith(".interrupted.qckpt-export-")]
+    assert not [p for p in root.iterdir() if p.name.startswith(".interrupted.qckpt-tmp-")]
     assert math.isfinite(rep.gbps) and rep.peak_rss_bytes > 0
 
 

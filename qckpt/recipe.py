@@ -20,6 +20,18 @@ from typing import Any, Literal
 import yaml
 
 from qckpt.errors import RecipeError
+from qckpt.recipe_yaml import read_yaml_file, safe_parse, show
+
+# numeric bounds every recipe value is checked against (a value past them is a typo or an attack,
+# never a setting: it would overflow a C integer, a timedelta or the memory of the machine)
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+FLOAT_MAX = 1e300
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes a uint64 (or a negative int64, which we refuse)
+TIMEOUT_RANGE_S = (1.0, 7 * 86400.0)
+MAX_SHARD_BYTES = 2**40
+MAX_SAMPLES = 10**7
+MAX_SEQ_LEN = 2**20
+MAX_CALIB_TOKENS = 2**31  # num_samples * seq_len: the synthetic set is allocated whole
 
 PARAM_FORMATS = ("none", "fp8", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4")
 QUANT_FORMATS = ("fp8", "nvfp4")
@@ -31,6 +43,9 @@ class ModelConfig:
     source: str = "tiny-moe"
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     seed: int = 0
+
+    def validate(self, path: str) -> None:
+        _in_range(f"{_join(path, 'seed')}", self.seed, 0, SEED_MAX, "0 .. 2**64-1")
 
 
 @dataclass(kw_only=True)
@@ -89,9 +104,20 @@ class DataConfig:
     batch_size: int = 4
 
     def validate(self, path: str) -> None:
-        for name in ("num_samples", "seq_len", "batch_size"):
-            if getattr(self, name) <= 0:
-                raise RecipeError(f"{path}.{name}: must be positive, got {getattr(self, name)}")
+        for name, hi in (
+            ("num_samples", MAX_SAMPLES),
+            ("seq_len", MAX_SEQ_LEN),
+            ("batch_size", MAX_SAMPLES),
+        ):
+            value = getattr(self, name)
+            if value <= 0:
+                raise RecipeError(f"{path}.{name}: must be positive, got {value}")
+            _in_range(f"{path}.{name}", value, 1, hi, f"1 .. {hi}")
+        if self.num_samples * self.seq_len > MAX_CALIB_TOKENS:
+            raise RecipeError(
+                f"{path}.num_samples: num_samples * seq_len is {self.num_samples * self.seq_len}"
+                f" tokens, more than {MAX_CALIB_TOKENS}"
+            )
         if self.source != "synthetic" and not self.path:
             raise RecipeError(f"{path}.path: required when source is {self.source!r}")
 
@@ -119,6 +145,8 @@ class ParallelConfig:
                 raise RecipeError(f"{path}.{name}: must be >= 1, got {getattr(self, name)}")
         if self.timeout_s <= 0:
             raise RecipeError(f"{path}.timeout_s: must be positive, got {self.timeout_s}")
+        lo, hi = TIMEOUT_RANGE_S
+        _in_range(f"{path}.timeout_s", self.timeout_s, lo, hi, f"{lo:g} .. {hi:g} seconds")
 
     def check_world(self, world_size: int) -> int:
         """Return dp for this world, or raise naming the key that does not fit."""
@@ -175,16 +203,23 @@ _UNITS = {
 def parse_size(s: str | int) -> int:
     """'5GB' -> 5_000_000_000; '512MiB' -> 536870912; plain ints are bytes."""
     if isinstance(s, int):
-        if s <= 0:
-            raise ValueError(f"must be positive, got {s}")
+        if not 0 < s <= MAX_SHARD_BYTES:
+            raise ValueError(f"must be between 1 and 2**40 bytes, got {show(s)}")
         return s
     m = _SIZE_RE.match(str(s))
     if not m:
-        raise ValueError(f"not a size like '5GB' or '512MiB': {s!r}")
-    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    if n <= 0:
-        raise ValueError(f"must be positive, got {s!r}")
-    return n
+        raise ValueError(f"not a size like '5GB' or '512MiB': {show(s)}")
+    n = float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()]
+    if not n >= 1:
+        raise ValueError(f"must be positive, got {show(s)}")
+    if n > MAX_SHARD_BYTES:
+        raise ValueError(f"at most 1TiB, got {show(s)}")
+    return int(n)
+
+
+def _in_range(path: str, value: float, lo: float, hi: float, what: str) -> None:
+    if not lo <= value <= hi:
+        raise RecipeError(f"{path}: must be in {what}, got {show(value)}")
 
 
 def _type_name(tp: Any) -> str:
@@ -206,7 +241,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         choices = typing.get_args(tp)
         if value not in choices:
             raise RecipeError(
-                f"{path}: must be one of {', '.join(map(str, choices))}; got {value!r}"
+                f"{path}: must be one of {', '.join(map(str, choices))}; got {show(value)}"
             )
         return value
     if origin in (typing.Union, types.UnionType):
@@ -220,46 +255,54 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, a, path)
             except RecipeError:
                 continue
-        raise RecipeError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        raise RecipeError(f"{path}: expected {_type_name(tp)}, got {show(value)}")
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise RecipeError(f"{path}: expected a list, got {value!r}")
+            raise RecipeError(f"{path}: expected a list, got {show(value)}")
         return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if not isinstance(value, bool):
-            raise RecipeError(f"{path}: expected true or false, got {value!r}")
+            raise RecipeError(f"{path}: expected true or false, got {show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise RecipeError(f"{path}: expected an integer, got {value!r}")
+            raise RecipeError(f"{path}: expected an integer, got {show(value)}")
+        if not INT_MIN <= value <= INT_MAX:  # every int field ends up in a 64-bit C integer
+            raise RecipeError(f"{path}: out of range (it must fit in 64 bits), got {show(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RecipeError(f"{path}: expected a number, got {value!r}")
+            raise RecipeError(f"{path}: expected a number, got {show(value)}")
+        if not -FLOAT_MAX <= value <= FLOAT_MAX:  # also false for NaN
+            raise RecipeError(f"{path}: expected a finite number (|x| <= 1e300), got {show(value)}")
         return float(value)
     if tp is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         if not isinstance(value, str):
-            raise RecipeError(f"{path}: expected a string, got {value!r}")
+            raise RecipeError(f"{path}: expected a string, got {show(value)}")
         return value
     return value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _build(cls: type, raw: Any, path: str) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RecipeError(f"{path or 'recipe'}: expected a mapping, got {raw!r}")
+        raise RecipeError(f"{path or 'recipe'}: expected a mapping, got {show(raw)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in raw.items():
-        key_path = f"{path}.{key}" if path else str(key)
+        key_path = _join(path, key if isinstance(key, str) and len(key) <= 80 else show(key))
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {(path + '.' if path else '') + close[0]!r}?" if close else ""
+            close = difflib.get_close_matches(str(key)[:80], list(fields), n=1)
+            hint = f"; did you mean {_join(path, close[0])!r}?" if close else ""
             known = ", ".join(fields)
             raise RecipeError(f"{key_path}: unknown key{hint} (known: {known})")
         kwargs[key] = _coerce(value, hints[key], key_path)
@@ -271,11 +314,11 @@ def _build(cls: type, raw: Any, path: str) -> Any:
 
 def _apply_override(raw: dict, override: str) -> None:
     if "=" not in override:
-        raise RecipeError(f"--set {override}: expected key.path=value")
+        raise RecipeError(f"--set {show(override)}: expected key.path=value")
     key, _, text = override.partition("=")
     parts = key.strip().split(".")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = safe_parse(text, f"--set {show(key)}") if text.strip() else ""
     except yaml.YAMLError:
         value = text
     node = raw
@@ -284,13 +327,24 @@ def _apply_override(raw: dict, override: str) -> None:
         if nxt is None:
             nxt = node[part] = {}
         if not isinstance(nxt, dict):
-            raise RecipeError(f"{'.'.join(parts[: i + 1])}: not a section, cannot set {key}")
+            raise RecipeError(f"{show('.'.join(parts[: i + 1]))}: not a section, cannot set it")
         node = nxt
     node[parts[-1]] = value
 
 
+def _unshared(node: Any) -> Any:
+    """A copy of the sections and lists in which nothing is shared (deepcopy keeps aliases)."""
+    if isinstance(node, dict):
+        return {k: _unshared(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_unshared(v) for v in node]
+    return node
+
+
 def recipe_from_dict(raw: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    raw = dict(raw or {})
+    # a copy: overrides must not write into the caller's mapping, nor into every place that an
+    # alias shares a section with (the loader bounds the expanded size, so this stays small)
+    raw = _unshared(dict(raw or {}))
     for ov in overrides:
         _apply_override(raw, ov)
     recipe = _build(Recipe, raw, "")
@@ -299,16 +353,7 @@ def recipe_from_dict(raw: dict | None, overrides: list[str] | tuple[str, ...] = 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read and validate a recipe; every failure is a one-line :class:`RecipeError`."""
-    p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"{path}: recipe file not found")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise RecipeError(f"{path}: not valid YAML{where}: {problem}") from None
+    raw = read_yaml_file(path)
     if raw is not None and not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
     return recipe_from_dict(raw, overrides)

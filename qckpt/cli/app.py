@@ -21,7 +21,7 @@ app = typer.Typer(
         "and export FP8 safetensors that serving stacks load."
     ),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
     context_settings={"help_option_names": ["-h", "--help"]},

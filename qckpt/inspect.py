@@ -131,11 +131,23 @@ def inspect_hf_dir(path: Path) -> dict[str, Any]:
         out["quant_method"] = out.get("quant_method") or "modelopt"
         out["quant_algo"] = q.get("quant_algo")
     out["scales"] = sum(1 for k in entries if k.endswith(("_scale", "_scale_2")))
+    out["source_layout"] = _source_layout(path)
     if (path / "model.safetensors.index.json").is_file():
         out["index"] = True
     if shard_meta:
         out["shard_metadata"] = shard_meta
     return out
+
+
+def _source_layout(path: Path) -> dict[str, Any]:
+    """How qckpt reads the dir as a source: its layout and scales, or why it refuses it."""
+    from qckpt.checkpoint.hf_reader import hf_index
+    from qckpt.checkpoint.quantized_sources import source_layout
+
+    try:
+        return source_layout(path, hf_index(path)).summary()
+    except CheckpointError as exc:
+        return {"layout": "unknown", "refused": str(exc)}
 
 
 def inspect_path(path: str | Path) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,6 +47,9 @@ class SourceEntry:
     file: str = ""  # safetensors: the shard file
     begin: int = 0  # safetensors: absolute byte offset of the data
     end: int = 0
+    # a quantized source's weight: dequantized from these stored entries (quantized_sources)
+    quant: Any = None
+    parts: tuple[SourceEntry, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -116,7 +120,30 @@ def _safetensors_entries(root: Path) -> list[SourceEntry]:
                     name, dtype, tuple(info["shape"]), str(file), data_start + b, data_start + e
                 )
             )
-    return entries
+    return _logical_entries(root, entries)
+
+
+def _logical_entries(root: Path, entries: list[SourceEntry]) -> list[SourceEntry]:
+    """A quantized dir's entries as a BF16 dir would list them: each quantized weight under its
+    logical name (float32, dequantized when read) where its codes are; scales and activation
+    scales gone. A plain dir's entries as they are."""
+    from qckpt.checkpoint.quantized_sources import source_layout
+
+    by_name = {e.name: e for e in entries}
+    layout = source_layout(root, {e.name: (e.file, e.shape, e.dtype) for e in entries})
+    if not layout.quantized:
+        return entries
+    by_codes = {w.codes: w for w in layout.weights.values()}
+    claimed = {k for w in layout.weights.values() for k in (w.scale, w.global_scale) if k}
+    out: list[SourceEntry] = []
+    for e in entries:
+        w = by_codes.get(e.name)
+        if w is not None:
+            parts = tuple(by_name[k] for k in (w.codes, w.scale, w.global_scale) if k)
+            out.append(SourceEntry(w.name, torch.float32, w.shape, e.file, quant=w, parts=parts))
+        elif e.name not in claimed and e.name not in layout.hidden:
+            out.append(e)
+    return out
 
 
 def _dcp_entries(root: Path) -> list[SourceEntry]:
@@ -135,6 +162,9 @@ def _dcp_entries(root: Path) -> list[SourceEntry]:
     ]
     # sorted by where the data lives, so that the reads walk each file forward
     entries.sort(key=lambda e: first_chunk.get(e.name, ("", 0)))
+    from qckpt.checkpoint.quantized_sources import refuse_quantized_dcp
+
+    refuse_quantized_dcp({e.name: e.dtype for e in entries}, str(root))
     return entries
 
 
@@ -159,7 +189,17 @@ def hf_entries(entries: list[SourceEntry], model_type: str) -> list[HFEntry]:
 
 
 def read_entry(entry: SourceEntry, root: str | os.PathLike, fmt: str) -> torch.Tensor:
-    """Read one stored tensor into a fresh CPU tensor."""
+    """Read one stored tensor into a fresh CPU tensor (a quantized weight dequantized)."""
+    if entry.quant is not None:
+        from qckpt.checkpoint.quantized_sources import dequantize
+
+        stored = {p.name: read_entry(p, root, fmt) for p in entry.parts}
+
+        def fetch(key: str, rows: Any, cols: Any) -> torch.Tensor:
+            t = stored[key]
+            return t if rows is None else t[rows[0] : rows[1], cols[0] : cols[1]]
+
+        return dequantize(entry.quant, fetch, torch.float32)
     if fmt == "safetensors":
         buf = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
         with open(entry.file, "rb") as f:

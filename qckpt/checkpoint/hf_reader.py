@@ -33,6 +33,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from qckpt.checkpoint.quantized_sources import (
+    QuantWeight,
+    SafetensorsFetch,
+    SourceLayout,
+    dequantize_into,
+    source_layout,
+)
 from qckpt.errors import CheckpointError
 from qckpt.models import naming
 
@@ -49,6 +56,8 @@ class HFPiece:
     offsets: tuple[int, ...]  # where it sits in the state-dict tensor
     sizes: tuple[int, ...]  # its extent there (leading 1s for the axes it lacks)
     lead: int  # how many leading axes of ``sizes`` the stored tensor does not have
+    # a quantized source's weight: read as codes + scales and dequantized (quantized_sources)
+    quant: QuantWeight | None = None
 
 
 @dataclass
@@ -199,14 +208,28 @@ def hf_layout(
     model_type: str | None = None,
     expected: dict[str, torch.Size] | None = None,
 ) -> dict[str, HFEntry]:
+    """``hf_source``'s layout alone."""
+    return hf_source(path, model_type=model_type, expected=expected)[0]
+
+
+def hf_source(
+    path: str | os.PathLike,
+    *,
+    model_type: str | None = None,
+    expected: dict[str, torch.Size] | None = None,
+) -> tuple[dict[str, HFEntry], SourceLayout, dict[str, tuple[str, tuple[int, ...], torch.dtype]]]:
     """State-dict name -> where its data lie in the dir.
 
     With ``expected`` (the model's state-dict shapes), fused expert parameters are mapped from
     the per-expert names naming gives for those shapes; a missing per-expert tensor is a
     CheckpointError naming it. Without, fused parameters are inferred from complete per-expert
-    groups. Names used by no fused parameter pass through one to one.
+    groups. Names used by no fused parameter pass through one to one. A quantized dir (see
+    ``quantized_sources``) shows its weights under their logical names, shapes and the model's
+    dtype, each piece carrying how it is stored. Returns (layout, source layout, stored index).
     """
-    index = hf_index(path)
+    raw = hf_index(path)
+    source = source_layout(path, raw)
+    index = source.logical_index(raw) if source.quantized else raw
     if model_type is None:
         model_type = model_type_of_dir(path)
     if expected is not None:
@@ -234,7 +257,7 @@ def hf_layout(
                     f"{tuple(sizes[1:])} in the model"
                 )
             dtypes.add(dt)
-            pieces.append(HFPiece(f, hf_name, offs, sizes, 1))
+            pieces.append(HFPiece(f, hf_name, offs, sizes, 1, source.weights.get(hf_name)))
             used.add(hf_name)
         if len(dtypes) > 1:
             raise CheckpointError(
@@ -244,8 +267,9 @@ def hf_layout(
     for k, (f, shape, dt) in index.items():
         if k in used:
             continue
-        layout[k] = HFEntry(torch.Size(shape), dt, [HFPiece(f, k, (0,) * len(shape), shape, 0)])
-    return layout
+        piece = HFPiece(f, k, (0,) * len(shape), shape, 0, source.weights.get(k))
+        layout[k] = HFEntry(torch.Size(shape), dt, [piece])
+    return layout, source, raw
 
 
 class HFSafetensorsReader(StorageReader):
@@ -269,6 +293,11 @@ class HFSafetensorsReader(StorageReader):
         self.bytes_read = 0
         self._metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, HFPiece] = {}
+        self.source: SourceLayout | None = None  # the dir's layout (after read_metadata)
+        self.layout: dict[str, HFEntry] = {}
+        # every stored tensor (codes and scales of a quantized dir included): name -> (file,
+        # shape, dtype)
+        self.raw_index: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None and Path(checkpoint_id) != self.path:
@@ -278,7 +307,10 @@ class HFSafetensorsReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            layout = hf_layout(self.path, model_type=self.model_type, expected=self.expected)
+            layout, self.source, self.raw_index = hf_source(
+                self.path, model_type=self.model_type, expected=self.expected
+            )
+            self.layout = layout
             sd_md: dict[str, Any] = {}
             storage: dict[MetadataIndex, HFPiece] = {}
             for name, entry in layout.items():
@@ -309,11 +341,15 @@ class HFSafetensorsReader(StorageReader):
         from safetensors import safe_open
 
         handles: dict[str, Any] = {}
+        fetch = SafetensorsFetch(self.path, self.raw_index)
         try:
             for req in plan.items:
                 if req.type == LoadItemType.BYTE_IO:
                     raise CheckpointError(f"{req.dest_index.fqn}: safetensors hold no byte entries")
                 piece: HFPiece = self.storage_data[req.storage_index]
+                if piece.quant is not None:
+                    self._read_quantized(req, piece, planner, fetch)
+                    continue
                 h = handles.get(piece.file)
                 if h is None:
                     h = safe_open(str(self.path / piece.file), framework="pt", device="cpu")
@@ -340,9 +376,35 @@ class HFSafetensorsReader(StorageReader):
                 del t, target
         finally:
             handles.clear()
+            self.bytes_read += fetch.bytes_read
+            fetch.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    @staticmethod
+    def _read_quantized(
+        req: Any, piece: HFPiece, planner: LoadPlanner, fetch: SafetensorsFetch
+    ) -> None:
+        """Dequantize the item's rectangle of a quantized weight straight into the destination
+        (the planner's scratch, on its device), a row chunk at a time."""
+        assert piece.quant is not None
+        offs = req.storage_offsets[piece.lead :]
+        lens = req.lengths[piece.lead :]
+        if len(lens) != 2:
+            raise CheckpointError(f"{req.dest_index.fqn}: a quantized weight is read as 2-D")
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.size()) != tuple(req.lengths):
+            raise CheckpointError(
+                f"{req.dest_index.fqn}: read {tuple(req.lengths)} for a destination slice of "
+                f"{tuple(target.size())}"
+            )
+        # the stored tensor lacks the leading axes (each of length 1): index them away (a view)
+        out = target[(0,) * (target.dim() - 2)] if target.dim() > 2 else target
+        rows = (int(offs[0]), int(offs[0]) + int(lens[0]))
+        cols = (int(offs[1]), int(offs[1]) + int(lens[1]))
+        dequantize_into(out, piece.quant, fetch, rows, cols)
+        planner.commit_tensor(req, target)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -59,6 +59,10 @@ class LoadReport:
     read_items: int
     main_params: str | None = None
     main_params_bytes: int = 0
+    # a quantized source (quantized_sources): its layout, and the destinations that took its
+    # codes and scales as they are (same layout: no dequantize/quantize round trip)
+    source_layout: str = "plain"
+    copied_tensors: int = 0
     # (seconds since start, transient level in bytes, host RSS bytes) at every read item
     samples: list[tuple[float, int, int]] = field(default_factory=list)
     # the FP32 master copies when main_params="fp32" (not part of the JSON report)
@@ -239,6 +243,7 @@ def load_checkpoint(
     md = reader.read_metadata()
     state = _destinations(model, md)
     check_fit(state, md, path, shards)
+    copied = _copy_same_layout(state, reader, shards, progress) if main_params is None else set()
 
     group = getattr(mesh, "world_group", None)
     world = int(getattr(mesh, "world_size", 0) or 0)
@@ -266,7 +271,7 @@ def load_checkpoint(
             main_params=main_params == "fp32", meter=meter, progress=progress, shards=shards
         )
         try:
-            _dcp(state, reader, planner, group, no_dist)
+            _dcp(_without(state, copied), reader, planner, group, no_dist)
             left = planner.pending()
             if left["destinations"] or left["plain_items"]:
                 raise CheckpointError(f"checkpoint {path}: load incomplete ({left})")
@@ -276,7 +281,15 @@ def load_checkpoint(
             planner.reset()
     else:
         items, masters = _bulk_load(
-            state, md, reader, meter, progress, main_params, group, no_dist, shards
+            _without(state, copied),
+            md,
+            reader,
+            meter,
+            progress,
+            main_params,
+            group,
+            no_dist,
+            shards,
         )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -284,6 +297,7 @@ def load_checkpoint(
     meter.close_window()
     meter.sample()
     bytes_read = int(getattr(reader, "bytes_read", 0))
+    source = getattr(reader, "source", None)
     return LoadReport(
         path=str(path),
         format=fmt,
@@ -304,9 +318,48 @@ def load_checkpoint(
         read_items=int(items),
         main_params=main_params,
         main_params_bytes=sum(t.numel() * t.element_size() for t in masters.values()),
+        source_layout=source.describe() if source is not None else "plain",
+        copied_tensors=len(copied),
         samples=meter.samples,
         main_param_tensors=masters,
     )
+
+
+def _without(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k not in names} if names else state
+
+
+def _copy_same_layout(
+    state: dict[str, Any],
+    reader: Any,
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    progress: Callable[[int], Any] | None,
+) -> set[str]:
+    """Destinations of a quantized source's own layout get its codes and scales as they are
+    (``quantized_sources.copy_plan`` says where: same format, block size and scale dtype, the
+    local block cut on block boundaries); the rest are dequantized by the reader as usual."""
+    from qckpt.checkpoint.quantized_sources import SafetensorsFetch, copy_into, copy_plan
+    from qckpt.formats import is_quantized
+
+    source = getattr(reader, "source", None)
+    if source is None or not source.quantized:
+        return set()
+    fetch = SafetensorsFetch(reader.path, reader.raw_index)
+    done: set[str] = set()
+    for name, t in state.items():
+        entry = reader.layout.get(name)
+        if not is_quantized(t) or entry is None or len(entry.shape) != t.dim():
+            continue
+        lo = tuple(shards[name][1]) if name in shards else (0,) * t.dim()
+        hits = copy_plan(t, entry.pieces, lo)
+        if hits is not None:
+            copy_into(t, hits, lo, fetch)
+            done.add(name)
+            if progress is not None:
+                progress(1)
+    reader.bytes_read += fetch.bytes_read
+    fetch.close()
+    return done
 
 
 def _bulk_load(

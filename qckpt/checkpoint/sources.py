@@ -103,7 +103,9 @@ def open_reader(
     if fmt == "dcp":
         if not is_dcp_dir(path):
             raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata)")
-        return OrderedFileSystemReader(path)
+        reader = OrderedFileSystemReader(path)
+        _refuse_quantized_dcp(reader, path)
+        return reader
     safetensors_files(path)  # a clear error for a dir without any
     model_type = None
     if model is not None:
@@ -113,6 +115,20 @@ def open_reader(
         if expected is None:
             expected = {k: v.shape for k, v in model.state_dict(keep_vars=True).items()}
     return HFSafetensorsReader(path, model_type=model_type, expected=expected)
+
+
+def _refuse_quantized_dcp(reader: OrderedFileSystemReader, path: str | os.PathLike) -> None:
+    from qckpt.checkpoint.quantized_sources import refuse_quantized_dcp
+
+    md = reader.read_metadata()
+    refuse_quantized_dcp(
+        {
+            k: v.properties.dtype
+            for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        },
+        str(path),
+    )
 
 
 def checkpoint_names_shapes(

@@ -40,6 +40,14 @@ def convert_cmd(
             help="Model config for DCP -> HF when the DCP dir has no config.json (built-in name or HF dir).",
         ),
     ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype",
+            metavar="bfloat16|float32|float16",
+            help="Dtype of the weights a quantized HF dir is dequantized into (--to hf).",
+        ),
+    ] = "bfloat16",
     set_: SetOpt = None,
     nproc_per_node: NprocOpt = 1,
     verbose: VerboseOpt = False,
@@ -53,6 +61,8 @@ def convert_cmd(
         qckpt convert path/to/hf-model runs/model/dcp
 
         qckpt convert runs/tiny-moe/dcp runs/tiny-moe/hf --to hf
+
+        qckpt convert path/to/fp8-model runs/model/bf16 --to hf --dtype bfloat16
     """
     from qckpt.outputs import guard, recipe_inputs
 
@@ -75,6 +85,8 @@ def convert_cmd(
     to = to or ("hf" if kind == "dcp" else "dcp")
     if to not in ("dcp", "hf"):
         raise UsageError(f"--to: must be dcp or hf, got {to!r}")
+    if kind == to == "hf" and _quantized_hf(src):
+        return _dequantize_hf(src, dst, dtype)
     if kind == to:
         raise UsageError(f"{src}: is already a {to} checkpoint")
     if kind == "recipe":
@@ -149,6 +161,41 @@ def _begin_all(out: AtomicDir, mesh) -> Path:
     if box[0] is None:
         raise OutputError(f"DST: the main rank could not create a temp dir beside {out.target}")
     return Path(box[0])
+
+
+def _quantized_hf(src: Path) -> bool:
+    from qckpt.checkpoint.hf_reader import hf_index
+    from qckpt.checkpoint.quantized_sources import source_layout
+
+    if not src.is_dir():
+        return False
+    return source_layout(src, hf_index(src)).quantized
+
+
+def _dequantize_hf(src: Path, dst: Path, dtype: str) -> None:
+    """A quantized HF dir -> a plain HF dir of ``dtype``, streaming, written then renamed."""
+    from qckpt.checkpoint.dequantize_dir import DTYPES, dequantize_dir
+
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype: must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UsageError(f"{dst}: already exists; remove it or choose another destination")
+    quiet_torch_logs()
+    tmp = dst.with_name(f".{dst.name}.qckpt-partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        info = dequantize_dir(src, tmp, dtype=DTYPES[dtype])
+        if dst.exists():
+            dst.rmdir()
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _output.result(
+        f"wrote {dst} (hf, {dtype}): {info['dequantized']} of {info['tensors']} tensors "
+        f"dequantized from {info['layout']}"
+    )
 
 
 def _barrier(mesh) -> None:

@@ -1,0 +1,340 @@
+"""Quantized checkpoints as sources: each layout detected, read bit for bit as an independent
+dequantization gives it, copied as it is into params of its own layout, or refused in one line.
+
+Independent references: compressed-tensors' own decompressors for its dirs; for the others the
+formulas written out here from the layouts' documentation (DeepSeek-V3's ``weight_dequant``:
+``fp8.float() * scale_inv`` per block; ModelOpt: ``code * weight_scale``, E2M1 from a table
+times ``weight_scale * weight_scale_2``), each rounded once to BF16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qckpt.checkpoint.export_source import list_entries
+from qckpt.checkpoint.hf_reader import hf_index, hf_source
+from qckpt.checkpoint.load import load_checkpoint
+from qckpt.checkpoint.quantized_sources import source_layout
+from qckpt.errors import CheckpointError
+from qckpt.models.build import build_model
+from qckpt.models.naming import hf_tensors
+from qckpt.models.quantize_params import quantize_model_params
+from tests import quantized_fixtures as fx
+from tests.unit.test_export_helpers import make_calibration, quant_config, run_export
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+IGNORE = ["lm_head", "*.mlp.gate"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qsrc")
+    src = fx.bf16_dir(root)
+    out = {"bf16": src}
+    out["fp8-blockwise-32x32"] = fx.blockwise_fp8(src, root / "bw32", (32, 32))
+    out["fp8-blockwise-24x40"] = fx.blockwise_fp8(src, root / "bw24x40", (24, 40))
+    for kind in ("channel", "block", "nvfp4"):
+        out[f"ct-{kind}"] = fx.compressed_tensors(src, root / f"ct-{kind}", kind)
+    model = build_model("tiny-moe", dtype="bfloat16", seed=0)
+    for name, fmt, q in (
+        ("ours-ct-tensor", "compressed-tensors", quant_config("tensor", "static")),
+        ("ours-modelopt-fp8", "modelopt", quant_config("tensor", "static")),
+        ("ours-modelopt-nvfp4", "modelopt", quant_config(fmt="nvfp4")),
+    ):
+        q.ignore = list(IGNORE)
+        cal = make_calibration(model, q)
+        run_export(model, src, cal, root / name, q, fmt=fmt, source_dir=src)
+        out[name] = root / name
+    return out
+
+
+LAYOUTS = {
+    "fp8-blockwise-32x32": ("fp8-blockwise", "fp8 block [32, 32]"),
+    "fp8-blockwise-24x40": ("fp8-blockwise", "fp8 block [24, 40]"),
+    "ct-channel": ("compressed-tensors", "fp8 channel"),
+    "ct-block": ("compressed-tensors", "fp8 block [32, 32]"),
+    "ct-nvfp4": ("compressed-tensors", "nvfp4 e4m3 per 16 + global 1/scale"),
+    "ours-ct-tensor": ("compressed-tensors", "fp8 tensor"),
+    "ours-modelopt-fp8": ("modelopt", "FP8"),
+    "ours-modelopt-nvfp4": ("modelopt", "NVFP4"),
+}
+
+
+def stored(d: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(next(d.glob("*.safetensors"))), "pt") as h:
+        return {k: h.get_tensor(k) for k in h.keys()}
+
+
+def _blocks(s: torch.Tensor, shape: tuple[int, int], b0: int, b1: int) -> torch.Tensor:
+    return s.float().repeat_interleave(b0, 0)[: shape[0]].repeat_interleave(b1, 1)[:, : shape[1]]
+
+
+def _e2m1(packed: torch.Tensor) -> torch.Tensor:
+    lo, hi = packed & 0xF, packed >> 4
+    codes = torch.stack([lo, hi], -1).reshape(packed.shape[0], -1)
+    v = E2M1[(codes & 7).long()]
+    return torch.where(codes >= 8, -v, v)
+
+
+def _ct_reference(d: Path, kind: str) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own decompressor, module by module."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(**fx._ct_args(kind, (32, 32)))
+    )
+    comp = NVFP4PackedCompressor if kind == "nvfp4" else FloatQuantizationCompressor
+    t = stored(d)
+    out = {}
+    for k in t:
+        mod, _, leaf = k.rpartition(".")
+        if leaf in ("weight_packed", "weight") and f"{mod}.weight_scale" in t:
+            sd = {n.rpartition(".")[2]: v for n, v in t.items() if n.rpartition(".")[0] == mod}
+            out[f"{mod}.weight"] = comp.decompress(sd, scheme)["weight"].to(torch.bfloat16)
+    return out
+
+
+def reference(name: str, d: Path) -> dict[str, torch.Tensor]:
+    """Every quantized weight of the dir, dequantized independently of qckpt, in BF16."""
+    if name.startswith("ct-"):
+        return _ct_reference(d, name[3:])
+    t = stored(d)
+    out = {}
+    for k, v in t.items():
+        if name.startswith("fp8-blockwise") and f"{k}_scale_inv" in t:
+            b = json.loads((d / "config.json").read_text())["quantization_config"]
+            b0, b1 = b["weight_block_size"]
+            out[k] = (v.float() * _blocks(t[f"{k}_scale_inv"], v.shape, b0, b1)).bfloat16()
+        elif name.endswith("-fp8") or name == "ours-ct-tensor":
+            if v.dtype == torch.float8_e4m3fn:
+                out[k] = (v.float() * t[f"{k}_scale"].float()).bfloat16()
+        elif name.endswith("nvfp4") and v.dtype == torch.uint8:
+            s = t[f"{k}_scale"].float() * t[f"{k}_scale_2"].float()
+            out[k] = (_e2m1(v) * _blocks(s, (v.shape[0], v.shape[1] * 2), 1, 16)).bfloat16()
+    return out
+
+
+def loaded_hf(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    mt = model.config.model_type
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.dequantize(torch.bfloat16) if hasattr(v, "qdata") else v
+        out.update({n: t for n, t in hf_tensors(k, v, mt)})
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_detected_and_named_like_the_bf16_checkpoint(dirs, name):
+    layout = source_layout(dirs[name], hf_index(dirs[name]))
+    assert (layout.name, layout.detail) == LAYOUTS[name]
+    assert len(layout.weights) == 56  # 8 attention + 48 expert linears of 2 layers
+    want = {k: v[1] for k, v in hf_index(dirs["bf16"]).items()}
+    have = {k: v[1] for k, v in layout.logical_index(hf_index(dirs[name])).items()}
+    assert have == want  # no scale, no input_scale, names and shapes of the BF16 dir
+    # export's reader lists the same tensors
+    assert {e.name: e.shape for e in list_entries(dirs[name])[1]} == want
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_load_equals_independent_dequantization_bit_for_bit(dirs, name):
+    model = build_model("tiny-moe", dtype="bfloat16", seed=5)
+    rep = load_checkpoint(model, dirs[name])
+    assert rep.source_layout.startswith(LAYOUTS[name][0])
+    got, ref, bf16 = loaded_hf(model), reference(name, dirs[name]), stored(dirs["bf16"])
+    assert len(ref) == 56
+    for k, v in got.items():
+        want = ref.get(k, bf16.get(k))
+        assert same_bits(v, want), k
+        if k in ref:  # a dequantized weight, not codes read as values
+            err = (v.float() - bf16[k].float()).norm() / bf16[k].float().norm()
+            assert err < (0.2 if "nvfp4" in name else 0.06), (k, float(err))
+
+
+def _fields(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if hasattr(v, "qdata")}
+
+
+def test_blockwise_source_into_fp8_block_params_copies_codes_and_scales(dirs):
+    d = dirs["fp8-blockwise-32x32"]
+    model = build_model("tiny-moe", dtype="bfloat16", seed=5)
+    quantize_model_params(model, "fp8_block", ignore=IGNORE, block_size=(32, 32))
+    rep = load_checkpoint(model, d)
+    assert rep.copied_tensors == 12  # every quantized param: 8 attention + 4 fused experts
+    t = stored(d)
+    for k, q in _fields(model).items():
+        codes = dict(hf_tensors(k, q.qdata.view(torch.uint8), "qwen3_moe"))
+        for hf_name, c in codes.items():
+            assert torch.equal(c, t[hf_name].view(torch.uint8)), hf_name
+        if q.dim() == 2:
+            assert torch.equal(q.scale, t[f"{k}_scale_inv"]), k
+    ref = reference("fp8-blockwise-32x32", d)
+    assert all(same_bits(v, ref[k]) for k, v in loaded_hf(model).items() if k in ref)
+
+
+def test_partial_blocks_copy_where_the_blocks_line_up_and_requantize_elsewhere(dirs):
+    d = dirs["fp8-blockwise-24x40"]
+    model = build_model("tiny-moe", dtype="bfloat16", seed=5)
+    quantize_model_params(model, "fp8_block", ignore=IGNORE, block_size=(24, 40))
+    rep = load_checkpoint(model, d)
+    # fused gate_up [8, 64, 64]: up starts at row 32, inside a 24-row block -> requantized
+    assert rep.copied_tensors == 10
+    ref = reference("fp8-blockwise-24x40", d)
+    got = loaded_hf(model)
+    for k in ref:
+        if ".experts." in k and k.endswith(("gate_proj.weight", "up_proj.weight")):
+            err = (got[k].float() - ref[k].float()).norm() / ref[k].float().norm()
+            assert err < 0.06, k
+        else:
+            assert same_bits(got[k], ref[k]), k
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt", "copies"),
+    [
+        ("ours-modelopt-fp8", "fp8", 8),  # per-tensor: attention copies, fused experts cannot
+        ("ours-ct-tensor", "fp8", 8),  # (one scale per fused tensor, one per expert stored)
+        ("ct-channel", "fp8", 8),  # per-channel params of 2-D weights
+        ("ours-modelopt-nvfp4", "nvfp4", 8),
+        ("ct-nvfp4", "nvfp4", 0),  # its 1/global scale rounds differently: never copied
+    ],
+)
+def test_same_layout_params_take_the_stored_fields(dirs, name, fmt, copies):
+    gran = {"granularity": "channel"} if name == "ct-channel" else {}
+    model = build_model("tiny-moe", dtype="bfloat16", seed=5)
+    quantize_model_params(model, fmt, ignore=IGNORE, **gran)
+    rep = load_checkpoint(model, dirs[name])
+    assert rep.copied_tensors == copies
+    t = stored(dirs[name])
+    attn = {k: q for k, q in _fields(model).items() if ".self_attn." in k}
+    for k, q in attn.items():
+        if copies:
+            assert torch.equal(q.qdata.view(torch.uint8), t[k].view(torch.uint8)), k
+            assert torch.equal(q.scale.float().reshape(-1), t[f"{k}_scale"].float().reshape(-1))
+    ref = reference(name, dirs[name])
+    got = loaded_hf(model)
+    if copies:
+        assert all(same_bits(got[k], ref[k]) for k in ref if ".self_attn." in k)
+
+
+def test_fp8_export_given_as_checkpoint_reads_values_not_codes(dirs):
+    """Issue 13: codes were read as BF16 values (|w| max 448)."""
+    model = build_model("tiny-moe", dtype="bfloat16", seed=5)
+    load_checkpoint(model, dirs["ours-ct-tensor"])
+    w = model.model.layers[0].self_attn.q_proj.weight
+    ref = stored(dirs["bf16"])["model.layers.0.self_attn.q_proj.weight"]
+    assert float(w.abs().max()) == pytest.approx(float(ref.abs().max()), rel=0.07)
+    assert float(w.abs().max()) < 1.0
+
+
+def _write_like(src: Path, out: Path, tensors: dict, qc: dict | None, extra=None) -> Path:
+    shutil.copytree(src, out)
+    (out / "model.safetensors").unlink()
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    if qc is not None:
+        cfg["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(cfg))
+    for k, v in (extra or {}).items():
+        (out / k).write_text(json.dumps(v))
+    return out
+
+
+def test_unknown_quantized_layouts_are_refused_in_one_line(dirs, tmp_path):
+    bf16 = stored(dirs["bf16"])
+    cast = dict(bf16)
+    cast["model.layers.0.self_attn.q_proj.weight"] = bf16[
+        "model.layers.0.self_attn.q_proj.weight"
+    ].to(torch.float8_e4m3fn)
+    cases = {
+        "fp8 cast, no config": (cast, None, "unknown quantized layout: 1 float8 tensors"),
+        "int4 ct": (
+            bf16,
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}},
+            },
+            "compressed-tensors format 'pack-quantized' with 4-bit int weights",
+        ),
+        "awq": (bf16, {"quant_method": "awq"}, "quant_method 'awq': not a source layout"),
+        "fp8 without scale": (
+            cast,
+            {"quant_method": "fp8", "weight_block_size": [32, 32]},
+            "q_proj.weight is stored as torch.float8_e4m3fn but the fp8-blockwise",
+        ),
+    }
+    for i, (case, (tensors, qc, msg)) in enumerate(cases.items()):
+        d = _write_like(dirs["bf16"], tmp_path / f"bad{i}", tensors, qc)
+        model = build_model("tiny-moe", dtype="bfloat16", seed=5)
+        with pytest.raises(CheckpointError) as exc:
+            load_checkpoint(model, d)
+        text = str(exc.value)
+        assert msg in text and "\n" not in text and str(d) in text, (case, text)
+        with pytest.raises(CheckpointError):
+            list_entries(d)  # export's reader refuses it the same way
+
+
+def test_dcp_holding_fp8_codes_is_refused(dirs, tmp_path):
+    from qckpt.checkpoint.convert import save_model_dcp
+
+    sd = {k: v for k, v in stored(dirs["ours-modelopt-fp8"]).items() if "layers.0.self" in k}
+    save_model_dcp(sd, tmp_path / "dcp")
+    with pytest.raises(CheckpointError, match="unknown quantized layout.*DCP checkpoint"):
+        list_entries(tmp_path / "dcp")
+    from qckpt.checkpoint.sources import open_reader
+
+    with pytest.raises(CheckpointError, match="unknown quantized layout"):
+        open_reader(tmp_path / "dcp")
+
+
+@pytest.mark.parametrize("name", ["ct-block", "ct-nvfp4", "fp8-blockwise-24x40"])
+def test_dequantized_dir_equals_independent_dequantization(dirs, tmp_path, name):
+    from qckpt.checkpoint.dequantize_dir import dequantize_dir
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    info = dequantize_dir(dirs[name], out)
+    assert info["dequantized"] == 56
+    got, ref, bf16 = stored(out), reference(name, dirs[name]), stored(dirs["bf16"])
+    assert set(got) == set(bf16)
+    assert all(same_bits(got[k], ref.get(k, bf16[k])) for k in got)
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    # a plain dir again: qckpt reads it as BF16
+    assert hf_source(out)[1].name == "plain"
+
+
+def test_reexport_of_our_per_tensor_fp8_export_gives_identical_tensors(dirs, tmp_path):
+    src = dirs["ours-ct-tensor"]
+    q = quant_config("tensor", "static")
+    q.ignore = list(IGNORE)
+    original = build_model("tiny-moe", dtype="bfloat16", seed=0)
+    # weight amax from the dequantized source (the model loaded from the export)
+    model = build_model("tiny-moe", dtype="bfloat16", seed=5)
+    load_checkpoint(model, src)
+    cal = make_calibration(model, q)
+    cal.amax.update({k: v for k, v in make_calibration(original, q).amax.items() if "input" in k})
+    run_export(model, src, cal, tmp_path / "again", q, source_dir=src)
+    a, b = stored(src), stored(tmp_path / "again")
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+    assert math.isclose(
+        float(b["model.layers.0.self_attn.q_proj.weight_scale"].float()),
+        float(a["model.layers.0.self_attn.q_proj.weight_scale"].float()),
+    )

@@ -41,7 +41,9 @@ def compare_logits(
 ) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    quant = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=torch.bfloat16).eval()
+    quant = AutoModelForCausalLM.from_pretrained(
+        str(export_dir), dtype=torch.bfloat16, trust_remote_code=False
+    ).eval()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, reference.config.vocab_size, (num_seqs, seq_len), generator=g)
     a = reference(ids).logits[:, -1].float()

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from qckpt.errors import CalibrationError
+from qckpt.models.remote_code import refuse_custom_code
 from qckpt.recipe import DataConfig
 
 
@@ -79,10 +80,13 @@ def _tokenize(path: Path, vocab_size: int, model_source: str | None) -> torch.Te
             for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         )
     ):
+        refuse_custom_code(src)
         from transformers import AutoTokenizer
 
         try:
-            tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(
+                str(src), local_files_only=True, trust_remote_code=False
+            )
         except Exception as exc:  # transformers raises many kinds for a broken tokenizer dir
             raise CalibrationError(f"{src}: cannot load the tokenizer: {exc}") from None
         return torch.tensor(tok(text)["input_ids"], dtype=torch.long)

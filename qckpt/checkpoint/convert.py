@@ -145,7 +145,7 @@ def _check_fits(dcp_dir: str | os.PathLike, config: Any) -> None:
     from qckpt.models import naming
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     want = {
         n: tuple(t.shape)
         for k, v in model.state_dict().items()

@@ -136,7 +136,7 @@ def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[st
 
     cfg = _transformers_config(model_config, model_type)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
     linears: set[str] = set()
     routers: set[str] = set()
     for name, mod in model.named_modules():

@@ -11,6 +11,7 @@ import typer
 
 from qckpt.cli import _output
 from qckpt.cli._launch import relaunch
+from qckpt.models.remote_code import refuse_custom_code
 from qckpt.recipe import Recipe, load_recipe
 from qckpt.term import quiet_torch_logs
 
@@ -35,8 +36,15 @@ def start(
     recipe.parallel.check_world(_world_size())
     if guard is not None:
         guard(recipe)
+    refuse_code_in_sources(recipe)
     quiet_torch_logs()
     return recipe
+
+
+def refuse_code_in_sources(recipe: Recipe) -> None:
+    """A model dir that ships its own Python is refused here, before torch or transformers load."""
+    if Path(recipe.model.source).is_dir():
+        refuse_custom_code(recipe.model.source)
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import typer
 
 from qckpt.atomic import AtomicDir, terminate_as_interrupt, write_error
 from qckpt.cli import _output
-from qckpt.cli._common import quiet_torch_logs, start, world
+from qckpt.cli._common import quiet_torch_logs, refuse_code_in_sources, start, world
 from qckpt.cli._launch import relaunch
 from qckpt.cli._options import NprocOpt, SetOpt, VerboseOpt
 from qckpt.errors import OutputError, UsageError
@@ -216,4 +216,6 @@ def start_without_recipe(
     _output.set_verbose(verbose)
     quiet_torch_logs()
     raw = {"model": {"source": str(hf_dir)}} if hf_dir is not None else {}
-    return recipe_from_dict(raw, overrides or [])
+    recipe = recipe_from_dict(raw, overrides or [])
+    refuse_code_in_sources(recipe)
+    return recipe

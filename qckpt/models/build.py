@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from qckpt.errors import UsageError
+from qckpt.models.remote_code import refuse_custom_code
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -68,10 +69,11 @@ def load_config(source: str):
             f"model.source: {source!r} is neither a built-in model ({known}) "
             "nor a directory with a config.json"
         )
+    refuse_custom_code(path)
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises many kinds for a bad config
         raise UsageError(f"model.source: cannot read {path / 'config.json'}: {exc}") from None
 
@@ -84,15 +86,17 @@ def build_model(
     device: str | torch.device = "cpu",
 ) -> nn.Module:
     """A causal LM with seeded random weights (the same on every rank for the same seed)."""
+    cfg = load_config(source)  # first: it refuses a model dir with its own code
     from transformers import AutoModelForCausalLM
 
-    cfg = load_config(source)
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_config(
+                cfg, dtype=torch_dtype, trust_remote_code=False
+            )
     finally:
         torch.random.set_rng_state(gen_state)
     model.eval()

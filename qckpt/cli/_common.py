@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from qckpt.cli import _output
-from qckpt.cli._launch import relaunch
+from qckpt.cli._launch import relaunch, will_relaunch
 from qckpt.models.remote_code import refuse_custom_code
 from qckpt.recipe import Recipe, load_recipe
 from qckpt.term import quiet_torch_logs
@@ -28,15 +28,17 @@ def start(
     ``guard(recipe)`` checks the command's output paths against its inputs (``qckpt.outputs``);
     it runs before torch is imported, so a refused output costs no start-up time.
     """
-    code = relaunch(nproc)
-    if code is not None:
-        raise typer.Exit(code)
     _output.set_verbose(verbose)
+    # everything that can be checked is checked here, before any rank starts: a bad recipe is
+    # one line and exit 2, never a launcher's output
     recipe = load_recipe(recipe_path, overrides or [])
-    recipe.parallel.check_world(_world_size())
+    recipe.parallel.check_world(nproc if will_relaunch(nproc) else _world_size())
     if guard is not None:
         guard(recipe)
     refuse_code_in_sources(recipe)
+    code = relaunch(nproc)
+    if code is not None:
+        raise typer.Exit(code)
     quiet_torch_logs()
     return recipe
 

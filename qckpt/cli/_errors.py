@@ -20,6 +20,7 @@ try:  # recent Typer vendors its own copy of Click
 except ImportError:  # pragma: no cover - older Typer uses Click itself
     from click import exceptions as _click_exc
 
+from qckpt.cli._launch import rank_error
 from qckpt.errors import QckptError, UsageError
 
 
@@ -65,31 +66,35 @@ def unwrap_dcp(exc: BaseException) -> BaseException:
     return exc
 
 
+def _say(line: str, code: int) -> int:
+    """Print the one line; under ``--nproc-per-node`` a rank files it for the parent instead,
+    which prints only the first failing rank's (see :mod:`qckpt.cli._launch`)."""
+    if not rank_error(line, code) or debug():
+        print(line, file=sys.stderr)
+    return code
+
+
 def report(exc: BaseException) -> int:
     """Print the exception the way a user should see it; return the exit code."""
     if debug():
         traceback.print_exception(exc, file=sys.stderr)
     exc = unwrap_dcp(exc)
     if isinstance(exc, QckptError):
-        print(_prefix() + _one_line(str(exc)), file=sys.stderr)
-        return exc.exit_code
+        return _say(_prefix() + _one_line(str(exc)), exc.exit_code)
     if isinstance(exc, typer.Exit):
         return exc.exit_code
     if isinstance(exc, typer.Abort | KeyboardInterrupt | CommandInterrupted):
-        print("qckpt: interrupted", file=sys.stderr)
-        return 130
+        return _say("qckpt: interrupted", 130)
     if type(exc).__name__ == "NoArgsIsHelpError":  # help was already printed
         return 2
     if isinstance(exc, _click_exc.ClickException):
         # Click's usage errors name the bad option; keep its text but on one line.
-        print(_prefix() + _one_line(exc.format_message()), file=sys.stderr)
-        return 2 if isinstance(exc, _click_exc.UsageError) else exc.exit_code
+        code = 2 if isinstance(exc, _click_exc.UsageError) else exc.exit_code
+        return _say(_prefix() + _one_line(exc.format_message()), code)
     if isinstance(exc, FileNotFoundError):
-        print(_prefix() + _one_line(f"{exc.filename}: no such file or directory"), file=sys.stderr)
-        return 1
+        return _say(_prefix() + _one_line(f"{exc.filename}: no such file or directory"), 1)
     hint = "" if debug() else " (QCKPT_DEBUG=1 shows the traceback)"
-    print(_prefix() + _one_line(f"{type(exc).__name__}: {exc}") + hint, file=sys.stderr)
-    return 1
+    return _say(_prefix() + _one_line(f"{type(exc).__name__}: {exc}") + hint, 1)
 
 
 __all__ = ["UsageError", "report", "debug"]

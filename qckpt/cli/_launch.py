@@ -1,10 +1,28 @@
-"""``--nproc-per-node N``: relaunch the same command under ``torch.distributed.run``."""
+"""``--nproc-per-node N``: relaunch the same command under ``torch.distributed.run``.
+
+The caller validates everything it can first (the recipe, the world size, output paths, model
+sources), so a bad recipe is one line and exit 2 without starting a rank. Then the command runs
+under :mod:`qckpt.cli._torchrun` (torchrun with its own output silenced). Each rank that fails
+writes its one-line error and exit code to a file of its own in a temp dir
+(:func:`rank_error`) instead of printing it; the parent prints the first failure's line and
+exits with that rank's code. A rank that dies without a word (a signal, the OOM killer) is
+reported from the launcher's summary: its rank and exit code or signal.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
+
+RANK_ERRORS_ENV = "QCKPT_RANK_ERRORS"
+LAUNCHER_FILE = "launcher.json"
+_INTERRUPTED = (130, 143)  # a rank stopped by torchrun because another one failed first
 
 
 def under_torchrun() -> bool:
@@ -27,18 +45,91 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+def will_relaunch(nproc: int) -> bool:
+    return nproc > 1 and not under_torchrun()
+
+
 def relaunch(nproc: int) -> int | None:
     """Run this very command under torchrun with ``nproc`` ranks; None when nothing to do."""
-    if nproc <= 1 or under_torchrun():
+    if not will_relaunch(nproc):
         return None
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "qckpt",
-        *_strip_nproc(sys.argv[1:]),
-    ]
-    return subprocess.call(cmd)
+    with tempfile.TemporaryDirectory(prefix="qckpt-ranks-") as errors:
+        cmd = [
+            sys.executable,
+            "-m",
+            "qckpt.cli._torchrun",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "qckpt",
+            *_strip_nproc(sys.argv[1:]),
+        ]
+        code = _wait(subprocess.Popen(cmd, env={**os.environ, RANK_ERRORS_ENV: errors}))
+        if code == 0:
+            return 0
+        line, code = first_failure(Path(errors), code)
+        print(line, file=sys.stderr)
+        return code
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    """Wait for the launcher; on Ctrl-C or SIGTERM here, let it stop its ranks, then re-raise.
+
+    Killing it outright would orphan the ranks, so it gets SIGTERM (torchrun then terminates
+    the ranks, and kills them after its own grace period) and is waited for.
+    """
+    try:
+        return proc.wait()
+    except BaseException:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise
+
+
+def rank_error(line: str, code: int) -> bool:
+    """Under our launcher, file this rank's one-line error for the parent; False otherwise."""
+    d = os.environ.get(RANK_ERRORS_ENV)
+    if not d or not under_torchrun():
+        return False
+    rank = os.environ.get("RANK", "0")
+    try:
+        tmp = Path(d) / f".rank-{rank}.tmp"
+        tmp.write_text(json.dumps({"time": time.time(), "code": code, "line": line}))
+        os.replace(tmp, Path(d) / f"rank-{rank}.json")
+    except OSError:
+        return False
+    return True
+
+
+def first_failure(errors: Path, launcher_code: int) -> tuple[str, int]:
+    """The line and exit code to show for a failed run: the earliest rank error, preferring a
+    real failure over ranks that were only stopped because of it."""
+    found = []
+    for f in errors.glob("rank-*.json"):
+        try:
+            e = json.loads(f.read_text())
+            found.append((int(e["code"]) in _INTERRUPTED, float(e["time"]), e["line"], e["code"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if found:
+        _, _, line, code = min(found)
+        return str(line), int(code)
+    try:
+        failures = json.loads((errors / LAUNCHER_FILE).read_text())
+        rank, code = next(iter(failures.items()))
+    except (OSError, ValueError, StopIteration):
+        return f"qckpt: error: the ranks' launcher failed (exit code {launcher_code})", (
+            launcher_code or 1
+        )
+    code = int(code)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"qckpt: error (rank {rank}): killed by {name}", 128 - code
+    return f"qckpt: error (rank {rank}): exited with code {code} without a message", code

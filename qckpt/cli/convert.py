@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +12,7 @@ import typer
 from qckpt.atomic import AtomicDir, terminate_as_interrupt, write_error
 from qckpt.cli import _output
 from qckpt.cli._common import quiet_torch_logs, refuse_code_in_sources, start, world
-from qckpt.cli._launch import relaunch
+from qckpt.cli._launch import relaunch, will_relaunch
 from qckpt.cli._options import NprocOpt, SetOpt, VerboseOpt
 from qckpt.errors import OutputError, UsageError
 from qckpt.recipe import Recipe
@@ -210,12 +211,15 @@ def start_without_recipe(
 ):
     from qckpt.recipe import recipe_from_dict
 
+    _output.set_verbose(verbose)
+    raw = {"model": {"source": str(hf_dir)}} if hf_dir is not None else {}
+    recipe = recipe_from_dict(raw, overrides or [])  # validated before any rank starts
+    recipe.parallel.check_world(
+        nproc if will_relaunch(nproc) else int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    refuse_code_in_sources(recipe)
     code = relaunch(nproc)
     if code is not None:
         raise typer.Exit(code)
-    _output.set_verbose(verbose)
     quiet_torch_logs()
-    raw = {"model": {"source": str(hf_dir)}} if hf_dir is not None else {}
-    recipe = recipe_from_dict(raw, overrides or [])
-    refuse_code_in_sources(recipe)
     return recipe

@@ -1,0 +1,74 @@
+"""``--nproc-per-node N``: the recipe is checked before any rank starts, and a failed run shows
+the first failing rank's one line with its exit code, never torchrun's traceback."""
+
+import json
+
+import pytest
+import torch
+
+from qckpt.cli._launch import LAUNCHER_FILE, first_failure
+from tests.conftest import run_qckpt
+
+_TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "OMP_NUM_THREADS", "torch/distributed", "====")
+
+
+def _one_line(r) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert not any(n in r.stderr for n in _TORCHRUN_NOISE), r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("cmd", ["calibrate", "load"])
+def test_recipe_error_exits_2_before_any_rank_starts(tmp_path, cmd):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("parallel:\n  timeout_s: .nan\n")
+    r = run_qckpt(cmd, str(recipe), "--nproc-per-node", "2", timeout=120)
+    assert r.returncode == 2
+    line = _one_line(r)
+    assert (
+        line == "qckpt: error: parallel.timeout_s: expected a finite number (|x| <= 1e300), got nan"
+    )
+
+
+def test_world_size_is_checked_against_nproc_before_relaunch():
+    r = run_qckpt(
+        "calibrate", "configs/tiny-moe.yaml", "--nproc-per-node", "3", "--set", "parallel.ep=2"
+    )
+    assert r.returncode == 2
+    assert _one_line(r) == "qckpt: error: parallel.ep: must divide the world size 3"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_failing_ranks_show_one_line_and_the_ranks_exit_code(tmp_path):
+    # valid recipe, so the parent relaunches; every rank then fails with a usage error (exit 2)
+    r = run_qckpt(
+        "load",
+        "configs/tiny-dense.yaml",
+        "--nproc-per-node",
+        "2",
+        "--set",
+        "load.device=cuda",
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    line = _one_line(r)
+    assert line.startswith("qckpt: error (rank ")
+    assert line.endswith("load.device: cuda asked for but no CUDA device is available")
+
+
+def _rank(d, rank, t, code, line):
+    (d / f"rank-{rank}.json").write_text(json.dumps({"time": t, "code": code, "line": line}))
+
+
+def test_first_failure_is_the_earliest_real_one(tmp_path):
+    _rank(tmp_path, 0, 10.0, 130, "qckpt: interrupted")  # stopped by torchrun after rank 1 failed
+    _rank(tmp_path, 1, 12.0, 1, "qckpt: error (rank 1): boom")
+    _rank(tmp_path, 2, 13.0, 2, "qckpt: error (rank 2): later")
+    assert first_failure(tmp_path, 1) == ("qckpt: error (rank 1): boom", 1)
+
+
+def test_a_rank_that_dies_without_a_word_is_named_with_its_signal(tmp_path):
+    (tmp_path / LAUNCHER_FILE).write_text(json.dumps({"1": -9, "0": -15}))
+    assert first_failure(tmp_path, 1) == ("qckpt: error (rank 1): killed by SIGKILL", 137)
+    assert first_failure(tmp_path / "nothing", 1)[1] == 1

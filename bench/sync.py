@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qckpt.calib.quantizer import AmaxBank, TensorQuantizer  # noqa: E402
+from qckpt.calib.quantizer import AmaxStore, TensorQuantizer  # noqa: E402
 from qckpt.calib.sync import sync_amax  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def naive_sync(quantizers, group, device) -> int:
 
 def make_quantizers(n: int, channel: int, rank: int, device: torch.device):
     g = torch.Generator().manual_seed(1000 + rank)
-    bank = AmaxBank(device, capacity=n)  # as insert_quantizers makes them: one bank per device
+    store = AmaxStore(capacity=n)  # as insert_quantizers makes them: one store, a bank per device
     qs, init = [], []
     for i in range(n + channel):
         gran = "tensor" if i < n else "channel"
@@ -68,7 +68,7 @@ def make_quantizers(n: int, channel: int, rank: int, device: torch.device):
             shape=(64, 32),
             granularity=gran,
             device=device,
-            bank=bank if gran == "tensor" else None,
+            store=store,
         )
         # per-channel amaxes must be on every rank or none; per-tensor ones on ~3/4 of the ranks
         if gran == "channel" or (i + rank) % 4 != 0:

@@ -33,13 +33,11 @@ from qckpt.calib.instrument import (
     remove_quantizers,
 )
 from qckpt.calib.quantizer import TensorQuantizer
-from qckpt.calib.state_file import CalibrationState, model_fingerprint
+from qckpt.calib.state_file import CalibrationState, model_fingerprint, model_names_shapes
 from qckpt.calib.sync import sync_amax
-from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax
+from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax, linear_shards
 from qckpt.errors import SyncError
-from qckpt.models.naming import hf_tensors, is_fused_experts_param
 from qckpt.parallel.mesh import Mesh, group_device
-from qckpt.parallel.tensor import tp_sharded_linears
 from qckpt.recipe import QuantConfig
 
 _LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
@@ -62,7 +60,7 @@ def calibrate_model(
     )
     try:
         instr = instrumentation(model)
-        tp_mods = tp_sharded_linears(model)
+        tp_mods = linear_shards(model)
         # a block size that straddles TP shards: a config error, the same on every rank
         check_sharded_quantizers(quantizers.values(), tp_mods)
         device = _model_device(model)
@@ -157,39 +155,12 @@ def _layer_of(name: str) -> str:
 
 def _state(model: nn.Module, qs: list[TensorQuantizer], quant_cfg: QuantConfig) -> CalibrationState:
     mtype = getattr(getattr(model, "config", None), "model_type", "") or ""
-    # under EP a rank holds only its experts; the fingerprint is of the whole checkpoint
-    n_global = {
-        name: int(mod.qckpt_num_experts)
-        for name, mod in model.named_modules()
-        if getattr(mod, "qckpt_num_experts", None) is not None
-    }
-    # under TP a rank holds a block of each sharded linear's weight (and a column's bias)
-    tp_full = {}
-    for name, mod in tp_sharded_linears(model).items():
-        full = tuple(mod.qckpt_full_shape)
-        tp_full[f"{name}.weight"] = full
-        if mod.qckpt_tp_dim == 0 and getattr(mod, "bias", None) is not None:
-            tp_full[f"{name}.bias"] = full[:1]
-
-    def whole(name: str, t: torch.Tensor) -> torch.Tensor:
-        if name in tp_full:
-            return t.new_empty(()).expand(tp_full[name])
-        n = n_global.get(name.rpartition(".")[0])
-        if n is None or not is_fused_experts_param(name) or t.shape[0] == n:
-            return t
-        return t.new_empty(()).expand(n, *t.shape[1:])  # the global shape, no memory
-
-    names_shapes = (
-        (n, tuple(t.shape))
-        for name, tensor in model.state_dict().items()
-        for n, t in hf_tensors(name, whole(name, tensor), mtype)
-    )
     amax = {q.key: q.amax.detach().float().cpu() for q in qs if q.amax is not None}
     return CalibrationState(
         amax=amax,
         quantizers={q.key: q.describe() for q in qs},
         model_type=mtype,
-        model_fingerprint=model_fingerprint(names_shapes),
+        model_fingerprint=model_fingerprint(model_names_shapes(model)),
         quant=dataclasses.asdict(quant_cfg),
     )
 

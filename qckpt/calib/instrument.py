@@ -14,10 +14,10 @@
 Nothing is registered as a submodule, parameter or buffer, so ``state_dict`` and
 ``named_modules`` are unchanged and :func:`remove_quantizers` restores the model exactly.
 
-EP runtimes that keep only some experts on a rank set two attributes on the experts module:
-``qckpt_expert_ids`` (the global expert index of each local row of the fused weights) and
-``qckpt_num_experts`` (the global count). Quantizers are still made for every global expert, so
-that every rank lays out the sync buffers identically; those of remote experts are ``local=False``.
+Under expert parallelism a rank holds only some experts: the ``ShardSpec`` of the fused
+``gate_up_proj`` (:mod:`qckpt.parallel.shard`) gives their global ids and the global count.
+Quantizers are still made for every global expert, so that every rank lays out the sync buffers
+identically; those of remote experts are ``local=False``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from qckpt.calib.quantizer import AmaxBank, TensorQuantizer
-from qckpt.calib.shapes import SCALAR_GRANULARITIES, calib_granularity
+from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
+from qckpt.calib.shapes import calib_granularity
 from qckpt.errors import CalibrationError
 from qckpt.models.naming import expert_slices
+from qckpt.parallel.shard import shard_of
 from qckpt.recipe import QuantConfig
 
 _ATTR = "_qckpt_instrumentation"
@@ -90,24 +91,20 @@ def insert_quantizers(
     ignore = list(quant_cfg.ignore)
     mtype = _model_type(model)
     instr = Instrumentation(quantizers={}, weights=[], experts=[])
-    # one bank per device for every per-tensor amax: the sync then moves them as one tensor
-    banks: dict[torch.device, AmaxBank] = {}
+    # one store for every amax (one bank per device inside): the sync then moves the per-tensor
+    # ones as one tensor per device
+    store = AmaxStore(capacity=1024)
 
     def make(name: str, kind: str, shape, device, **kw) -> TensorQuantizer:
         cfg = wcfg if kind == "weight" else icfg
         gran = calib_granularity(cfg.format, cfg.granularity)
-        bank = None
-        if gran in SCALAR_GRANULARITIES:
-            bank = banks.get(torch.device(device))
-            if bank is None:
-                bank = banks[torch.device(device)] = AmaxBank(device, capacity=1024)
         q = TensorQuantizer(
             name,
             kind,
             shape=shape,
             granularity=gran,
             fmt=cfg.format,
-            bank=bank,
+            store=store,
             block_size=cfg.block_size,
             # a dynamic input is scaled per batch at run time: nothing to calibrate or sync
             enabled=not (kind == "input" and cfg.dynamic),
@@ -132,7 +129,7 @@ def insert_quantizers(
                 # rotary, which a per-tensor amax of k_proj's output bounds only approximately)
                 oq = TensorQuantizer(
                     name, "output", shape=(mod.out_features,), granularity="tensor",
-                    fmt="fp8", calib_dtype=calib_dtype, device=dev,
+                    fmt="fp8", calib_dtype=calib_dtype, device=dev, store=store,
                 )  # fmt: skip
                 instr.quantizers[oq.key] = oq
                 instr.hooks.append(mod.register_forward_hook(_output_hook(oq)))
@@ -169,12 +166,11 @@ def _instrument_experts(name, mod, mtype, make, instr: Instrumentation, share: b
         raise CalibrationError(f"{name}: interleaved gate/up experts are not supported")
     gu, dn = mod.gate_up_proj, mod.down_proj
     n_local = gu.shape[0]
-    local_ids = list(getattr(mod, "qckpt_expert_ids", range(n_local)))
-    n_global = int(getattr(mod, "qckpt_num_experts", n_local))
+    spec = shard_of(mod, "gate_up_proj")
+    local_ids = list(spec.indices) if spec is not None else list(range(n_local))
+    n_global = spec.total if spec is not None else n_local
     if len(local_ids) != n_local:
-        raise CalibrationError(
-            f"{name}: qckpt_expert_ids has {len(local_ids)} ids for {n_local} experts"
-        )
+        raise CalibrationError(f"{name}: its shard has {len(local_ids)} ids for {n_local} experts")
     row_of = {e: r for r, e in enumerate(local_ids)}
     info = ExpertsInfo(module_name=name, num_experts=n_global, local_ids=local_ids)
     info.tokens = [0] * n_global

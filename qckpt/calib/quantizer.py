@@ -31,9 +31,6 @@ DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 # "output": a linear's output, per tensor (k_proj/v_proj for the KV-cache scales)
 KINDS = ("weight", "input", "output")
-# bumped whenever a quantizer is enabled or disabled, so that the sync's cached buffer layout
-# is rebuilt without re-reading ``enabled`` on every quantizer at every sync
-CONFIG_VERSION = [0]
 
 
 class AmaxBank:
@@ -70,6 +67,59 @@ class AmaxBank:
         return torch.frombuffer(getattr(self, name), dtype=torch.uint8)
 
 
+class AmaxStore:
+    """The owner of a set of quantizers' amaxes, and of what a sync may cache about them.
+
+    It holds one :class:`AmaxBank` per device for the per-tensor amaxes, a list of the static
+    (per-channel / per-block) amaxes, and a ``version`` that every change of the layout bumps (a
+    quantizer enabled or disabled, a static amax reshaped by the TP gather). The sync caches its
+    packing plan here (:meth:`cached_plan` / :meth:`keep_plan`) and the plan is reused only while
+    the version of every store it covers is unchanged, so no code path can forget to invalidate it.
+    ``insert_quantizers`` makes one store per model; a quantizer made alone gets its own.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self.banks: dict[torch.device, AmaxBank] = {}
+        self.static: list[torch.Tensor | None] = []
+        self.static_shared: list[bool] = []
+        self.version = 0
+        self._plan: tuple | None = None  # (quantizers, [(store, version)], plan)
+
+    def scalar_slot(self, device: torch.device) -> tuple[AmaxBank, int]:
+        bank = self.banks.get(device)
+        if bank is None:
+            bank = self.banks[device] = AmaxBank(device, capacity=self.capacity)
+        return bank, bank.allocate()
+
+    def static_slot(self) -> int:
+        self.static.append(None)
+        self.static_shared.append(False)
+        return len(self.static) - 1
+
+    def set_static(self, i: int, value: torch.Tensor | None, shared: bool | None = False) -> None:
+        """Replace static amax ``i`` (a new tensor: the old one may be a view a caller holds);
+        ``shared=None`` keeps its "shared from the layer" flag."""
+        self.static[i] = value
+        if shared is not None:
+            self.static_shared[i] = bool(shared)
+
+    def changed(self) -> None:
+        """The layout changed: a cached plan covering this store is stale."""
+        self.version += 1
+
+    def cached_plan(self, quantizers: list):
+        c = self._plan
+        # list ==, not a tuple: it compares the pointers without touching 10^4 objects
+        if c is not None and c[0] == quantizers and all(s.version == v for s, v in c[1]):
+            return c[2]
+        return None
+
+    def keep_plan(self, quantizers: list, stores, plan) -> None:
+        # a copy of the list: the caller may change its own
+        self._plan = (list(quantizers), [(s, s.version) for s in stores], plan)
+
+
 class TensorQuantizer(nn.Module):
     """One quantizer of one tensor (a linear's weight or its input).
 
@@ -97,7 +147,7 @@ class TensorQuantizer(nn.Module):
         enabled: bool = True,
         calib_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        bank: AmaxBank | None = None,
+        store: AmaxStore | None = None,
         local: bool = True,
         share_group: str | None = None,
         expert_layer: str | None = None,
@@ -117,6 +167,7 @@ class TensorQuantizer(nn.Module):
         self.format = fmt
         self.axis = axis
         self.block_size = tuple(int(b) for b in block_size)
+        self.store = store if store is not None else AmaxStore(capacity=1)
         self.enabled = enabled
         self.calib_dtype = calib_dtype
         self.device = torch.device(device)
@@ -133,16 +184,14 @@ class TensorQuantizer(nn.Module):
         # plain attributes, not properties: the sync reads them for every quantizer
         self.is_scalar = granularity in SCALAR_GRANULARITIES
         self.amax_shape = self._amax_shape()
-        self._shared = False
-        self._amax: torch.Tensor | None = None  # per-channel / per-block only
-        self._bank: AmaxBank | None = None
-        self._slot = -1
+        # where the amax lives in the store: a bank slot (per tensor) or a static index
+        self.bank: AmaxBank | None = None
+        self.slot = -1
+        self.static_ix = -1
         if self.is_scalar:
-            bank = bank if bank is not None else AmaxBank(self.device, capacity=1)
-            if bank.device != self.device:
-                raise ValueError(f"{self.key}: bank on {bank.device}, quantizer on {self.device}")
-            self._bank = bank
-            self._slot = bank.allocate()
+            self.bank, self.slot = self.store.scalar_slot(self.device)
+        else:
+            self.static_ix = self.store.static_slot()
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -151,10 +200,10 @@ class TensorQuantizer(nn.Module):
 
     @property
     def amax(self) -> torch.Tensor | None:
-        b = self._bank
+        b = self.bank
         if b is None:
-            return self.__dict__["_amax"]
-        s = self._slot
+            return self.store.static[self.static_ix]
+        s = self.slot
         if not b.present[s]:
             return None
         # a copy, so that a later sync writing into the bank does not change it under the caller
@@ -168,12 +217,11 @@ class TensorQuantizer(nn.Module):
             )
         if value is not None and value.dtype not in DTYPE_CODE:
             raise ValueError(f"{self.key}: amax dtype {value.dtype} is not one of {DTYPES}")
-        b = self._bank
+        b = self.bank
         if b is None:
-            self.__dict__["_amax"] = value
-            self.__dict__["_shared"] = False
+            self.store.set_static(self.static_ix, value)
             return
-        s = self._slot
+        s = self.slot
         b.shared[s] = 0
         if value is None:
             b.present[s] = 0
@@ -185,16 +233,18 @@ class TensorQuantizer(nn.Module):
     @property
     def shared_from_layer(self) -> bool:
         """True when this routed expert saw no tokens and took its layer's input amax."""
-        b = self._bank
-        return bool(b.shared[self._slot]) if b is not None else self.__dict__["_shared"]
+        b = self.bank
+        if b is not None:
+            return bool(b.shared[self.slot])
+        return self.store.static_shared[self.static_ix]
 
     @shared_from_layer.setter
     def shared_from_layer(self, value: bool) -> None:
-        b = self._bank
+        b = self.bank
         if b is not None:
-            b.shared[self._slot] = 1 if value else 0
+            b.shared[self.slot] = 1 if value else 0
         else:
-            self.__dict__["_shared"] = bool(value)
+            self.store.static_shared[self.static_ix] = bool(value)
 
     @property
     def enabled(self) -> bool:
@@ -203,7 +253,7 @@ class TensorQuantizer(nn.Module):
     @enabled.setter
     def enabled(self, value: bool) -> None:
         self.__dict__["_enabled"] = bool(value)
-        CONFIG_VERSION[0] += 1
+        self.store.changed()
 
     @property
     def is_enabled(self) -> bool:
@@ -258,9 +308,9 @@ class TensorQuantizer(nn.Module):
                 f"{self.name}: non-finite {self.kind} during calibration (NaN or Inf in the "
                 f"{'weight' if self.kind == 'weight' else 'activations'}); amax would be meaningless"
             )
-        b = self._bank
+        b = self.bank
         if b is not None:
-            s = self._slot
+            s = self.slot
             a32 = a.to(device=b.device, dtype=torch.float32)  # exact: a is a calib_dtype value
             if b.present[s]:
                 b.values[s] = torch.maximum(b.values[s], a32)
@@ -270,9 +320,20 @@ class TensorQuantizer(nn.Module):
                 b.present[s] = 1
             return
         a = a.to(self.device)
-        cur = self.__dict__["_amax"]
+        cur = self.store.static[self.static_ix]
         # not in place: a synced amax may be a view into the sync's buffer
-        self.__dict__["_amax"] = a if cur is None else torch.maximum(cur, a.to(cur.dtype))
+        new = a if cur is None else torch.maximum(cur, a.to(cur.dtype))
+        self.store.set_static(self.static_ix, new, shared=None)
+
+    def make_whole(self, shape: Sequence[int], value: torch.Tensor | None) -> None:
+        """Become the quantizer of the whole tensor of ``shape`` (after the TP gather) with the
+        whole static amax ``value`` (None: keep none)."""
+        self.shape = tuple(int(s) for s in shape)
+        self.amax_shape = self._amax_shape()
+        self.store.set_static(self.static_ix, None)
+        if value is not None:
+            self.amax = value
+        self.store.changed()  # the sync's cached layout knew the local shapes
 
     def extra_repr(self) -> str:
         amax = self.amax

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
+from torch import nn
 
 from qckpt.atomic import write_bytes
 from qckpt.errors import CheckpointError
+from qckpt.models.naming import hf_tensors
+from qckpt.parallel.shard import model_shards
 
 FILE_VERSION = "1"
 
@@ -39,6 +42,19 @@ def model_fingerprint(names_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> st
     for name, shape in sorted((n, tuple(int(x) for x in s)) for n, s in names_shapes):
         h.update(f"{name}:{shape};".encode())
     return h.hexdigest()[:16]
+
+
+def model_names_shapes(model: nn.Module) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The checkpoint names and whole shapes of ``model``'s tensors, also on a rank that holds
+    only shards of some (EP experts, TP blocks: their :class:`ShardSpec` has the whole shape)."""
+    mtype = getattr(getattr(model, "config", None), "model_type", "") or ""
+    shards = model_shards(model)
+    for name, t in model.state_dict().items():
+        spec = shards.get(name)
+        if spec is not None:
+            t = t.new_empty(()).expand(spec.global_shape)  # the whole shape, no memory
+        for n, v in hf_tensors(name, t, mtype):
+            yield n, tuple(v.shape)
 
 
 @dataclass(kw_only=True)

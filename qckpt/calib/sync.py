@@ -47,7 +47,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from qckpt.calib import quantizer as _quantizer
 from qckpt.calib.quantizer import DTYPE_CODE, DTYPES, AmaxBank, TensorQuantizer
 from qckpt.errors import SyncError
 from qckpt.parallel.mesh import group_device
@@ -130,17 +129,22 @@ class _Plan:
 
 # Building a plan walks every quantizer a few times; a sync repeated on the same list (TP after DP,
 # a benchmark) reuses it. The routing attributes (granularity, share_group, expert_layer, local)
-# are fixed when a quantizer is made; changing ``enabled`` anywhere bumps CONFIG_VERSION.
-_LAST: list = [None]
-
-
+# are fixed when a quantizer is made; whatever changes the layout (``enabled``, a reshaped static
+# amax) bumps its AmaxStore's version, and the plan is cached by the first quantizer's store
+# together with the versions of every store it covers.
 def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
     qs = quantizers if isinstance(quantizers, list) else list(quantizers)
-    version = _quantizer.CONFIG_VERSION[0]
-    last = _LAST[0]
-    # list ==, not a tuple: it compares the pointers without touching 10^4 objects
-    if last is not None and last[1] == version and last[0] == qs:
-        return last[2]
+    owner = qs[0].store if qs else None
+    cached = owner.cached_plan(qs) if owner is not None else None
+    if cached is not None:
+        return cached
+    plan = _build_plan(qs)
+    if owner is not None:
+        owner.keep_plan(qs, {id(q.store): q.store for q in qs}.values(), plan)
+    return plan
+
+
+def _build_plan(qs: list[TensorQuantizer]) -> _Plan:
     enabled = [q.enabled for q in qs]
     on = [q for q, e in zip(qs, enabled, strict=True) if e]
     scal = [q for q in on if q.is_scalar]
@@ -166,17 +170,7 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
     sig = "\n".join(keys).encode()
     # 62 bits, so that its negation fits in int64 too (MAX of -h gives the minimum)
     h = ((zlib.crc32(sig) << 30) ^ zlib.adler32(sig) ^ len(order)) & ((1 << 62) - 1)
-    by_bank: dict[int, tuple[AmaxBank, list[int], list[int]]] = {}
-    for i, q in enumerate(scal):
-        entry = by_bank.setdefault(id(q._bank), (q._bank, [], []))
-        entry[1].append(q._slot)
-        entry[2].append(i)
-    banks = []
-    for bank, slots, pos in by_bank.values():
-        lo, hi = min(slots), max(slots) + 1
-        rel = _index([s - lo for s in slots])
-        banks.append(_BankPart(bank, _index(slots), _index(pos), slice(lo, hi), rel))
-    plan = _Plan(
+    return _Plan(
         order=order,
         keys=keys,
         ns=ns,
@@ -190,10 +184,22 @@ def _plan(quantizers: Iterable[TensorQuantizer]) -> _Plan:
         strict=[(layer, np.array(idx, dtype=np.int64)) for layer, idx in strict.items()],
         expected=np.array([q.local for q in rest], dtype=bool),
         static_shared=np.array([q.share_group is not None for q in rest], dtype=bool),
-        banks=banks,
+        banks=_bank_parts(scal),
     )
-    _LAST[0] = (list(qs), version, plan)  # a copy: the caller may change its list
-    return plan
+
+
+def _bank_parts(scal: list[TensorQuantizer]) -> list[_BankPart]:
+    by_bank: dict[int, tuple[AmaxBank, list[int], list[int]]] = {}
+    for i, q in enumerate(scal):
+        entry = by_bank.setdefault(id(q.bank), (q.bank, [], []))
+        entry[1].append(q.slot)
+        entry[2].append(i)
+    parts = []
+    for bank, slots, pos in by_bank.values():
+        lo, hi = min(slots), max(slots) + 1
+        rel = _index([s - lo for s in slots])
+        parts.append(_BankPart(bank, _index(slots), _index(pos), slice(lo, hi), rel))
+    return parts
 
 
 def _index(items: list[int]) -> _Index:
@@ -290,19 +296,52 @@ def sync_amax(
       group's. The buffers live on ``group_device(group)``; results on each quantizer's device.
     * ``local_error``: this rank failed before the sync (e.g. a forward raised); every rank raises.
     * ``group=None`` (a world of one): no collectives, the same rules applied locally.
+
+    Four phases: :func:`_pack` (local values into the wire buffer), :func:`_exchange` (the
+    collectives), :func:`_decide` (from reduced data only), :func:`_write_back`.
     """
     t0 = time.perf_counter()
     plan = _plan(quantizers)
-    order, ns, offsets = plan.order, plan.ns, plan.offsets
-    n, total = len(order), plan.offsets[-1]
-    nr = n - ns  # static quantizers
     world = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
-    res = SyncResult(what=what, world=world, quantizers=n)
+    res = SyncResult(what=what, world=world, quantizers=len(plan.order))
     dev = group_device(group)
-    pin = dev.type == "cuda"
+    packed = _pack(plan, dev.type == "cuda", local_error)
+    wire = _exchange(plan, packed, group, what, dev, res)
+    final, assigned, shared = _decide(plan, packed, group, what, dev, res)
+    _write_back(plan, packed, wire, final, assigned, shared)
+    keys = plan.keys
+    res.shared = [keys[i] for i in shared.tolist()]
+    unassigned = np.flatnonzero(~assigned).tolist()
+    res.uncalibrated = [keys[i] for i in unassigned]
+    res.calibrated = len(plan.order) - len(unassigned)
+    res.seconds = time.perf_counter() - t0
+    return res
 
-    # -- local values to the host: one copy per bank, one for all static amaxes ----------------
+
+@dataclass(eq=False)
+class _Packed:
+    """This rank's side of one sync, packed: one float32 host buffer, reduced with MAX:
+    ``[amax values | K - dtype code per quantizer (0: absent) | "lacks it" per static one]``."""
+
+    pin: bool  # the wire is a GPU: host buffers are pinned, copies queued
+    buf: torch.Tensor  # the host buffer
+    hb: np.ndarray  # a view of it
+    codes: np.ndarray  # per quantizer: dtype code, -1 absent here
+    have_local: np.ndarray  # codes >= 0
+    lacks: np.ndarray  # per static quantizer: this rank should hold it and does not
+    bank_vals: list  # per bank part: (host copy or None, array of its values)
+    local_error: str | None
+
+    @property
+    def total(self) -> int:
+        return len(self.hb) - len(self.codes) - len(self.lacks)
+
+
+def _pack(plan: _Plan, pin: bool, local_error: str | None) -> _Packed:
+    """Local values to the host (one copy per bank, one for all static amaxes), packed; no
+    communication yet. Presence travels in the same buffer as the values."""
+    order, ns, offsets = plan.order, plan.ns, plan.offsets
+    n, total = len(order), offsets[-1]
     fetch = _Fetch(pin)
     bank_vals = [
         (None, p.bank.values.numpy()[p.span])
@@ -310,22 +349,11 @@ def sync_amax(
         else fetch(p.bank.values[p.span])
         for p in plan.banks
     ]
-    rest = [q.__dict__["_amax"] for q in order[ns:]]
+    rest = [q.amax for q in order[ns:]]  # a static amax is the stored tensor itself, no copy
     here = [j for j, a in enumerate(rest) if a is not None]
-    flat = None  # the present static amaxes, flattened, as float32
-    if here:
-        parts = [rest[j].reshape(-1) for j in here]
-        parts = [p if p.dtype == torch.float32 else p.to(torch.float32) for p in parts]
-        if len({p.device for p in parts}) == 1:
-            flat = fetch(torch.cat(parts) if len(parts) > 1 else parts[0])[1]
-        else:  # amaxes on several devices: not worth a faster path
-            flat = torch.cat([p.cpu() for p in parts]).numpy()
+    flat = _static_flat([rest[j] for j in here], fetch)
     fetch.wait()
-
-    # -- local packing (no communication yet) ---------------------------------------------------
-    # one float32 buffer, reduced with MAX: [amax values | presence+dtype per quantizer | "lacks
-    # it" per static quantizer]. Presence travels in the same collective as the values.
-    buf, hb = _host_buffer(total + n + nr, np.dtype(np.float32), pin)
+    buf, hb = _host_buffer(total + n + (n - ns), np.dtype(np.float32), pin)
     vals = hb[:total]
     codes = np.full(n, -1, dtype=np.int64)
     for p, (_, bv) in zip(plan.banks, bank_vals, strict=True):
@@ -334,90 +362,112 @@ def sync_amax(
         bank_codes = np.frombuffer(p.bank.codes, dtype=np.uint8)[p.slots].astype(np.int64)
         codes[p.pos] = np.where(present, bank_codes, -1)
         vals[p.pos] = np.where(present, bv[p.rel], 0.0)
-    if flat is not None and len(here) == nr:  # the usual case (weights): all in one piece
-        vals[offsets[ns] :] = flat
-    elif nr:
-        vals[offsets[ns] :] = 0.0
-        if flat is not None:
-            at = 0
-            for j in here:
-                size = plan.sizes[j]
-                vals[offsets[ns + j] : offsets[ns + j + 1]] = flat[at : at + size]
-                at += size
+    _place_static(plan, vals, here, flat)
     if here:
         codes[ns:][here] = [DTYPE_CODE.get(rest[j].dtype, -2) for j in here]
-    if local_error is None and nr and bool((codes[ns:] == -2).any()):
-        local_error = "an amax dtype the sync cannot carry (float32/16, bfloat16 or float64 only)"
-    if local_error is None and total and not bool(np.isfinite(vals).all()):
-        at = np.flatnonzero(~np.isfinite(vals))
-        bad = np.unique(np.searchsorted(plan.offsets_np, at, side="right") - 1)
-        local_error = f"non-finite amax in {_names([order[i].key for i in bad.tolist()])}"
+    if local_error is None:
+        local_error = _local_fault(plan, codes, vals)
     have_local = codes >= 0
     # K - code: 0 for "not here"; under MAX, > 0 means "somebody has it", and the largest is the
     # most preferred dtype among those who have it (DTYPES is in order of preference)
     hb[total : total + n] = np.where(have_local, K - codes, 0)
-    lacks = plan.expected & ~have_local[ns:]  # static: this rank should have it but does not
+    lacks = plan.expected & ~have_local[ns:]
     hb[total + n :] = lacks
+    return _Packed(pin, buf, hb, codes, have_local, lacks, bank_vals, local_error)
 
-    # -- collectives ----------------------------------------------------------------------------
-    wire = buf
-    if group is not None:
-        h = plan.layout_hash
-        err = rank + 1 if local_error is not None else 0
-        header, hh = _host_buffer(5, np.dtype(np.int64), pin)
-        hh[:] = (err, h, -h, total, -total)
-        wire_header = header
-        if pin:  # both queued now; the buffer's copy overlaps the header's round trip
-            wire_header = header.to(dev, non_blocking=True)
-            wire = buf.to(dev, non_blocking=True)
-        _run(group, [(wire_header, dist.ReduceOp.MAX)], what)
-        res.collectives += 1
-        if pin:
-            header.copy_(wire_header)
-        err, hmax, hmin_neg, tmax, tmin_neg = hh.tolist()
-        if err:
-            if local_error is not None:
-                raise SyncError(f"amax sync over the {what} group: this rank failed: {local_error}")
-            raise SyncError(
-                f"amax sync over the {what} group: rank {err - 1} of {world} failed before the "
-                "sync (see its log); giving up on every rank"
-            )
-        if hmax != -hmin_neg or tmax != -tmin_neg:
-            raise SyncError(
-                f"amax sync over the {what} group: ranks disagree on the quantizers to sync "
-                "(different models or recipes on different ranks)"
-            )
-        _run(group, [(wire, dist.ReduceOp.MAX)], what)
-        res.collectives += 1
-        if pin:
-            buf.copy_(wire)
-        res.bytes = header.numel() * 8 + buf.numel() * 4
-    elif local_error is not None:
-        raise SyncError(f"calibration failed: {local_error}")
 
-    # -- decisions, identical on every rank because they read only reduced data -----------------
+def _static_flat(present: list[torch.Tensor], fetch: _Fetch) -> np.ndarray | None:
+    """The present static amaxes, flattened, as float32 on the host (valid after the wait)."""
+    if not present:
+        return None
+    parts = [a.reshape(-1) for a in present]
+    parts = [p if p.dtype == torch.float32 else p.to(torch.float32) for p in parts]
+    if len({p.device for p in parts}) == 1:
+        return fetch(torch.cat(parts) if len(parts) > 1 else parts[0])[1]
+    return torch.cat([p.cpu() for p in parts]).numpy()  # several devices: no faster path
+
+
+def _place_static(plan: _Plan, vals: np.ndarray, here: list[int], flat) -> None:
+    ns, offsets = plan.ns, plan.offsets
+    nr = len(plan.order) - ns
+    if flat is not None and len(here) == nr:  # the usual case (weights): all in one piece
+        vals[offsets[ns] :] = flat
+    elif nr:
+        vals[offsets[ns] :] = 0.0
+        at = 0
+        for j in here:
+            size = plan.sizes[j]
+            vals[offsets[ns + j] : offsets[ns + j + 1]] = flat[at : at + size]
+            at += size
+
+
+def _local_fault(plan: _Plan, codes: np.ndarray, vals: np.ndarray) -> str | None:
+    """What makes this rank's values unfit to send, found before any collective."""
+    if len(plan.order) > plan.ns and bool((codes[plan.ns :] == -2).any()):
+        return "an amax dtype the sync cannot carry (float32/16, bfloat16 or float64 only)"
+    if len(vals) and not bool(np.isfinite(vals).all()):
+        at = np.flatnonzero(~np.isfinite(vals))
+        bad = np.unique(np.searchsorted(plan.offsets_np, at, side="right") - 1)
+        return f"non-finite amax in {_names([plan.order[i].key for i in bad.tolist()])}"
+    return None
+
+
+def _exchange(
+    plan: _Plan, packed: _Packed, group, what: str, dev: torch.device, res: SyncResult
+) -> torch.Tensor:
+    """The header (any rank failed? same layout?) and then the buffer, each a MAX; afterwards
+    the host buffer holds the reduced values. Returns the buffer on the wire's device."""
+    buf, wire, pin, local_error = packed.buf, packed.buf, packed.pin, packed.local_error
+    if group is None:
+        if local_error is not None:
+            raise SyncError(f"calibration failed: {local_error}")
+        return wire
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    h, total = plan.layout_hash, packed.total
+    header, hh = _host_buffer(5, np.dtype(np.int64), pin)
+    hh[:] = (rank + 1 if local_error is not None else 0, h, -h, total, -total)
+    wire_header = header
+    if pin:  # both queued now; the buffer's copy overlaps the header's round trip
+        wire_header = header.to(dev, non_blocking=True)
+        wire = buf.to(dev, non_blocking=True)
+    _run(group, [(wire_header, dist.ReduceOp.MAX)], what)
+    res.collectives += 1
+    if pin:
+        header.copy_(wire_header)
+    err, hmax, hmin_neg, tmax, tmin_neg = hh.tolist()
+    if err:
+        if local_error is not None:
+            raise SyncError(f"amax sync over the {what} group: this rank failed: {local_error}")
+        raise SyncError(
+            f"amax sync over the {what} group: rank {err - 1} of {world} failed before the "
+            "sync (see its log); giving up on every rank"
+        )
+    if hmax != -hmin_neg or tmax != -tmin_neg:
+        raise SyncError(
+            f"amax sync over the {what} group: ranks disagree on the quantizers to sync "
+            "(different models or recipes on different ranks)"
+        )
+    _run(group, [(wire, dist.ReduceOp.MAX)], what)
+    res.collectives += 1
+    if pin:
+        buf.copy_(wire)
+    res.bytes = header.numel() * 8 + buf.numel() * 4
+    return wire
+
+
+def _decide(
+    plan: _Plan, packed: _Packed, group, what: str, dev: torch.device, res: SyncResult
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Who gets which value, identical on every rank because it reads only reduced data:
+    (dtype code per quantizer, assigned mask, the shared ones in group order)."""
+    order, ns, n = plan.order, plan.ns, len(plan.order)
+    total, hb = packed.total, packed.hb
     best = hb[total : total + n].astype(np.int64)
     have = best > 0
-    if nr:
+    if n > ns:
         some = np.flatnonzero(have[ns:] & (hb[total + n :] > 0) & ~plan.static_shared).tolist()
         if some:
-            # every rank is here (the condition reads reduced data only): count who lacked what
-            counts = torch.from_numpy(np.stack([lacks, plan.expected])[:, some].astype(np.int32))
-            if group is not None:
-                counts = counts.to(dev)
-                _run(group, [(counts, dist.ReduceOp.SUM)], what)
-                res.collectives += 1
-            lacked, expected = counts.cpu().tolist()
-            items = [
-                f"{order[ns + j].key} ({order[ns + j].granularity}: "
-                f"{lacked[k]} of {expected[k]} ranks lacked it)"
-                for k, j in enumerate(some)
-            ]
-            raise SyncError(
-                f"amax sync over the {what} group: static amax calibrated on only some ranks: "
-                f"{_names(items)}; every rank must calibrate a per-channel/per-block quantizer, "
-                "or none"
-            )
+            _raise_static_partial(plan, packed, some, group, what, dev, res)
     parts_msg = []
     for layer, idx in plan.strict:
         cold_idx = idx[~have[idx]].tolist()
@@ -430,19 +480,53 @@ def sync_amax(
             f"the {what} group: {'; '.join(parts_msg)} (more calibration data, or let them share "
             "the layer's input amax: calibrate.share_expert_inputs: true)"
         )
-
     # the dtype a rank without the amax adopts: the first in DTYPES among the ranks that have it
-    final = np.where(have_local, codes, np.minimum(K - best, K - 1))
+    final = np.where(packed.have_local, packed.codes, np.minimum(K - best, K - 1))
     assigned = have.copy()
-    shared = _share(plan, have, vals, final, assigned)
-    shared_mask = np.zeros(n, dtype=bool)
-    shared_mask[shared] = True
+    shared = _share(plan, have, hb[:total], final, assigned)
+    return final, assigned, shared
 
-    # -- write back -------------------------------------------------------------------------------
+
+def _raise_static_partial(plan, packed, some, group, what, dev, res) -> None:
+    """A static amax some ranks hold and others lack: every rank is here (the condition reads
+    reduced data only); one more SUM counts who lacked what, for the message."""
+    order, ns = plan.order, plan.ns
+    counts = torch.from_numpy(np.stack([packed.lacks, plan.expected])[:, some].astype(np.int32))
+    if group is not None:
+        counts = counts.to(dev)
+        _run(group, [(counts, dist.ReduceOp.SUM)], what)
+        res.collectives += 1
+    lacked, expected = counts.cpu().tolist()
+    items = [
+        f"{order[ns + j].key} ({order[ns + j].granularity}: "
+        f"{lacked[k]} of {expected[k]} ranks lacked it)"
+        for k, j in enumerate(some)
+    ]
+    raise SyncError(
+        f"amax sync over the {what} group: static amax calibrated on only some ranks: "
+        f"{_names(items)}; every rank must calibrate a per-channel/per-block quantizer, "
+        "or none"
+    )
+
+
+def _write_back(
+    plan: _Plan,
+    packed: _Packed,
+    wire: torch.Tensor,
+    final: np.ndarray,
+    assigned: np.ndarray,
+    shared: np.ndarray,
+) -> None:
+    """The decisions into the banks (flags on the host, values by one queued copy each) and
+    into the stores' static amaxes (views of this sync's own buffer, nobody else writes it)."""
+    ns, offsets, total = plan.ns, plan.offsets, packed.total
+    buf, vals = packed.buf, packed.hb[:total]
+    shared_mask = np.zeros(len(plan.order), dtype=bool)
+    shared_mask[shared] = True
     if wire is not buf and shared.size:
         # shared values were set on the host: the device buffer feeds the banks and static amaxes
         wire[:total].copy_(buf[:total], non_blocking=True)
-    for p, (host, bv) in zip(plan.banks, bank_vals, strict=True):
+    for p, (host, bv) in zip(plan.banks, packed.bank_vals, strict=True):
         bank = p.bank
         np.frombuffer(bank.present, dtype=np.uint8)[p.slots] = assigned[p.pos]
         np.frombuffer(bank.codes, dtype=np.uint8)[p.slots] = np.maximum(final[p.pos], 0)
@@ -453,25 +537,16 @@ def sync_amax(
         else:  # into the bank (on the host) or its host copy, which then goes back in one copy
             bv[p.rel] = vals[p.pos]
             if host is not None:
-                target[p.span].copy_(host, non_blocking=pin)
-    if nr:
-        final_l = final[ns:].tolist()
-        assigned_l = assigned[ns:].tolist()
-        shared_l = shared_mask[ns:].tolist()
-        # one split into views of this sync's own buffer (nobody else writes it, so no copies)
-        chunks = torch.split(wire[offsets[ns] : total], plan.sizes)
-        for j, (q, v) in enumerate(zip(order[ns:], chunks, strict=True)):
-            if assigned_l[j]:
-                d = q.__dict__
-                d["_amax"] = v.view(q.amax_shape).to(device=q.device, dtype=DTYPES[final_l[j]])
-                d["_shared"] = shared_l[j]
-    keys = plan.keys
-    res.shared = [keys[i] for i in shared.tolist()]
-    unassigned = np.flatnonzero(~assigned).tolist()
-    res.uncalibrated = [keys[i] for i in unassigned]
-    res.calibrated = n - len(unassigned)
-    res.seconds = time.perf_counter() - t0
-    return res
+                target[p.span].copy_(host, non_blocking=packed.pin)
+    if len(plan.order) == ns:
+        return
+    final_l, assigned_l = final[ns:].tolist(), assigned[ns:].tolist()
+    shared_l = shared_mask[ns:].tolist()
+    chunks = torch.split(wire[offsets[ns] : total], plan.sizes)
+    for j, (q, v) in enumerate(zip(plan.order[ns:], chunks, strict=True)):
+        if assigned_l[j]:
+            value = v.view(q.amax_shape).to(device=q.device, dtype=DTYPES[final_l[j]])
+            q.store.set_static(q.static_ix, value, shared_l[j])
 
 
 def _share(

@@ -14,15 +14,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qckpt.calib import quantizer as _quantizer
 from qckpt.calib.shapes import amax_shape, weight_block
 from qckpt.errors import SyncError, UsageError
 from qckpt.parallel.mesh import group_device
+from qckpt.parallel.shard import ShardSpec, model_shards
 
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _tp_action(q, mod: nn.Module) -> tuple[str, int]:
+def linear_shards(model: nn.Module) -> dict[str, ShardSpec]:
+    """The weight specs of the TP-sharded linears, by module name."""
+    return {
+        name.removesuffix(".weight"): spec
+        for name, spec in model_shards(model, "tp").items()
+        if name.endswith(".weight")
+    }
+
+
+def _tp_action(q, spec: ShardSpec) -> tuple[str, int]:
     """How one static amax of a sharded linear becomes the whole tensor's: (op, axis).
 
     ``("cat", axis)``: each rank holds a slice along ``axis`` of the amax; ``("max", 0)``: each
@@ -30,9 +39,7 @@ def _tp_action(q, mod: nn.Module) -> tuple[str, int]:
     rank (a column-parallel linear's input, replicated). Raises UsageError when blocks would
     straddle shards (the block size does not divide the shard).
     """
-    dim, tp = int(mod.qckpt_tp_dim), int(mod.qckpt_tp_size)
-    full = tuple(mod.qckpt_full_shape)
-    local = full[dim] // tp
+    dim, tp, local = spec.dim, spec.world, spec.local
     if q.kind == "weight":
         if q.granularity == "channel":
             return ("cat", 0) if (q.axis % 2) == dim else ("max", 0)
@@ -56,30 +63,30 @@ def _tp_action(q, mod: nn.Module) -> tuple[str, int]:
     return ("cat", 0)
 
 
-def _full_shapes(q, mod: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _full_shapes(q, spec: ShardSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The observed tensor's whole shape and the whole amax shape, as on one process."""
-    full = tuple(int(s) for s in mod.qckpt_full_shape)
+    full = spec.global_shape
     shape = full if q.kind == "weight" else (full[1],)
     return shape, amax_shape(q.granularity, q.kind, shape, q.block_size, q.axis)
 
 
-def check_sharded_quantizers(quantizers, modules: dict[str, nn.Module]) -> list:
+def check_sharded_quantizers(quantizers, shards: dict[str, ShardSpec]) -> list:
     """The enabled static quantizers of TP-sharded linears; UsageError if one cannot be gathered.
 
     Call before calibrating: the check reads only the config, so every rank fails alike.
     """
     out = []
     for q in quantizers:
-        mod = modules.get(q.name)
-        if mod is None or q.is_scalar or not q.enabled or q.kind == "output":
+        spec = shards.get(q.name)
+        if spec is None or q.is_scalar or not q.enabled or q.kind == "output":
             continue
-        _tp_action(q, mod)
+        _tp_action(q, spec)
         out.append(q)
     return out
 
 
 def gather_sharded_amax(
-    quantizers, modules: dict[str, nn.Module], group: dist.ProcessGroup | None
+    quantizers, shards: dict[str, ShardSpec], group: dist.ProcessGroup | None
 ) -> int:
     """Whole-tensor per-channel / per-block amaxes of TP-sharded linears; collectives issued.
 
@@ -89,7 +96,7 @@ def gather_sharded_amax(
     static amax some TP ranks hold and others lack raises SyncError on every rank (the decision
     reads gathered data only); one nobody holds stays None, with the whole shape.
     """
-    qs = check_sharded_quantizers(quantizers, modules)
+    qs = check_sharded_quantizers(quantizers, shards)
     if not qs:
         return 0
     world = 1 if group is None else dist.get_world_size(group)
@@ -99,7 +106,7 @@ def gather_sharded_amax(
     local = torch.zeros(total + len(qs), dtype=torch.float32, device=dev)
     off = 0
     for i, (q, n) in enumerate(zip(qs, sizes, strict=True)):
-        a = q.__dict__["_amax"]
+        a = q.amax
         if a is not None:
             local[off : off + n] = a.reshape(-1).to(dev, torch.float32)
             local[total + i] = 1.0
@@ -128,10 +135,10 @@ def gather_sharded_amax(
         )
     off = 0
     for i, (q, n) in enumerate(zip(qs, sizes, strict=True)):
-        mod = modules[q.name]
-        op, axis = _tp_action(q, mod)
-        shape, amax_shape = _full_shapes(q, mod)
-        had = q.__dict__["_amax"]
+        spec = shards[q.name]
+        op, axis = _tp_action(q, spec)
+        shape, whole_shape = _full_shapes(q, spec)
+        had = q.amax
         parts = [allv[r, off : off + n].view(q.amax_shape) for r in range(world)]
         off += n
         if op == "cat":
@@ -140,15 +147,13 @@ def gather_sharded_amax(
             whole = torch.stack(parts).amax(dim=0)
         else:
             whole = parts[0]
-        q.shape = shape
-        q.amax_shape = amax_shape
+        value = None
         if bool(present[0, i]):
-            if tuple(whole.shape) != amax_shape:
+            if tuple(whole.shape) != whole_shape:
                 raise SyncError(
-                    f"{q.key}: gathered amax of shape {tuple(whole.shape)}, expected {amax_shape}"
+                    f"{q.key}: gathered amax of shape {tuple(whole.shape)}, expected {whole_shape}"
                 )
             dt = had.dtype if had is not None else torch.float32
-            q.__dict__["_amax"] = whole.to(device=q.device, dtype=dt)
-    # the sync's cached buffer layout knew the local shapes
-    _quantizer.CONFIG_VERSION[0] += 1
+            value = whole.to(device=q.device, dtype=dt)
+        q.make_whole(shape, value)
     return collectives

@@ -34,6 +34,7 @@ from qckpt.checkpoint.planner import (
 )
 from qckpt.checkpoint.sources import _resolve_format, open_reader
 from qckpt.errors import CheckpointError, QckptError, UsageError
+from qckpt.parallel.shard import model_shards
 
 
 @dataclass
@@ -105,21 +106,7 @@ def expert_shards(
     param name -> (global shape, offsets of this rank's experts)."""
     if not isinstance(model, nn.Module):
         return {}
-    out: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for name, mod in model.named_modules():
-        ids = getattr(mod, "qckpt_expert_ids", None)
-        n_global = getattr(mod, "qckpt_num_experts", None)
-        if not ids or n_global is None:
-            continue
-        start = int(ids[0])
-        if list(ids) != list(range(start, start + len(ids))):
-            raise CheckpointError(f"{name}: its local experts {list(ids)} are not one block")
-        for attr in ("gate_up_proj", "down_proj"):
-            p = getattr(mod, attr, None)
-            if isinstance(p, torch.Tensor) and p.dim() == 3 and p.shape[0] == len(ids):
-                full = f"{name}.{attr}" if name else attr
-                out[full] = ((int(n_global), *map(int, p.shape[1:])), (start, 0, 0))
-    return out
+    return {n: (s.global_shape, s.offsets) for n, s in model_shards(model, "expert").items()}
 
 
 def tensor_shards(
@@ -130,18 +117,7 @@ def tensor_shards(
     (row-parallel)). A row-parallel bias is whole on every rank and not listed."""
     if not isinstance(model, nn.Module):
         return {}
-    out: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for name, mod in model.named_modules():
-        dim = getattr(mod, "qckpt_tp_dim", None)
-        if dim is None:
-            continue
-        full = tuple(int(s) for s in mod.qckpt_full_shape)
-        start = int(mod.qckpt_tp_rank) * (full[dim] // int(mod.qckpt_tp_size))
-        pre = f"{name}." if name else ""
-        out[f"{pre}weight"] = (full, (start, 0) if dim == 0 else (0, start))
-        if dim == 0 and getattr(mod, "bias", None) is not None:
-            out[f"{pre}bias"] = (full[:1], (start,))
-    return out
+    return {n: (s.global_shape, s.offsets) for n, s in model_shards(model, "tp").items()}
 
 
 def _loadable(src: torch.dtype, dst: torch.dtype) -> bool:

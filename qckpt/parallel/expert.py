@@ -2,7 +2,9 @@
 
 ``shard_experts(model, mesh)`` keeps experts ``[ep_rank * n, (ep_rank + 1) * n)`` of every fused
 experts module (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) and drops the rest. The
-router and the dense parts stay replicated; each EP rank runs its own tokens through them.
+router and the dense parts stay replicated; each EP rank runs its own tokens through them. Both
+fused parameters get a :class:`qckpt.parallel.shard.ShardSpec` (kind ``expert``, dim 0: this
+rank's experts of the global count), which the loader and the calibrator read.
 
 Dispatch and combine go through a forward pre-hook and a forward hook on the experts module, so
 whatever ``forward`` the module runs (transformers' own, or calibration's instrumented loop) is
@@ -30,6 +32,7 @@ from torch import nn
 
 from qckpt.errors import UsageError
 from qckpt.parallel.mesh import Mesh
+from qckpt.parallel.shard import ShardSpec, set_shard
 
 
 def _fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -135,9 +138,12 @@ def shard_experts(model: nn.Module, mesh: Mesh) -> list[str]:
                 setattr(mod, attr, nn.Parameter(local, requires_grad=full.requires_grad))
         if hasattr(mod, "num_experts"):
             mod.num_experts = len(rng)
-        mod.qckpt_expert_ids = list(rng)
-        mod.qckpt_num_experts = n_global
-        mod.qckpt_ep_rank = mesh.ep_rank
+        for attr in ("gate_up_proj", "down_proj"):
+            local_shape = tuple(getattr(mod, attr).shape)
+            spec = ShardSpec.block(
+                "expert", (n_global, *local_shape[1:]), 0, mesh.ep_rank, mesh.ep, rng.start
+            )
+            set_shard(mod, attr, spec)
         ex = _Exchange(mesh.ep_group, mesh.ep, len(rng), rng.start)
         mod.register_forward_pre_hook(ex.pre)
         mod.register_forward_hook(ex.post)

@@ -17,9 +17,9 @@ local heads; head-count attributes some architectures keep on the module (``num_
 stay replicated (expert parallelism shards experts; see :mod:`qckpt.parallel.expert`), as do
 embeddings, norms and ``lm_head``.
 
-Parameter names are unchanged. Each sharded ``nn.Linear`` carries ``qckpt_tp_dim`` (0 column,
-1 row), ``qckpt_tp_size``, ``qckpt_tp_rank`` and ``qckpt_full_shape`` (the whole weight's
-shape), which the loader (:func:`qckpt.checkpoint.load.tensor_shards`: read only this block of
+Parameter names are unchanged. The weight of each sharded ``nn.Linear`` (and a column-parallel
+bias) gets a :class:`qckpt.parallel.shard.ShardSpec` (kind ``tp``, dim 0 column / 1 row, the
+whole weight's shape), which the loader (:func:`qckpt.checkpoint.load.tensor_shards`: read only this block of
 the checkpoint's tensor) and the calibrator (:func:`qckpt.calib.tp_gather.gather_sharded_amax`) read. Works on the meta
 device, so a rank allocates only its shards.
 
@@ -36,6 +36,7 @@ from torch import nn
 
 from qckpt.errors import UsageError
 from qckpt.parallel.mesh import Mesh
+from qckpt.parallel.shard import ShardSpec, set_shard, shard_of
 
 ATTN_COLUMN = ("q_proj", "k_proj", "v_proj")
 ATTN_ROW = ("o_proj",)
@@ -117,7 +118,7 @@ def shard_tensor_parallel(model: nn.Module, mesh: Mesh) -> list[str]:
     if mesh.tp_group is None:
         raise UsageError("parallel.tp: > 1 needs a torchrun world with a TP group")
     plan = tp_plan(model)
-    if any(getattr(lin, "qckpt_tp_dim", None) is not None for _, lin, _ in plan):
+    if any(shard_of(lin, "weight") is not None for _, lin, _ in plan):
         raise UsageError("parallel.tp: the model is already split over TP ranks")
     if not plan:
         raise UsageError("parallel.tp: > 1 but the model has no attention layers to split")
@@ -149,10 +150,9 @@ def shard_tensor_parallel(model: nn.Module, mesh: Mesh) -> list[str]:
                 lin.register_forward_hook(_RowParallel(mesh.tp_group))
                 if lin.bias is not None:
                     lin.forward = _bias_once(lin, r)
-            lin.qckpt_tp_dim = dim
-            lin.qckpt_tp_size = tp
-            lin.qckpt_tp_rank = r
-            lin.qckpt_full_shape = full
+            set_shard(lin, "weight", ShardSpec.block("tp", full, dim, r, tp))
+            if dim == 0 and lin.bias is not None:
+                set_shard(lin, "bias", ShardSpec.block("tp", full[:1], 0, r, tp))
             names.append(name)
     for _name, mod in model.named_modules():
         attn = getattr(mod, "self_attn", None)
@@ -162,14 +162,4 @@ def shard_tensor_parallel(model: nn.Module, mesh: Mesh) -> list[str]:
             v = getattr(attn, a, None)
             if isinstance(v, int) and not isinstance(v, bool):
                 setattr(attn, a, v // tp)
-        attn.qckpt_tp_size = tp
     return names
-
-
-def tp_sharded_linears(model: nn.Module) -> dict[str, nn.Module]:
-    """The linears :func:`shard_tensor_parallel` split, by module name."""
-    return {
-        name: mod
-        for name, mod in model.named_modules()
-        if getattr(mod, "qckpt_tp_dim", None) is not None
-    }

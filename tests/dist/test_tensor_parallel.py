@@ -134,6 +134,7 @@ def sc_load(rank, world, ep, tp, source, path):
     from qckpt.models.build import build_model, materialize
     from qckpt.parallel.expert import shard_experts
     from qckpt.parallel.mesh import init_mesh
+    from qckpt.parallel.shard import model_shards
     from qckpt.parallel.tensor import shard_tensor_parallel
 
     mesh = init_mesh(ep=ep, tp=tp, timeout_s=10, device="cpu")
@@ -147,12 +148,9 @@ def sc_load(rank, world, ep, tp, source, path):
     for name, t in m.state_dict().items():
         want = full[name]
         if t.shape != want.shape:  # a TP or EP block: the same slice of the whole tensor
-            mod = m.get_submodule(name.rpartition(".")[0])
-            dim = getattr(mod, "qckpt_tp_dim", 0)
-            n = t.shape[dim]
-            idx = getattr(mod, "qckpt_tp_rank", None)
-            idx = getattr(mod, "qckpt_ep_rank", 0) if idx is None else idx
-            want = want.narrow(dim, idx * n, n)
+            spec = model_shards(m)[name]
+            assert spec.global_shape == tuple(want.shape)
+            want = want.narrow(spec.dim, spec.start, spec.local)
         if not torch.equal(t, want):
             wrong.append(name)
     m.config._experts_implementation = "eager"

@@ -42,7 +42,7 @@ pytestmark = (
 
 def _scenario(rank, world, device_type="cuda"):
     import qckpt.calib.sync as sync_mod
-    from qckpt.calib.quantizer import AmaxBank, TensorQuantizer
+    from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
     from qckpt.calib.sync import COLLECTIVES_PER_SYNC, sync_amax
 
     dev = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
@@ -108,8 +108,8 @@ def _scenario(rank, world, device_type="cuda"):
 
     # timing: 10,000 per-tensor quantizers, ~3/4 calibrated per rank
     n = 10_000
-    bank = AmaxBank(dev, capacity=n)
-    qs = [q(f"model.layers.{i // 64}.mlp.experts.{i % 64}.up_proj", bank=bank) for i in range(n)]
+    store = AmaxStore(capacity=n)
+    qs = [q(f"model.layers.{i // 64}.mlp.experts.{i % 64}.up_proj", store=store) for i in range(n)]
     init = [torch.rand((), device=dev) if (i + rank) % 4 else None for i in range(n)]
 
     def restore():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qckpt.calib.quantizer import AmaxBank, TensorQuantizer
+from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
 from qckpt.calib.sync import sync_amax
 from qckpt.errors import CalibrationError, SyncError
 
@@ -143,15 +143,15 @@ def test_repeated_sync_is_stable_and_amax_resolves_to_tensors():
 
 
 def test_world_of_one_banks_in_any_order_leave_other_slots_alone():
-    a, b = AmaxBank("cpu", capacity=2), AmaxBank("cpu", capacity=2)
-    qa = [TensorQuantizer(f"a{i}", "input", shape=(4,), bank=a) for i in range(5)]
-    qb = [TensorQuantizer(f"b{i}", "input", shape=(4,), bank=b) for i in range(2)]
+    a, b = AmaxStore(capacity=2), AmaxStore(capacity=2)
+    qa = [TensorQuantizer(f"a{i}", "input", shape=(4,), store=a) for i in range(5)]
+    qb = [TensorQuantizer(f"b{i}", "input", shape=(4,), store=b) for i in range(2)]
     off = qa[2]
     off.amax = torch.tensor(7.0)
     off.enabled = False  # its slot sits between synced ones: untouched by the sync
     for q, v in ((qa[0], 1.0), (qa[3], 3.0), (qb[1], 4.0)):
         q.collect(torch.full((1, 4), v))
-    a.values[qa[4]._slot] = float("nan")  # a stale number in an absent slot is never read
+    qa[4].bank.values[qa[4].slot] = float("nan")  # a stale number in an absent slot is never read
     qs = [qa[4], qb[1], qa[3], off, qa[0], qb[0], qa[1]]
     r = sync_amax(qs, None)
     got = [None if q.amax is None else q.amax.item() for q in qs]
@@ -194,3 +194,19 @@ def test_world_of_one_sharing_is_decided_layer_by_layer():
     assert shared == [False, True, False, True, False]
     assert r.shared == [cold_hot[0].key, hot_cold_hot[1].key]  # in the order of the layers
     assert r.uncalibrated == [q.key for q in cold]
+
+
+def test_a_cached_sync_plan_follows_enable_and_reshape():
+    store = AmaxStore()
+    t = TensorQuantizer("m.t", "input", shape=(4,), store=store)
+    c = TensorQuantizer("m.c", "weight", shape=(4, 8), granularity="channel", store=store)
+    qs = [t, c]
+    c.collect(torch.ones(4, 8))
+    assert sync_amax(qs, None).quantizers == 2
+    t.enabled = False  # the same list again: the plan must drop t
+    assert sync_amax(qs, None).quantizers == 1
+    t.enabled = True
+    # a static amax made whole (as after the TP gather) has a new shape: the plan's offsets follow
+    c.make_whole((8, 8), torch.arange(8, dtype=torch.float32))
+    r = sync_amax(qs, None)
+    assert r.quantizers == 2 and c.amax.tolist() == list(map(float, range(8)))

@@ -102,6 +102,9 @@ class DataConfig:
     num_samples: int = 64
     seq_len: int = 128
     batch_size: int = 4
+    # a path holding fewer than num_samples samples: calibrate on what it holds and say so in
+    # the report (false), or refuse (true)
+    strict: bool = False
 
     def validate(self, path: str) -> None:
         for name, hi in (

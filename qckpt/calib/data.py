@@ -25,11 +25,26 @@ def calibration_batches(
     model_source: str | None = None,
     data_rank: int = 0,
     data_world: int = 1,
+    stats: dict | None = None,
 ) -> list[torch.LongTensor]:
-    """This data rank's share of the calibration batches, each a LongTensor ``[b, seq_len]``."""
+    """This data rank's share of the calibration batches, each a LongTensor ``[b, seq_len]``.
+
+    ``stats``, when given, gets ``samples``: how many samples the whole set has (the same on
+    every rank), which is fewer than ``num_samples`` when the file is short. Under
+    ``strict: true`` a short file is a :class:`CalibrationError` instead.
+    """
     if not 0 <= data_rank < data_world:
         raise ValueError(f"data_rank {data_rank} out of range for {data_world} data ranks")
     samples = _samples(data_cfg, vocab_size=vocab_size, model_source=model_source)
+    got = int(samples.shape[0])
+    if got < data_cfg.num_samples and data_cfg.strict:
+        raise CalibrationError(
+            f"calibrate.data.path: {data_cfg.path}: holds {got} samples of "
+            f"{data_cfg.seq_len} tokens, fewer than num_samples {data_cfg.num_samples} "
+            "(calibrate.data.strict is true)"
+        )
+    if stats is not None:
+        stats["samples"] = got
     b = data_cfg.batch_size
     batches = [samples[i : i + b] for i in range(0, samples.shape[0], b)]
     return [batches[i] for i in range(data_rank, len(batches), data_world)]

@@ -58,16 +58,19 @@ def calibrate_cmd(
             _output.log(f"experts of {len(sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
         if tp_sharded:
             _output.log(f"{len(tp_sharded)} linears split over {mesh.tp} TP ranks")
-        _output.log(f"reading weights from {r.checkpoint.path}")
-        load_checkpoint(
-            model, r.checkpoint.path, format=r.checkpoint.format, stream=True, mesh=mesh
-        )
+        # the data first: a short file under strict: true is refused before the weights load
         batches = calibration_batches(
             r.calibrate.data,
             vocab_size=model.config.vocab_size,
             model_source=r.model.source,
             data_rank=mesh.data_rank,
             data_world=mesh.data_parallel_size,
+            stats=(data_stats := {}),
+        )
+        data_report = _data_report(r.calibrate.data, data_stats["samples"])
+        _output.log(f"reading weights from {r.checkpoint.path}")
+        load_checkpoint(
+            model, r.checkpoint.path, format=r.checkpoint.format, stream=True, mesh=mesh
         )
         with _output.progress("calibrating", len(batches)) as advance:
             state, report = calibrate_model(
@@ -83,6 +86,24 @@ def calibrate_cmd(
             save_calibration(state, out)
         if _output.speaks():
             render_amax_report(report)
+        report["data"] = data_report
         _output.write_json(json_path, report)
         n = len(state.amax)
         _output.result(f"wrote {out}: {n} amax values from {mesh.world_size} rank(s)")
+
+
+def _data_report(cfg, samples: int) -> dict:
+    """What the calibration set held; a short file is said out loud (strict: refused earlier)."""
+    short = samples < cfg.num_samples
+    if short:
+        _output.log(
+            f"[yellow]warning:[/yellow] calibrate.data.path: {cfg.path} holds {samples} samples "
+            f"of {cfg.seq_len} tokens, fewer than num_samples {cfg.num_samples}; calibrating "
+            "on those (calibrate.data.strict: true refuses instead)"
+        )
+    return {
+        "source": cfg.source,
+        "num_samples": cfg.num_samples,
+        "samples_used": samples,
+        "short": short,
+    }

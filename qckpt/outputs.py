@@ -92,10 +92,11 @@ def guard(
             raise OutputPathError(f"{key}: empty path; name the file or directory to write")
         real = resolve(text)
         shown = _shown(text, real)
-        for what, d in _protected():
-            if real == d or _inside(d, real):
-                verb = "is" if real == d else "contains"
-                raise OutputPathError(f"{key}: {shown} {verb} {what}; refusing to write there")
+        hits = [(real != d, what) for what, d in _protected() if real == d or _inside(d, real)]
+        if hits:  # "is" before "contains": the most direct reason
+            contains, what = min(hits)
+            verb = "contains" if contains else "is"
+            raise OutputPathError(f"{key}: {shown} {verb} {what}; refusing to write there")
         for in_key, in_given, in_real in ins:
             rel = _relation(real, in_real)
             if rel is not None:

@@ -70,15 +70,11 @@ def convert_cmd(
     is_recipe = src.suffix in (".yaml", ".yml")
     outs = [("DST", dst)]
     model_in = [("--model", model)] if model and os.path.lexists(model) else []
-    if is_recipe:
+    # the recipe's model.source joins the inputs once the recipe is read (in start)
+    guard(outs, [("RECIPE" if is_recipe else "SRC", src), *model_in])
 
-        def guard_recipe(r: Recipe) -> None:
-            guard(outs, recipe_inputs(r, src, checkpoint=False) + model_in)
-
-    else:
-        guard(outs, [("SRC", src), *model_in])
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise UsageError(f"{dst}: already exists; remove it or choose another destination")
+    def guard_recipe(r: Recipe) -> None:
+        guard(outs, recipe_inputs(r, src, checkpoint=False) + model_in)
 
     from qckpt.checkpoint.safe_metadata import is_dcp_dir
 
@@ -96,6 +92,8 @@ def convert_cmd(
         if not src.is_dir():
             raise UsageError(f"{src}: not a recipe, an HF model dir or a DCP dir")
         r = start_without_recipe(src if kind == "hf" else None, set_, nproc_per_node, verbose)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UsageError(f"DST: {dst} already exists; remove it or choose another destination")
 
     from qckpt.checkpoint.convert import dcp_to_hf_dir, hf_dir_to_dcp, save_model_dcp
     from qckpt.models.build import build_model, load_config

@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 
 from qckpt.errors import CheckpointError
+from qckpt.outputs import EXPORT_MARKER
 
-# files of a quantized dir that describe the quantization, not the model
-_QUANT_FILES = {"hf_quant_config.json", "model.safetensors.index.json"}
+# files of a quantized dir that describe the quantization (or, the marker, that qckpt exported
+# it: a dequantized copy is no export, and export.overwrite must not take it for one)
+_QUANT_FILES = {"hf_quant_config.json", "model.safetensors.index.json", EXPORT_MARKER}
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 

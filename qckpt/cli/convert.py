@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from qckpt.atomic import AtomicDir, terminate_as_interrupt, write_error
+from qckpt.atomic import AtomicDir, atomic_dir, terminate_as_interrupt, write_error
 from qckpt.cli import _output
 from qckpt.cli._common import quiet_torch_logs, refuse_code_in_sources, start, world
 from qckpt.cli._launch import relaunch, will_relaunch
@@ -178,19 +177,10 @@ def _dequantize_hf(src: Path, dst: Path, dtype: str) -> None:
     if dtype not in DTYPES:
         raise UsageError(f"--dtype: must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise UsageError(f"{dst}: already exists; remove it or choose another destination")
+        raise UsageError(f"DST: {dst} already exists; remove it or choose another destination")
     quiet_torch_logs()
-    tmp = dst.with_name(f".{dst.name}.qckpt-partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(dst, key="DST", replace=True, may_replace=_empty_dir) as tmp:
         info = dequantize_dir(src, tmp, dtype=DTYPES[dtype])
-        if dst.exists():
-            dst.rmdir()
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _output.result(
         f"wrote {dst} (hf, {dtype}): {info['dequantized']} of {info['tensors']} tensors "
         f"dequantized from {info['layout']}"

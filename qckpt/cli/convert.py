@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Annotated
@@ -11,7 +12,7 @@ import typer
 from qckpt.atomic import AtomicDir, atomic_dir, terminate_as_interrupt, write_error
 from qckpt.cli import _output
 from qckpt.cli._common import quiet_torch_logs, refuse_code_in_sources, start, world
-from qckpt.cli._launch import relaunch, will_relaunch
+from qckpt.cli._launch import relaunch, under_torchrun, will_relaunch
 from qckpt.cli._options import NprocOpt, SetOpt, VerboseOpt
 from qckpt.errors import OutputError, UsageError
 from qckpt.recipe import Recipe
@@ -97,7 +98,10 @@ def convert_cmd(
     from qckpt.checkpoint.convert import dcp_to_hf_dir, hf_dir_to_dcp, save_model_dcp
     from qckpt.models.build import build_model, load_config
 
-    with world(r, "cpu") as mesh, terminate_as_interrupt():
+    # SIGTERM unwinds (removing the temp dir) in a plain run; under torchrun it must kill a rank
+    # at once, even one blocked in a collective (a Python handler would wait for it to return)
+    on_term = contextlib.nullcontext() if under_torchrun() else terminate_as_interrupt()
+    with world(r, "cpu") as mesh, on_term:
         out = AtomicDir(dst, key="DST", replace=True, may_replace=_empty_dir)
         tmp = _begin_all(out, mesh)
         try:

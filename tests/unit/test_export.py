@@ -351,7 +351,12 @@ def test_existing_target_refused_unless_overwrite(root, dense):
     rep = run_export(model, hf_dir, cal, first, q, overwrite=True)
     assert not (first / "stale.txt").exists() and (first / "config.json").is_file()
     assert rep.tensors_written > 0 and _no_temp_dirs(root)
-    assert not [p for p in root.iterdir() if ".qckpt-old-" in p.name]
+    # through a symlink: the link stays, the export it points to is replaced, nothing left over
+    link = root / "latest"
+    link.symlink_to(first)
+    run_export(model, hf_dir, cal, link, q, overwrite=True)
+    assert link.is_symlink() and (first / EXPORT_MARKER).is_file()
+    assert _no_temp_dirs(root) and not [p for p in root.iterdir() if ".qckpt-old-" in p.name]
 
 
 def test_calibration_of_another_model_or_format_is_one_line_error(root, moe, dense):

@@ -83,8 +83,12 @@ def _terminate_as_interrupt() -> Any:
 def main(argv: list[str] | None = None) -> None:
     _quiet_third_party()
     old_term = _terminate_as_interrupt()
+    from qckpt.kernel_policy import KernelPolicy, kernel_policy
+
     try:
-        rv = app(args=argv, prog_name="qckpt", standalone_mode=False)
+        # the one place the kernel switches are read from the environment
+        with kernel_policy(KernelPolicy.from_env(os.environ)):
+            rv = app(args=argv, prog_name="qckpt", standalone_mode=False)
     except BaseException as exc:  # the one place exceptions become exit codes
         if isinstance(exc, SystemExit):
             raise

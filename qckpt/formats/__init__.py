@@ -10,7 +10,9 @@ Public API
   ``scale`` (+ ``global_scale`` for nvfp4, ``amax_history``/``quant_scale`` for fp8_delayed),
   ``fmt``, ``opts``; ``dequantize(dtype)``, ``quantize_(src, update_state=True)``, ``copy_``,
   ``quant_state()`` / ``load_quant_state()``, ``quantized_nbytes()``.
-* ``set_compile("auto" | True | False)``: the per-chunk kernels under torch.compile (auto = CUDA).
+* ``KernelPolicy(compile="auto"|"always"|"never", triton=True, soft_fp8_cast=False)``: which
+  kernels run (every choice gives the same bits); ``quantize(..., policy=)`` or
+  ``with kernel_policy(p):`` (``qckpt.kernel_policy``).
 
 Formats (layouts in each module's docstring; ``scale`` is always the dequantization multiplier)
 ------------------------------------------------------------------------------------------------
@@ -43,8 +45,9 @@ from qckpt.formats import fp8_block as _fp8_block  # noqa: F401
 from qckpt.formats import mxfp8 as _mxfp8  # noqa: F401
 from qckpt.formats import nvfp4 as _nvfp4  # noqa: F401
 from qckpt.formats._base import FORMATS, Format
-from qckpt.formats._common import UnsupportedOpError, set_compile
+from qckpt.formats._common import UnsupportedOpError
 from qckpt.formats.tensor import QuantizedTensor, implements, is_quantized
+from qckpt.kernel_policy import KernelPolicy, current_policy, kernel_policy
 
 __all__ = [
     "FORMATS",
@@ -56,17 +59,25 @@ __all__ = [
     "implements",
     "is_quantized",
     "quantize",
-    "set_compile",
+    "KernelPolicy",
+    "current_policy",
+    "kernel_policy",
 ]
 
 
-def quantize(x: torch.Tensor, fmt: str, **opts: Any) -> QuantizedTensor:
+def quantize(
+    x: torch.Tensor, fmt: str, *, policy: KernelPolicy | None = None, **opts: Any
+) -> QuantizedTensor:
     """Quantize high-precision ``x`` to format ``fmt``.
 
     ``amax=`` (a float or tensor) replaces the computed amax (calibration / export); the other
-    options are the format's (see its module). The result's nominal dtype is ``x.dtype``.
+    options are the format's (see its module). ``policy`` picks the kernels (default: the one in
+    scope, see :mod:`qckpt.kernel_policy`). The result's nominal dtype is ``x.dtype``.
     Raises ``FormatError`` for NaN/Inf input, an unknown format or option.
     """
+    if policy is not None:
+        with kernel_policy(policy):
+            return quantize(x, fmt, **opts)
     if fmt not in FORMATS:
         raise FormatError(f"unknown quantization format {fmt!r}; known: {', '.join(FORMATS)}")
     if isinstance(x, QuantizedTensor):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+import difflib
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from qckpt.formats._common import UnsupportedOpError
+from qckpt.errors import FormatError
+from qckpt.formats._common import UnsupportedOpError, check_input
 
 if TYPE_CHECKING:
     from qckpt.formats.tensor import QuantizedTensor
@@ -22,9 +25,27 @@ class Format:
     # fields that quant_state() snapshots: state that a load must leave untouched
     state_fields: tuple[str, ...] = ()
 
+    # the format's options: a frozen dataclass whose defaults are the format's and whose
+    # ``__post_init__`` normalizes and checks them (raising FormatError)
+    Options: ClassVar[type]
+    # options every caller may pass and this format ignores (its layout fixes them)
+    ignored_opts: ClassVar[tuple[str, ...]] = ()
+
     def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
-        """Validate and default the format options (FormatError on an unknown one)."""
-        raise NotImplementedError
+        """Validate and default the format options through :attr:`Options`; an unknown key is a
+        FormatError naming it (and the known ones). Stored as a plain dict on the tensor, so
+        that it flattens and pickles as before."""
+        opts = {k: v for k, v in opts.items() if k not in self.ignored_opts}
+        known = list(self.Options.__dataclass_fields__)  # with InitVars: checked, not stored
+        unknown = sorted(set(opts) - set(known))
+        if unknown:
+            close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise FormatError(
+                f"{self.name}: unknown options {unknown}{hint} (known: {', '.join(known)})"
+            )
+        parsed = self.Options(**opts)
+        return {f.name: getattr(parsed, f.name) for f in dataclasses.fields(parsed)}
 
     def quantize(
         self, x: torch.Tensor, opts: dict[str, Any], amax: torch.Tensor | None
@@ -35,12 +56,20 @@ class Format:
     def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         """Quantize ``x`` into ``q``'s existing field tensors (their identity is kept).
 
-        The default quantizes into new fields and copies them over; formats override it to
-        write straight into ``q.qdata`` where that saves the extra output-size buffer.
+        Straight into them where :meth:`write_into` can (no second output-size buffer); else
+        into fresh contiguous fields, copied over.
         """
-        fields = self.quantize(x, q.opts, None)
-        for k, v in fields.items():
-            getattr(q, k).copy_(v)
+        check_input(x, self.name)
+        if self.write_into(q, x):
+            return
+        for k, v in self.quantize(x, q.opts, None).items():
+            dst = getattr(q, k)
+            dst.copy_(v.reshape(dst.shape))
+
+    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
+        """Quantize ``x`` straight into ``q``'s fields if their layout allows (True), or do
+        nothing (False: :meth:`quantize_into` quantizes and copies)."""
+        return False
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError

@@ -13,7 +13,6 @@ Conventions every format follows:
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from qckpt.errors import FormatError
+from qckpt.kernel_policy import current_policy
 
 # Chunk size in elements. 16 Mi elements keeps each kernel large enough to saturate a GPU while
 # the FP32 temporaries of one chunk stay at a few x 64 MiB. Tests shrink it to hit chunk edges.
@@ -202,20 +202,11 @@ def as_amax(amax: Any, device: torch.device) -> torch.Tensor:
 
 # ---- optional torch.compile of the per-chunk kernels -------------------------------------------
 # Eager torch runs each chunk as several kernels with FP32 temporaries; on CUDA a compiled
-# (fused) chunk kernel reads the input once and writes codes and scales once. "auto" compiles on
-# CUDA only (inductor on CPU needs a C++ toolchain and minutes of compile time for little gain);
-# any compile failure falls back to eager for good, with one warning.
-_COMPILE_MODE = os.environ.get("QCKPT_COMPILE", "auto").lower()
+# (fused) chunk kernel reads the input once and writes codes and scales once. Whether to compile
+# is the KernelPolicy's (qckpt/kernel_policy.py); any compile failure falls back to eager for
+# good, with one warning.
 _compiled: dict[Callable, Callable] = {}
 _compile_failed: set[Callable] = set()
-
-
-def set_compile(mode: str | bool) -> None:
-    """``"auto"`` (CUDA only, the default), ``True``/``"1"`` (always), ``False``/``"0"`` (never)."""
-    global _COMPILE_MODE
-    _COMPILE_MODE = {True: "1", False: "0"}.get(mode, str(mode)).lower()  # type: ignore[arg-type]
-    if _COMPILE_MODE not in ("auto", "1", "0"):
-        raise ValueError(f"compile mode must be auto, 1 or 0, got {mode!r}")
 
 
 def run_block_kernel(
@@ -269,11 +260,7 @@ def quant_chunk(device: torch.device, kernel: Callable) -> int:
 
 
 def _want_compile(device: torch.device) -> bool:
-    if _COMPILE_MODE == "1":
-        return True
-    if _COMPILE_MODE == "0":
-        return False
-    return device.type == "cuda"
+    return current_policy().compiles(device)
 
 
 def run_kernel(fn: Callable, x: torch.Tensor, *args: Any) -> Any:
@@ -295,24 +282,16 @@ def run_kernel(fn: Callable, x: torch.Tensor, *args: Any) -> Any:
 
 
 # ---- optional hand-written Triton kernels (qckpt/formats/_triton.py) ---------------------------
-# On by default on CUDA where triton imports; QCKPT_TRITON=0 turns them off. Bit-identical to the
-# torch path (tests/gpu/test_formats_triton.py); used for contiguous bfloat16/float32 input only.
-_TRITON_ON: bool = os.environ.get("QCKPT_TRITON", "1").lower() not in ("0", "false", "off")
+# On by default on CUDA where triton imports (KernelPolicy.triton). Bit-identical to the torch
+# path (tests/gpu/test_formats_triton.py); used for contiguous bfloat16/float32 input only.
 TRITON_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def set_triton(mode: str | bool) -> None:
-    """``True``/``"1"`` (use the Triton kernels where they apply, the default), ``False``/``"0"``."""
-    global _TRITON_ON
-    m = {True: "1", False: "0"}.get(mode, str(mode)).lower()  # type: ignore[arg-type]
-    if m not in ("1", "0", "auto"):
-        raise ValueError(f"triton mode must be 1 or 0, got {mode!r}")
-    _TRITON_ON = m != "0"
 
 
 def use_triton(x: torch.Tensor, kind: str, *outs: torch.Tensor) -> bool:
     """Whether the Triton ``kind`` kernel ("amax", "fp8", "mxfp8") takes ``x`` -> ``outs``."""
-    if not (_TRITON_ON and x.is_cuda and x.dtype in TRITON_DTYPES and x.is_contiguous()):
+    if not (
+        x.is_cuda and current_policy().triton and x.dtype in TRITON_DTYPES and x.is_contiguous()
+    ):
         return False
     # plain tensors only (a subclass, e.g. a DTensor, may not be its own storage)
     if type(x) is not torch.Tensor or not all(

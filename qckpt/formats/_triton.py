@@ -3,7 +3,8 @@
 Used on CUDA (compute capability >= 8.9, where Triton converts float32 to FP8 with the
 hardware's ``cvt.rn.satfinite``) when ``triton`` imports, the input is a contiguous bfloat16 or
 float32 tensor and the outputs are contiguous; everything else stays on the torch path.
-``QCKPT_TRITON=0`` (or ``_common.set_triton(False)``) turns them off. A kernel that fails to
+``KernelPolicy(triton=False)`` (:mod:`qckpt.kernel_policy`; ``QCKPT_TRITON=0`` for the CLI)
+turns them off. A kernel that fails to
 compile or launch turns its path off for the process, with one warning.
 
 The kernels give the same bits as the torch path (tests/gpu/test_formats_triton.py):
@@ -39,7 +40,6 @@ The kernels give the same bits as the torch path (tests/gpu/test_formats_triton.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
@@ -47,6 +47,7 @@ import torch
 
 from qckpt.formats._common import FP8_EMAX, FP8_MAX
 from qckpt.formats._rowblock import nblocks
+from qckpt.kernel_policy import current_policy
 
 try:  # pragma: no cover - depends on the install
     import triton
@@ -60,10 +61,14 @@ except Exception:  # noqa: BLE001  (no triton, or a broken one: the torch path i
 AMAX_BLOCK, AMAX_TILES, AMAX_WARPS = 8192, 8, 8
 CAST_BLOCK, CAST_TILES, CAST_WARPS = 4096, 4, 4
 MX_BLOCKS, MX_WARPS = 128, 2
+
+
 # FP8 conversion: False = Triton's cast (cvt.rn.satfinite on sm_89+), True = the integer
 # round-to-nearest-even of ``_soft_fp8_bits`` (slower; for the CPU interpreter, whose own fp8
-# cast drops mantissa carries, and as a fallback). QCKPT_TRITON_SOFT_CVT=1 selects it.
-SOFT_CVT: bool = os.environ.get("QCKPT_TRITON_SOFT_CVT", "0") == "1"
+# cast drops mantissa carries, and as a fallback). KernelPolicy.soft_fp8_cast selects it.
+def _soft() -> bool:
+    return current_policy().soft_fp8_cast
+
 
 _failed: dict[str, str] = {}  # kind -> why
 _available: bool | None = None
@@ -84,7 +89,7 @@ def available() -> bool:
 
 
 def _key(kind: str) -> str:
-    return kind + ("-soft" if SOFT_CVT and kind != "amax" else "")
+    return kind + ("-soft" if _soft() and kind != "amax" else "")
 
 
 def usable(kind: str) -> bool:
@@ -514,7 +519,7 @@ def fp8_cast(
             SCALE=0 if scale is not None else (2 if pow2 else 1),
             CHECK=check,
             GUARD=a_bits is not None,
-            SOFT=SOFT_CVT,
+            SOFT=_soft(),
             EVEN=n % per == 0,
             BLOCK=CAST_BLOCK,
             TILES=CAST_TILES,
@@ -554,7 +559,7 @@ def mx_quantize(
             E4M3=e4m3,
             IS_BF16=x2.dtype == torch.bfloat16,
             EVEN_K=k % 32 == 0,
-            SOFT=SOFT_CVT,
+            SOFT=_soft(),
             BLOCKS=MX_BLOCKS,
             num_warps=MX_WARPS,
         )
@@ -568,7 +573,7 @@ def info() -> dict[str, Any]:
     return {
         "triton": getattr(triton, "__version__", None),
         "available": available(),
-        "soft_cvt": SOFT_CVT,
+        "soft_cvt": _soft(),
         "failed": dict(_failed),
     }
 

@@ -57,6 +57,7 @@ history; a zero amax_h keeps the previous ``quant_scale``.
 
 from __future__ import annotations
 
+from dataclasses import InitVar, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -189,24 +190,51 @@ def _channel_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0],) + (1,) * (len(shape) - 1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Fp8Options:
+    dtype: torch.dtype = torch.float8_e4m3fn  # or float8_e5m2 (or their short names)
+    granularity: str = "tensor"  # or "channel": one scale per row
+    pow2_scale: bool = False  # scales rounded to powers of two (bit-exact round trips)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", fp8_dtype(self.dtype))
+        object.__setattr__(self, "pow2_scale", bool(self.pow2_scale))
+        if self.granularity not in ("tensor", "channel"):
+            raise FormatError(
+                f"fp8: granularity must be 'tensor' or 'channel', got {self.granularity!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8DelayedOptions:
+    dtype: torch.dtype = torch.float8_e4m3fn
+    history_len: int = 16  # amaxes kept; the next scale comes from them
+    amax_compute: str = "max"  # or "most_recent"
+    margin: int = 0  # the scale is multiplied by 2**margin
+    granularity: InitVar[str] = "tensor"  # accepted for symmetry; per tensor only
+
+    def __post_init__(self, granularity: str) -> None:
+        object.__setattr__(self, "dtype", fp8_dtype(self.dtype))
+        object.__setattr__(self, "history_len", int(self.history_len))
+        object.__setattr__(self, "margin", int(self.margin))
+        if granularity != "tensor":
+            raise FormatError(
+                f"fp8_delayed: only per-tensor scaling, got granularity={granularity!r}"
+            )
+        if self.history_len < 1:
+            raise FormatError("fp8_delayed: history_len must be >= 1")
+        if self.amax_compute not in ("max", "most_recent"):
+            raise FormatError(
+                f"fp8_delayed: amax_compute must be 'max' or 'most_recent', got "
+                f"{self.amax_compute!r}"
+            )
+
+
 class Fp8Format(Format):
     name = "fp8"
     tensor_fields = ("qdata", "scale")
 
-    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
-        opts = dict(opts)
-        out = {
-            "dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)),
-            "granularity": opts.pop("granularity", "tensor"),
-            "pow2_scale": bool(opts.pop("pow2_scale", False)),
-        }
-        if out["granularity"] not in ("tensor", "channel"):
-            raise FormatError(
-                f"fp8: granularity must be 'tensor' or 'channel', got {out['granularity']!r}"
-            )
-        if opts:
-            raise FormatError(f"fp8: unknown options {sorted(opts)}")
-        return out
+    Options = Fp8Options
 
     def _amax(
         self, x: torch.Tensor, opts: dict[str, Any], amax: Any
@@ -271,8 +299,7 @@ class Fp8Format(Format):
         self._write(x, opts, amax, qdata, scale)
         return {"qdata": qdata, "scale": scale}
 
-    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
-        check_input(x, self.name)
+    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
         per_row = q.scale.numel() == 1 or tuple(q.scale.shape) == _channel_scale_shape(
             tuple(x.shape)
         )
@@ -282,14 +309,11 @@ class Fp8Format(Format):
             f = self.quantize(x.t(), q.opts, None)
             q.qdata.copy_(f["qdata"].t())
             q.scale.copy_(f["scale"].t())
-        elif q.qdata.is_contiguous():
-            # write the codes straight into the destination: no second output-size buffer
-            self._write(x, q.opts, None, q.qdata, q.scale)
-        else:
-            # a transposed per-tensor view: quantize into a contiguous buffer, copy over
-            fields = self.quantize(x, q.opts, None)
-            q.qdata.copy_(fields["qdata"])
-            q.scale.copy_(fields["scale"].reshape(q.scale.shape))
+            return True
+        if not q.qdata.is_contiguous():
+            return False  # a transposed per-tensor view
+        self._write(x, q.opts, None, q.qdata, q.scale)
+        return True
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         qd = q.qdata
@@ -339,27 +363,7 @@ class Fp8DelayedFormat(Format):
     tensor_fields = ("qdata", "scale", "amax_history", "quant_scale")
     state_fields = ("amax_history", "quant_scale")
 
-    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
-        opts = dict(opts)
-        out = {
-            "dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)),
-            "history_len": int(opts.pop("history_len", 16)),
-            "amax_compute": opts.pop("amax_compute", "max"),
-            "margin": int(opts.pop("margin", 0)),
-        }
-        g = opts.pop("granularity", "tensor")
-        if g != "tensor":
-            raise FormatError(f"fp8_delayed: only per-tensor scaling, got granularity={g!r}")
-        if out["history_len"] < 1:
-            raise FormatError("fp8_delayed: history_len must be >= 1")
-        if out["amax_compute"] not in ("max", "most_recent"):
-            raise FormatError(
-                f"fp8_delayed: amax_compute must be 'max' or 'most_recent', got "
-                f"{out['amax_compute']!r}"
-            )
-        if opts:
-            raise FormatError(f"fp8_delayed: unknown options {sorted(opts)}")
-        return out
+    Options = Fp8DelayedOptions
 
     @staticmethod
     def scale_from_history(

@@ -33,6 +33,7 @@ ulp, through bfloat16 more); with ``pow2_scale=True`` bit-exact.
 
 from __future__ import annotations
 
+from dataclasses import InitVar, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -137,29 +138,30 @@ def _block_into(
     return m
 
 
+@dataclass(frozen=True, kw_only=True)
+class Fp8BlockOptions:
+    dtype: torch.dtype = torch.float8_e4m3fn
+    block_size: tuple[int, int] = (128, 128)  # (rows, cols) of a tile; an int b means (b, b)
+    pow2_scale: bool = False
+    granularity: InitVar[str] = "block"  # accepted for symmetry; per tile only
+
+    def __post_init__(self, granularity: str) -> None:
+        bs = self.block_size
+        bs = (bs, bs) if isinstance(bs, int) else tuple(int(b) for b in bs)
+        if len(bs) != 2 or min(bs) < 1:
+            raise FormatError(f"fp8_block: block_size must be two positive ints, got {bs}")
+        object.__setattr__(self, "block_size", bs)
+        object.__setattr__(self, "dtype", fp8_dtype(self.dtype))
+        object.__setattr__(self, "pow2_scale", bool(self.pow2_scale))
+        if granularity != "block":
+            raise FormatError(f"fp8_block: granularity must be 'block', got {granularity!r}")
+
+
 class Fp8BlockFormat(Format):
     name = "fp8_block"
     tensor_fields = ("qdata", "scale")
 
-    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
-        opts = dict(opts)
-        bs = opts.pop("block_size", (128, 128))
-        if isinstance(bs, int):
-            bs = (bs, bs)
-        bs = tuple(int(b) for b in bs)
-        if len(bs) != 2 or min(bs) < 1:
-            raise FormatError(f"fp8_block: block_size must be two positive ints, got {bs}")
-        out = {
-            "dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)),
-            "block_size": bs,
-            "pow2_scale": bool(opts.pop("pow2_scale", False)),
-        }
-        g = opts.pop("granularity", "block")
-        if g != "block":
-            raise FormatError(f"fp8_block: granularity must be 'block', got {g!r}")
-        if opts:
-            raise FormatError(f"fp8_block: unknown options {sorted(opts)}")
-        return out
+    Options = Fp8BlockOptions
 
     @staticmethod
     def scale_shape(shape: tuple[int, ...], bs: tuple[int, int]) -> tuple[int, ...]:
@@ -224,14 +226,11 @@ class Fp8BlockFormat(Format):
         self._write(x, opts, amax, qdata, scale)
         return {"qdata": qdata, "scale": scale}
 
-    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
-        check_input(x, self.name)
-        if q.qdata.is_contiguous() and q.scale.is_contiguous():
-            self._write(x, q.opts, None, q.qdata, q.scale)
-        else:
-            f = self.quantize(x, q.opts, None)
-            q.qdata.copy_(f["qdata"])
-            q.scale.copy_(f["scale"])
+    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
+        if not (q.qdata.is_contiguous() and q.scale.is_contiguous()):
+            return False
+        self._write(x, q.opts, None, q.qdata, q.scale)
+        return True
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         br, bc = q.opts["block_size"]

@@ -43,6 +43,7 @@ bfloat16 flushes those (tested). Views keep the layout only if they keep the las
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,28 +120,28 @@ def _mx_into(
     return m
 
 
+@dataclass(frozen=True, kw_only=True)
+class MxFp8Options:
+    dtype: torch.dtype = torch.float8_e4m3fn
+    block_size: int = BLOCK  # fixed by OCP MX v1.0
+    scale_rounding: str = "floor"  # or "rceil"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", fp8_dtype(self.dtype))
+        if self.scale_rounding not in ("floor", "rceil"):
+            raise FormatError(
+                f"mxfp8: scale_rounding must be 'floor' or 'rceil', got {self.scale_rounding!r}"
+            )
+        if self.block_size != BLOCK:
+            raise FormatError(f"mxfp8: block_size is {BLOCK} (OCP MX v1.0), got {self.block_size}")
+
+
 class MxFp8Format(Format):
     name = "mxfp8"
     tensor_fields = ("qdata", "scale")
 
-    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
-        opts = dict(opts)
-        out = {
-            "dtype": fp8_dtype(opts.pop("dtype", torch.float8_e4m3fn)),
-            "block_size": BLOCK,
-            "scale_rounding": opts.pop("scale_rounding", "floor"),
-        }
-        if out["scale_rounding"] not in ("floor", "rceil"):
-            raise FormatError(
-                f"mxfp8: scale_rounding must be 'floor' or 'rceil', got {out['scale_rounding']!r}"
-            )
-        bs = opts.pop("block_size", BLOCK)
-        if bs != BLOCK:
-            raise FormatError(f"mxfp8: block_size is {BLOCK} (OCP MX v1.0), got {bs}")
-        opts.pop("granularity", None)
-        if opts:
-            raise FormatError(f"mxfp8: unknown options {sorted(opts)}")
-        return out
+    Options = MxFp8Options
+    ignored_opts = ("granularity",)
 
     def _write(
         self, x: torch.Tensor, opts: dict[str, Any], qdata: torch.Tensor, scale: torch.Tensor
@@ -186,14 +187,11 @@ class MxFp8Format(Format):
         self._write(x, opts, qdata, scale)
         return {"qdata": qdata, "scale": scale}
 
-    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
-        check_input(x, self.name)
-        if q.qdata.is_contiguous() and q.scale.is_contiguous():
-            self._write(x, q.opts, q.qdata, q.scale)
-        else:
-            f = self.quantize(x, q.opts, None)
-            q.qdata.copy_(f["qdata"])
-            q.scale.copy_(f["scale"])
+    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
+        if not (q.qdata.is_contiguous() and q.scale.is_contiguous()):
+            return False
+        self._write(x, q.opts, q.qdata, q.scale)
+        return True
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         shape = tuple(q.shape)

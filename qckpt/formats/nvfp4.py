@@ -35,6 +35,7 @@ the dequantized values themselves are rounded too (a code times a non-power-of-t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -130,19 +131,21 @@ def _nvfp4_into(
     return m
 
 
+@dataclass(frozen=True, kw_only=True)
+class NvFp4Options:
+    block_size: int = BLOCK  # fixed by the format
+
+    def __post_init__(self) -> None:
+        if self.block_size != BLOCK:
+            raise FormatError(f"nvfp4: block_size is {BLOCK}, got {self.block_size}")
+
+
 class NvFp4Format(Format):
     name = "nvfp4"
     tensor_fields = ("qdata", "scale", "global_scale")
 
-    def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
-        opts = dict(opts)
-        bs = opts.pop("block_size", BLOCK)
-        if bs != BLOCK:
-            raise FormatError(f"nvfp4: block_size is {BLOCK}, got {bs}")
-        opts.pop("granularity", None)
-        if opts:
-            raise FormatError(f"nvfp4: unknown options {sorted(opts)}")
-        return {"block_size": BLOCK}
+    Options = NvFp4Options
+    ignored_opts = ("granularity",)
 
     def _write(
         self,
@@ -198,14 +201,11 @@ class NvFp4Format(Format):
         self._write(x, amax, qdata, scale, gscale)
         return {"qdata": qdata, "scale": scale, "global_scale": gscale}
 
-    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
-        check_input(x, self.name)
-        if all(t.is_contiguous() for t in (q.qdata, q.scale)):
-            self._write(x, None, q.qdata, q.scale, q.global_scale)
-        else:
-            f = self.quantize(x, q.opts, None)
-            for k, v in f.items():
-                getattr(q, k).copy_(v)
+    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
+        if not all(t.is_contiguous() for t in (q.qdata, q.scale)):
+            return False
+        self._write(x, None, q.qdata, q.scale, q.global_scale)
+        return True
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         shape = tuple(q.shape)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from qckpt.errors import FormatError
-from qckpt.formats import FORMATS, _common, _triton, quantize, set_compile
+from qckpt.formats import FORMATS, KernelPolicy, _common, _triton, kernel_policy, quantize
 from qckpt.formats._triton import tl, triton
-from tests.gpu._bits import bits
+from tests._bits import bits
 
 HAS_TRITON_CUDA = torch.cuda.is_available() and _triton.available()
 needs_gpu = pytest.mark.skipif(not HAS_TRITON_CUDA, reason="needs CUDA (sm_89+) and triton")
@@ -265,8 +265,8 @@ def test_import_and_dispatch_without_gpu() -> None:
     assert not _common.use_triton(x, "mxfp8")
     info = _triton.info()
     assert set(info) == {"triton", "available", "soft_cvt", "failed"}
-    with pytest.raises(ValueError):
-        _common.set_triton("maybe")
+    with pytest.raises(ValueError, match="compile"):
+        KernelPolicy(compile="maybe")
 
 
 # ---- CUDA: the Triton kernels against the torch path ----------------------------------------
@@ -274,22 +274,14 @@ def test_import_and_dispatch_without_gpu() -> None:
 
 @pytest.fixture
 def paths():  # noqa: ANN201
-    """run(fn, triton: bool) -> fn() under the Triton path or the eager torch path."""
-    prev_soft = _triton.SOFT_CVT
+    """run(fn, triton: bool, soft: bool) -> fn() under the Triton path (its FP8 cast in hardware
+    or by integer rounding) or the eager torch path."""
 
-    def run(fn, triton: bool):  # noqa: ANN001, ANN202
-        _common.set_triton(triton)
-        set_compile(False)
-        try:
+    def run(fn, triton: bool, soft: bool = False):  # noqa: ANN001, ANN202
+        with kernel_policy(KernelPolicy(compile="never", triton=triton, soft_fp8_cast=soft)):
             return fn()
-        finally:
-            _common.set_triton(True)
-            set_compile("auto")
 
-    yield run
-    _triton.SOFT_CVT = prev_soft
-    _common.set_triton(True)
-    set_compile("auto")
+    return run
 
 
 CASES = [
@@ -310,7 +302,6 @@ GPU_SHAPES = [(1000, 1056), (1000, 1000), (256, 1024), (1, 1), (16, 31), (3, 5, 
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("fmt,opts", CASES)
 def test_triton_matches_torch_bit_for_bit(fmt, opts, shape, soft, paths) -> None:  # noqa: ANN001
-    _triton.SOFT_CVT = soft
     fp8 = opts.get("dtype", torch.float8_e4m3fn)
     errors: list[str] = []
     for dt in (torch.float32, torch.bfloat16):
@@ -319,7 +310,7 @@ def test_triton_matches_torch_bit_for_bit(fmt, opts, shape, soft, paths) -> None
         for kind in ("normal", "tiny"):
             x = rescale(base, kind).to(dt).reshape(shape).cuda()
             ref = paths(lambda x=x: quantize(x, fmt, **opts), False)
-            got = paths(lambda x=x: quantize(x, fmt, **opts), True)
+            got = paths(lambda x=x: quantize(x, fmt, **opts), True, soft)
             for name in FORMATS[fmt].tensor_fields:
                 errors += _report(f"{dt} {kind} {name}", x, getattr(ref, name), getattr(got, name))
     assert not _triton._failed, _triton.info()
@@ -330,7 +321,6 @@ def test_triton_matches_torch_bit_for_bit(fmt, opts, shape, soft, paths) -> None
 
 @needs_gpu
 def test_triton_path_is_taken() -> None:
-    _common.set_triton(True)
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     assert _common.use_triton(x, "fp8") and _common.use_triton(x, "mxfp8")
     quantize(x, "fp8")
@@ -344,7 +334,6 @@ def test_triton_path_is_taken() -> None:
 @pytest.mark.parametrize("fmt,opts", [("fp8", {}), ("fp8", {"amax": 1.0}), ("mxfp8", {})])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_triton_refuses_nan_inf(fmt: str, opts: dict, bad: float) -> None:
-    _common.set_triton(True)
     for dt in (torch.bfloat16, torch.float32):
         x = torch.randn(100, 96, device="cuda", dtype=dt)
         x[57, 33] = bad
@@ -357,7 +346,6 @@ def test_triton_refuses_nan_inf(fmt: str, opts: dict, bad: float) -> None:
 def test_triton_temporaries_are_bounded(fmt: str) -> None:
     """512 MiB bf16: quantize allocates its outputs plus the per-program maxima (numel / 4096
     int32 at most) and a few scalars; quantize_ allocates only those."""
-    _common.set_triton(True)
     x = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
     q = quantize(x, fmt)  # warm-up (compiles the kernels)
     torch.cuda.synchronize()
@@ -386,7 +374,6 @@ def test_triton_temporaries_are_bounded(fmt: str) -> None:
 def test_nan_input_leaves_the_destination_untouched(fmt: str) -> None:
     """The amax's NaN/Inf check comes after the cast (no host sync in between); the kernel
     reads the amax and writes nothing, so a refused ``quantize_`` changes no code."""
-    _common.set_triton(True)
     x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
     q = quantize(x, fmt)
     before = {k: v.clone() for k, v in q.fields().items()}

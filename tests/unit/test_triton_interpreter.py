@@ -3,7 +3,7 @@ kernel of qckpt/formats/_triton.py (fp8 per-tensor with the scale made in the ke
 scale, the NaN/Inf guard, mxfp8), and each code, scale and amax must equal the torch path's.
 
 The interpreter's own FP8 cast drops mantissa carries, so the kernels' integer rounding
-(``QCKPT_TRITON_SOFT_CVT=1``) stands in for the hardware conversion; tests/gpu compares the
+(``KernelPolicy(soft_fp8_cast=True)``) stands in for the hardware conversion; tests/gpu compares the
 hardware path. A subprocess, because the interpreter is chosen when triton is imported.
 """
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_every_kernel_matches_the_torch_path_in_the_interpreter() -> None:
     script = Path(__file__).with_name("_triton_interpret_check.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "QCKPT_TRITON_SOFT_CVT": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     p = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
     )

@@ -26,10 +26,10 @@ test: setup
 # Small runs that fit this CPU machine; the figures in docs/BENCHMARKS.md come from full-size runs
 # on an H200 (the commands are listed there).
 bench: setup
-	$(PY) bench/formats.py --sizes 8 --iters 3
-	$(PY) bench/load.py --layers 8 --dim 1024
-	$(PY) bench/export.py --size-gb 0.25 --repeat 1
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench/sync.py -n 2000 --backend gloo
+	$(PY) -m bench.formats --sizes 8 --iters 3
+	$(PY) -m bench.load --layers 8 --dim 1024
+	$(PY) -m bench.export --size-gb 0.25 --repeat 1
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.sync -n 2000 --backend gloo
 
 lint: setup
 	$(VENV)/bin/ruff format --check .

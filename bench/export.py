@@ -1,7 +1,7 @@
 """Streaming export vs the naive path, side by side, on a synthetic Llama-shaped checkpoint.
 
-    python bench/export.py                      # ~0.5 GB smoke run (CPU)
-    python bench/export.py --size-gb 4 --json out.json
+    python -m bench.export                      # ~0.5 GB smoke run (CPU)
+    python -m bench.export --size-gb 4 --json out.json
 
 * streaming: ``qckpt.checkpoint.export.export_checkpoint`` (one tensor in flight);
 * naive: load the whole state dict (``safetensors.torch.load_file``), quantize every linear to
@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 MiB = 2**20
 
@@ -239,7 +238,7 @@ def child_naive(src: str, cal: str, out: str, fmt: str) -> dict:
 
 def _run_child(kind: str, src: str, cal: str, out: str, fmt: str, threads: int) -> dict:
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", kind, src, cal, out, fmt, str(threads)],
+        [sys.executable, "-m", "bench.export", "--child", kind, src, cal, out, fmt, str(threads)],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -1,8 +1,8 @@
 """Quantize throughput of each format next to a device-to-device copy of the same bytes.
 
-    python bench/formats.py                                  # CUDA: 512 MiB bf16 input
-    python bench/formats.py --sizes 64 512 2048 --json formats.json
-    python bench/formats.py --device cpu --sizes 4 --iters 2  # smoke test on CPU (eager only)
+    python -m bench.formats                                  # CUDA: 512 MiB bf16 input
+    python -m bench.formats --sizes 64 512 2048 --json formats.json
+    python -m bench.formats --device cpu --sizes 4 --iters 2  # smoke test on CPU (eager only)
 
 For every format and mode (``eager``; ``compiled`` = the chunk kernels under torch.compile;
 ``triton`` = the hand-written Triton kernels of qckpt/formats/_triton.py for fp8 / fp8_delayed
@@ -31,9 +31,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qckpt.formats import FORMATS, _common, quantize, set_compile  # noqa: E402
+from qckpt.formats import FORMATS, KernelPolicy, _common, kernel_policy, quantize
 
 
 def _timer(device: torch.device):  # noqa: ANN202
@@ -92,51 +90,50 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
         for fmt in args.formats:
             for mode in modes:
-                set_compile("auto" if mode == "triton" else mode == "compiled")
-                _common.set_triton(mode == "triton")
-                _common._compile_failed.clear()
-                q = quantize(x, fmt)  # warm-up: compiles the chunk kernels
-                q.quantize_(x, update_state=False)
-                if mode == "compiled" and _common._compile_failed:
-                    print(f"# {fmt}: torch.compile failed, compiled = eager", file=sys.stderr)
-                if mode == "triton":
-                    from qckpt.formats import _triton
+                comp = {"triton": "auto", "compiled": "always"}.get(mode, "never")
+                policy = KernelPolicy(compile=comp, triton=mode == "triton")
+                with kernel_policy(policy):
+                    _common._compile_failed.clear()
+                    q = quantize(x, fmt)  # warm-up: compiles the chunk kernels
+                    q.quantize_(x, update_state=False)
+                    if mode == "compiled" and _common._compile_failed:
+                        print(f"# {fmt}: torch.compile failed, compiled = eager", file=sys.stderr)
+                    if mode == "triton":
+                        from qckpt.formats import _triton
 
-                    if not _triton.available() or _triton._failed:
-                        print(f"# {fmt}: triton not used: {_triton.info()}", file=sys.stderr)
-                for op in ("quantize", "quantize_"):
-                    if op == "quantize":
-                        fn = functools.partial(quantize, x, fmt)
-                    else:
-                        fn = functools.partial(q.quantize_, x, update_state=False)
-                    run(fn, 2)
-                    temp = 0.0
-                    if device.type == "cuda" and op == "quantize_":
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                        base = torch.cuda.memory_allocated()
-                        fn()
-                        torch.cuda.synchronize()
-                        temp = (torch.cuda.max_memory_allocated() - base) / 2**20
-                    t = statistics.median(run(fn, args.iters))
-                    rows.append(
-                        {
-                            "size_mib": mib,
-                            "format": fmt,
-                            "mode": mode,
-                            "op": op,
-                            "seconds": t,
-                            "gbps": nbytes / t / 1e9,
-                            "vs_copy": t_copy / t,
-                            "temp_mib": temp,
-                        }
-                    )
-                q = fn = None
+                        if not _triton.available() or _triton._failed:
+                            print(f"# {fmt}: triton not used: {_triton.info()}", file=sys.stderr)
+                    for op in ("quantize", "quantize_"):
+                        if op == "quantize":
+                            fn = functools.partial(quantize, x, fmt)
+                        else:
+                            fn = functools.partial(q.quantize_, x, update_state=False)
+                        run(fn, 2)
+                        temp = 0.0
+                        if device.type == "cuda" and op == "quantize_":
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                            base = torch.cuda.memory_allocated()
+                            fn()
+                            torch.cuda.synchronize()
+                            temp = (torch.cuda.max_memory_allocated() - base) / 2**20
+                        t = statistics.median(run(fn, args.iters))
+                        rows.append(
+                            {
+                                "size_mib": mib,
+                                "format": fmt,
+                                "mode": mode,
+                                "op": op,
+                                "seconds": t,
+                                "gbps": nbytes / t / 1e9,
+                                "vs_copy": t_copy / t,
+                                "temp_mib": temp,
+                            }
+                        )
+                    q = fn = None
         x = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    set_compile("auto")
-    _common.set_triton(True)
     env = {
         "device": (
             torch.cuda.get_device_name()

@@ -10,9 +10,9 @@ and prints transient / peak memory and seconds with ratios (stream / bulk transi
 plain time) and the issue's targets: stream transient <= 2*max(numel) + 64 MiB, stream time
 <= 1.1 x plain. On CUDA the transient comes from the allocator's peak statistics.
 
-    python bench/load.py                                   # on the H200: full size
-    python bench/load.py --layers 4 --dim 512 --device cpu  # CPU smoke run
-    python bench/load.py --json load.json --plot load.png
+    python -m bench.load                                   # on the H200: full size
+    python -m bench.load --layers 4 --dim 512 --device cpu  # CPU smoke run
+    python -m bench.load --json load.json --plot load.png
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qckpt import formats  # noqa: E402
-from qckpt.checkpoint.convert import save_model_dcp  # noqa: E402
-from qckpt.checkpoint.load import LoadReport, load_checkpoint  # noqa: E402
-from qckpt.models.quantize_params import quantize_model_params  # noqa: E402
-from qckpt.plot import plot_memory  # noqa: E402
+from qckpt import formats
+from qckpt.checkpoint.convert import save_model_dcp
+from qckpt.checkpoint.load import LoadReport, load_checkpoint
+from qckpt.models.quantize_params import quantize_model_params
+from qckpt.plot import plot_memory
 
 MiB = 2**20
 SLACK = 64 * MiB

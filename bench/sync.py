@@ -1,7 +1,7 @@
 """Amax sync: our bucketed protocol vs one-or-two collectives per quantizer, side by side.
 
-    torchrun --nproc-per-node 2 bench/sync.py                      # NCCL if CUDA, else gloo
-    torchrun --nproc-per-node 2 bench/sync.py --backend gloo --n 2000 --json sync.json
+    torchrun --nproc-per-node 2 -m bench.sync                      # NCCL if CUDA, else gloo
+    torchrun --nproc-per-node 2 -m bench.sync --backend gloo --n 2000 --json sync.json
 
 Each rank holds ``--n`` per-tensor quantizers (plus ``--channel`` per-channel ones). To look like
 DP calibration of a MoE, every rank has calibrated a different ~3/4 of them; the rest it never saw.
@@ -24,10 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qckpt.calib.quantizer import AmaxStore, TensorQuantizer  # noqa: E402
-from qckpt.calib.sync import sync_amax  # noqa: E402
+from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
+from qckpt.calib.sync import sync_amax
 
 
 def naive_sync(quantizers, group, device) -> int:

@@ -1,8 +1,8 @@
 """Launch shapes of the Triton kernels (qckpt/formats/_triton.py), swept on one input, each
 kernel timed alone next to a device-to-device copy of the same input in the same run.
 
-    python bench/tune_triton.py                 # CUDA + triton; 512 MiB of bf16
-    python bench/tune_triton.py --mib 2048 --json tune.json
+    python -m bench.tune_triton                 # CUDA + triton; 512 MiB of bf16
+    python -m bench.tune_triton --mib 2048 --json tune.json
 
 Rows: the amax kernel (reads the input), the fp8 cast (reads it, writes 1 byte per element),
 the mxfp8 kernel (reads it, writes codes and scales) and the whole ``quantize_`` of fp8 and
@@ -22,12 +22,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from qckpt.formats import _common, _triton, quantize  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from formats import _timer  # noqa: E402  (bench/formats.py)
+from bench.formats import _timer
+from qckpt.formats import _triton, quantize
 
 
 def _time(fn, iters: int) -> float:  # noqa: ANN001
@@ -75,7 +71,6 @@ def sweep(mib: float, iters: int) -> dict[str, Any]:
     _triton.CAST_BLOCK, _triton.CAST_TILES, _triton.CAST_WARPS = c["block"], c["tiles"], c["warps"]
     c = best["mxfp8"][1]
     _triton.MX_BLOCKS, _triton.MX_WARPS = c["blocks"], c["warps"]
-    _common.set_triton(True)
     for fmt in ("fp8", "mxfp8"):
         q = quantize(x, fmt)
         add(f"{fmt} quantize_", {}, _time(lambda q=q: q.quantize_(x, update_state=False), iters))

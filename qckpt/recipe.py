@@ -33,10 +33,6 @@ MAX_SAMPLES = 10**7
 MAX_SEQ_LEN = 2**20
 MAX_CALIB_TOKENS = 2**31  # num_samples * seq_len: the synthetic set is allocated whole
 
-PARAM_FORMATS = ("none", "fp8", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4")
-QUANT_FORMATS = ("fp8", "nvfp4")
-GRANULARITIES = ("tensor", "channel", "block")
-
 
 @dataclass(kw_only=True)
 class ModelConfig:

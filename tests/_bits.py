@@ -1,4 +1,4 @@
-"""Exact comparison of quantized fields, shared by the GPU format tests."""
+"""Exact comparison of tensors and quantized fields, shared by the format, load and GPU tests."""
 
 from __future__ import annotations
 
@@ -6,11 +6,9 @@ import torch
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """Exact bit patterns to compare (1-byte fields as uint8, 4-byte ones as int32: -0.0 != 0.0,
-    NaN == NaN); other sizes as they are."""
-    t = t.contiguous()
-    if t.element_size() == 1:
-        return t.view(torch.uint8)
-    if t.element_size() == 4:
-        return t.view(torch.int32)
-    return t
+    """Exact bit patterns to compare, as integers of the element's size (-0.0 != 0.0,
+    NaN == NaN); the shape is kept, so ``torch.equal`` still compares shapes."""
+    t = t.detach().contiguous()
+    return t.view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )

@@ -22,7 +22,6 @@ identically; those of remote experts are ``local=False``.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ from torch import nn
 from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
 from qckpt.calib.shapes import calib_granularity
 from qckpt.errors import CalibrationError
-from qckpt.models.naming import expert_slices
+from qckpt.models.naming import expert_slices, ignored, is_fused_experts
 from qckpt.parallel.shard import shard_of
 from qckpt.recipe import QuantConfig
 
@@ -61,16 +60,6 @@ class Instrumentation:
     experts: list[ExpertsInfo]
     hooks: list = field(default_factory=list)
     patched: list[nn.Module] = field(default_factory=list)
-
-
-def _ignored(name: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def _is_fused_experts(mod: nn.Module) -> bool:
-    gu = getattr(mod, "gate_up_proj", None)
-    dn = getattr(mod, "down_proj", None)
-    return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3
 
 
 def _model_type(model: nn.Module) -> str:
@@ -117,7 +106,7 @@ def insert_quantizers(
 
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear):
-            if _ignored(name, ignore):
+            if ignored(name, ignore):
                 continue
             dev = mod.weight.device
             wq = make(name, "weight", tuple(mod.weight.shape), dev)
@@ -133,8 +122,8 @@ def insert_quantizers(
                 )  # fmt: skip
                 instr.quantizers[oq.key] = oq
                 instr.hooks.append(mod.register_forward_hook(_output_hook(oq)))
-        elif _is_fused_experts(mod):
-            if _ignored(name, ignore):
+        elif is_fused_experts(mod):
+            if ignored(name, ignore):
                 continue
             _instrument_experts(name, mod, mtype, make, instr, share_expert_inputs)
     object.__setattr__(model, _ATTR, instr)

@@ -10,7 +10,6 @@ import typer
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
-from qckpt.errors import UsageError
 from qckpt.outputs import guard as guard_paths
 from qckpt.outputs import recipe_inputs
 from qckpt.recipe import Recipe
@@ -51,13 +50,9 @@ def load_cmd(
 
     r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
     if r.load.backend == "te":
-        import importlib.util
+        from qckpt.formats.te import require_te
 
-        if importlib.util.find_spec("transformer_engine") is None:
-            raise UsageError(
-                "load.backend: te needs Transformer Engine, which is not installed "
-                "(pip install 'qckpt[te]', on a machine with CUDA)"
-            )
+        require_te()  # before any world is started
     from qckpt.checkpoint.load import load_checkpoint
     from qckpt.models.build import build_model
     from qckpt.models.quantize_params import quantize_model_params

@@ -21,9 +21,8 @@ TE is optional (``pip install 'qckpt[te]'``); nothing here imports it until aske
 
 from __future__ import annotations
 
-import fnmatch
 import importlib.util
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -156,21 +155,25 @@ def _model_init(params_fmt: str):
 
 
 def build_te_linears(
-    model: nn.Module, params_fmt: str, *, ignore: Iterable[str] = (), device: Any = None
+    model: nn.Module,
+    params_fmt: str,
+    *,
+    skip: Callable[[str], bool] = lambda _name: False,
+    device: Any = None,
 ) -> dict[str, str]:
-    """Swap every ``nn.Linear`` not matched by ``ignore`` for a ``te.Linear`` whose weight is a TE
+    """Swap every ``nn.Linear`` whose name ``skip`` does not take (the recipe's ignore rule,
+    :func:`qckpt.models.naming.ignored`) for a ``te.Linear`` whose weight is a TE
     quantized tensor of ``params_fmt``; returns ``{param name: fmt}``. The checkpoint's values
     come later, through the planner; the module keeps its name, so the state-dict keys match.
     Fused MoE experts stay as they are (TE's grouped GEMM layers are not mapped yet)."""
     require_te()
     import transformer_engine.pytorch as te
 
-    ignore = list(ignore)
     done: dict[str, str] = {}
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
-        if isinstance(mod, nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in ignore)
+        if isinstance(mod, nn.Linear) and not skip(name)
     ]
     for name, mod in targets:
         dev = device or mod.weight.device
@@ -187,8 +190,3 @@ def build_te_linears(
         setattr(parent, leaf, new)
         done[f"{name}.weight"] = f"te:{type(new.weight).__name__}"
     return done
-
-
-def as_destination(t: Any) -> Any:
-    """The object the planner quantizes into: native tensors as they are, TE ones adapted."""
-    return TEDestination(t) if is_te_quantized(t) else t

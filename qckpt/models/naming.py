@@ -9,7 +9,8 @@ between the two.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import fnmatch
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,14 +47,32 @@ def _names(model_type: str) -> tuple[tuple[str, str] | None, str, str, str]:
     return _EXPERT_NAMES.get(model_type, (None, "gate_proj", "up_proj", "down_proj"))
 
 
+def _hf_prefix(experts_prefix: str, model_type: str) -> str:
+    """The checkpoint's name of a fused experts module (Mixtral renames ``mlp`` on save)."""
+    rename = _names(model_type)[0]
+    if rename and rename[0] in "." + experts_prefix:
+        return ("." + experts_prefix).replace(rename[0], rename[1])[1:]
+    return experts_prefix
+
+
+def is_fused_experts(mod: torch.nn.Module) -> bool:
+    """A transformers 5 fused routed-experts module: 3-D ``gate_up_proj`` plus ``down_proj``."""
+    gu = getattr(mod, "gate_up_proj", None)
+    dn = getattr(mod, "down_proj", None)
+    return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3
+
+
+def ignored(module_name: str, patterns: Iterable[str]) -> bool:
+    """Whether ``quant.ignore`` (fnmatch patterns of module names) leaves a module unquantized."""
+    return any(fnmatch.fnmatchcase(module_name, p) for p in patterns)
+
+
 def expert_slices(
     experts_prefix: str, model_type: str, gate_up_shape: torch.Size, down_shape: torch.Size
 ) -> list[ExpertSlice]:
     """Per-expert linears of a fused experts module at ``experts_prefix`` (``...mlp.experts``)."""
-    rename, gate, up, down = _names(model_type)
-    hf_prefix = experts_prefix
-    if rename and rename[0] in "." + experts_prefix:
-        hf_prefix = ("." + experts_prefix).replace(rename[0], rename[1])[1:]
+    _, gate, up, down = _names(model_type)
+    hf_prefix = _hf_prefix(experts_prefix, model_type)
     num_experts, two_i, _ = gate_up_shape
     inter = two_i // 2
     out: list[ExpertSlice] = []
@@ -85,10 +104,8 @@ def hf_tensors(
         yield name, tensor
         return
     prefix, _, leaf = name.rpartition(".")
-    rename, gate, up, down = _names(model_type)
-    hf_prefix = prefix
-    if rename and rename[0] in "." + prefix:
-        hf_prefix = ("." + prefix).replace(rename[0], rename[1])[1:]
+    _, gate, up, down = _names(model_type)
+    hf_prefix = _hf_prefix(prefix, model_type)
     if leaf == "gate_up_proj":
         inter = tensor.shape[1] // 2
         for e in range(tensor.shape[0]):

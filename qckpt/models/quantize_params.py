@@ -10,7 +10,6 @@ model is usable before a checkpoint is loaded into it.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,11 +17,7 @@ import torch
 from torch import nn
 
 from qckpt.errors import UsageError
-from qckpt.models.naming import is_fused_experts_param
-
-
-def _ignored(module_name: str, patterns: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(module_name, p) for p in patterns)
+from qckpt.models.naming import ignored, is_fused_experts_param
 
 
 def quantizable_params(model: nn.Module, *, ignore: Iterable[str] = ()) -> list[str]:
@@ -31,12 +26,12 @@ def quantizable_params(model: nn.Module, *, ignore: Iterable[str] = ()) -> list[
     out: list[str] = []
     for mod_name, mod in model.named_modules():
         if isinstance(mod, nn.Linear):
-            if not _ignored(mod_name, ignore) and isinstance(mod.weight, torch.Tensor):
+            if not ignored(mod_name, ignore) and isinstance(mod.weight, torch.Tensor):
                 out.append(f"{mod_name}.weight" if mod_name else "weight")
             continue
         for p_name, p in mod.named_parameters(recurse=False):
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            if is_fused_experts_param(full) and p.dim() == 3 and not _ignored(mod_name, ignore):
+            if is_fused_experts_param(full) and p.dim() == 3 and not ignored(mod_name, ignore):
                 out.append(full)
     return out
 
@@ -60,7 +55,7 @@ def quantize_model_params(
         # Transformer Engine linears with TE quantized weights (qckpt.formats.te, issue 9)
         from qckpt.formats.te import build_te_linears
 
-        return build_te_linears(model, params_fmt, ignore=ignore)
+        return build_te_linears(model, params_fmt, skip=lambda name: ignored(name, ignore))
     if backend != "native":
         raise UsageError(f"load.backend: must be native or te; got {backend!r}")
     from qckpt import formats

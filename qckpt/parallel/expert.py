@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qckpt.errors import UsageError
+from qckpt.models.naming import is_fused_experts
 from qckpt.parallel.mesh import Mesh
 from qckpt.parallel.shard import ShardSpec, set_shard
 
@@ -38,9 +39,7 @@ from qckpt.parallel.shard import ShardSpec, set_shard
 def _fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     out = []
     for name, mod in model.named_modules():
-        gu = getattr(mod, "gate_up_proj", None)
-        dn = getattr(mod, "down_proj", None)
-        if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3:
+        if is_fused_experts(mod):
             out.append((name, mod))
     return out
 

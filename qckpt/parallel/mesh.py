@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from qckpt.errors import UsageError
+from qckpt.recipe import ParallelConfig
 
 
 @dataclass(kw_only=True)
@@ -90,10 +91,7 @@ def init_mesh(*, ep: int = 1, tp: int = 1, timeout_s: float = 600.0, device: str
     world = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     )
-    if world % ep:
-        raise UsageError(f"parallel.ep: must divide the world size {world}")
-    if world % (ep * tp):
-        raise UsageError(f"parallel.tp: ep * tp must divide the world size {world}")
+    ParallelConfig(ep=ep, tp=tp).check_world(world)  # the recipe's own check and message
     dev = pick_device(device)
     if world == 1 and not dist.is_initialized():
         return Mesh(device=dev, timeout_s=timeout_s)

@@ -21,7 +21,7 @@ from tests.dist._harness import shared_world
 
 def _save(rank: int, world: int, out: str) -> list[str]:
     from qckpt.checkpoint.convert import save_model_dcp
-    from tests.unit.test_load import Toy
+    from tests.unit._toy import Toy
 
     save_model_dcp(Toy(seed=1), out)
     return sorted(p.name for p in Path(out).iterdir())
@@ -30,7 +30,7 @@ def _save(rank: int, world: int, out: str) -> list[str]:
 def _load(rank: int, world: int, path: str, out: str) -> dict:
     from qckpt import formats
     from qckpt.checkpoint.load import load_checkpoint
-    from tests.unit.test_load import toy_quantized
+    from tests.unit._toy import toy_quantized
 
     m = toy_quantized("fp8")
     rep = load_checkpoint(m, path)
@@ -54,7 +54,7 @@ def _load_ep(rank: int, world: int, path: str) -> dict:
     from qckpt.models.quantize_params import quantize_model_params
     from qckpt.parallel.expert import shard_experts
     from qckpt.parallel.mesh import init_mesh
-    from tests.unit.test_load import Toy
+    from tests.unit._toy import Toy
 
     mesh = init_mesh(ep=2, tp=1, timeout_s=10, device="cpu")
     out = {"ep_rank": mesh.ep_rank}
@@ -81,7 +81,7 @@ def _fields_of(m) -> dict:
 
 
 def _assert_same(got: dict, ref: dict, what: str) -> None:
-    from tests.unit.test_load import bits
+    from tests._bits import bits
 
     assert got.keys() == ref.keys()
     for k in ref:
@@ -99,7 +99,7 @@ def _ok(outs):
 def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
     from qckpt.checkpoint.convert import save_model_dcp
     from qckpt.checkpoint.load import load_checkpoint
-    from tests.unit.test_load import Toy, toy_quantized
+    from tests.unit._toy import Toy, toy_quantized
 
     c1, c2, c4 = (str(tmp_path / f"c{n}") for n in (1, 2, 4))
     save_model_dcp(Toy(seed=1), c1)

@@ -26,7 +26,7 @@ import torch
 
 from qckpt.calib.calibrate import calibrate_model
 from qckpt.parallel.mesh import init_mesh
-from tests.unit.test_export_helpers import (
+from tests.unit._export_fixtures import (
     calib_inputs,
     hf_state,
     quant_config,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qckpt.formats import FORMATS, _common, quantize, set_compile
-from tests.gpu._bits import bits
+from qckpt.formats import FORMATS, KernelPolicy, _common, kernel_policy, quantize
+from tests._bits import bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -24,9 +24,9 @@ def _field_bytes(q) -> int:  # noqa: ANN001
 
 @pytest.fixture(params=["eager", "compiled"])
 def compile_mode(request: pytest.FixtureRequest):  # noqa: ANN201
-    set_compile(request.param == "compiled")
-    yield request.param
-    set_compile("auto")
+    mode = "always" if request.param == "compiled" else "never"
+    with kernel_policy(KernelPolicy(compile=mode)):
+        yield request.param
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -176,8 +176,7 @@ def test_compile_options_make_division_exact() -> None:
 
 
 def test_compiled_path_is_used_on_cuda() -> None:
-    set_compile("auto")
-    quantize(torch.randn(256, 256, device="cuda"), "mxfp8")
+    quantize(torch.randn(256, 256, device="cuda"), "mxfp8")  # the default policy: auto
     assert not _common._compile_failed, f"torch.compile fell back: {_common._compile_failed}"
 
 

@@ -23,7 +23,7 @@ from qckpt.checkpoint.export import export_checkpoint
 from qckpt.errors import ExportError
 from qckpt.outputs import EXPORT_MARKER
 from qckpt.recipe import ExportConfig
-from tests.unit.test_export_helpers import (
+from tests.unit._export_fixtures import (
     hf_state,
     make_calibration,
     quant_config,

@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from qckpt.formats import _common, quantize, set_compile
+from qckpt.formats import KernelPolicy, _common, quantize
+from tests._bits import bits
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("QCKPT_TEST_COMPILE") != "1", reason="set QCKPT_TEST_COMPILE=1"
@@ -32,10 +33,6 @@ CASES = [
 ]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t
-
-
 @pytest.mark.parametrize("cols", [100, 128])  # partial last block (padded) / whole blocks
 @pytest.mark.parametrize("fmt,opts", CASES)
 def test_compiled_equals_eager(fmt: str, opts: dict, cols: int) -> None:
@@ -43,13 +40,8 @@ def test_compiled_equals_eager(fmt: str, opts: dict, cols: int) -> None:
     x = (torch.randn(64, cols, generator=g) * torch.logspace(-3, 3, 64).view(-1, 1)).to(
         torch.bfloat16
     )
-    set_compile(False)
-    ref = quantize(x, fmt, **opts)
-    set_compile(True)
-    try:
-        q = quantize(x, fmt, **opts)
-    finally:
-        set_compile("auto")
+    ref = quantize(x, fmt, policy=KernelPolicy(compile="never"), **opts)
+    q = quantize(x, fmt, policy=KernelPolicy(compile="always"), **opts)
     assert not _common._compile_failed
     for k in q.spec.tensor_fields:
-        assert torch.equal(_bits(getattr(q, k)), _bits(getattr(ref, k))), k
+        assert torch.equal(bits(getattr(q, k)), bits(getattr(ref, k))), k

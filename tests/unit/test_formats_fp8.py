@@ -7,13 +7,10 @@ import torch
 
 from qckpt.errors import FormatError
 from qckpt.formats import FORMATS, QuantizedTensor, is_quantized, quantize
+from tests._bits import bits
 
 E4 = torch.float8_e4m3fn
 E5 = torch.float8_e5m2
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
 
 def test_formats_listed() -> None:

@@ -10,12 +10,9 @@ import torch.nn.functional as F
 
 from qckpt.errors import FormatError
 from qckpt.formats import QuantizedTensor, UnsupportedOpError, quantize
+from tests._bits import bits
 
 E4 = torch.float8_e4m3fn
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
 
 def same(a: QuantizedTensor, b: QuantizedTensor) -> bool:

@@ -23,7 +23,7 @@ from qckpt.checkpoint.planner import (
 from qckpt.checkpoint.sources import OrderedFileSystemReader
 from qckpt.errors import CheckpointError
 from qckpt.models import naming
-from tests.unit.test_load import FMTS, Toy, assert_same_model, same_tensor, toy_quantized
+from tests.unit._toy import FMTS, Toy, assert_same_model, same_tensor, toy_quantized
 
 # ---- prepended singleton axes ------------------------------------------------------------------
 

@@ -8,7 +8,7 @@
   per-block ``float-quantized``, ``nvfp4-pack-quantized``), scales computed here as
   llm-compressor's observers would (amax / qmax; NVFP4: global 448*6/amax, E4M3 per 16).
 * qckpt's own exports (compressed-tensors per-tensor FP8, ModelOpt FP8 and NVFP4) come from
-  ``tests.unit.test_export_helpers.run_export``.
+  ``tests.unit._export_fixtures.run_export``.
 
 As a script it writes the three kinds of dirs for a look: ``python -m tests.quantized_fixtures OUT``.
 """

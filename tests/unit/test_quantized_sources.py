@@ -28,7 +28,7 @@ from qckpt.models.build import build_model
 from qckpt.models.naming import hf_tensors
 from qckpt.models.quantize_params import quantize_model_params
 from tests import quantized_fixtures as fx
-from tests.unit.test_export_helpers import make_calibration, quant_config, run_export
+from tests.unit._export_fixtures import make_calibration, quant_config, run_export
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 IGNORE = ["lm_head", "*.mlp.gate"]

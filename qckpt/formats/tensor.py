@@ -179,24 +179,23 @@ def _flat_args(args: tuple, kwargs: dict) -> list[Any]:
     return out
 
 
-def implements(ops: list[Any]) -> Callable[[Handler], Handler]:
-    """Register an aten op handler in QuantizedTensor's table (torchao style)."""
-
-    def deco(fn: Handler) -> Handler:
-        for op in ops:
-            QuantizedTensor._OPS[op] = fn
+def _register_in(table: dict, keys: list[Any]) -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        for k in keys:
+            table[k] = fn
         return fn
 
     return deco
+
+
+def implements(ops: list[Any]) -> Callable[[Handler], Handler]:
+    """Register an aten op handler in QuantizedTensor's table (torchao style)."""
+    return _register_in(QuantizedTensor._OPS, ops)
 
 
 def implements_torch_function(funcs: list[Any]) -> Callable[[Callable], Callable]:
-    def deco(fn: Callable) -> Callable:
-        for f in funcs:
-            QuantizedTensor._TORCH_FUNCTIONS[f] = fn
-        return fn
-
-    return deco
+    """Register a ``__torch_function__`` handler (ops that must not reach dispatch)."""
+    return _register_in(QuantizedTensor._TORCH_FUNCTIONS, funcs)
 
 
 def is_quantized(t: Any) -> bool:

@@ -149,6 +149,14 @@ def _finish(path: Path) -> None:
     os.chmod(path, 0o777 & ~mask)
 
 
+def _make_parent(target: Path, key: str) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        # a file where a directory of the path should be
+        raise OutputError(f"{key}: cannot write {target}: a file is in the way") from None
+
+
 def _renameat2() -> Callable | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2
@@ -289,7 +297,7 @@ class AtomicDir:
 
     def begin(self) -> Path:
         try:
-            self.target.parent.mkdir(parents=True, exist_ok=True)
+            _make_parent(self.target, self.key)
             remove_stale_temps(self.target)
             tmp = _hidden(self.target, TEMP_TAG)
             tmp.mkdir()
@@ -388,7 +396,7 @@ def atomic_file(
     tmp: Path | None = None
     with terminate_as_interrupt():
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
+            _make_parent(final, key)
             remove_stale_temps(final)
             tmp = _hidden(final, TEMP_TAG)
             yield tmp
@@ -396,25 +404,28 @@ def atomic_file(
                 raise AssertionError(f"{key}: the writer left no file at {tmp}")
             _finish(tmp)
             with _signals_blocked():
-                if replace:
-                    os.replace(tmp, final)
-                else:
-                    rename_noreplace(tmp, final)
+                _rename_file(tmp, final, key, replace)
             _fsync(final.parent)
         except BaseException as exc:
             if tmp is not None:
                 with _signals_blocked():
                     _remove(tmp)
-            if isinstance(exc, FileExistsError):
-                raise OutputError(
-                    f"{key}: {final} already exists; refusing to replace it"
-                ) from None
-            if isinstance(exc, IsADirectoryError):
-                raise OutputError(f"{key}: {final} is a directory; name a file") from None
             err = write_error(exc, final, key, tmp)
             if err is not None:
                 raise err from exc
             raise
+
+
+def _rename_file(tmp: Path, final: Path, key: str, replace: bool) -> None:
+    try:
+        if replace:
+            os.replace(tmp, final)
+        else:
+            rename_noreplace(tmp, final)
+    except FileExistsError:
+        raise OutputError(f"{key}: {final} already exists; refusing to replace it") from None
+    except IsADirectoryError:  # a dir appeared there meanwhile
+        raise OutputError(f"{key}: {final} is a directory; name a file") from None
 
 
 def write_text(target: str | os.PathLike, text: str, *, key: str = "output") -> Path:

@@ -244,3 +244,16 @@ def test_json_onto_a_directory_is_refused_without_leftovers(tmp_path):
     with pytest.raises(OutputError, match="is a directory; name a file"):
         write_bytes(d, b"{}", key="--json")
     assert list(d.iterdir()) == [] and _hidden_leftovers(tmp_path) == []
+
+
+def test_a_file_where_a_parent_dir_should_be_is_one_line(tmp_path):
+    (tmp_path / "runs").write_text("a file, not a dir")
+    with pytest.raises(OutputError) as exc:
+        write_bytes(tmp_path / "runs" / "report.json", b"{}", key="--json")
+    assert str(exc.value) == (
+        f"--json: cannot write {tmp_path / 'runs' / 'report.json'}: a file is in the way"
+    )
+    with pytest.raises(OutputError, match="a file is in the way"):
+        with atomic_dir(tmp_path / "runs" / "fp8", key="export.output"):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]

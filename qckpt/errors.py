@@ -50,3 +50,14 @@ class OutputPathError(UsageError):
 class OutputError(QckptError):
     """An output that cannot be written: the target exists or appeared, a full disk, a read-only
     directory. Nothing is left half-written."""
+
+
+def unwrap_dcp(exc: BaseException) -> BaseException:
+    """DCP wraps each rank's exception in a CheckpointException; the first real one."""
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return unwrap_dcp(inner)
+    return exc

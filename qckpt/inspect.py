@@ -6,29 +6,24 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from qckpt.checkpoint.export_source import read_safetensors_header
+from qckpt.checkpoint import safetensors_io as stio
+from qckpt.checkpoint.sources import DCPSource, SafetensorsSource, is_dcp_dir
 from qckpt.errors import CheckpointError
 
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1,
-    "I16": 2, "I32": 4, "I64": 8, "BOOL": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8,
-}  # fmt: skip
-
-
-def _safetensors_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """(tensor name -> {dtype, shape}, metadata) from the JSON header, without reading data."""
-    header, _ = read_safetensors_header(path)
-    meta = header.pop("__metadata__", None) or {}
-    return header, meta
+# Importing this module must not import torch: inspecting an HF dir or a calibration file reads
+# JSON headers (and a few float32 values) only. DCP metadata needs torch's classes to unpickle.
 
 
 def _summarize_tensors(entries: dict[str, dict]) -> dict[str, Any]:
     dtypes = Counter(e["dtype"] for e in entries.values())
-    nbytes = sum(math.prod(e["shape"]) * _DTYPE_BYTES.get(e["dtype"], 0) for e in entries.values())
+    nbytes = sum(
+        math.prod(e["shape"]) * stio.DTYPES.get(e["dtype"], (0, ""))[0] for e in entries.values()
+    )
     largest = max(entries.items(), key=lambda kv: math.prod(kv[1]["shape"]), default=(None, None))
     return {
         "tensors": len(entries),
@@ -38,23 +33,52 @@ def _summarize_tensors(entries: dict[str, dict]) -> dict[str, Any]:
     }
 
 
-def inspect_calibration(path: Path, meta: dict[str, str]) -> dict[str, Any]:
-    from qckpt.calib.state_file import load_calibration
+def _header_entries(header: stio.Header) -> dict[str, dict]:
+    return {t.name: {"dtype": t.dtype, "shape": list(t.shape)} for t in header.tensors}
 
-    st = load_calibration(path)
-    values = {k: v for k, v in st.amax.items()}
-    zeros = sorted(k for k, v in values.items() if v.numel() and float(v.abs().max()) == 0.0)
-    calibrated = sum(1 for q in st.quantizers.values() if q.get("calibrated", True))
-    shared = sum(1 for q in st.quantizers.values() if q.get("shared"))
-    maxes = [float(v.max()) for v in values.values() if v.numel()]
+
+def _json_meta(path: Path, meta: dict[str, str], key: str) -> Any:
+    try:
+        return json.loads(meta.get(key, "{}"))
+    except ValueError:
+        raise CheckpointError(f"{path}: corrupt calibration metadata {key!r} (not JSON)") from None
+
+
+def _amax_values(header: stio.Header) -> dict[str, list[float]] | None:
+    """Every tensor's float32 values, read without torch (None if one is not float32)."""
+    if any(t.dtype != "F32" for t in header.tensors):
+        return None
+    out: dict[str, list[float]] = {}
+    with stio.open_regular(header.path) as f:
+        for t in header.tensors:
+            f.seek(t.begin)
+            a = array("f")
+            a.frombytes(f.read(t.nbytes))
+            out[t.name] = a.tolist()
+    return out
+
+
+def inspect_calibration(path: Path, header: stio.Header) -> dict[str, Any]:
+    meta = header.metadata
+    values = _amax_values(header) if meta.get("qckpt_calibration") == "1" else None
+    if values is None:  # another file version or dtype: the full reader says what is wrong
+        from qckpt.calib.state_file import load_calibration
+
+        st = load_calibration(path)
+        values = {k: v.flatten().tolist() for k, v in st.amax.items()}
+    quantizers = _json_meta(path, meta, "quantizers")
+    zeros = sorted(k for k, v in values.items() if v and max(abs(x) for x in v) == 0.0)
+    calibrated = sum(1 for q in quantizers.values() if q.get("calibrated", True))
+    shared = sum(1 for q in quantizers.values() if q.get("shared"))
+    maxes = [max(v) for v in values.values() if v]
     return {
         "kind": "calibration",
         "path": str(path),
-        "model_type": st.model_type,
-        "model_fingerprint": st.model_fingerprint,
-        "quant": st.quant,
-        "quantizers": len(st.quantizers) or len(values),
-        "calibrated": calibrated if st.quantizers else len(values),
+        "model_type": meta.get("model_type", ""),
+        "model_fingerprint": meta.get("model_fingerprint", ""),
+        "quant": _json_meta(path, meta, "quant"),
+        "quantizers": len(quantizers) or len(values),
+        "calibrated": calibrated if quantizers else len(values),
         "amax_values": len(values),
         "shared_from_layer": shared,
         "zero_amax": zeros,
@@ -66,16 +90,12 @@ def inspect_calibration(path: Path, meta: dict[str, str]) -> dict[str, Any]:
 def inspect_dcp(path: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from qckpt.checkpoint.safe_metadata import read_metadata_file
-
-    md = read_metadata_file(path / ".metadata")
+    md = DCPSource(path).dcp_metadata()
     entries = {}
     other = 0
     for name, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
-            dt = str(m.properties.dtype).replace("torch.", "")
-            code = {"bfloat16": "BF16", "float32": "F32", "float16": "F16", "int64": "I64",
-                    "float8_e4m3fn": "F8_E4M3", "uint8": "U8"}.get(dt, dt)  # fmt: skip
+            code = stio.dtype_code(m.properties.dtype).removeprefix("torch.")
             entries[name] = {"dtype": code, "shape": list(m.size), "chunks": len(m.chunks)}
         else:
             other += 1
@@ -88,66 +108,83 @@ def inspect_dcp(path: Path) -> dict[str, Any]:
     out["files"] = len(list(path.glob("*.distcp")))
     out["max_chunks_per_tensor"] = max((e["chunks"] for e in entries.values()), default=0)
     cfg = path / "config.json"
-    if cfg.is_file():
-        out["model_type"] = json.loads(cfg.read_text()).get("model_type")
+    if cfg.exists():
+        out["model_type"] = stio.read_json(cfg, what="model config").get("model_type")
     return out
 
 
 def inspect_hf_dir(path: Path) -> dict[str, Any]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    if not stio.has_safetensors(path):
         raise CheckpointError(f"{path}: no .metadata (DCP) and no *.safetensors (HF) here")
-    entries: dict[str, dict] = {}
-    shard_meta: dict[str, str] = {}
-    for f in files:
-        h, meta = _safetensors_header(f)
-        entries.update(h)
-        shard_meta.update(meta)
-    out: dict[str, Any] = {"kind": "hf", "path": str(path), "files": len(files)}
+    src = SafetensorsSource(path)
+    entries = {e.name: {"dtype": e.dtype, "shape": list(e.shape)} for e in src.stored()}
+    shard_meta = src.metadata()
+    out: dict[str, Any] = {"kind": "hf", "path": str(path), "files": len(src.files())}
     out.update(_summarize_tensors(entries))
-    cfg_path = path / "config.json"
-    if cfg_path.is_file():
-        cfg = json.loads(cfg_path.read_text())
-        out["model_type"] = cfg.get("model_type")
-        qc = cfg.get("quantization_config")
-        if qc:
-            out["kind"] = "export"
-            out["quant_method"] = qc.get("quant_method")
-            out["quant_format"] = qc.get("format")
-            groups = qc.get("config_groups") or {}
-            out["config_groups"] = {
-                g: {
-                    "weights": (v.get("weights") or {}).get("strategy"),
-                    "inputs": (v.get("input_activations") or {}).get("strategy"),
-                    "dynamic_inputs": (v.get("input_activations") or {}).get("dynamic"),
-                }
-                for g, v in groups.items()
-            }
-            out["ignore"] = qc.get("ignore") or qc.get("exclude_modules")
-    hq = path / "hf_quant_config.json"
-    if hq.is_file():
-        q = json.loads(hq.read_text()).get("quantization", {})
-        out["kind"] = "export"
-        out["quant_method"] = out.get("quant_method") or "modelopt"
-        out["quant_algo"] = q.get("quant_algo")
+    out.update(_quant_summary(path))
     out["scales"] = sum(1 for k in entries if k.endswith(("_scale", "_scale_2")))
-    out["source_layout"] = _source_layout(path)
-    if (path / "model.safetensors.index.json").is_file():
+    cfg = stio.read_json(path / "config.json") if (path / "config.json").exists() else {}
+    out["source_layout"] = _source_layout(src, cfg)
+    if (path / stio.INDEX_NAME).exists():
         out["index"] = True
     if shard_meta:
         out["shard_metadata"] = shard_meta
     return out
 
 
-def _source_layout(path: Path) -> dict[str, Any]:
-    """How qckpt reads the dir as a source: its layout and scales, or why it refuses it."""
-    from qckpt.checkpoint.hf_reader import hf_index
-    from qckpt.checkpoint.quantized_sources import source_layout
+def _quant_summary(path: Path) -> dict[str, Any]:
+    """model_type and, for an export, its quantization config (config.json, hf_quant_config)."""
+    out: dict[str, Any] = {}
+    if (path / "config.json").exists():
+        cfg = stio.read_json(path / "config.json", what="model config")
+        out["model_type"] = cfg.get("model_type")
+        qc = cfg.get("quantization_config")
+        if isinstance(qc, dict) and qc:
+            out["kind"] = "export"
+            out["quant_method"] = qc.get("quant_method")
+            out["quant_format"] = qc.get("format")
+            groups = qc.get("config_groups") or {}
+            out["config_groups"] = {
+                g: {
+                    "weights": _get(v, "weights", "strategy"),
+                    "inputs": _get(v, "input_activations", "strategy"),
+                    "dynamic_inputs": _get(v, "input_activations", "dynamic"),
+                }
+                for g, v in (groups.items() if isinstance(groups, dict) else [])
+            }
+            out["ignore"] = qc.get("ignore") or qc.get("exclude_modules")
+    if (path / "hf_quant_config.json").exists():
+        q = stio.read_json(path / "hf_quant_config.json", what="ModelOpt config")
+        q = q.get("quantization") if isinstance(q.get("quantization"), dict) else {}
+        out["kind"] = "export"
+        out["quant_method"] = out.get("quant_method") or "modelopt"
+        out["quant_algo"] = q.get("quant_algo")
+    return out
 
+
+def _get(d: Any, key: str, leaf: str) -> Any:
+    inner = d.get(key) if isinstance(d, dict) else None
+    return inner.get(leaf) if isinstance(inner, dict) else None
+
+
+def _source_layout(src: SafetensorsSource, cfg: dict[str, Any]) -> dict[str, Any]:
+    """How qckpt reads the dir as a source: its layout and scales, or why it refuses it."""
     try:
-        return source_layout(path, hf_index(path)).summary()
+        layout = src.layout()
     except CheckpointError as exc:
         return {"layout": "unknown", "refused": str(exc)}
+    if layout is not None:
+        return layout.summary()
+    # nothing quantized: the summary quantized_sources gives a plain dir, without torch
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    return {
+        "layout": "plain",
+        "detail": "",
+        "quantized_weights": 0,
+        "scales": {},
+        "hidden_tensors": 0,
+        "dequantized_dtype": dtype if dtype in ("float16", "float32", "float64") else "bfloat16",
+    }
 
 
 def inspect_path(path: str | Path) -> dict[str, Any]:
@@ -156,10 +193,15 @@ def inspect_path(path: str | Path) -> dict[str, Any]:
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if p.is_dir():
-        if (p / ".metadata").is_file():
+        if is_dcp_dir(p):
             return inspect_dcp(p)
         return inspect_hf_dir(p)
-    header, meta = _safetensors_header(p)
-    if meta.get("qckpt_calibration"):
-        return inspect_calibration(p, meta)
-    return {"kind": "safetensors", "path": str(p), **_summarize_tensors(header), "metadata": meta}
+    header = stio.read_header(p)
+    if header.metadata.get("qckpt_calibration"):
+        return inspect_calibration(p, header)
+    return {
+        "kind": "safetensors",
+        "path": str(p),
+        **_summarize_tensors(_header_entries(header)),
+        "metadata": header.metadata,
+    }

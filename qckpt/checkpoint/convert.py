@@ -179,62 +179,31 @@ def dcp_to_hf_dir(
     model_config: Any,
     *,
     max_shard_bytes: int | None = None,
+    model_files_from: str | os.PathLike | None = None,
 ) -> Path:
     """Write the DCP checkpoint as an HF safetensors dir (per-expert names) + ``config.json``.
 
     One ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` of at most
-    ``max_shard_bytes`` with ``model.safetensors.index.json``. Reads one checkpoint tensor at a
-    time and keeps at most one shard in memory.
+    ``max_shard_bytes`` with ``model.safetensors.index.json``, written by the shard writer that
+    export uses: one checkpoint tensor in memory at a time. The tokenizer, generation config
+    and chat template of ``model_files_from`` (a model dir) are copied along, as export does.
     """
-    from safetensors.torch import save_file
-
-    from qckpt.checkpoint.sources import iter_checkpoint_tensors
-    from qckpt.models import naming
+    from qckpt.checkpoint.model_files import copy_model_files
+    from qckpt.checkpoint.safetensors_io import plan_shards, write_json, write_shards
+    from qckpt.checkpoint.sources import DCPSource, hf_entries, iter_hf_tensors
 
     cfg = _config_dict(model_config)
     model_type = str(cfg.get("model_type", ""))
     if hasattr(model_config, "to_json_string"):
         _check_fits(dcp_dir, model_config)
+    src = DCPSource(dcp_dir)
+    entries = hf_entries(src.entries(), model_type)
+    plan = plan_shards(([e] for e in entries), max_shard_bytes, single_file_name=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    names: list[list[str]] = [[]]
-    tmp_files: list[Path] = []
-    total = 0
-
-    def flush() -> None:
-        # shard files get their final names once the count is known; write under a temp name
-        p = out / f".shard-{len(tmp_files):05d}.safetensors"
-        save_file(shards[-1], str(p), metadata={"format": "pt"})
-        tmp_files.append(p)
-        names.append([])
-        shards[-1] = {}
-        sizes[-1] = 0
-
-    for name, tensor in iter_checkpoint_tensors(dcp_dir, "dcp"):
-        for hf_name, view in naming.hf_tensors(name, tensor, model_type):
-            t = view.contiguous().clone()  # safetensors refuses tensors sharing storage
-            nbytes = t.numel() * t.element_size()
-            if max_shard_bytes and sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
-                flush()
-            shards[-1][hf_name] = t
-            names[-1].append(hf_name)
-            sizes[-1] += nbytes
-            total += nbytes
-    if shards[-1] or not tmp_files:
-        flush()
-    names = [n for n in names if n]
-    if len(tmp_files) == 1:
-        tmp_files[0].replace(out / "model.safetensors")
-    else:
-        n = len(tmp_files)
-        weight_map: dict[str, str] = {}
-        for i, (p, ns) in enumerate(zip(tmp_files, names, strict=True)):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            p.replace(out / final)
-            weight_map.update({k: final for k in ns})
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = ((he.name, t) for he, t in iter_hf_tensors(src, entries, model_type))
+    write_shards(out, plan, tensors, metadata={"format": "pt"})
+    write_json(out / "config.json", cfg)
+    if model_files_from is not None:
+        copy_model_files(model_files_from, out)
     return out

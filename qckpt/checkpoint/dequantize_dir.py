@@ -1,10 +1,11 @@
 """``convert`` of a quantized HF dir into a plain one: every weight dequantized with its scales.
 
 Streaming: one source tensor in flight (read, dequantized in float32, rounded once to the
-output dtype) and at most one output shard in memory. The output is what ``save_pretrained``
-of the dequantized model would write: the same tensor names, ``config.json`` without its
-``quantization_config`` and with the output dtype, the tokenizer and generation files carried
-over, shards with ``model.safetensors.index.json`` past ``max_shard_bytes``.
+output dtype), written by the shard writer that export and ``convert --to hf`` use. The output
+is what ``save_pretrained`` of the dequantized model would write: the same tensor names,
+``config.json`` without its ``quantization_config`` and with the output dtype, the tokenizer and
+generation files carried over, shards with ``model.safetensors.index.json`` past
+``max_shard_bytes``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from qckpt.checkpoint.safetensors_io import read_json
 from qckpt.errors import CheckpointError
 from qckpt.outputs import EXPORT_MARKER
 
@@ -30,7 +33,7 @@ def _carry_files(src: Path, dst: Path, dtype: torch.dtype) -> None:
         if not f.is_file() or f.suffix == ".safetensors" or f.name in _QUANT_FILES:
             continue
         if f.name == "config.json":
-            cfg = json.loads(f.read_text())
+            cfg = read_json(f, what="model config")
             cfg.pop("quantization_config", None)
             name = str(dtype).replace("torch.", "")
             for key in ("torch_dtype", "dtype"):
@@ -39,6 +42,13 @@ def _carry_files(src: Path, dst: Path, dtype: torch.dtype) -> None:
             (dst / f.name).write_text(json.dumps(cfg, indent=2))
         else:
             shutil.copyfile(f, dst / f.name)
+
+
+@dataclass(frozen=True)
+class _Out:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 def dequantize_dir(
@@ -50,62 +60,30 @@ def dequantize_dir(
 ) -> dict[str, object]:
     """Write the dequantized checkpoint of the quantized HF dir ``src`` into ``dst`` (which
     must exist and be empty). Returns {layout, tensors, dequantized, bytes, files}."""
-    from safetensors.torch import save_file
-
-    from qckpt.checkpoint.export_source import list_entries, read_entry
+    from qckpt.checkpoint.safetensors_io import plan_shards, write_shards
+    from qckpt.checkpoint.sources import SafetensorsSource
 
     srcp, out = Path(src), Path(dst)
-    fmt, entries = list_entries(srcp, "safetensors")
-    from qckpt.checkpoint.hf_reader import hf_index
-    from qckpt.checkpoint.quantized_sources import source_layout
-
-    layout = source_layout(srcp, hf_index(srcp))
-    if not layout.quantized:
+    source = SafetensorsSource(srcp)
+    layout = source.layout()
+    if layout is None or not layout.quantized:
         raise CheckpointError(f"{srcp}: not a quantized checkpoint; nothing to dequantize")
-    shard: dict[str, torch.Tensor] = {}
-    shard_bytes, total, dequantized = 0, 0, 0
-    files: list[tuple[Path, list[str]]] = []
-
-    def flush() -> None:
-        p = out / f".shard-{len(files):05d}.safetensors"
-        save_file(shard, str(p), metadata={"format": "pt"})
-        files.append((p, list(shard)))
-        shard.clear()
-
-    for e in entries:
-        t = read_entry(e, srcp, fmt)
-        if e.quant is not None or t.dtype.is_floating_point:
-            t = t.to(dtype)
-        dequantized += e.quant is not None
-        n = t.numel() * t.element_size()
-        if shard and shard_bytes + n > max_shard_bytes:
-            flush()
-            shard_bytes = 0
-        shard[e.name] = t.contiguous()
-        shard_bytes += n
-        total += n
-        del t
-    if shard or not files:
-        flush()
-    _name_shards(out, files, total)
+    entries = source.entries()
+    outs = [
+        _Out(e.name, dtype if e.torch_dtype.is_floating_point else e.torch_dtype, e.shape)
+        for e in entries
+    ]
+    plan = plan_shards(([o] for o in outs), max_shard_bytes, single_file_name=True)
+    tensors = (
+        (o.name, t.to(o.dtype))
+        for o, (_, t) in zip(outs, source.iter_tensors(entries), strict=True)
+    )
+    total = write_shards(out, plan, tensors, metadata={"format": "pt"})
     _carry_files(srcp, out, dtype)
     return {
         "layout": layout.describe(),
         "tensors": len(entries),
-        "dequantized": dequantized,
+        "dequantized": sum(1 for e in entries if e.scales),
         "bytes": total,
-        "files": len(files),
+        "files": len(plan.files),
     }
-
-
-def _name_shards(out: Path, files: list[tuple[Path, list[str]]], total: int) -> None:
-    if len(files) == 1:
-        files[0][0].replace(out / "model.safetensors")
-        return
-    weight_map: dict[str, str] = {}
-    for i, (p, names) in enumerate(files):
-        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        p.replace(out / final)
-        weight_map.update({k: final for k in names})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

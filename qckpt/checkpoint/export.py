@@ -27,10 +27,8 @@ import json
 import math
 import os
 import resource
-import shutil
-import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,30 +38,26 @@ import torch
 from qckpt.atomic import atomic_dir
 from qckpt.calib.state_file import CalibrationState, load_calibration, model_fingerprint
 from qckpt.checkpoint.export_layouts import Layout, OutSpec, make_layout
-from qckpt.checkpoint.export_source import (
-    DTYPE_NAMES,
+from qckpt.checkpoint.model_files import copy_model_files
+from qckpt.checkpoint.safetensors_io import (
+    ShardPlan,
+    plan_shards,
+    read_json,
+    write_json,
+    write_shards,
+)
+from qckpt.checkpoint.sources import (
+    CheckpointSource,
     HFEntry,
     hf_entries,
     iter_hf_tensors,
-    list_entries,
+    open_source,
 )
 from qckpt.errors import CheckpointError, ExportError
 from qckpt.models.naming import expert_slices
 from qckpt.outputs import EXPORT_MARKER, check_export_target, export_marker, guard
 from qckpt.recipe import ExportConfig, QuantConfig
 
-CARRY_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 ProgressFn = Callable[[int, int, str], None]
 
 
@@ -215,61 +209,8 @@ def _check_amax(
             raise ExportError(f"{where}: {key} is not finite")
 
 
-def _plan_shards(groups: list[_Group], max_bytes: int) -> list[list[_Group]]:
-    shards: list[list[_Group]] = [[]]
-    size = 0
-    for g in groups:
-        # a group (one weight and its scales) never straddles two shards
-        if shards[-1] and size + g.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(g)
-        size += g.nbytes
-    return shards
-
-
 # --------------------------------------------------------------------------------------------
 # writing
-
-
-class _ShardWriter:
-    """A safetensors file written front to back: header from the plan, then the data in order."""
-
-    def __init__(self, path: Path, specs: list[OutSpec], metadata: dict[str, str]) -> None:
-        header: dict[str, Any] = {"__metadata__": metadata}
-        off = 0
-        for s in specs:
-            header[s.name] = {
-                "dtype": DTYPE_NAMES[s.dtype],
-                "shape": list(s.shape),
-                "data_offsets": [off, off + s.nbytes],
-            }
-            off += s.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-        self.path = path
-        self.specs = specs
-        self.pos = 0
-        self.f = open(path, "wb")
-        self.f.write(struct.pack("<Q", len(raw)))
-        self.f.write(raw)
-
-    def write(self, name: str, t: torch.Tensor) -> int:
-        spec = self.specs[self.pos]
-        if name != spec.name or t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
-            # the plan and the quantizer disagree: a bug, never a user error
-            raise AssertionError(f"export wrote {name} {t.dtype} {tuple(t.shape)}, planned {spec}")
-        self.pos += 1
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        self.f.write(memoryview(data.numpy()))
-        return spec.nbytes
-
-    def close(self) -> None:
-        if self.pos != len(self.specs):
-            raise AssertionError(f"{self.path}: wrote {self.pos} of {len(self.specs)} tensors")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
 
 
 def _peak_rss() -> int:
@@ -283,12 +224,49 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+@dataclass
+class _WriteStats:
+    written: int = 0  # output tensors
+    sources: int = 0  # stored tensors read
+    bytes_read: int = 0
+
+
+def _output_tensors(
+    src: CheckpointSource,
+    groups: list[_Group],
+    layout: Layout,
+    amax: dict[str, torch.Tensor],
+    attn_modules: list[str],
+    model_type: str,
+    stats: _WriteStats,
+    progress: ProgressFn | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The export's tensors in plan order (the groups' order), one source tensor in flight."""
+    by_name = {g.entry.name: g for g in groups if g.entry is not None}
+    n_source = len(src.entries())
+    last_source = None
+    for he, t in iter_hf_tensors(src, [g.entry for g in groups if g.entry], model_type):
+        g = by_name[he.name]
+        if g.module is not None:
+            outs = layout.quantize_linear(g.module, t, amax)
+        else:
+            outs = iter([(he.name, t.to(g.specs[0].dtype))])
+        for name, q in outs:
+            stats.written += 1
+            yield name, q
+            del q
+        del t
+        if he.source is not last_source:
+            last_source = he.source
+            stats.sources += 1
+            stats.bytes_read += he.source.nbytes
+            if progress is not None:
+                progress(stats.sources, n_source, he.source.name)
+    if any(g.entry is None for g in groups):  # the KV scales: from the calibration file only
+        for a in attn_modules:
+            for name, q in layout.kv_tensors(a, amax):
+                stats.written += 1
+                yield name, q
 
 
 def _refuse_unmarked(target: Path) -> None:
@@ -325,9 +303,12 @@ def export_checkpoint(
 
     # -- plan ---------------------------------------------------------------------------------
     try:
-        src_fmt, stored = list_entries(source, source_format)
+        src = open_source(source, source_format)
+        stored = src.entries()
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
+    if not stored:
+        raise ExportError(f"{source}: the checkpoint holds no tensors")
     entries = hf_entries(stored, model_type)
     fingerprint = model_fingerprint((e.name, e.shape) for e in entries)
 
@@ -351,8 +332,8 @@ def export_checkpoint(
     _check_calibration(cal, model_type, fingerprint, quant, where)
 
     cfg = _config_dict(model_config)
-    if source_dir is not None and (Path(source_dir) / "config.json").is_file():
-        cfg = json.loads((Path(source_dir) / "config.json").read_text())
+    if source_dir is not None and os.path.lexists(Path(source_dir) / "config.json"):
+        cfg = read_json(Path(source_dir) / "config.json", what="model config")
     model_dtype = _model_dtype(cfg, entries)
     layout: Layout = make_layout(layout_name, quant, model_dtype)
 
@@ -387,87 +368,43 @@ def export_checkpoint(
     _check_amax(cal, needed, where)
     ignore_list = sorted(m for m in linears | routers if ignored(m))
 
-    shards = _plan_shards(groups, export.max_shard_bytes)
-    n = len(shards)
-    shard_names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map = {
-        s.name: shard_names[i] for i, sh in enumerate(shards) for g in sh for s in g.specs
-    }
-    total_size = sum(g.nbytes for g in groups)
+    plan: ShardPlan = plan_shards((g.specs for g in groups), export.max_shard_bytes)
     cfg["quantization_config"] = layout.quantization_config(ignore_list)
 
     # -- write --------------------------------------------------------------------------------
-    bytes_read = bytes_written = written = 0
+    stats = _WriteStats()
     largest = max(g.entry.source.nbytes for g in groups if g.entry is not None)
     replace = export.overwrite
     with atomic_dir(
         target, key="export.output", replace=replace, may_replace=_refuse_unmarked
     ) as tmp:
-        meta = layout.shard_metadata()
-        amax = cal.amax
-        done_sources = 0
-        last_source = None
-        n_source = len(stored)
-        for shard_i, shard in enumerate(shards):
-            writer = _ShardWriter(
-                tmp / shard_names[shard_i], [s for g in shard for s in g.specs], meta
-            )
-            entries_here = [g.entry for g in shard if g.entry is not None]
-            by_name = {g.entry.name: g for g in shard if g.entry is not None}
-            for he, t in iter_hf_tensors(source, src_fmt, entries_here, model_type):
-                g = by_name[he.name]
-                if g.module is not None:
-                    outs = layout.quantize_linear(g.module, t, amax)
-                else:
-                    outs = iter([(he.name, t.to(g.specs[0].dtype))])
-                for name, q in outs:
-                    bytes_written += writer.write(name, q)
-                    written += 1
-                    del q
-                del t
-                if he.source is not last_source:
-                    last_source = he.source
-                    done_sources += 1
-                    bytes_read += he.source.nbytes
-                    if progress is not None:
-                        progress(done_sources, n_source, he.source.name)
-            for g in shard:
-                if g.entry is None:  # the KV scales: from the calibration file only
-                    for a in attn_modules:
-                        for name, q in layout.kv_tensors(a, amax):
-                            bytes_written += writer.write(name, q)
-                            written += 1
-            writer.close()
-        _write_json(
-            tmp / "model.safetensors.index.json",
-            {"metadata": {"total_size": total_size}, "weight_map": weight_map},
+        tensors = _output_tensors(
+            src, groups, layout, cal.amax, attn_modules, model_type, stats, progress
         )
-        _write_json(tmp / "config.json", cfg)
+        bytes_written = write_shards(tmp, plan, tensors, metadata=layout.shard_metadata())
+        write_json(tmp / "config.json", cfg)
         for fname, obj in layout.extra_files(ignore_list).items():
-            _write_json(tmp / fname, obj)
+            write_json(tmp / fname, obj)
         if source_dir is not None:
-            for fname in CARRY_FILES:
-                f = Path(source_dir) / fname
-                if f.is_file():
-                    shutil.copy2(f, tmp / fname)
+            copy_model_files(source_dir, tmp)
         # last: overwrite replaces only a dir holding this file
-        _write_json(tmp / EXPORT_MARKER, export_marker(layout=layout_name, shards=n))
+        write_json(tmp / EXPORT_MARKER, export_marker(layout=layout_name, shards=len(plan.files)))
 
     seconds = time.perf_counter() - t0
     return ExportReport(
         output=str(target),
         layout=layout_name,
         quant_format=layout.shard_metadata()["quant_format"],
-        source_format=src_fmt,
+        source_format=src.format,
         source_tensors=len(stored),
-        tensors_written=written,
+        tensors_written=stats.written,
         quantized_linears=quantized,
-        bytes_read=bytes_read,
+        bytes_read=stats.bytes_read,
         bytes_written=bytes_written,
-        shards=n,
+        shards=len(plan.files),
         largest_tensor_bytes=largest,
         seconds=seconds,
-        gbps=bytes_read / seconds / 1e9 if seconds > 0 else 0.0,
+        gbps=stats.bytes_read / seconds / 1e9 if seconds > 0 else 0.0,
         peak_rss_bytes=_peak_rss(),
         files=sorted(p.name for p in target.iterdir()),
     )

@@ -14,7 +14,6 @@ so what we read is exactly what ``save_pretrained`` / ``dcp_to_hf_dir`` write.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -40,11 +39,10 @@ from qckpt.checkpoint.quantized_sources import (
     dequantize_into,
     source_layout,
 )
+from qckpt.checkpoint.safetensors_io import has_safetensors, read_json, require_regular
+from qckpt.checkpoint.sources import SafetensorsSource
 from qckpt.errors import CheckpointError
 from qckpt.models import naming
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -67,79 +65,20 @@ class HFEntry:
     pieces: list[HFPiece]
 
 
-def safetensors_files(path: str | os.PathLike) -> list[str]:
-    """The safetensors files of an HF dir: the index's files, or ``model.safetensors``, or all."""
-    p = Path(path)
-    if (p / INDEX_NAME).is_file():
-        try:
-            index = json.loads((p / INDEX_NAME).read_text())
-            files = sorted(set(index["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{p / INDEX_NAME}: not a safetensors index ({exc})") from None
-        for f in files:
-            if not (p / f).is_file():
-                raise CheckpointError(f"{p / INDEX_NAME}: lists {f}, which does not exist")
-        return files
-    if (p / SINGLE_NAME).is_file():
-        return [SINGLE_NAME]
-    files = sorted(f.name for f in p.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{p}: no safetensors files")
-    return files
-
-
 def hf_index(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
-    """Every tensor of the dir: name -> (file, shape, dtype), from the headers only."""
-    from safetensors import safe_open
-
-    out: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
-    for f in safetensors_files(path):
-        try:
-            with safe_open(str(Path(path) / f), framework="pt", device="cpu") as h:
-                for k in h.keys():
-                    sl = h.get_slice(k)
-                    out[k] = (f, tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), f, k))
-        except CheckpointError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(
-                f"{Path(path) / f}: not a readable safetensors file ({exc})"
-            ) from None
-    return out
-
-
-# safetensors dtype names -> torch dtypes (the readers of both loading and export use this)
-ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def _st_dtype(s: str, f: str, k: str) -> torch.dtype:
-    try:
-        return ST_DTYPES[s]
-    except KeyError:
-        raise CheckpointError(f"{f}: tensor {k} has unsupported dtype {s}") from None
+    """Every tensor of the dir: name -> (file name, shape, dtype), from the headers only."""
+    return {
+        e.name: (Path(e.file).name, e.shape, e.torch_dtype)
+        for e in SafetensorsSource(path).stored()
+    }
 
 
 def model_type_of_dir(path: str | os.PathLike) -> str:
+    """The dir's config.json ``model_type`` ("" without a config.json)."""
     cfg = Path(path) / "config.json"
-    if cfg.is_file():
-        try:
-            return str(json.loads(cfg.read_text()).get("model_type", ""))
-        except ValueError:
-            return ""
-    return ""
+    if not os.path.lexists(cfg):
+        return ""
+    return str(read_json(cfg, what="model config").get("model_type", ""))
 
 
 def _fused_pieces(
@@ -352,6 +291,7 @@ class HFSafetensorsReader(StorageReader):
                     continue
                 h = handles.get(piece.file)
                 if h is None:
+                    require_regular(self.path / piece.file)  # a FIFO swapped in would block
                     h = safe_open(str(self.path / piece.file), framework="pt", device="cpu")
                     handles[piece.file] = h
                 # storage offsets are relative to the chunk; the stored tensor lacks its
@@ -409,4 +349,4 @@ class HFSafetensorsReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         p = Path(checkpoint_id)
-        return p.is_dir() and any(p.glob("*.safetensors"))
+        return p.is_dir() and has_safetensors(p)

@@ -32,7 +32,7 @@ from qckpt.checkpoint.planner import (
     prepended_axes,
     unwrap_prepended,
 )
-from qckpt.checkpoint.sources import _resolve_format, open_reader
+from qckpt.checkpoint.sources import open_reader, resolve_format
 from qckpt.errors import CheckpointError, QckptError, UsageError
 from qckpt.parallel.shard import model_shards
 
@@ -211,7 +211,7 @@ def load_checkpoint(
         main_params = None
     if main_params not in (None, "fp32"):
         raise UsageError(f"load.main_params: must be none or fp32; got {main_params!r}")
-    fmt = _resolve_format(path, format)
+    fmt = resolve_format(path, format)
     shards = {**expert_shards(model), **tensor_shards(model)}
     expected = {k: torch.Size(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     expected.update({k: torch.Size(g) for k, (g, _) in shards.items()})

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
 
+from qckpt.checkpoint.safetensors_io import open_regular
 from qckpt.errors import CheckpointError
 
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -86,7 +87,8 @@ def read_metadata_file(path: str | os.PathLike) -> dcp_md.Metadata:
     """Unpickle a ``.metadata`` file with the allow-list; one-line CheckpointError otherwise."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open_regular(path) as f:  # a FIFO named .metadata must not block us
+            data = f.read()
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read DCP metadata ({exc.strerror})") from None
     try:
@@ -97,7 +99,68 @@ def read_metadata_file(path: str | os.PathLike) -> dcp_md.Metadata:
         raise CheckpointError(f"{path}: corrupt DCP metadata ({type(exc).__name__})") from None
     if not isinstance(md, dcp_md.Metadata):
         raise CheckpointError(f"{path}: not DCP metadata (got {type(md).__name__})")
+    problem = _structure_problem(md)
+    if problem:
+        raise CheckpointError(f"{path}: corrupt DCP metadata ({problem})")
     return md
+
+
+def _sizes(x: Any) -> bool:
+    return isinstance(x, tuple | list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x
+    )
+
+
+def _tensor_problem(name: str, m: Any) -> str:
+    """What is wrong with one unpickled TensorStorageMetadata ("" when nothing)."""
+    dtype = getattr(getattr(m, "properties", None), "dtype", None)
+    size = getattr(m, "size", None)
+    if not isinstance(dtype, torch.dtype):
+        return f"{name} has no dtype"
+    if not _sizes(size):
+        return f"{name} has no valid size"
+    chunks = getattr(m, "chunks", None)
+    if not isinstance(chunks, list):
+        return f"{name} has no chunk list"
+    for c in chunks:
+        offs, lens = getattr(c, "offsets", None), getattr(c, "sizes", None)
+        if not (_sizes(offs) and _sizes(lens) and len(offs) == len(lens) == len(size)):
+            return f"{name} has a chunk that does not match its shape"
+        if any(o + n > s for o, n, s in zip(offs, lens, size, strict=True)):
+            return f"{name} has a chunk outside its shape {list(size)}"
+    return ""
+
+
+def _structure_problem(md: dcp_md.Metadata) -> str:
+    """The unpickled objects have the fields and types the readers rely on ("" if so).
+
+    The allow-list guarantees only the classes; a corrupt file can still build them with
+    missing or mistyped fields, which would fail much later as an AttributeError.
+    """
+    sd = getattr(md, "state_dict_metadata", None)
+    if not isinstance(sd, dict):
+        return "no state_dict_metadata"
+    for name, m in sd.items():
+        if not isinstance(name, str):
+            return "a non-string tensor name"
+        if isinstance(m, dcp_md.TensorStorageMetadata):
+            problem = _tensor_problem(name, m)
+            if problem:
+                return problem
+        elif not isinstance(m, dcp_md.BytesStorageMetadata):
+            return f"{name} has entry type {type(m).__name__}"
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(storage, dict):  # a filesystem checkpoint always says where data lie
+        return "no storage_data map"
+    for idx, info in storage.items():
+        if not isinstance(getattr(idx, "fqn", None), str):
+            return "a storage entry without a tensor name"
+        if idx.fqn not in sd:
+            return f"storage for {idx.fqn}, which the metadata does not list"
+        rel, off, n = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if not isinstance(rel, str) or not _sizes((off, n)):
+            return f"{idx.fqn} has no valid file range"
+    return ""
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -111,7 +174,3 @@ class SafeFileSystemReader(FileSystemReader):
             md.storage_meta = dcp_md.StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
-
-
-def is_dcp_dir(path: str | os.PathLike) -> bool:
-    return (Path(path) / ".metadata").is_file()

@@ -1,31 +1,52 @@
-"""Checkpoint sources: a DCP dir or an HF safetensors dir, behind one set of functions.
+"""Checkpoint sources: a DCP dir or an HF safetensors dir, behind one abstraction.
 
-* ``detect_format(path)`` -> ``"dcp"`` | ``"safetensors"``.
-* ``open_reader(path, format, model=...)`` -> a DCP ``StorageReader`` that serves items in plan
-  order (what the streaming planner's memory bound needs) and counts ``bytes_read``.
-* ``checkpoint_names_shapes(path)`` and ``iter_checkpoint_tensors(path)``: the state-dict view
-  of a checkpoint, one whole tensor at a time (export, inspect, convert).
+A :class:`CheckpointSource` lists its tensors from metadata alone (``entries()``: name, dtype,
+shape, file; no tensor data read) and reads them one at a time (``read(entry)``,
+``iter_tensors()``), so that export, convert and inspect plan first and then stream with host
+memory near the largest tensor. ``open_source(path, format)`` picks the class;
+``resolve_format`` is the one place that says what a path holds (``CheckpointError`` otherwise).
+
+Names are the stored ones: a DCP dir's state-dict names (fused experts as one tensor), an HF
+dir's checkpoint names (per expert). ``hf_entries`` / ``iter_hf_tensors`` give any source in
+HF checkpoint naming; ``open_reader`` / ``iter_checkpoint_tensors`` give it in state-dict naming
+(an HF dir's per-expert tensors fused) through a DCP ``StorageReader``, which is what ``load``
+plans against.
+
+Quantized sources (FP8 blockwise, compressed-tensors, ModelOpt) plug in as sources too: an
+:class:`Entry` can say what its value's ``dtype`` is, what is ``stored`` on disk and which
+companion ``scales`` entries a reader needs with it, and ``read`` is the one place a subclass or
+wrapper turns stored bytes into values.
+
+Importing this module does not import torch (``qckpt inspect`` of an HF dir stays fast).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.futures import Future
+from qckpt.checkpoint import safetensors_io as stio
+from qckpt.errors import CheckpointError
 
-from qckpt.checkpoint.hf_reader import HFSafetensorsReader, safetensors_files
-from qckpt.checkpoint.safe_metadata import SafeFileSystemReader, is_dcp_dir
-from qckpt.errors import CheckpointError, UsageError
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
+    from qckpt.checkpoint.hf_reader import HFSafetensorsReader
 
 FORMATS = ("auto", "dcp", "safetensors")
+
+
+def is_dcp_dir(path: str | os.PathLike) -> bool:
+    """A dir with a ``.metadata`` entry (checked as a file only when it is read)."""
+    return os.path.lexists(Path(path) / ".metadata")
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -37,55 +58,358 @@ def detect_format(path: str | os.PathLike) -> str:
         raise CheckpointError(f"{p}: a checkpoint is a directory (DCP or HF safetensors)")
     if is_dcp_dir(p):
         return "dcp"
-    if any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file():
+    if stio.has_safetensors(p):
         return "safetensors"
     raise CheckpointError(f"{p}: neither a DCP checkpoint (.metadata) nor an HF safetensors dir")
 
 
-def _resolve_format(path: str | os.PathLike, format: str) -> str:
+def resolve_format(path: str | os.PathLike, format: str = "auto") -> str:
+    """``dcp`` or ``safetensors``: ``auto`` detected, an explicit format as given."""
     if format not in FORMATS:
-        raise UsageError(f"checkpoint.format: must be one of {', '.join(FORMATS)}; got {format!r}")
+        raise CheckpointError(
+            f"{Path(path)}: unknown checkpoint format {format!r} (one of {', '.join(FORMATS)})"
+        )
     return detect_format(path) if format == "auto" else format
 
 
-class OrderedFileSystemReader(SafeFileSystemReader):
-    """DCP dir reader (safe metadata) that serves read items in the plan's order.
+@dataclass(frozen=True)
+class Entry:
+    """One stored tensor of a source, known from metadata alone."""
 
-    The stock ``read_data`` groups items per file, so the pieces of a destination saved by
-    several ranks arrive far apart and a streaming scratch would stay alive in between. Here
-    the plan is cut into runs of consecutive items of one file and each run is read by the stock
-    code (no copy of its internals), so the order is the planner's.
+    name: str
+    dtype: str  # safetensors code of the value ``read`` returns ("BF16"; "torch.x" if none)
+    shape: tuple[int, ...]
+    file: str  # the file holding its data (the first chunk's, for DCP)
+    stored: str = ""  # dtype code on disk when a source converts on read ("" = ``dtype``)
+    scales: tuple[str, ...] = ()  # names of companion entries (scales) a read needs with it
+    loc: Any = field(default=None, compare=False, repr=False)  # source-private: where it lies
+
+    @property
+    def stored_dtype(self) -> str:
+        return self.stored or self.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored (what reading it costs)."""
+        return math.prod(self.shape) * stio.itemsize(self.stored_dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return stio.torch_dtype(self.dtype)
+
+
+class CheckpointSource(ABC):
+    """A checkpoint read as entries (metadata only) and then one tensor at a time."""
+
+    format: str = ""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._entries: list[Entry] | None = None
+
+    def entries(self) -> list[Entry]:
+        """Every tensor, in read order (each file walked forward); reads no tensor data."""
+        if self._entries is None:
+            self._entries = self._list()
+        return self._entries
+
+    def entry(self, name: str) -> Entry:
+        for e in self.entries():
+            if e.name == name:
+                return e
+        raise CheckpointError(f"{name}: not in the checkpoint {self.path}")
+
+    @abstractmethod
+    def _list(self) -> list[Entry]: ...
+
+    @abstractmethod
+    def read(self, entry: Entry) -> torch.Tensor:
+        """One entry's whole value as a fresh CPU tensor of ``entry.dtype`` and shape."""
+
+    def iter_tensors(
+        self, entries: Iterable[Entry] | None = None
+    ) -> Iterator[tuple[Entry, torch.Tensor]]:
+        """(entry, tensor) for each entry (default: all), one tensor in flight."""
+        for e in self.entries() if entries is None else entries:
+            t = self.read(e)
+            yield e, t
+            del t
+
+
+class SafetensorsSource(CheckpointSource):
+    """An HF safetensors dir (one file or sharded with an index), in its stored names.
+
+    Headers are parsed by :mod:`safetensors_io`; each tensor is read with ``readinto`` into its
+    own buffer. (``safe_open`` would mmap the file, and every page it touches would count in
+    RSS until the file is closed: a multi-GB shard would show as multi-GB resident.)
     """
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
-        self.bytes_read = 0
-        self._md_cache: Metadata | None = None
+    format = "safetensors"
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            return super().read_metadata(*args, **kwargs)
-        if self._md_cache is None:
-            self._md_cache = super().read_metadata()
-        self._md_cache.storage_meta.load_id = self.load_id
-        return self._md_cache
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._headers: list[stio.Header] | None = None
+        self._stored: list[Entry] | None = None
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        run: list[Any] = []
-        run_file = None
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            if run and info.relative_path != run_file:
-                super().read_data(LoadPlan(run), planner).wait()
-                run = []
-            run_file = info.relative_path
-            run.append(item)
-            self.bytes_read += int(info.length)
-        if run:
-            super().read_data(LoadPlan(run), planner).wait()
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+    def files(self) -> list[str]:
+        return stio.list_files(self.path)
+
+    def headers(self) -> list[stio.Header]:
+        if self._headers is None:
+            self._headers = [stio.read_header(self.path / f) for f in self.files()]
+        return self._headers
+
+    def metadata(self) -> dict[str, str]:
+        """The files' ``__metadata__``, merged."""
+        out: dict[str, str] = {}
+        for h in self.headers():
+            out.update(h.metadata)
+        return out
+
+    def stored(self) -> list[Entry]:
+        """Every tensor as stored (codes and scales of a quantized dir included)."""
+        if self._stored is None:
+            self._stored = self._stored_entries()
+        return self._stored
+
+    def _stored_entries(self) -> list[Entry]:
+        out: list[Entry] = []
+        where: dict[str, Path] = {}
+        for h in self.headers():
+            for t in h.tensors:
+                if t.name in where:
+                    raise CheckpointError(
+                        f"{self.path}: tensor {t.name} is in both {where[t.name].name} "
+                        f"and {h.path.name}"
+                    )
+                where[t.name] = h.path
+                out.append(Entry(t.name, t.dtype, t.shape, str(h.path), loc=(t.begin, t.end)))
+        index = self.path / stio.INDEX_NAME
+        if index.exists():
+            for name, f in stio.read_index(index).items():
+                if where.get(name, Path()).name != f:
+                    raise CheckpointError(f"{index}: maps {name} to {f}, which does not hold it")
+        return out
+
+    def layout(self) -> Any:
+        """The dir's ``quantized_sources.SourceLayout``; None when nothing in it can be quantized
+        (no float8 or packed tensor, no scale, no quantization config): then torch stays
+        unimported."""
+        if not _maybe_quantized(self.path, self.stored()):
+            return None
+        from qckpt.checkpoint.quantized_sources import source_layout
+
+        index = {e.name: (Path(e.file).name, e.shape, e.torch_dtype) for e in self.stored()}
+        return source_layout(self.path, index)
+
+    def _list(self) -> list[Entry]:
+        """A quantized dir as a BF16 dir would list it: each quantized weight under its logical
+        name where its codes are (``dtype`` F32, ``stored`` the codes' dtype, ``scales`` its
+        scale tensors; dequantized by ``read``); scales and activation scales gone."""
+        stored = self.stored()
+        layout = self.layout()
+        if layout is None or not layout.quantized:
+            return stored
+        by_name = {e.name: e for e in stored}
+        by_codes = {w.codes: w for w in layout.weights.values()}
+        claimed = {k for w in layout.weights.values() for k in (w.scale, w.global_scale) if k}
+        out: list[Entry] = []
+        for e in stored:
+            w = by_codes.get(e.name)
+            if w is not None:
+                scales = tuple(k for k in (w.scale, w.global_scale) if k)
+                parts = tuple(by_name[k] for k in (w.codes, *scales))
+                out.append(
+                    Entry(w.name, "F32", tuple(w.shape), e.file, e.dtype, scales, (w, parts))
+                )
+            elif e.name not in claimed and e.name not in layout.hidden:
+                out.append(e)
+        return out
+
+    def read(self, entry: Entry) -> torch.Tensor:
+        if entry.scales or (entry.stored and entry.stored != entry.dtype):
+            return self._dequantize(entry)
+        return self._read_stored(entry)
+
+    def _dequantize(self, entry: Entry) -> torch.Tensor:
+        import torch
+
+        from qckpt.checkpoint.quantized_sources import dequantize
+
+        w, parts = entry.loc
+        stored = {p.name: self._read_stored(p) for p in parts}
+
+        def fetch(key: str, rows: Any, cols: Any) -> torch.Tensor:
+            t = stored[key]
+            return t if rows is None else t[rows[0] : rows[1], cols[0] : cols[1]]
+
+        return dequantize(w, fetch, torch.float32)
+
+    def _read_stored(self, entry: Entry) -> torch.Tensor:
+        import torch
+
+        begin, end = entry.loc
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        with stio.open_regular(entry.file) as f:
+            f.seek(begin)
+            got = f.readinto(memoryview(buf.numpy()))
+        if got != end - begin:
+            raise CheckpointError(f"{entry.file}: truncated data for tensor {entry.name}")
+        return buf.view(entry.torch_dtype).reshape(entry.shape)
+
+
+# the names quantized_sources takes for quantization parameters (equal to its _PARAM_SUFFIXES,
+# which a test checks): repeated here so that a plain dir is told apart without torch
+_QUANT_PARAM_SUFFIXES = ("_scale", "_scale_inv", "_scale_2", "_global_scale", "_zero_point",
+                         "_g_idx", "weight_packed", "weight_shape")  # fmt: skip
+
+
+def _maybe_quantized(path: Path, stored: list[Entry]) -> bool:
+    """Whether a dir could hold a quantized layout (``quantized_sources`` then says which, or
+    refuses it): a quantization config, a float8 tensor, or a quantization parameter's name.
+    A plain BF16 dir answers False from names and headers alone."""
+    if (path / "hf_quant_config.json").exists():
+        return True
+    if (path / "config.json").exists():
+        if "quantization_config" in stio.read_json(path / "config.json", what="model config"):
+            return True
+    return any(
+        e.dtype.startswith("F8_") or e.name.rpartition(".")[2].endswith(_QUANT_PARAM_SUFFIXES)
+        for e in stored
+    )
+
+
+class DCPSource(CheckpointSource):
+    """A DCP dir in its state-dict names; each tensor read by a one-entry ``dcp.load``."""
+
+    format = "dcp"
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._reader: OrderedFileSystemReader | None = None
+
+    def reader(self) -> OrderedFileSystemReader:
+        if self._reader is None:
+            from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
+
+            self._reader = OrderedFileSystemReader(self.path)
+        return self._reader
+
+    def dcp_metadata(self) -> Any:
+        """DCP's ``Metadata`` (allow-list unpickler; data files checked)."""
+        return self.reader().read_metadata()
+
+    def _list(self) -> list[Entry]:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        md = self.dcp_metadata()
+        _refuse_quantized_dcp(md, self.path)
+        first: dict[str, tuple[str, int]] = {}
+        for idx, info in md.storage_data.items():
+            key = (info.relative_path, info.offset)
+            if idx.fqn not in first or key < first[idx.fqn]:
+                first[idx.fqn] = key
+        entries = [
+            Entry(
+                fqn,
+                stio.dtype_code(meta.properties.dtype),
+                tuple(int(s) for s in meta.size),
+                str(self.path / first.get(fqn, ("", 0))[0]),
+            )
+            for fqn, meta in md.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)
+        ]
+        # sorted by where the data lives, so that the reads walk each file forward
+        entries.sort(key=lambda e: first.get(e.name, ("", 0)))
+        return entries
+
+    def read(self, entry: Entry) -> torch.Tensor:
+        import torch
+        from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        from qckpt.errors import unwrap_dcp
+
+        t = torch.empty(entry.shape, dtype=entry.torch_dtype)
+        with warnings.catch_warnings():
+            # "torch.distributed is disabled ... assuming a single process" is exactly our intent
+            warnings.simplefilter("ignore")
+            try:
+                dcp_load(
+                    {entry.name: t},
+                    storage_reader=self.reader(),
+                    planner=DefaultLoadPlanner(allow_partial_load=True),
+                    no_dist=True,
+                )
+            except Exception as exc:
+                inner = unwrap_dcp(exc)
+                if isinstance(inner, CheckpointError):
+                    raise inner from None
+                raise CheckpointError(
+                    f"{entry.file}: cannot read tensor {entry.name} ({type(inner).__name__})"
+                ) from None
+        return t
+
+
+def open_source(path: str | os.PathLike, format: str = "auto") -> CheckpointSource:
+    """The source of the checkpoint at ``path`` (``format``: auto | dcp | safetensors)."""
+    fmt = resolve_format(path, format)
+    return DCPSource(path) if fmt == "dcp" else SafetensorsSource(path)
+
+
+# --------------------------------------------------------------------------------------------
+# HF checkpoint naming (what save_pretrained writes: fused experts split per expert)
+
+
+@dataclass(frozen=True)
+class HFEntry:
+    """One tensor as the HF checkpoint names it, and the stored entry it comes from."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    source: Entry
+
+
+def hf_entries(entries: Iterable[Entry], model_type: str) -> list[HFEntry]:
+    """The HF checkpoint entries of stored ones (a fused parameter split per expert, adjacent)."""
+    import torch
+
+    from qckpt.models.naming import hf_tensors
+
+    out: list[HFEntry] = []
+    for e in entries:
+        meta = torch.empty(e.shape, dtype=e.torch_dtype, device="meta")
+        for name, view in hf_tensors(e.name, meta, model_type):
+            out.append(HFEntry(name, e.torch_dtype, tuple(view.shape), e))
+    return out
+
+
+def iter_hf_tensors(
+    source: CheckpointSource, entries: Iterable[HFEntry], model_type: str
+) -> Iterator[tuple[HFEntry, torch.Tensor]]:
+    """(HF entry, tensor) for each entry, reading every stored tensor exactly once.
+
+    Entries that come from one stored tensor must be adjacent, as :func:`hf_entries` makes
+    them; the stored tensor is dropped after its last one.
+    """
+    from qckpt.models.naming import hf_tensors
+
+    current: Entry | None = None
+    views: dict[str, torch.Tensor] = {}
+    for he in entries:
+        if he.source is not current:
+            views = {}  # drop the previous stored tensor before reading the next one
+            current = he.source
+            stored = source.read(current)
+            views = dict(hf_tensors(current.name, stored, model_type))
+            del stored
+        yield he, views.pop(he.name)
+    views.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# state-dict naming, as DCP storage readers (what load plans against)
 
 
 def open_reader(
@@ -99,14 +423,18 @@ def open_reader(
 
     For HF dirs, ``model`` (or ``expected`` shapes) tells how per-expert tensors fuse.
     """
-    fmt = _resolve_format(path, format)
+    fmt = resolve_format(path, format)
     if fmt == "dcp":
+        from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
+
         if not is_dcp_dir(path):
             raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata)")
         reader = OrderedFileSystemReader(path)
-        _refuse_quantized_dcp(reader, path)
+        _refuse_quantized_dcp(reader.read_metadata(), path)
         return reader
-    safetensors_files(path)  # a clear error for a dir without any
+    from qckpt.checkpoint.hf_reader import HFSafetensorsReader
+
+    stio.list_files(path)  # a clear error for a dir without any
     model_type = None
     if model is not None:
         from qckpt.models.build import model_type as _mt
@@ -117,10 +445,12 @@ def open_reader(
     return HFSafetensorsReader(path, model_type=model_type, expected=expected)
 
 
-def _refuse_quantized_dcp(reader: OrderedFileSystemReader, path: str | os.PathLike) -> None:
+def _refuse_quantized_dcp(md: Any, path: str | os.PathLike) -> None:
+    """A DCP dir holding FP8 codes or scales: no layout says how to read them; refuse."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from qckpt.checkpoint.quantized_sources import refuse_quantized_dcp
 
-    md = reader.read_metadata()
     refuse_quantized_dcp(
         {
             k: v.properties.dtype
@@ -135,8 +465,9 @@ def checkpoint_names_shapes(
     path: str | os.PathLike, format: str = "auto"
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """State-dict name -> (shape, dtype) of every tensor of the checkpoint (metadata only)."""
-    reader = open_reader(path, format)
-    md = reader.read_metadata()
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = open_reader(path, format).read_metadata()
     return {
         k: (tuple(int(s) for s in v.size), v.properties.dtype)
         for k, v in md.state_dict_metadata.items()
@@ -149,16 +480,27 @@ def iter_checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(state-dict name, whole CPU tensor), one at a time, in checkpoint order.
 
-    Each tensor is read through DCP on its own (one tensor in flight), so a checkpoint larger
-    than RAM can be walked. Fused experts of an HF dir come assembled from their per-expert
-    tensors. Non-tensor entries are skipped.
+    Fused experts of an HF dir come assembled from their per-expert tensors (one DCP read each,
+    through the HF reader); a DCP dir is read through :class:`DCPSource`.
     """
+    wanted = None if names is None else set(names)
+    if resolve_format(path, format) == "dcp":
+        src = DCPSource(path)
+        todo = [e for e in src.entries() if wanted is None or e.name in wanted]
+        for e, t in src.iter_tensors(todo):
+            yield e.name, t
+        return
+    yield from _iter_fused_hf(path, wanted)
+
+
+def _iter_fused_hf(path: str | os.PathLike, wanted: set[str] | None) -> Iterator[tuple[str, Any]]:
+    import torch
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = open_reader(path, format)
+    reader = open_reader(path, "safetensors")
     md = reader.read_metadata()
-    wanted = None if names is None else set(names)
     for name, tmd in md.state_dict_metadata.items():
         if not isinstance(tmd, TensorStorageMetadata) or (
             wanted is not None and name not in wanted

@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - older Typer uses Click itself
     from click import exceptions as _click_exc
 
 from qckpt.cli._launch import rank_error
-from qckpt.errors import QckptError, UsageError
+from qckpt.errors import QckptError, UsageError, unwrap_dcp
 
 
 class CommandInterrupted(Exception):
@@ -53,17 +53,6 @@ def _prefix() -> str:
 
 def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
-
-
-def unwrap_dcp(exc: BaseException) -> BaseException:
-    """DCP wraps each rank's exception in a CheckpointException; show the first real one."""
-    failures = getattr(exc, "failures", None)
-    if type(exc).__name__ == "CheckpointException" and isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        inner = inner[0] if isinstance(inner, tuple) else inner
-        if isinstance(inner, BaseException):
-            return unwrap_dcp(inner)
-    return exc
 
 
 def _say(line: str, code: int) -> int:

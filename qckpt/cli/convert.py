@@ -76,7 +76,7 @@ def convert_cmd(
     def guard_recipe(r: Recipe) -> None:
         guard(outs, recipe_inputs(r, src, checkpoint=False) + model_in)
 
-    from qckpt.checkpoint.safe_metadata import is_dcp_dir
+    from qckpt.checkpoint.sources import is_dcp_dir
 
     kind = "recipe" if is_recipe else ("dcp" if is_dcp_dir(src) else "hf")
     to = to or ("hf" if kind == "dcp" else "dcp")
@@ -96,6 +96,7 @@ def convert_cmd(
         raise UsageError(f"DST: {dst} already exists; remove it or choose another destination")
 
     from qckpt.checkpoint.convert import dcp_to_hf_dir, hf_dir_to_dcp, save_model_dcp
+    from qckpt.checkpoint.model_files import copy_model_files
     from qckpt.models.build import build_model, load_config
 
     # SIGTERM unwinds (removing the temp dir) in a plain run; under torchrun it must kill a rank
@@ -112,7 +113,8 @@ def convert_cmd(
                         f"{src}: has no config.json; pass --model SOURCE for the model config"
                     )
                 if mesh.is_main:
-                    dcp_to_hf_dir(src, tmp, load_config(cfg_src))
+                    files_from = model if model and Path(model).is_dir() else src
+                    dcp_to_hf_dir(src, tmp, load_config(cfg_src), model_files_from=files_from)
             else:
                 built = build_model(r.model.source, dtype=r.model.dtype, seed=r.model.seed)
                 if to == "hf":  # a recipe's seeded model, written the way transformers writes it
@@ -126,6 +128,9 @@ def convert_cmd(
                     if mesh.is_main:
                         # the DCP dir carries its model config so that `--to hf` and `inspect` need no recipe
                         (tmp / "config.json").write_text(built.config.to_json_string())
+                if mesh.is_main and Path(r.model.source).is_dir():
+                    # tokenizer, generation config, chat template: what `--to hf` carries on
+                    copy_model_files(r.model.source, tmp)
             _barrier(mesh)
             if mesh.is_main:  # written whole, then renamed: a failure leaves no half checkpoint
                 out.commit()
@@ -166,12 +171,12 @@ def _begin_all(out: AtomicDir, mesh) -> Path:
 
 
 def _quantized_hf(src: Path) -> bool:
-    from qckpt.checkpoint.hf_reader import hf_index
-    from qckpt.checkpoint.quantized_sources import source_layout
+    from qckpt.checkpoint.sources import SafetensorsSource
 
     if not src.is_dir():
         return False
-    return source_layout(src, hf_index(src)).quantized
+    layout = SafetensorsSource(src).layout()
+    return layout is not None and layout.quantized
 
 
 def _dequantize_hf(src: Path, dst: Path, dtype: str) -> None:

@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from qckpt.calib.state_file import load_calibration, save_calibration
-from qckpt.checkpoint import export_source
 from qckpt.checkpoint.export import export_checkpoint
+from qckpt.checkpoint.sources import SafetensorsSource
 from qckpt.errors import ExportError
 from qckpt.outputs import EXPORT_MARKER
 from qckpt.recipe import ExportConfig
@@ -264,13 +264,13 @@ def test_each_stored_tensor_is_read_once_in_file_order(root, moe, monkeypatch):
     q = quant_config("tensor", "static")
     cal = make_calibration(model, q)
     reads: list[str] = []
-    real = export_source.read_entry
+    real = SafetensorsSource.read
 
-    def counting(entry, r, fmt):
+    def counting(self, entry):
         reads.append(entry.name)
-        return real(entry, r, fmt)
+        return real(self, entry)
 
-    monkeypatch.setattr(export_source, "read_entry", counting)
+    monkeypatch.setattr(SafetensorsSource, "read", counting)
     seen: list[tuple[int, int]] = []
     export_checkpoint(
         source=hf_dir,
@@ -282,7 +282,7 @@ def test_each_stored_tensor_is_read_once_in_file_order(root, moe, monkeypatch):
         export=ExportConfig(),
         progress=lambda i, n, name: seen.append((i, n)),
     )
-    _, stored = export_source.list_entries(hf_dir)
+    stored = SafetensorsSource(hf_dir).entries()
     assert reads == [e.name for e in stored]
     assert seen[-1] == (len(stored), len(stored))
 

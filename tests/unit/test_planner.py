@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from qckpt import formats
 from qckpt.checkpoint.convert import save_model_dcp
+from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
 from qckpt.checkpoint.load import load_checkpoint
 from qckpt.checkpoint.planner import (
     MemoryMeter,
@@ -20,7 +21,6 @@ from qckpt.checkpoint.planner import (
     prepended_axes,
     unwrap_prepended,
 )
-from qckpt.checkpoint.sources import OrderedFileSystemReader
 from qckpt.errors import CheckpointError
 from qckpt.models import naming
 from tests.unit._toy import FMTS, Toy, assert_same_model, same_tensor, toy_quantized

@@ -19,10 +19,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qckpt.checkpoint.export_source import list_entries
 from qckpt.checkpoint.hf_reader import hf_index, hf_source
 from qckpt.checkpoint.load import load_checkpoint
 from qckpt.checkpoint.quantized_sources import source_layout
+from qckpt.checkpoint.sources import open_source
 from qckpt.errors import CheckpointError
 from qckpt.models.build import build_model
 from qckpt.models.naming import hf_tensors
@@ -146,7 +146,7 @@ def test_layout_detected_and_named_like_the_bf16_checkpoint(dirs, name):
     have = {k: v[1] for k, v in layout.logical_index(hf_index(dirs[name])).items()}
     assert have == want  # no scale, no input_scale, names and shapes of the BF16 dir
     # export's reader lists the same tensors
-    assert {e.name: e.shape for e in list_entries(dirs[name])[1]} == want
+    assert {e.name: e.shape for e in open_source(dirs[name]).entries()} == want
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -286,7 +286,7 @@ def test_unknown_quantized_layouts_are_refused_in_one_line(dirs, tmp_path):
         text = str(exc.value)
         assert msg in text and "\n" not in text and str(d) in text, (case, text)
         with pytest.raises(CheckpointError):
-            list_entries(d)  # export's reader refuses it the same way
+            open_source(d).entries()  # export's reader refuses it the same way
 
 
 def test_dcp_holding_fp8_codes_is_refused(dirs, tmp_path):
@@ -295,7 +295,7 @@ def test_dcp_holding_fp8_codes_is_refused(dirs, tmp_path):
     sd = {k: v for k, v in stored(dirs["ours-modelopt-fp8"]).items() if "layers.0.self" in k}
     save_model_dcp(sd, tmp_path / "dcp")
     with pytest.raises(CheckpointError, match="unknown quantized layout.*DCP checkpoint"):
-        list_entries(tmp_path / "dcp")
+        open_source(tmp_path / "dcp").entries()
     from qckpt.checkpoint.sources import open_reader
 
     with pytest.raises(CheckpointError, match="unknown quantized layout"):

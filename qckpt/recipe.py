@@ -298,7 +298,10 @@ def _build(cls: type, raw: Any, path: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in raw.items():
-        key_path = _join(path, key if isinstance(key, str) and len(key) <= 80 else show(key))
+        # a key that is not printable text (a newline, a control char) is quoted, so the message
+        # stays one line
+        plain = isinstance(key, str) and len(key) <= 80 and key.isprintable()
+        key_path = _join(path, key if plain else show(key))
         if key not in fields:
             close = difflib.get_close_matches(str(key)[:80], list(fields), n=1)
             hint = f"; did you mean {_join(path, close[0])!r}?" if close else ""

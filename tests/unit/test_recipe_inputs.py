@@ -203,3 +203,12 @@ def test_fuzz_mutated_values_give_a_recipe_or_one_line(data):
         text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
         text = text.removesuffix("...").strip()
         _check_one_line(lambda: recipe_from_dict(raw, [".".join(map(str, path)) + "=" + text]))
+
+
+@pytest.mark.parametrize("key", ["\n", "a\nb", "\x00", "\t"])
+def test_an_unknown_key_with_control_characters_is_quoted_on_one_line(key):
+    # found by the value fuzzer: a key holding a newline split the message over two lines
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict({"model": {key: None}})
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("model.'") and "unknown key" in msg

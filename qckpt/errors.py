@@ -39,6 +39,10 @@ class SyncError(CalibrationError):
     """The amax sync failed; raised on every rank of the group at once."""
 
 
+class PeerError(QckptError):
+    """A collective failed: a peer rank died or did not answer within ``parallel.timeout_s``."""
+
+
 class ExportError(QckptError):
     """An export that cannot be written (existing target, mismatched calibration)."""
 

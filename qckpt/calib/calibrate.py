@@ -37,6 +37,7 @@ from qckpt.calib.state_file import CalibrationState, model_fingerprint, model_na
 from qckpt.calib.sync import sync_amax
 from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax, linear_shards
 from qckpt.errors import SyncError
+from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
 from qckpt.recipe import QuantConfig
 
@@ -136,10 +137,11 @@ def _expert_tokens(experts, mesh: Mesh) -> list[list[list[int]]]:
     buf[rank] = torch.tensor([t for info in experts for t in info.tokens], dtype=torch.int64)
     if group is not None:
         buf = buf.to(group_device(group))
-        try:
-            dist.all_reduce(buf, group=group)
-        except Exception as exc:  # a rank died after the sync
-            raise SyncError(f"expert token report: a rank died or timed out ({exc})") from None
+        # a rank died after the sync, or the deadline passed before it: SyncError either way
+        what = "the expert token report"
+        (deadline_of(group) or Deadline(None)).run(
+            what, dist.all_reduce, buf, group=group, error=SyncError
+        )
     out, start = [], 0
     per_rank = buf.cpu().tolist()
     for n in sizes:

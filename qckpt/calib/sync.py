@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from qckpt.calib.quantizer import DTYPE_CODE, DTYPES, AmaxBank, TensorQuantizer
 from qckpt.errors import SyncError
+from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import group_device
 
 # presence travels as K - (dtype code): 1..K for the dtypes in DTYPES, 0 for absent
@@ -219,16 +220,20 @@ def _scalar_groups(groups: list[list[int]]) -> _ScalarGroups:
 
 
 def _run(group, tensors_ops: list[tuple[torch.Tensor, dist.ReduceOp]], what: str) -> None:
-    """All-reduce in place, all issued before any is waited on; failures become SyncError."""
-    try:
+    """All-reduce in place, all issued before any is waited on; failures become SyncError.
+
+    Under the mesh's deadline (:mod:`qckpt.parallel.deadline`): after an earlier collective of
+    the command failed (a forward's, with a peer gone), this raises at once instead of waiting
+    another full timeout for the same dead peer.
+    """
+
+    def reduce_all() -> None:
         works = [dist.all_reduce(t, op=op, group=group, async_op=True) for t, op in tensors_ops]
         for w in works:
             w.wait()
-    except Exception as exc:  # gloo/NCCL raise RuntimeError or DistBackendError subclasses
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise SyncError(
-            f"amax sync over the {what} group failed: a rank died or timed out ({first})"
-        ) from None
+
+    dl = deadline_of(group) or Deadline(None)  # a group made outside a mesh: no shared deadline
+    dl.run(f"amax sync over the {what} group", reduce_all, error=SyncError)
 
 
 def _host_buffer(numel: int, dtype: np.dtype, pin: bool) -> tuple[torch.Tensor, np.ndarray]:

@@ -16,6 +16,7 @@ from torch import nn
 
 from qckpt.calib.shapes import amax_shape, weight_block
 from qckpt.errors import SyncError, UsageError
+from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import group_device
 from qckpt.parallel.shard import ShardSpec, model_shards
 
@@ -114,14 +115,10 @@ def gather_sharded_amax(
     collectives = 0
     if group is not None:
         allv = torch.empty(world * local.numel(), dtype=torch.float32, device=dev)
-        try:
-            _gather(allv, local, group=group)
-        except Exception as exc:  # noqa: BLE001 - gloo/NCCL errors become one line
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise SyncError(
-                f"amax gather over the tensor-parallel group failed: a rank died or timed out "
-                f"({first})"
-            ) from None
+        # gloo/NCCL errors become one line; skipped at once if the command's deadline passed
+        what = "amax gather over the tensor-parallel group"
+        dl = deadline_of(group) or Deadline(None)
+        dl.run(what, _gather, allv, local, group=group, error=SyncError)
         collectives = 1
         allv = allv.view(world, -1).cpu()
     else:

@@ -72,6 +72,7 @@ def calibrate_cmd(
         load_checkpoint(
             model, r.checkpoint.path, format=r.checkpoint.format, stream=True, mesh=mesh
         )
+        _output.log(f"calibrating on {len(batches)} batches")
         with _output.progress("calibrating", len(batches)) as advance:
             state, report = calibrate_model(
                 model,

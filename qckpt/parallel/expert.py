@@ -32,6 +32,7 @@ from torch import nn
 
 from qckpt.errors import UsageError
 from qckpt.models.naming import is_fused_experts
+from qckpt.parallel.deadline import collective
 from qckpt.parallel.mesh import Mesh
 from qckpt.parallel.shard import ShardSpec, set_shard
 
@@ -53,6 +54,9 @@ def local_expert_range(num_experts: int, ep: int, ep_rank: int, where: str = "")
     return range(ep_rank * n, (ep_rank + 1) * n)
 
 
+_WHAT = "the expert-parallel exchange in the forward"
+
+
 class _Exchange:
     """Per-module state between the pre-hook and the hook of one forward call."""
 
@@ -66,14 +70,16 @@ class _Exchange:
         dev = hidden.device
         sizes = torch.zeros(self.ep, dtype=torch.int64, device=dev)
         sizes_in = torch.tensor([t_local], dtype=torch.int64, device=dev)
-        dist.all_gather_into_tensor(sizes, sizes_in, group=self.group)
+        _gather = dist.all_gather_into_tensor
+        collective(_WHAT, _gather, sizes, sizes_in, group=self.group)
         sizes_l = sizes.tolist()
         t_max = max(sizes_l)
 
         def gather(x: torch.Tensor, fill: float | int) -> torch.Tensor:
             pad = torch.full((t_max - x.shape[0], *x.shape[1:]), fill, dtype=x.dtype, device=dev)
             buf = torch.empty((self.ep * t_max, *x.shape[1:]), dtype=x.dtype, device=dev)
-            dist.all_gather_into_tensor(buf, torch.cat([x, pad]).contiguous(), group=self.group)
+            send = torch.cat([x, pad]).contiguous()
+            collective(_WHAT, _gather, buf, send, group=self.group)
             return buf
 
         h_all = gather(hidden, 0)
@@ -96,7 +102,7 @@ class _Exchange:
         self.pending = None
         full = torch.zeros((k * t_all, out.shape[-1]), dtype=out.dtype, device=out.device)
         full[sel] = out
-        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
+        collective(_WHAT, dist.all_reduce, full, op=dist.ReduceOp.SUM, group=self.group)
         out = full
         me = dist.get_rank(self.group)
         per_slot = out.view(k, t_all, -1)[:, me * t_max : me * t_max + t_local]

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from qckpt.errors import UsageError
+from qckpt.parallel.deadline import Deadline, register, unregister
 from qckpt.recipe import ParallelConfig
 
 
@@ -37,6 +38,22 @@ class Mesh:
     tp_group: dist.ProcessGroup | None = None
     # dp x ep: the ranks that see different calibration data (tp ranks see the same batch)
     data_group: dist.ProcessGroup | None = None
+    # shared by every group above: once one collective failed, the others fail at once
+    deadline: Deadline | None = None
+
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        return [
+            g
+            for g in (
+                self.world_group,
+                self.dp_group,
+                self.ep_group,
+                self.tp_group,
+                self.data_group,
+            )
+            if g is not None
+        ]
 
     @property
     def is_main(self) -> bool:
@@ -105,7 +122,7 @@ def init_mesh(*, ep: int = 1, tp: int = 1, timeout_s: float = 600.0, device: str
     world = dist.get_world_size()
     dp = world // (ep * tp)
     g = _groups(world, (dp, ep, tp), timeout, backend)
-    return Mesh(
+    mesh = Mesh(
         world_size=world,
         rank=rank,
         dp=dp,
@@ -122,10 +139,14 @@ def init_mesh(*, ep: int = 1, tp: int = 1, timeout_s: float = 600.0, device: str
         ep_group=g["ep"],
         tp_group=g["tp"],
         data_group=g["data"],
+        deadline=Deadline(timeout_s),
     )
+    register(mesh.groups, mesh.deadline)
+    return mesh
 
 
 def shutdown(mesh: Mesh) -> None:
+    unregister(mesh.groups)
     if mesh.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
 

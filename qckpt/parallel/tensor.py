@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qckpt.errors import UsageError
+from qckpt.parallel.deadline import collective
 from qckpt.parallel.mesh import Mesh
 from qckpt.parallel.shard import ShardSpec, set_shard, shard_of
 
@@ -87,10 +88,14 @@ class _RowParallel:
     def __call__(self, _mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
         if out.dtype in (torch.float16, torch.bfloat16):
             acc = out.float()
-            dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=self.group)
+            self._sum(acc)
             return acc.to(out.dtype)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        self._sum(out)
         return out
+
+    def _sum(self, t: torch.Tensor) -> None:
+        what = "the tensor-parallel all-reduce in the forward"
+        collective(what, dist.all_reduce, t, op=dist.ReduceOp.SUM, group=self.group)
 
 
 def _bias_once(mod: nn.Linear, tp_rank: int):

@@ -4,6 +4,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI runs the fuzz tests on a fixed sequence of examples, so a red CI always reproduces;
+# QCKPT_FUZZ_RANDOM=1 draws fresh examples to look for new failures.
+settings.register_profile("fixed", derandomize=True, print_blob=True)
+settings.register_profile("random", print_blob=True)
+settings.load_profile("random" if os.environ.get("QCKPT_FUZZ_RANDOM") else "fixed")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -72,3 +72,25 @@ def test_a_rank_that_dies_without_a_word_is_named_with_its_signal(tmp_path):
     (tmp_path / LAUNCHER_FILE).write_text(json.dumps({"1": -9, "0": -15}))
     assert first_failure(tmp_path, 1) == ("qckpt: error (rank 1): killed by SIGKILL", 137)
     assert first_failure(tmp_path / "nothing", 1)[1] == 1
+
+
+def test_a_good_run_streams_rank_0s_lines_and_nothing_of_torchrun(tmp_path):
+    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.models.build import build_model
+
+    save_model_dcp(build_model("tiny-dense"), tmp_path / "dcp")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "model: {source: tiny-dense}\n"
+        f"checkpoint: {{path: {tmp_path / 'dcp'}}}\n"
+        "load: {device: cpu}\n"
+        f"calibrate: {{output: {tmp_path / 'calib.safetensors'}, "
+        "data: {num_samples: 8, seq_len: 16, batch_size: 2}}\n"
+        "parallel: {timeout_s: 60}\n"
+    )
+    r = run_qckpt("calibrate", str(recipe), "--nproc-per-node", "2", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("amax values from 2 rank(s)")
+    assert r.stderr.count("reading weights from") == 1  # rank 0 speaks, once
+    assert not any(n in r.stderr for n in _TORCHRUN_NOISE), r.stderr
+    assert (tmp_path / "calib.safetensors").is_file()

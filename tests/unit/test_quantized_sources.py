@@ -277,9 +277,18 @@ def test_unknown_quantized_layouts_are_refused_in_one_line(dirs, tmp_path):
             {"quant_method": "fp8", "weight_block_size": [32, 32]},
             "q_proj.weight is stored as torch.float8_e4m3fn but the fp8-blockwise",
         ),
+        "block size disagrees": (
+            stored(dirs["fp8-blockwise-32x32"]),
+            {"quant_method": "fp8", "weight_block_size": [64, 64]},
+            "fits none of the checkpoint's weight schemes (block [64, 64]) for a weight of shape",
+        ),
+        "modelopt w4a8": (bf16, None, "modelopt quant_algo 'W4A8_AWQ': not a source layout"),
+    }
+    extra = {
+        "modelopt w4a8": {"hf_quant_config.json": {"quantization": {"quant_algo": "W4A8_AWQ"}}}
     }
     for i, (case, (tensors, qc, msg)) in enumerate(cases.items()):
-        d = _write_like(dirs["bf16"], tmp_path / f"bad{i}", tensors, qc)
+        d = _write_like(dirs["bf16"], tmp_path / f"bad{i}", tensors, qc, extra.get(case))
         model = build_model("tiny-moe", dtype="bfloat16", seed=5)
         with pytest.raises(CheckpointError) as exc:
             load_checkpoint(model, d)

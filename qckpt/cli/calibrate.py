@@ -39,7 +39,6 @@ def calibrate_cmd(
 
     r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
     from qckpt.calib.calibrate import calibrate_model
-    from qckpt.calib.data import calibration_batches
     from qckpt.calib.state_file import save_calibration
     from qckpt.checkpoint.load import load_checkpoint
     from qckpt.models.build import build_model, materialize
@@ -59,15 +58,7 @@ def calibrate_cmd(
         if tp_sharded:
             _output.log(f"{len(tp_sharded)} linears split over {mesh.tp} TP ranks")
         # the data first: a short file under strict: true is refused before the weights load
-        batches = calibration_batches(
-            r.calibrate.data,
-            vocab_size=model.config.vocab_size,
-            model_source=r.model.source,
-            data_rank=mesh.data_rank,
-            data_world=mesh.data_parallel_size,
-            stats=(data_stats := {}),
-        )
-        data_report = _data_report(r.calibrate.data, data_stats["samples"])
+        batches, data_report = _batches(r, model.config.vocab_size, mesh)
         _output.log(f"reading weights from {r.checkpoint.path}")
         load_checkpoint(
             model, r.checkpoint.path, format=r.checkpoint.format, stream=True, mesh=mesh
@@ -91,6 +82,22 @@ def calibrate_cmd(
         _output.write_json(json_path, report)
         n = len(state.amax)
         _output.result(f"wrote {out}: {n} amax values from {mesh.world_size} rank(s)")
+
+
+def _batches(r: Recipe, vocab_size: int, mesh) -> tuple[list, dict]:
+    """This data rank's batches, and what the whole set held (for the report)."""
+    from qckpt.calib.data import calibration_batches
+
+    stats: dict = {}
+    batches = calibration_batches(
+        r.calibrate.data,
+        vocab_size=vocab_size,
+        model_source=r.model.source,
+        data_rank=mesh.data_rank,
+        data_world=mesh.data_parallel_size,
+        stats=stats,
+    )
+    return batches, _data_report(r.calibrate.data, stats["samples"])
 
 
 def _data_report(cfg, samples: int) -> dict:

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from qckpt.checkpoint.safetensors_io import open_regular
+from qckpt.checkpoint.safetensors_io import open_regular, shape_fits
 from qckpt.errors import CheckpointError
 
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -117,7 +117,7 @@ def _tensor_problem(name: str, m: Any) -> str:
     size = getattr(m, "size", None)
     if not isinstance(dtype, torch.dtype):
         return f"{name} has no dtype"
-    if not _sizes(size):
+    if not _sizes(size) or not shape_fits(size):
         return f"{name} has no valid size"
     chunks = getattr(m, "chunks", None)
     if not isinstance(chunks, list):

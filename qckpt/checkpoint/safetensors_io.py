@@ -261,6 +261,12 @@ def parse_header(obj: object, path: Path, *, data_start: int, file_size: int) ->
     return Header(path, tensors, dict(meta), data_start, file_size)
 
 
+def shape_fits(shape: Sequence[int]) -> bool:
+    """torch multiplies every dim (zeros only at the end), so even an empty tensor's other
+    dims must multiply to less than 2**63."""
+    return math.prod(max(int(s), 1) for s in shape) < 2**63
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -276,6 +282,8 @@ def _tensor_info(
         raise CheckpointError(f"{where}: unsupported dtype {_quote(code)}")
     if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
         raise CheckpointError(f"{where}: shape {_quote(shape)} is not a list of sizes")
+    if not shape_fits(shape):
+        raise CheckpointError(f"{where}: shape {_quote(shape)} is too large for a tensor")
     if (
         not isinstance(offs, list)
         or len(offs) != 2

@@ -148,6 +148,7 @@ def test_corrupt_index_config_and_headers_are_one_line_each(tmp_path):
         ({"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}, "is not a list of sizes"),
         ({"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}, "are not [begin, end]"),
         ([1], "header entry is not an object"),
+        ({"dtype": "F32", "shape": [2**40, 2**40, 0], "data_offsets": [0, 0]}, "too large"),
     ],
 )
 def test_header_validation(tmp_path, entry, says):

@@ -82,7 +82,7 @@ json_value = st.recursive(
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
     max_leaves=12,
 )
-sizes = st.integers(-2, 2**64) | st.integers(0, 8)
+sizes = st.integers(-2, 2**64) | st.integers(0, 8) | st.sampled_from([0, 2**31, 2**40, 2**63])
 entry = st.fixed_dictionaries(
     {
         "dtype": st.sampled_from([*stio.DTYPES, "Q4", "", "f32"]) | json_leaf,

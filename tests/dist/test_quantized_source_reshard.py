@@ -37,8 +37,10 @@ def _load(rank: int, world: int, path: str, ep: int, tp: int, block) -> dict:
     from qckpt.parallel.mesh import init_mesh
     from qckpt.parallel.tensor import shard_tensor_parallel
 
-    mesh = init_mesh(ep=ep, tp=tp, timeout_s=10, device="cpu")
+    # built before the mesh: on a busy host a rank can spend seconds here, and the groups' 10 s
+    # timeout must not count them
     model = build_model("tiny-moe", dtype="bfloat16", seed=3)
+    mesh = init_mesh(ep=ep, tp=tp, timeout_s=10, device="cpu")
     shard_experts(model, mesh)
     shard_tensor_parallel(model, mesh)
     if block is not None:
@@ -46,6 +48,14 @@ def _load(rank: int, world: int, path: str, ep: int, tp: int, block) -> dict:
     rep = load_checkpoint(model, path, mesh=mesh)
     shards = {**expert_shards(model), **tensor_shards(model)}
     return {"values": _values(model), "shards": shards, "copied": rep.copied_tensors}
+
+
+def _warm(rank: int, world: int) -> None:
+    """Imports and a first model build, outside any collective."""
+    from qckpt.checkpoint.load import load_checkpoint  # noqa: F401
+    from qckpt.models.build import build_model
+
+    build_model("tiny-moe", dtype="bfloat16", seed=3)
 
 
 def _one_rank(path: Path, block=None) -> tuple[dict[str, torch.Tensor], int]:
@@ -111,6 +121,7 @@ def test_blockwise_fp8_source_loads_the_same_on_one_and_two_ranks(tmp_path):
     bw24 = fx.blockwise_fp8(src, tmp_path / "bw24x40", (24, 40))
     bw32 = fx.blockwise_fp8(src, tmp_path / "bw32", (32, 32))
     w2 = shared_world(2)
+    _ok(w2.run(_warm, deadline_s=240))
 
     # 1 -> 2: TP=2 (attention split) and EP=2 (experts split), BF16 params
     ref24, _ = _one_rank(bw24)

@@ -347,3 +347,28 @@ def test_reexport_of_our_per_tensor_fp8_export_gives_identical_tensors(dirs, tmp
         float(b["model.layers.0.self_attn.q_proj.weight_scale"].float()),
         float(a["model.layers.0.self_attn.q_proj.weight_scale"].float()),
     )
+
+
+def test_fp8_export_converts_to_dcp_and_calibrates_from_its_values(dirs, tmp_path):
+    """Issue 13: load, calibrate and convert all took an FP8 export's codes as BF16 values."""
+    from qckpt.calib.calibrate import calibrate_model
+    from qckpt.checkpoint.convert import hf_dir_to_dcp
+    from qckpt.parallel.mesh import init_mesh
+    from tests.unit._export_fixtures import calib_inputs
+
+    src = dirs["ours-ct-tensor"]
+    direct = build_model("tiny-moe", dtype="bfloat16", seed=5)
+    load_checkpoint(direct, src)
+    hf_dir_to_dcp(src, tmp_path / "dcp", build_model("tiny-moe", dtype="bfloat16", seed=6))
+    via_dcp = build_model("tiny-moe", dtype="bfloat16", seed=7)
+    load_checkpoint(via_dcp, tmp_path / "dcp")
+    a, b = direct.state_dict(), via_dcp.state_dict()
+    assert all(same_bits(a[k], b[k]) for k in a)
+
+    q = quant_config("tensor", "static")
+    q.ignore = list(IGNORE)
+    state, _ = calibrate_model(direct, calib_inputs(), q, init_mesh(ep=1, tp=1, timeout_s=60))
+    ref = reference("ours-ct-tensor", src)
+    for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.5.down_proj"):
+        got = float(state.amax[f"{module}.weight_amax"])
+        assert got == float(ref[f"{module}.weight"].float().abs().max()) < 1.0, module

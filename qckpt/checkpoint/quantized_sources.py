@@ -306,6 +306,8 @@ def _ct_weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], bool]
         if not w:
             continue
         fmt = g.get("format") or top
+        if fmt == "dense":
+            continue  # weights stored unquantized (their scales are hidden): a plain read
         bits, typ, strat = w.get("num_bits"), w.get("type"), w.get("strategy")
         where = f"quantization_config.config_groups.{gname}"
         if w.get("symmetric") is False:

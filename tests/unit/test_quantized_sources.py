@@ -372,3 +372,20 @@ def test_fp8_export_converts_to_dcp_and_calibrates_from_its_values(dirs, tmp_pat
     for module in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.5.down_proj"):
         got = float(state.amax[f"{module}.weight_amax"])
         assert got == float(ref[f"{module}.weight"].float().abs().max()) < 1.0, module
+
+
+def test_dense_compressed_tensors_dir_reads_its_bf16_weights_and_hides_the_scales(dirs, tmp_path):
+    """``format: dense``: weights stored unquantized beside their scales (a fake-quant save)."""
+    bf16 = stored(dirs["bf16"])
+    tensors = dict(bf16)
+    tensors["model.layers.0.self_attn.q_proj.weight_scale"] = torch.ones(1, dtype=torch.bfloat16)
+    tensors["model.layers.0.self_attn.q_proj.input_scale"] = torch.ones(1, dtype=torch.bfloat16)
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}
+    qc = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {"g": group}}
+    d = _write_like(dirs["bf16"], tmp_path / "dense", tensors, qc)
+    layout = source_layout(d, hf_index(d))
+    assert layout.quantized and not layout.weights and len(layout.hidden) == 2
+    model = build_model("tiny-moe", dtype="bfloat16", seed=5)
+    load_checkpoint(model, d)
+    got = loaded_hf(model)
+    assert all(same_bits(got[k], bf16[k]) for k in bf16)

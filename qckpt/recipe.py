@@ -162,6 +162,9 @@ class ExportConfig:
     output: str = "runs/tiny/fp8"
     max_shard_size: str = "5GB"
     overwrite: bool = False
+    # MoE experts: "shared" = one weight scale for gate and up, one input scale per layer (what
+    # vLLM and ModelOpt use); "per_expert" = every expert linear its own calibrated scales
+    moe_scales: Literal["shared", "per_expert"] = "shared"
 
     def validate(self, path: str) -> None:
         try:

@@ -37,7 +37,14 @@ import torch
 
 from qckpt.atomic import atomic_dir
 from qckpt.calib.state_file import CalibrationState, load_calibration, model_fingerprint
-from qckpt.checkpoint.export_layouts import Layout, OutSpec, make_layout
+from qckpt.checkpoint.export_layouts import (
+    MOE_SHARED,
+    Layout,
+    OutSpec,
+    check_source_weight,
+    make_layout,
+    share_moe_amax,
+)
 from qckpt.checkpoint.model_files import copy_model_files
 from qckpt.checkpoint.safetensors_io import (
     ShardPlan,
@@ -78,6 +85,7 @@ class ExportReport:
     gbps: float  # bytes_read / seconds / 1e9
     peak_rss_bytes: int  # the process's peak RSS (VmHWM), so it includes what ran before
     files: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what known clients cannot serve
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,7 +128,7 @@ def _is_router(name: str, module: torch.nn.Module) -> bool:
     return "router" in cls or name.endswith((".mlp.gate", ".block_sparse_moe.gate", ".router"))
 
 
-def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[str]]:
+def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[str], list[str]]:
     """(HF names of every linear, incl. per-expert ones; names of the MoE routers).
 
     The model is built on the meta device: no memory, and the module types say what is a linear
@@ -133,6 +141,7 @@ def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[st
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
     linears: set[str] = set()
     routers: set[str] = set()
+    embeddings = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
     for name, mod in model.named_modules():
         if _is_router(name, mod):
             routers.add(name)
@@ -145,7 +154,7 @@ def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[st
                 name, model_type, params["gate_up_proj"].shape, params["down_proj"].shape
             ):
                 linears.add(sl.hf_module)
-    return linears, routers
+    return linears, routers, embeddings
 
 
 def _model_dtype(cfg: dict, entries: list[HFEntry]) -> torch.dtype:
@@ -235,19 +244,24 @@ def _output_tensors(
     src: CheckpointSource,
     groups: list[_Group],
     layout: Layout,
+    cal_amax: dict[str, torch.Tensor],
     amax: dict[str, torch.Tensor],
     attn_modules: list[str],
     model_type: str,
     stats: _WriteStats,
     progress: ProgressFn | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The export's tensors in plan order (the groups' order), one source tensor in flight."""
+    """The export's tensors in plan order (the groups' order), one source tensor in flight.
+
+    Each quantized weight is first checked against its calibrated amax (``cal_amax``: finite,
+    and no larger than what was calibrated); ``amax`` is what the scales are made from."""
     by_name = {g.entry.name: g for g in groups if g.entry is not None}
     n_source = len(src.entries())
     last_source = None
     for he, t in iter_hf_tensors(src, [g.entry for g in groups if g.entry], model_type):
         g = by_name[he.name]
         if g.module is not None:
+            check_source_weight(g.module, t, cal_amax[f"{g.module}.weight_amax"])
             outs = layout.quantize_linear(g.module, t, amax)
         else:
             outs = iter([(he.name, t.to(g.specs[0].dtype))])
@@ -267,6 +281,16 @@ def _output_tensors(
             for name, q in layout.kv_tensors(a, amax):
                 stats.written += 1
                 yield name, q
+
+
+def _self_check(tmp: Path, target: Path) -> None:
+    """``qckpt check`` on the finished temp dir: a layout bug never reaches the target name."""
+    from qckpt.check import check_export
+
+    res = check_export(tmp)
+    if not res.ok:
+        more = f" (and {len(res.problems) - 1} more)" if len(res.problems) > 1 else ""
+        raise ExportError(f"{target}: the export failed its own check: {res.problems[0]}{more}")
 
 
 def _refuse_unmarked(target: Path) -> None:
@@ -337,7 +361,7 @@ def export_checkpoint(
     model_dtype = _model_dtype(cfg, entries)
     layout: Layout = make_layout(layout_name, quant, model_dtype)
 
-    linears, routers = _model_linears(model_config, model_type)
+    linears, routers, embeddings = _model_linears(model_config, model_type)
 
     def ignored(module: str) -> bool:
         return module in routers or any(fnmatch.fnmatchcase(module, p) for p in quant.ignore)
@@ -366,7 +390,13 @@ def export_checkpoint(
         needed += [(f"{a}.{kv}_proj.output_amax", ()) for a in attn_modules for kv in ("k", "v")]
         groups.append(_Group(None, None, kv_specs))
     _check_amax(cal, needed, where)
-    ignore_list = sorted(m for m in linears | routers if ignored(m))
+    ignore_list = layout.ignore_entries(
+        sorted(m for m in linears | routers if ignored(m)), embeddings
+    )
+    amax = cal.amax
+    if export.moe_scales == MOE_SHARED:
+        modules = [g.module for g in groups if g.module is not None]
+        amax = share_moe_amax(cal.amax, modules, quant, model_type)
 
     plan: ShardPlan = plan_shards((g.specs for g in groups), export.max_shard_bytes)
     cfg["quantization_config"] = layout.quantization_config(ignore_list)
@@ -379,7 +409,7 @@ def export_checkpoint(
         target, key="export.output", replace=replace, may_replace=_refuse_unmarked
     ) as tmp:
         tensors = _output_tensors(
-            src, groups, layout, cal.amax, attn_modules, model_type, stats, progress
+            src, groups, layout, cal.amax, amax, attn_modules, model_type, stats, progress
         )
         bytes_written = write_shards(tmp, plan, tensors, metadata=layout.shard_metadata())
         write_json(tmp / "config.json", cfg)
@@ -389,6 +419,7 @@ def export_checkpoint(
             copy_model_files(source_dir, tmp)
         # last: overwrite replaces only a dir holding this file
         write_json(tmp / EXPORT_MARKER, export_marker(layout=layout_name, shards=len(plan.files)))
+        _self_check(tmp, target)
 
     seconds = time.perf_counter() - t0
     return ExportReport(
@@ -407,4 +438,5 @@ def export_checkpoint(
         gbps=stats.bytes_read / seconds / 1e9 if seconds > 0 else 0.0,
         peak_rss_bytes=_peak_rss(),
         files=sorted(p.name for p in target.iterdir()),
+        warnings=layout.warnings([g.module for g in groups if g.module is not None]),
     )

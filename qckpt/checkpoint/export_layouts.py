@@ -15,14 +15,26 @@ compressed-tensors (``format: float-quantized``), FP8 only:
   this layout quantizes here (:func:`fp8_quantize`) and not through ``qckpt.formats``, which
   derives a float32 scale from the amax and has no option to quantize with a given scale.
 
-ModelOpt (``hf_quant_config.json`` + ``quant_method: modelopt``):
+ModelOpt (``hf_quant_config.json`` + ``quant_method: modelopt``), field for field what ModelOpt
+0.47's own ``export_hf_checkpoint`` writes for the same model (the producer aside; fixtures and the
+script that made them in ``tests/fixtures/modelopt/``; the fields are in :mod:`layout_names`):
 
 * ``FP8``: per-tensor weights and static per-tensor inputs; ``weight_scale`` and ``input_scale``
   are float32 scalars ``amax / 448``.
+* ``FP8_PER_CHANNEL_PER_TOKEN``: per-channel weights (``weight_scale`` float32 ``[out]``) and
+  dynamic per-token inputs (no ``input_scale``); the recipe's ``granularity: channel`` weights
+  with ``dynamic: true`` per-tensor inputs.
 * ``NVFP4``: (quantized by :mod:`qckpt.formats`, whose nvfp4 layout is ModelOpt's)
   ``weight`` uint8 ``[out, in/2]`` (two E2M1 codes a byte, the even column in the low
   nibble), ``weight_scale`` float8_e4m3fn ``[out, in/16]``, ``weight_scale_2`` float32 scalar
-  ``amax / (6 * 448)``, ``input_scale`` float32 scalar ``input_amax / (6 * 448)``.
+  ``amax / (6 * 448)``, ``input_scale`` float32 scalar ``input_amax / (6 * 448)``. Unverified on
+  a GPU: Hopper cannot run NVFP4 (see docs/CLIENTS.md).
+
+MoE scales (``export.moe_scales``): ``shared`` (the default) writes what vLLM uses and ModelOpt
+writes: one per-tensor weight scale (NVFP4: one ``weight_scale_2``) for an expert's gate and up,
+from the larger of their two amaxes, and one static input scale per projection over all experts
+of a layer (the max). ``per_expert`` writes each expert linear's own calibrated scales, for
+clients that keep gate and up apart. Per-channel and per-block weight scales are never shared.
 
 KV-cache scales (``quant.kv_cache: true``): ``k_scale`` / ``v_scale`` = amax / 448 from the
 calibration file's ``{attn}.k_proj.output_amax`` and ``{attn}.v_proj.output_amax``. compressed-
@@ -34,6 +46,7 @@ writing a default scale of 1.0 the user did not ask for.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,13 +54,31 @@ import torch
 
 import qckpt
 from qckpt.calib.shapes import config_amax_shape, weight_block
+from qckpt.checkpoint.layout_names import (  # noqa: F401 - re-exported: the one place for layouts
+    EMBEDDING_LEAVES,
+    FP4_MAX,
+    FP8_MAX,
+    FUSED_GROUPS,
+    INPUT_SCALE,
+    KV_SCALES,
+    MO_ALGOS,
+    MO_FP8,
+    MO_FP8_PCPT,
+    MO_NVFP4,
+    MODELOPT_FILE,
+    MODELOPT_KV_SCHEME,
+    MOE_PER_EXPERT,
+    MOE_SHARED,
+    NVFP4_GROUP,
+    WEIGHT_SCALE,
+    WEIGHT_SCALE_2,
+    modelopt_config_groups,
+)
 from qckpt.errors import ExportError
 from qckpt.formats._common import div_f32, f64_const
+from qckpt.models.naming import expert_roles
 from qckpt.recipe import QuantConfig
 
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-NVFP4_GROUP = 16
 FP8 = torch.float8_e4m3fn
 # rows are quantized in chunks of about this many elements, so the float32 temporaries of the
 # quantize math stay small next to the tensor itself (peak memory ~ the largest tensor)
@@ -55,6 +86,8 @@ CHUNK_ELEMS = 1 << 22
 # a zero amax (an all-zero weight, an input never seen non-zero) would give a zero scale, and
 # clients divide by the scale: keep it positive, the quantized values are zero either way
 MIN_AMAX = 1e-12
+# a per-expert linear in checkpoint naming: {...}.experts.{e}.{proj}
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
 
 
 @dataclass(frozen=True)
@@ -116,6 +149,14 @@ class Layout:
 
     def extra_files(self, ignored: list[str]) -> dict[str, dict]:
         return {}
+
+    def ignore_entries(self, ignored: list[str], embeddings: list[str]) -> list[str]:
+        """The config's ignore list from the ignored linears (and the model's embeddings)."""
+        return sorted(ignored)
+
+    def warnings(self, modules: list[str]) -> list[str]:
+        """What the known clients cannot serve in this export (see docs/CLIENTS.md)."""
+        return []
 
     def shard_metadata(self) -> dict[str, str]:
         raise NotImplementedError
@@ -301,30 +342,33 @@ class ModelOptLayout(Layout):
     def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
         super().__init__(quant, model_dtype)
         w, i = quant.weights, quant.inputs
-        if (
-            w.format == "fp8"
-            and i.format == "fp8"
-            and w.granularity == "tensor"
-            and i.granularity == "tensor"
-            and not i.dynamic
-        ):
-            self.algo = "FP8"
+        fp8 = w.format == "fp8" and i.format == "fp8" and i.granularity == "tensor"
+        if fp8 and w.granularity == "tensor" and not i.dynamic:
+            self.algo = MO_FP8
+        elif fp8 and w.granularity == "channel" and i.dynamic:
+            self.algo = MO_FP8_PCPT
         elif w.format == "nvfp4" and i.format == "nvfp4" and not i.dynamic:
-            self.algo = "NVFP4"
+            self.algo = MO_NVFP4
         else:
             raise ExportError(
-                "export.format modelopt writes FP8 (per-tensor weights, static per-tensor inputs) or "
+                "export.format modelopt writes FP8 (per-tensor weights, static per-tensor inputs), "
+                "FP8_PER_CHANNEL_PER_TOKEN (per-channel weights, dynamic per-tensor inputs) or "
                 f"NVFP4 (weights and static inputs nvfp4); got weights {w.format}/{w.granularity}, "
                 f"inputs {i.format}/{i.granularity}{' dynamic' if i.dynamic else ''}"
             )
 
     def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
         f32 = torch.float32
-        if self.algo == "FP8":
+        if self.algo == MO_FP8:
             return [
                 OutSpec(f"{module}.weight", FP8, shape),
-                OutSpec(f"{module}.weight_scale", f32, ()),
-                OutSpec(f"{module}.input_scale", f32, ()),
+                OutSpec(f"{module}.{WEIGHT_SCALE}", f32, ()),
+                OutSpec(f"{module}.{INPUT_SCALE}", f32, ()),
+            ]
+        if self.algo == MO_FP8_PCPT:
+            return [
+                OutSpec(f"{module}.weight", FP8, shape),
+                OutSpec(f"{module}.{WEIGHT_SCALE}", f32, (shape[0],)),
             ]
         if shape[1] % NVFP4_GROUP:
             raise ExportError(
@@ -332,9 +376,9 @@ class ModelOptLayout(Layout):
             )
         return [
             OutSpec(f"{module}.weight", torch.uint8, (shape[0], shape[1] // 2)),
-            OutSpec(f"{module}.weight_scale", FP8, (shape[0], shape[1] // NVFP4_GROUP)),
-            OutSpec(f"{module}.weight_scale_2", f32, ()),
-            OutSpec(f"{module}.input_scale", f32, ()),
+            OutSpec(f"{module}.{WEIGHT_SCALE}", FP8, (shape[0], shape[1] // NVFP4_GROUP)),
+            OutSpec(f"{module}.{WEIGHT_SCALE_2}", f32, ()),
+            OutSpec(f"{module}.{INPUT_SCALE}", f32, ()),
         ]
 
     def quantize_linear(
@@ -344,21 +388,27 @@ class ModelOptLayout(Layout):
         # derives them (amax / 448, amax / (6 * 448)), so the formats layer does the math
         from qckpt.formats import quantize
 
+        if self.algo == MO_FP8_PCPT:
+            wa = amax[f"{module}.weight_amax"].detach().to(torch.float32).clamp_min(MIN_AMAX)
+            scale = _over(wa, FP8_MAX).reshape(-1)
+            yield f"{module}.weight", fp8_quantize(w, scale, "channel")
+            yield f"{module}.{WEIGHT_SCALE}", scale
+            return
         wa = _amax_scalar(amax[f"{module}.weight_amax"])
         ia = _amax_scalar(amax[f"{module}.input_amax"])
-        if self.algo == "FP8":
+        if self.algo == MO_FP8:
             q = quantize(w, "fp8", granularity="tensor", amax=wa)
             yield f"{module}.weight", q.qdata
-            yield f"{module}.weight_scale", q.scale.to(torch.float32).reshape(())
-            yield f"{module}.input_scale", _over(ia, FP8_MAX)
+            yield f"{module}.{WEIGHT_SCALE}", q.scale.to(torch.float32).reshape(())
+            yield f"{module}.{INPUT_SCALE}", _over(ia, FP8_MAX)
             return
         if w.shape[1] % NVFP4_GROUP:
             raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
         q = quantize(w, "nvfp4", amax=wa)
         yield f"{module}.weight", q.qdata
-        yield f"{module}.weight_scale", q.scale
-        yield f"{module}.weight_scale_2", q.global_scale.to(torch.float32).reshape(())
-        yield f"{module}.input_scale", _over(ia, FP4_MAX * FP8_MAX)
+        yield f"{module}.{WEIGHT_SCALE}", q.scale
+        yield f"{module}.{WEIGHT_SCALE_2}", q.global_scale.to(torch.float32).reshape(())
+        yield f"{module}.{INPUT_SCALE}", _over(ia, FP4_MAX * FP8_MAX)
 
     def kv_specs(self, attn: str) -> list[OutSpec]:
         return [OutSpec(f"{attn}.{kv}_proj.{kv}_scale", torch.float32, ()) for kv in ("k", "v")]
@@ -372,33 +422,44 @@ class ModelOptLayout(Layout):
                 _over(_amax_scalar(amax[f"{attn}.{kv}_proj.output_amax"]), FP8_MAX),
             )
 
-    def _quantization(self, ignored: list[str]) -> dict:
-        q: dict = {
-            "quant_algo": self.algo,
-            "kv_cache_quant_algo": "FP8" if self.quant.kv_cache else None,
-            "exclude_modules": ignored,
-        }
-        if self.algo == "NVFP4":
-            q["group_size"] = NVFP4_GROUP
-        return q
+    def warnings(self, modules: list[str]) -> list[str]:
+        if self.algo == MO_FP8_PCPT and any(_EXPERT.match(m) for m in modules):
+            return [
+                "vLLM 0.26 cannot load FP8_PER_CHANNEL_PER_TOKEN MoE experts (its ModelOpt MoE "
+                "method takes per-tensor scales; ModelOpt's own export fails the same way): use "
+                "export.format compressed-tensors for per-channel MoE weights"
+            ]
+        return []
+
+    def ignore_entries(self, ignored: list[str], embeddings: list[str]) -> list[str]:
+        # ModelOpt lists the embeddings with the modules it left unquantized
+        return sorted(set(ignored) | set(embeddings))
 
     def _producer(self) -> dict:
         return {"name": "qckpt", "version": qckpt.__version__}
 
     def quantization_config(self, ignored: list[str]) -> dict:
-        return {
-            "quant_method": "modelopt",
-            "producer": self._producer(),
-            **self._quantization(ignored),
-        }
+        # config.json is what vLLM reads (it prefers it to hf_quant_config.json): "ignore", and
+        # the KV-cache scheme as a dict; a flat "exclude_modules" there is not read at all
+        cfg: dict = {}
+        groups = modelopt_config_groups(self.algo)
+        if groups is not None:
+            cfg["config_groups"] = groups
+        cfg["ignore"] = list(ignored)
+        if self.quant.kv_cache:
+            cfg["kv_cache_scheme"] = dict(MODELOPT_KV_SCHEME)
+        cfg["producer"] = self._producer()
+        cfg["quant_algo"] = self.algo
+        cfg["quant_method"] = "modelopt"
+        return cfg
 
     def extra_files(self, ignored: list[str]) -> dict[str, dict]:
-        return {
-            "hf_quant_config.json": {
-                "producer": self._producer(),
-                "quantization": self._quantization(ignored),
-            }
-        }
+        q: dict = {"exclude_modules": list(ignored)}
+        if self.algo == MO_NVFP4:
+            q["group_size"] = NVFP4_GROUP
+        q["kv_cache_quant_algo"] = "FP8" if self.quant.kv_cache else None
+        q["quant_algo"] = self.algo
+        return {MODELOPT_FILE: {"producer": self._producer(), "quantization": q}}
 
     def shard_metadata(self) -> dict[str, str]:
         return {"format": "pt", "qckpt_layout": "modelopt", "quant_format": self.algo}
@@ -411,4 +472,90 @@ def make_layout(export_format: str, quant: QuantConfig, model_dtype: torch.dtype
         return ModelOptLayout(quant, model_dtype)
     raise ExportError(
         f"export.format: unknown layout {export_format!r} (compressed-tensors | modelopt)"
+    )
+
+
+def share_moe_amax(
+    amax: dict[str, torch.Tensor], modules: list[str], quant: QuantConfig, model_type: str
+) -> dict[str, torch.Tensor]:
+    """The amaxes behind ``export.moe_scales: shared`` (see the module doc); a new dict.
+
+    Per-tensor weight amax (FP8 ``tensor``, NVFP4's global amax): an expert's gate and up both
+    get the larger of the two. Static input amax: every expert of a layer gets the max over the
+    layer's experts, one for gate/up (they read the same input) and one for down.
+    """
+    roles = expert_roles(model_type)
+    per_tensor_w = quant.weights.format == "nvfp4" or quant.weights.granularity == "tensor"
+    static_in = not quant.inputs.dynamic
+    pairs: dict[tuple[str, str], list[str]] = {}  # (experts, e) -> gate/up modules
+    layer_in: dict[tuple[str, str], list[str]] = {}  # (experts, "gate_up"|"down") -> modules
+    for m in modules:
+        hit = _EXPERT.match(m)
+        role = roles.get(hit["proj"]) if hit else None
+        if role is None:
+            continue
+        side = "down" if role == "down" else "gate_up"
+        if side == "gate_up":
+            pairs.setdefault((hit["experts"], hit["e"]), []).append(m)
+        layer_in.setdefault((hit["experts"], side), []).append(m)
+    out = dict(amax)
+
+    def tie(names: list[str], kind: str) -> None:
+        keys = [f"{n}.{kind}_amax" for n in names if f"{n}.{kind}_amax" in amax]
+        if len(keys) > 1:
+            top = torch.stack([amax[k].detach().float().reshape(()) for k in keys]).max()
+            for k in keys:
+                out[k] = top.reshape(amax[k].shape)
+
+    if per_tensor_w:
+        for names in pairs.values():
+            tie(names, "weight")
+    if static_in:
+        for names in layer_in.values():
+            tie(names, "input")
+    return out
+
+
+# a weight that was calibrated gives back its calibrated amax exactly, or within the rounding of
+# the parameter format the calibration ran on (MXFP8's E4M3 elements: 2^-4 relative); more than
+# this is another checkpoint, and its values would be clipped to scales made for other weights
+WEIGHT_AMAX_RTOL = 0.0625
+
+
+def check_source_weight(module: str, w: torch.Tensor, weight_amax: torch.Tensor) -> None:
+    """Refuse a non-finite weight, or one larger than its calibrated amax (see above).
+
+    One pass in row chunks (no full-size temporary); per row when the amax is per channel.
+    """
+    rows, cols = w.shape
+    per_row = rows > 1 and weight_amax.numel() == rows and weight_amax.shape[0] == rows
+    got = torch.empty(rows if per_row else 0, dtype=torch.float32)
+    top = torch.zeros((), dtype=torch.float32)
+    for r0, r1 in _row_chunks(rows, cols):
+        part = w[r0:r1].abs().amax(dim=1).to(torch.float32)
+        if not torch.isfinite(part).all():
+            bad = r0 + int((~torch.isfinite(part)).nonzero()[0])
+            raise ExportError(
+                f"{module}.weight: not finite (NaN or Inf in row {bad}) in the checkpoint; "
+                "refusing to quantize it"
+            )
+        if per_row:
+            got[r0:r1] = part
+        else:
+            top = torch.maximum(top, part.max())
+    cal = weight_amax.detach().to(torch.float32)
+    if per_row:
+        over = got > cal.reshape(-1) * (1 + WEIGHT_AMAX_RTOL)
+        if over.any():
+            r = int(over.nonzero()[0])
+            _refuse_amax(module, float(got[r]), float(cal.reshape(-1)[r]), f" (row {r})")
+        return
+    if top > cal.max() * (1 + WEIGHT_AMAX_RTOL):
+        _refuse_amax(module, float(top), float(cal.max()), "")
+
+
+def _refuse_amax(module: str, got: float, cal: float, where: str) -> None:
+    raise ExportError(
+        f"{module}.weight: amax {got:.6g}{where} exceeds the calibrated weight amax {cal:.6g}; "
+        "the checkpoint is not the one that was calibrated (calibrate it again)"
     )

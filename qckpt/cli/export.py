@@ -59,6 +59,8 @@ def export_cmd(
         )
     data = rep.to_dict()
     render_export_report(data)
+    for w in rep.warnings:
+        _output.log(f"warning: {w}")
     _output.write_json(json_path, data)
     _output.result(f"wrote {r.export.output} ({r.export.format})")
 

@@ -67,6 +67,12 @@ def ignored(module_name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(module_name, p) for p in patterns)
 
 
+def expert_roles(model_type: str) -> dict[str, str]:
+    """Per-expert linear name -> role ("gate" | "up" | "down") for a model type."""
+    _, gate, up, down = _names(model_type)
+    return {gate: "gate", up: "up", down: "down"}
+
+
 def expert_slices(
     experts_prefix: str, model_type: str, gate_up_shape: torch.Size, down_shape: torch.Size
 ) -> list[ExpertSlice]:

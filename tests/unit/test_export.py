@@ -84,7 +84,10 @@ def test_modelopt_fp8_reads_back_within_fp8_bound(root, moe):
     q = quant_config("tensor", "static")
     cal = make_calibration(model, q)
     out = root / "mo-fp8"
-    run_export(model, hf_dir, cal, out, q, fmt="modelopt", source_dir=hf_dir)
+    # per_expert: every scale is its own module's calibrated amax / 448 (shared: tests elsewhere)
+    run_export(
+        model, hf_dir, cal, out, q, fmt="modelopt", source_dir=hf_dir, moe_scales="per_expert"
+    )
     hq = json.loads((out / "hf_quant_config.json").read_text())
     assert hq["quantization"]["quant_algo"] == "FP8"
     assert hq["producer"]["name"] == "qckpt"
@@ -130,7 +133,7 @@ def test_modelopt_nvfp4_reads_back_within_fp4_bound(root, request, which):
     q = quant_config("tensor", "static", fmt="nvfp4")
     cal = make_calibration(model, q)
     out = root / f"mo-nvfp4-{which}"
-    run_export(model, hf_dir, cal, out, q, fmt="modelopt")
+    run_export(model, hf_dir, cal, out, q, fmt="modelopt", moe_scales="per_expert")
     hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert hq["quant_algo"] == "NVFP4" and hq["group_size"] == 16
     tensors, _ = read_export(out)

@@ -1,0 +1,153 @@
+"""``qckpt check``: passes qckpt's exports, names the problem in broken ones, guards export.
+
+Broken exports are made from a good one the way they happen in practice: a scale's bytes
+overwritten (NaN, zero), a per-expert scale left out of a shard, a hand-edited ignore list, the
+``hf_quant_config.json`` lost in a copy, and qckpt's own old ModelOpt config (a flat
+``exclude_modules`` that vLLM does not read, which made vLLM serve garbage).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qckpt.check import check_export
+from qckpt.checkpoint import export_layouts
+from qckpt.errors import ExportError
+from tests.conftest import run_qckpt
+from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
+
+EXPERT = "model.layers.1.mlp.experts.5"
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("check")
+    model, hf_dir = saved_model(root, "tiny-moe")
+    out = {}
+    for fmt, kv in (("compressed-tensors", True), ("modelopt", False)):
+        q = quant_config("tensor", "static", kv=kv)
+        out[fmt] = root / fmt
+        run_export(model, hf_dir, make_calibration(model, q), out[fmt], q, fmt=fmt)
+    return root, out
+
+
+def _copy(root: Path, src: Path, name: str) -> Path:
+    dst = root / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _poke(d: Path, tensor: str, value: float) -> None:
+    """Overwrite one scalar tensor's bytes in place (its dtype as stored)."""
+    f = next(d.glob("*.safetensors"))
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    info = json.loads(raw[8 : 8 + n])[tensor]
+    start = 8 + n + info["data_offsets"][0]
+    t = torch.tensor(
+        [value], dtype=getattr(torch, {"F32": "float32", "BF16": "bfloat16"}[info["dtype"]])
+    )
+    data = t.view(torch.uint8).numpy().tobytes()
+    f.write_bytes(raw[:start] + data + raw[start + len(data) :])
+
+
+def _edit_config(d: Path, fn) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg["quantization_config"])
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_qckpt_exports_pass(exports):
+    _, out = exports
+    for fmt, d in out.items():
+        res = check_export(d)
+        assert res.ok, res.problems
+        assert res.layout == fmt and res.quantized == 8 + 48 and res.experts == 48
+    assert check_export(out["compressed-tensors"]).kv
+    r = run_qckpt("check", str(out["modelopt"]))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith("3 left in high precision)")  # lm_head and two routers
+
+
+@pytest.mark.parametrize(
+    "fmt, name, breakage, expect",
+    [
+        ("modelopt", "nan", lambda d: _poke(d, f"{EXPERT}.up_proj.weight_scale", float("nan")),
+         f"{EXPERT}.up_proj.weight_scale: NaN or Inf scale"),
+        ("compressed-tensors", "zero",
+         lambda d: _poke(d, "model.layers.0.self_attn.o_proj.input_scale", 0.0),
+         "model.layers.0.self_attn.o_proj.input_scale: zero scale"),
+        ("compressed-tensors", "zero-kv",
+         lambda d: _poke(d, "model.layers.1.self_attn.v_scale", 0.0),
+         "model.layers.1.self_attn.v_scale: zero scale"),
+        ("modelopt", "ignore", lambda d: _edit_config(d, lambda q: q["ignore"].remove("lm_head")),
+         "lm_head: BF16 weight not in the ignore list"),
+        ("compressed-tensors", "ignore-q",
+         lambda d: _edit_config(d, lambda q: q["ignore"].append("re:.*layers.0.self_attn.q_proj")),
+         "model.layers.0.self_attn.q_proj: quantized, but the ignore list names it"),
+        ("modelopt", "no-hfq", lambda d: (d / "hf_quant_config.json").unlink(),
+         "hf_quant_config.json: missing"),
+        ("modelopt", "old-layout",
+         lambda d: _edit_config(d, lambda q: q.update(exclude_modules=q.pop("ignore"))),
+         "config.json: quantization_config has no 'ignore'"),
+    ],
+)  # fmt: skip
+def test_broken_export_names_the_problem(exports, fmt, name, breakage, expect):
+    root, out = exports
+    d = _copy(root, out[fmt], f"{fmt}-{name}")
+    breakage(d)
+    res = check_export(d)
+    assert not res.ok
+    assert any(p.startswith(expect) for p in res.problems), res.problems
+
+
+def test_missing_per_expert_scale_via_cli(exports):
+    root, out = exports
+    d = _copy(root, out["modelopt"], "modelopt-missing")
+    shard = next(d.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    del tensors[f"{EXPERT}.gate_proj.weight_scale"]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = d / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    del idx["weight_map"][f"{EXPERT}.gate_proj.weight_scale"]
+    index.write_text(json.dumps(idx))
+    r = run_qckpt("check", str(d))
+    assert r.returncode == 1
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == f"{d}: 1 problem (modelopt FP8)"
+    assert lines[1:] == [f"{EXPERT}.gate_proj: no weight_scale"]
+
+
+def test_export_refuses_to_publish_what_fails_the_check(exports, monkeypatch):
+    root, _ = exports
+    model, hf_dir = saved_model(root, "tiny-moe")
+    q = quant_config("tensor", "static")
+    orig = export_layouts.ModelOptLayout.quantization_config
+
+    def old_layout(self, ignored):  # what qckpt wrote before: vLLM served it as garbage
+        cfg = orig(self, ignored)
+        cfg["exclude_modules"] = cfg.pop("ignore")
+        return cfg
+
+    monkeypatch.setattr(export_layouts.ModelOptLayout, "quantization_config", old_layout)
+    target = root / "refused"
+    with pytest.raises(
+        ExportError, match="failed its own check: config.json: quantization_config has no 'ignore'"
+    ):
+        run_export(model, hf_dir, make_calibration(model, q), target, q, fmt="modelopt")
+    assert not target.exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".refused")]
+
+
+def test_check_of_something_not_a_directory_is_a_usage_error(tmp_path):
+    r = run_qckpt("check", str(tmp_path / "nope"))
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "nope: not a directory" in r.stderr

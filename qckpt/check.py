@@ -420,14 +420,15 @@ def check_export(path: str | Path, *, max_problems: int = 50) -> CheckResult:
     p = res.problems
     try:
         cfg = json.loads((root / "config.json").read_text())
-        qc = cfg["quantization_config"]
+        qc = cfg.get("quantization_config") or _legacy_modelopt(root)
     except FileNotFoundError:
         p.append(f"{root / 'config.json'}: missing")
         return res
-    except (ValueError, KeyError, TypeError, OSError) as exc:
-        p.append(
-            f"config.json: no quantization_config ({type(exc).__name__}): not a quantized export"
-        )
+    except (ValueError, TypeError, AttributeError, OSError) as exc:
+        p.append(f"config.json: not readable ({type(exc).__name__})")
+        return res
+    if not isinstance(qc, dict):
+        p.append("config.json: no quantization_config: not a quantized export")
         return res
     res.layout = str(qc.get("quant_method", ""))
     if res.layout == "compressed-tensors":
@@ -448,6 +449,20 @@ def check_export(path: str | Path, *, max_problems: int = 50) -> CheckResult:
     _check_tensors(res, scheme, cfg, qc, tensors)
     del p[max_problems:]
     return res
+
+
+def _legacy_modelopt(root: Path) -> dict | None:
+    """Older ModelOpt exports describe themselves in hf_quant_config.json alone (vLLM reads it
+    when config.json has no quantization_config): the flat config that file stands for."""
+    try:
+        q = json.loads((root / MODELOPT_FILE).read_text())["quantization"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    flat = {"quant_method": "modelopt", "quant_algo": q.get("quant_algo")}
+    flat["ignore"] = q.get("exclude_modules") or []
+    if q.get("kv_cache_quant_algo"):
+        flat["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    return flat
 
 
 def _check_tensors(res: CheckResult, scheme: Scheme, cfg: dict, qc: dict, tensors: dict) -> None:

@@ -129,7 +129,7 @@ def _is_router(name: str, module: torch.nn.Module) -> bool:
 
 
 def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[str], list[str]]:
-    """(HF names of every linear, incl. per-expert ones; names of the MoE routers).
+    """(HF names of every linear, incl. per-expert ones; the MoE routers; the embeddings).
 
     The model is built on the meta device: no memory, and the module types say what is a linear
     (an embedding or a norm never is), which a guess from tensor shapes could not.

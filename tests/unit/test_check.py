@@ -151,3 +151,17 @@ def test_check_of_something_not_a_directory_is_a_usage_error(tmp_path):
     r = run_qckpt("check", str(tmp_path / "nope"))
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "nope: not a directory" in r.stderr
+
+
+def test_modelopt_export_described_by_hf_quant_config_alone(exports):
+    """Older ModelOpt exports have no quantization_config in config.json; vLLM reads the file."""
+    root, out = exports
+    d = _copy(root, out["modelopt"], "modelopt-legacy")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["quantization_config"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert check_export(d).ok, check_export(d).problems
+    (d / "hf_quant_config.json").unlink()
+    assert check_export(d).problems == [
+        "config.json: no quantization_config: not a quantized export"
+    ]

@@ -104,3 +104,17 @@ def test_moe_scales_shared_as_modelopt_does_and_per_expert_kept(root):
     assert shared[f"{e}.gate_proj.weight_scale"] == torch.maximum(
         per_expert[f"{e}.gate_proj.weight_scale"], per_expert[f"{e}.up_proj.weight_scale"]
     )
+
+
+def test_transformers_does_not_dequantize_modelopt_exports(root):
+    """README and docs/CLIENTS.md say so: transformers (5.24 here) has no ModelOpt quantizer and
+    loads the FP8 codes as if they were weights. If this starts to fail, transformers learned
+    the layout: update both documents."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = saved_model(root, "tiny-dense")
+    loaded = AutoModelForCausalLM.from_pretrained(_export(root, "tiny-dense", "fp8"))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref, got = model(ids).logits.float(), loaded(ids).logits.float()
+    assert torch.nn.functional.cosine_similarity(ref, got, dim=-1).min() < 0.5

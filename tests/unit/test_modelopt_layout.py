@@ -118,3 +118,17 @@ def test_transformers_does_not_dequantize_modelopt_exports(root):
     with torch.no_grad():
         ref, got = model(ids).logits.float(), loaded(ids).logits.float()
     assert torch.nn.functional.cosine_similarity(ref, got, dim=-1).min() < 0.5
+
+
+def test_export_warns_for_what_vllm_cannot_serve(root):
+    """FP8_PER_CHANNEL_PER_TOKEN MoE experts: vLLM 0.26 refuses them (ModelOpt's own export
+    too; docs/CLIENTS.md); the dense model's per-channel export serves, so no warning there."""
+    q = quant_config(**SCHEMES["fp8_pcpt"])
+    reports = {}
+    for source in ("tiny-moe", "tiny-dense"):
+        model, hf_dir = saved_model(root, source)
+        out = root / f"warn-{source}"
+        reports[source] = run_export(model, hf_dir, make_calibration(model, q), out, q, "modelopt")
+    (warning,) = reports["tiny-moe"].warnings
+    assert "vLLM 0.26 cannot load FP8_PER_CHANNEL_PER_TOKEN MoE experts" in warning
+    assert reports["tiny-dense"].warnings == []

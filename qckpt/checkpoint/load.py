@@ -221,52 +221,19 @@ def load_checkpoint(
     check_fit(state, md, path, shards)
     copied = _copy_same_layout(state, reader, shards, progress) if main_params is None else set()
 
-    group = getattr(mesh, "world_group", None)
-    world = int(getattr(mesh, "world_size", 0) or 0)
-    if mesh is None and dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-    no_dist = world <= 1 or not (dist.is_available() and dist.is_initialized())
-    rank = dist.get_rank() if not no_dist else 0
-
+    group, world, no_dist, rank = _world_of(mesh)
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
-    per_fmt: dict[str, int] = {}
-    predicted = 0
-    for v in tensors:
-        dest = destination_of(v)
-        if dest is not None:
-            per_fmt[dest.fmt] = per_fmt.get(dest.fmt, 0) + 1
-            predicted = max(predicted, dest.numel() * dest.dtype.itemsize)
-        else:
-            per_fmt["none"] = per_fmt.get("none", 0) + 1
+    per_fmt, predicted = _formats_and_transient(tensors)
 
     meter = MemoryMeter(device)
     t0 = time.perf_counter()
+    # the copied destinations are done: the rest is read (and dequantized) by DCP
+    args = (_without(state, copied), reader, meter, progress, main_params, group, no_dist, shards)
     if stream:
-        planner = StreamingDequantLoadPlanner(
-            main_params=main_params == "fp32", meter=meter, progress=progress, shards=shards
-        )
-        try:
-            _dcp(_without(state, copied), reader, planner, group, no_dist)
-            left = planner.pending()
-            if left["destinations"] or left["plain_items"]:
-                raise CheckpointError(f"checkpoint {path}: load incomplete ({left})")
-            items = planner.stats["items"]
-            masters = planner.take_main_params()
-        finally:
-            planner.reset()
+        items, masters = _stream_load(*args, path=path)
     else:
-        items, masters = _bulk_load(
-            _without(state, copied),
-            md,
-            reader,
-            meter,
-            progress,
-            main_params,
-            group,
-            no_dist,
-            shards,
-        )
+        items, masters = _bulk_load(*args, md=md)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
@@ -299,6 +266,59 @@ def load_checkpoint(
         samples=meter.samples,
         main_param_tensors=masters,
     )
+
+
+def _world_of(mesh: Any) -> tuple[Any, int, bool, int]:
+    """(process group, world size, no_dist, rank) of a load over ``mesh`` (or the running
+    process group when there is no mesh)."""
+    group = getattr(mesh, "world_group", None)
+    world = int(getattr(mesh, "world_size", 0) or 0)
+    if mesh is None and dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    no_dist = world <= 1 or not (dist.is_available() and dist.is_initialized())
+    rank = dist.get_rank() if not no_dist else 0
+    return group, world, no_dist, rank
+
+
+def _formats_and_transient(tensors: list[torch.Tensor]) -> tuple[dict[str, int], int]:
+    """Destinations per format ("none": plain), and the predicted transient: the largest
+    quantized destination's numel times its nominal itemsize (one scratch at a time)."""
+    per_fmt: dict[str, int] = {}
+    predicted = 0
+    for v in tensors:
+        dest = destination_of(v)
+        if dest is not None:
+            per_fmt[dest.fmt] = per_fmt.get(dest.fmt, 0) + 1
+            predicted = max(predicted, dest.numel() * dest.dtype.itemsize)
+        else:
+            per_fmt["none"] = per_fmt.get("none", 0) + 1
+    return per_fmt, predicted
+
+
+def _stream_load(
+    state: dict[str, Any],
+    reader: Any,
+    meter: MemoryMeter,
+    progress: Callable[[int], Any] | None,
+    main_params: str | None,
+    group: Any,
+    no_dist: bool,
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    *,
+    path: str | os.PathLike,
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """The streaming load: (items read, FP32 master copies when ``main_params="fp32"``)."""
+    planner = StreamingDequantLoadPlanner(
+        main_params=main_params == "fp32", meter=meter, progress=progress, shards=shards
+    )
+    try:
+        _dcp(state, reader, planner, group, no_dist)
+        left = planner.pending()
+        if left["destinations"] or left["plain_items"]:
+            raise CheckpointError(f"checkpoint {path}: load incomplete ({left})")
+        return planner.stats["items"], planner.take_main_params()
+    finally:
+        planner.reset()
 
 
 def _without(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -340,7 +360,6 @@ def _copy_same_layout(
 
 def _bulk_load(
     state: dict[str, Any],
-    md: Metadata,
     reader: Any,
     meter: MemoryMeter,
     progress: Callable[[int], Any] | None,
@@ -348,6 +367,8 @@ def _bulk_load(
     group: Any,
     no_dist: bool,
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    *,
+    md: Metadata,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """The baseline: every quantized destination dequantized at once (2 * sum(numel) bytes)."""
     meter.open_window()

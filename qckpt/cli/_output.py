@@ -21,6 +21,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from qckpt.pipeline.hooks import Hooks
 from qckpt.term import err, out  # noqa: F401  (the consoles live below the CLI)
 
 _verbose = False
@@ -90,3 +91,8 @@ def progress(description: str, total: int | None) -> Iterator[Any]:
                 bar.advance(task, args[0] if args else 1)
 
         yield update
+
+
+def hooks() -> Hooks:
+    """The pipeline's log lines and progress bars, drawn here."""
+    return Hooks(log=log, progress=progress)

@@ -53,43 +53,20 @@ def load_cmd(
         from qckpt.formats.te import require_te
 
         require_te()  # before any world is started
-    from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.models.build import build_model
-    from qckpt.models.quantize_params import quantize_model_params
+    from qckpt.pipeline.load import load
     from qckpt.plot import plot_memory
     from qckpt.report import render_load_report
 
     with world(r, r.load.device) as mesh:
-        runs = [r.load.stream] + ([not r.load.stream] if compare else [])
-        reports = []
-        for stream in runs:
-            model = build_model(
-                r.model.source, dtype=r.model.dtype, seed=r.model.seed, device=mesh.device
-            )
-            quantize_model_params(
-                model, r.load.params, ignore=r.quant.ignore, backend=r.load.backend
-            )
-            with _output.progress("loading" + ("" if stream else " (bulk)"), None) as advance:
-                rep = load_checkpoint(
-                    model,
-                    r.checkpoint.path,
-                    format=r.checkpoint.format,
-                    stream=stream,
-                    main_params=None if r.load.main_params == "none" else r.load.main_params,
-                    mesh=mesh,
-                    progress=advance,
-                )
-            reports.append(rep)
-            del model
-        data = {"recipe": str(recipe), "params": r.load.params, "world_size": mesh.world_size}
-        data["runs"] = [rep.to_dict() for rep in reports]
+        res = load(r, mesh, compare=compare, hooks=_output.hooks())
+        data = res.to_dict(str(recipe), r.load.params)
         if _output.speaks():
             render_load_report(data)
         if plot is not None and mesh.is_main:
             from qckpt.atomic import atomic_file
 
             with atomic_file(plot, key="--plot") as tmp:
-                plot_memory(reports, tmp)
+                plot_memory(res.reports, tmp)
         _output.write_json(json_path, data)
         first = data["runs"][0]
         _output.result(

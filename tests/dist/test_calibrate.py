@@ -94,8 +94,8 @@ def sc_dp2_ep2(rank, world):
     """DP2 x EP2 with the EP runtime (qckpt.parallel.expert) sharding the experts."""
     import datetime
 
-    from qckpt.parallel.expert import shard_experts
     from qckpt.parallel.mesh import Mesh
+    from qckpt.pipeline.model import build
 
     to = datetime.timedelta(seconds=10)
     eps = [dist.new_group([0, 1], timeout=to), dist.new_group([2, 3], timeout=to)]
@@ -116,11 +116,9 @@ def sc_dp2_ep2(rank, world):
     )
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.data import calibration_batches
-    from qckpt.models.build import build_model
     from qckpt.recipe import DataConfig, QuantConfig
 
-    model = build_model("tiny-moe", dtype="bfloat16", seed=0)
-    shard_experts(model, mesh)
+    model = build("tiny-moe", mesh, dtype="bfloat16", seed=0, seeded=True).model
     batches = calibration_batches(
         DataConfig(**DATA), vocab_size=256, data_rank=mesh.data_rank, data_world=4
     )

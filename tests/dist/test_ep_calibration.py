@@ -12,17 +12,14 @@ def _calibrate(rank, world, ep, share=True, cold_bias=False):
     """Calibrate tiny-moe on this world with ``ep`` EP ranks (dp = world / ep)."""
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.data import calibration_batches
-    from qckpt.models.build import build_model
-    from qckpt.parallel.expert import shard_experts
     from qckpt.parallel.mesh import Mesh, init_mesh
+    from qckpt.pipeline.model import build
     from qckpt.recipe import recipe_from_dict
 
     r = recipe_from_dict({"quant": QUANT, "calibrate": {"data": DATA}})
     mesh = init_mesh(ep=ep, timeout_s=10, device="cpu") if world > 1 else Mesh()
-    model = build_model("tiny-moe")
-    if cold_bias:
-        _starve_experts(model, cold=[5, 6, 7])
-    shard_experts(model, mesh)
+    starve = (lambda m: _starve_experts(m, cold=[5, 6, 7])) if cold_bias else None
+    model = build("tiny-moe", mesh, seeded=True, before_shard=starve).model
     batches = calibration_batches(
         r.calibrate.data,
         vocab_size=256,

@@ -74,13 +74,17 @@ def _biased(dtype):
     return m
 
 
+def _eager(m):
+    if getattr(m.config, "_experts_implementation", None) is not None:
+        m.config._experts_implementation = "eager"
+
+
 def _model(source, dtype, mesh):
     from qckpt.models.build import build_model
     from qckpt.parallel.tensor import shard_tensor_parallel
 
     m = _biased(dtype) if source == "tiny-dense-bias" else build_model(source, dtype=dtype)
-    if getattr(m.config, "_experts_implementation", None) is not None:
-        m.config._experts_implementation = "eager"
+    _eager(m)
     return m, shard_tensor_parallel(m, mesh)
 
 
@@ -102,16 +106,15 @@ def sc_logits(rank, world, tp):
 def sc_calibrate(rank, world, tp, quant, sources=("tiny-dense", "tiny-moe"), ep=1):
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.data import calibration_batches
-    from qckpt.parallel.expert import shard_experts
     from qckpt.parallel.mesh import init_mesh
+    from qckpt.pipeline.model import build
     from qckpt.recipe import recipe_from_dict
 
     r = recipe_from_dict({"quant": quant, "calibrate": {"data": DATA}})
     mesh = init_mesh(ep=ep, tp=tp, timeout_s=10, device="cpu") if world > 1 else _mesh(1, 1)
     out = {}
     for source in sources:
-        m, _ = _model(source, "bfloat16", mesh)
-        shard_experts(m, mesh)
+        m = build(source, mesh, seeded=True, before_shard=_eager).model
         batches = calibration_batches(
             r.calibrate.data,
             vocab_size=256,
@@ -131,17 +134,13 @@ def sc_calibrate(rank, world, tp, quant, sources=("tiny-dense", "tiny-moe"), ep=
 def sc_load(rank, world, ep, tp, source, path):
     """Meta build, EP then TP sharding, allocate, load ``path``: each rank holds its blocks."""
     from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.models.build import build_model, materialize
-    from qckpt.parallel.expert import shard_experts
+    from qckpt.models.build import build_model
     from qckpt.parallel.mesh import init_mesh
     from qckpt.parallel.shard import model_shards
-    from qckpt.parallel.tensor import shard_tensor_parallel
+    from qckpt.pipeline.model import build
 
     mesh = init_mesh(ep=ep, tp=tp, timeout_s=10, device="cpu")
-    m = build_model(source, device="meta")
-    shard_experts(m, mesh)
-    shard_tensor_parallel(m, mesh)
-    materialize(m, "cpu")
+    m = build(source, mesh).model  # on meta, EP then TP, allocated for the load
     load_checkpoint(m, path, mesh=mesh)
     full = build_model(source).state_dict()
     wrong = []

@@ -1,7 +1,7 @@
 """The layering of ``qckpt/``, read from the source with ``ast``: no module imports a layer above it.
 
-cli -> checkpoint -> calib -> (parallel, models) -> formats; ``report``/``verify`` sit beside the
-library and under the CLI. A lazy import inside a function counts as much as one at the top.
+cli -> pipeline -> checkpoint -> calib -> (parallel, models) -> formats; ``report``/``verify``
+sit beside the library and under the CLI; only the CLI calls the pipeline. A lazy import inside a function counts as much as one at the top.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ PKG = Path(__file__).resolve().parents[2] / "qckpt"
 RULES = [
     (("parallel/", "formats/"), ("qckpt.calib", "qckpt.checkpoint", "qckpt.cli")),
     (("report.py", "verify.py"), ("qckpt.cli",)),
+    (("pipeline/",), ("qckpt.cli",)),
 ]
 
 
@@ -66,6 +67,16 @@ def test_only_the_cli_imports_the_cli():
         _rel(p): hits
         for p in _modules()
         if not _rel(p).startswith(allowed) and (hits := _hits(_imports(p), ("qckpt.cli",)))
+    }
+    assert not bad, bad
+
+
+def test_only_the_cli_calls_the_pipeline():
+    allowed = ("cli/", "pipeline/", "__main__.py")
+    bad = {
+        _rel(p): hits
+        for p in _modules()
+        if not _rel(p).startswith(allowed) and (hits := _hits(_imports(p), ("qckpt.pipeline",)))
     }
     assert not bad, bad
 

@@ -1,0 +1,84 @@
+"""``qckpt calibrate``'s body: the sharded model, the data, the weights, calibration, the file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qckpt.parallel.mesh import Mesh
+from qckpt.pipeline.hooks import SILENT, Hooks
+from qckpt.pipeline.model import build_for
+from qckpt.recipe import DataConfig, Recipe
+
+
+@dataclass(kw_only=True)
+class CalibrateResult:
+    state: object  # qckpt.calib.state_file.CalibrationState
+    report: dict  # the amax report
+    data: dict  # what the calibration set held (data_summary)
+    output: str
+    world_size: int
+
+
+def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> CalibrateResult:
+    """Calibrate ``recipe``'s model on its data over ``mesh``; the main rank writes the file."""
+    from qckpt.calib.calibrate import calibrate_model
+    from qckpt.calib.data import calibration_batches
+    from qckpt.calib.state_file import save_calibration
+    from qckpt.checkpoint.load import load_checkpoint
+
+    # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
+    # reads only its own experts and linear shards, never the whole model
+    built = build_for(recipe, mesh)
+    model = built.model
+    if built.ep_sharded:
+        hooks.log(f"experts of {len(built.ep_sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
+    if built.tp_sharded:
+        hooks.log(f"{len(built.tp_sharded)} linears split over {mesh.tp} TP ranks")
+    # the data first: a short file under strict: true is refused before the weights load
+    data_cfg = recipe.calibrate.data
+    batches = calibration_batches(
+        data_cfg,
+        vocab_size=model.config.vocab_size,
+        model_source=recipe.model.source,
+        data_rank=mesh.data_rank,
+        data_world=mesh.data_parallel_size,
+        stats=(data_stats := {}),
+    )
+    data_report = data_summary(data_cfg, data_stats["samples"], hooks)
+    hooks.log(f"reading weights from {recipe.checkpoint.path}")
+    load_checkpoint(
+        model, recipe.checkpoint.path, format=recipe.checkpoint.format, stream=True, mesh=mesh
+    )
+    hooks.log(f"calibrating on {len(batches)} batches")
+    with hooks.progress("calibrating", len(batches)) as advance:
+        state, report = calibrate_model(
+            model,
+            batches,
+            recipe.quant,
+            mesh,
+            share_expert_inputs=recipe.calibrate.share_expert_inputs,
+            progress=advance,
+        )
+    out = recipe.calibrate.output
+    if mesh.is_main:
+        save_calibration(state, out)
+    return CalibrateResult(
+        state=state, report=report, data=data_report, output=out, world_size=mesh.world_size
+    )
+
+
+def data_summary(cfg: DataConfig, samples: int, hooks: Hooks = SILENT) -> dict:
+    """What the calibration set held; a short file is said out loud (strict: refused earlier)."""
+    short = samples < cfg.num_samples
+    if short:
+        hooks.log(
+            f"[yellow]warning:[/yellow] calibrate.data.path: {cfg.path} holds {samples} samples "
+            f"of {cfg.seq_len} tokens, fewer than num_samples {cfg.num_samples}; calibrating "
+            "on those (calibrate.data.strict: true refuses instead)"
+        )
+    return {
+        "source": cfg.source,
+        "num_samples": cfg.num_samples,
+        "samples_used": samples,
+        "short": short,
+    }

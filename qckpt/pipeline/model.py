@@ -1,0 +1,102 @@
+"""The one order in which a model becomes a rank's model: a correctness rule, kept here only.
+
+build (on meta, or seeded) -> shard EP -> shard TP -> materialize -> quantize params.
+
+EP goes first: it keeps a rank's block of the fused experts, which TP leaves whole; TP then
+splits the attention and dense-MLP linears. Both must run before anything is allocated so that
+a rank only ever holds its own blocks, and before the parameters are quantized, so that a
+quantized parameter's scale covers the block the rank holds (its ``ShardSpec``) and not the
+whole tensor. Loading comes last: the loader reads each parameter's ShardSpec to know which
+block of the checkpoint to read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from qckpt.parallel.mesh import Mesh
+from qckpt.recipe import Recipe
+
+
+@dataclass(kw_only=True)
+class Built:
+    """A rank's model and what sharding did to it (names of the sharded modules)."""
+
+    model: nn.Module
+    ep_sharded: list[str] = field(default_factory=list)
+    tp_sharded: list[str] = field(default_factory=list)
+    quantized: dict[str, str] = field(default_factory=dict)
+
+
+def shard(model: nn.Module, mesh: Mesh) -> tuple[list[str], list[str]]:
+    """EP, then TP: the sharded MoE blocks and the sharded linears (both empty at ep = tp = 1)."""
+    from qckpt.parallel.expert import shard_experts
+    from qckpt.parallel.tensor import shard_tensor_parallel
+
+    return shard_experts(model, mesh), shard_tensor_parallel(model, mesh)
+
+
+def build(
+    source: str,
+    mesh: Mesh,
+    *,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    seeded: bool = False,
+    sharded: bool = True,
+    params: str = "none",
+    ignore: Iterable[str] = (),
+    backend: str = "native",
+    before_shard: Callable[[nn.Module], None] | None = None,
+    **param_opts: Any,
+) -> Built:
+    """This rank's model of ``source`` on ``mesh.device``.
+
+    ``seeded=False``: built on meta and allocated uninitialized, for a checkpoint to fill.
+    ``seeded=True``: the seeded random weights (the same on every rank), sharded after the
+    build; a model whose parameters are quantized is always seeded, since a quantize reads the
+    values (uninitialized memory may hold NaN, which a quantize refuses).
+    ``sharded=False`` keeps the whole model on every rank (``qckpt load`` today: sharded
+    loads are issue 17). ``before_shard(model)`` sees the whole model (tests bias routers
+    there). ``params`` / ``ignore`` / ``backend`` / ``param_opts``: the quantized parameters
+    (``qckpt.models.quantize_params``).
+    """
+    from qckpt.models.build import build_model, materialize
+    from qckpt.models.quantize_params import quantize_model_params
+
+    seeded = seeded or params not in (None, "none")
+    device = mesh.device if seeded else "meta"
+    model = build_model(source, dtype=dtype, seed=seed, device=device)
+    if before_shard is not None:
+        before_shard(model)
+    ep_names, tp_names = shard(model, mesh) if sharded else ([], [])
+    if not seeded:
+        materialize(model, mesh.device)
+    quantized = quantize_model_params(model, params, ignore=ignore, backend=backend, **param_opts)
+    return Built(model=model, ep_sharded=ep_names, tp_sharded=tp_names, quantized=quantized)
+
+
+def build_for(
+    recipe: Recipe,
+    mesh: Mesh,
+    *,
+    sharded: bool = True,
+    seeded: bool = False,
+    params: str = "none",
+) -> Built:
+    """``build`` with a recipe's model and quantized-parameter settings."""
+    return build(
+        recipe.model.source,
+        mesh,
+        dtype=recipe.model.dtype,
+        seed=recipe.model.seed,
+        seeded=seeded,
+        sharded=sharded,
+        params=params,
+        ignore=recipe.quant.ignore,
+        backend=recipe.load.backend,
+    )

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import io
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,23 +61,18 @@ from torch.distributed.tensor import DTensor
 
 from qckpt.errors import CheckpointError, FormatError
 
-_TE_PRESENT: bool | None = None
-
 
 def destination_of(t: Any) -> Any:
     """The quantized-destination protocol object for ``t`` (nominal shape/dtype/device, ``fmt``,
     ``quantize_``, ``quant_state``/``load_quant_state``, ``dequantize``), or None for a plain
     tensor: native QuantizedTensors as they are, Transformer Engine ones through the adapter."""
-    global _TE_PRESENT
     from qckpt.formats import is_quantized
 
     if is_quantized(t):
         return t
-    if _TE_PRESENT is None:
-        from qckpt.formats import te
-
-        _TE_PRESENT = te.te_available()
-    if _TE_PRESENT:
+    # a TE tensor exists only once transformer_engine has been imported: asking sys.modules
+    # costs nothing per call and needs no cached flag
+    if "transformer_engine" in sys.modules:
         from qckpt.formats import te
 
         if te.is_te_quantized(t):

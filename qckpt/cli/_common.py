@@ -28,10 +28,20 @@ def start(
     ``guard(recipe)`` checks the command's output paths against its inputs (``qckpt.outputs``);
     it runs before torch is imported, so a refused output costs no start-up time.
     """
+    return start_with(lambda: load_recipe(recipe_path, overrides or []), nproc, verbose, guard)
+
+
+def start_with(
+    read: Callable[[], Recipe],
+    nproc: int = 1,
+    verbose: bool = False,
+    guard: Callable[[Recipe], None] | None = None,
+) -> Recipe:
+    """``start`` for a recipe that ``read()`` makes (``convert`` makes one from its arguments)."""
     _output.set_verbose(verbose)
     # everything that can be checked is checked here, before any rank starts: a bad recipe is
     # one line and exit 2, never a launcher's output
-    recipe = load_recipe(recipe_path, overrides or [])
+    recipe = read()
     recipe.parallel.check_world(nproc if will_relaunch(nproc) else _world_size())
     if guard is not None:
         guard(recipe)

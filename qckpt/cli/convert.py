@@ -9,12 +9,12 @@ from typing import Annotated
 
 import typer
 
-from qckpt.atomic import AtomicDir, atomic_dir, terminate_as_interrupt, write_error
+from qckpt.atomic import terminate_as_interrupt
 from qckpt.cli import _output
-from qckpt.cli._common import quiet_torch_logs, refuse_code_in_sources, start, world
-from qckpt.cli._launch import relaunch, under_torchrun, will_relaunch
+from qckpt.cli._common import quiet_torch_logs, start, start_with, world
+from qckpt.cli._launch import under_torchrun
 from qckpt.cli._options import NprocOpt, SetOpt, VerboseOpt
-from qckpt.errors import OutputError, UsageError
+from qckpt.errors import UsageError
 from qckpt.recipe import Recipe
 
 
@@ -65,17 +65,9 @@ def convert_cmd(
 
         qckpt convert path/to/fp8-model runs/model/bf16 --to hf --dtype bfloat16
     """
-    from qckpt.outputs import guard, recipe_inputs
-
     is_recipe = src.suffix in (".yaml", ".yml")
-    outs = [("DST", dst)]
     model_in = [("--model", model)] if model and os.path.lexists(model) else []
-    # the recipe's model.source joins the inputs once the recipe is read (in start)
-    guard(outs, [("RECIPE" if is_recipe else "SRC", src), *model_in])
-
-    def guard_recipe(r: Recipe) -> None:
-        guard(outs, recipe_inputs(r, src, checkpoint=False) + model_in)
-
+    _guard_paths(src, dst, is_recipe, model_in, None)
     from qckpt.checkpoint.sources import is_dcp_dir
 
     kind = "recipe" if is_recipe else ("dcp" if is_dcp_dir(src) else "hf")
@@ -86,88 +78,49 @@ def convert_cmd(
         return _dequantize_hf(src, dst, dtype)
     if kind == to:
         raise UsageError(f"{src}: is already a {to} checkpoint")
-    if kind == "recipe":
-        r = start(src, set_, nproc_per_node, verbose, guard=guard_recipe)
-    else:
-        if not src.is_dir():
-            raise UsageError(f"{src}: not a recipe, an HF model dir or a DCP dir")
-        r = start_without_recipe(src if kind == "hf" else None, set_, nproc_per_node, verbose)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise UsageError(f"DST: {dst} already exists; remove it or choose another destination")
-
-    from qckpt.checkpoint.convert import dcp_to_hf_dir, hf_dir_to_dcp, save_model_dcp
-    from qckpt.checkpoint.model_files import copy_model_files
-    from qckpt.models.build import build_model, load_config
+    if kind != "recipe" and not src.is_dir():
+        raise UsageError(f"{src}: not a recipe, an HF model dir or a DCP dir")
+    r = _start(kind, src, dst, set_, nproc_per_node, verbose, model_in)
+    _refuse_existing(dst)
+    from qckpt.pipeline.convert import convert
 
     # SIGTERM unwinds (removing the temp dir) in a plain run; under torchrun it must kill a rank
     # at once, even one blocked in a collective (a Python handler would wait for it to return)
     on_term = contextlib.nullcontext() if under_torchrun() else terminate_as_interrupt()
     with world(r, "cpu") as mesh, on_term:
-        out = AtomicDir(dst, key="DST", replace=True, may_replace=_empty_dir)
-        tmp = _begin_all(out, mesh)
-        try:
-            if kind == "dcp":
-                cfg_src = model or (str(src) if (src / "config.json").is_file() else None)
-                if cfg_src is None:
-                    raise UsageError(
-                        f"{src}: has no config.json; pass --model SOURCE for the model config"
-                    )
-                if mesh.is_main:
-                    files_from = model if model and Path(model).is_dir() else src
-                    dcp_to_hf_dir(src, tmp, load_config(cfg_src), model_files_from=files_from)
-            else:
-                built = build_model(r.model.source, dtype=r.model.dtype, seed=r.model.seed)
-                if to == "hf":  # a recipe's seeded model, written the way transformers writes it
-                    if mesh.is_main:
-                        built.save_pretrained(str(tmp))
-                else:
-                    if kind == "hf":
-                        hf_dir_to_dcp(src, tmp, built)
-                    else:
-                        save_model_dcp(built, tmp, mesh=mesh)
-                    if mesh.is_main:
-                        # the DCP dir carries its model config so that `--to hf` and `inspect` need no recipe
-                        (tmp / "config.json").write_text(built.config.to_json_string())
-                if mesh.is_main and Path(r.model.source).is_dir():
-                    # tokenizer, generation config, chat template: what `--to hf` carries on
-                    copy_model_files(r.model.source, tmp)
-            _barrier(mesh)
-            if mesh.is_main:  # written whole, then renamed: a failure leaves no half checkpoint
-                out.commit()
-        except BaseException as exc:
-            if mesh.is_main:  # nothing half-written stays behind
-                out.abort()
-            err = write_error(exc, out.target, "DST", None)
-            if err is not None:
-                raise err from exc
-            raise
+        convert(kind=kind, to=to, src=src, dst=dst, recipe=r, mesh=mesh, model_config=model)
     _output.result(f"wrote {dst} ({to})")
 
 
-def _empty_dir(path: Path) -> None:
-    """DST may be an empty dir (replaced), never anything else: checked again at the swap."""
-    if not path.is_dir() or path.is_symlink() or any(path.iterdir()):
-        raise OutputError(
-            f"DST: {path} appeared while this command wrote it; refusing to replace it"
-        )
+def _guard_paths(src: Path, dst: Path, is_recipe: bool, model_in: list, r: Recipe | None) -> None:
+    """DST against SRC (or the recipe) and --model; once read, the recipe's model.source too."""
+    from qckpt.outputs import guard, recipe_inputs
+
+    if r is None:
+        guard([("DST", dst)], [("RECIPE" if is_recipe else "SRC", src), *model_in])
+    else:
+        guard([("DST", dst)], recipe_inputs(r, src, checkpoint=False) + model_in)
 
 
-def _begin_all(out: AtomicDir, mesh) -> Path:
-    """One temp dir for all ranks: the main rank makes it, the others learn its name (or that
-    it failed, so that nobody waits for a dir that will never come)."""
-    if mesh.world_size == 1:
-        return out.begin()
-    import torch.distributed as dist
+def _start(
+    kind: str, src: Path, dst: Path, set_, nproc: int, verbose: bool, model_in: list
+) -> Recipe:
+    if kind == "recipe":
 
-    box: list[str | None] = [None]
-    try:
-        if mesh.is_main:
-            box[0] = str(out.begin())
-    finally:
-        dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
-        raise OutputError(f"DST: the main rank could not create a temp dir beside {out.target}")
-    return Path(box[0])
+        def guard(r: Recipe) -> None:
+            _guard_paths(src, dst, True, model_in, r)
+
+        return start(src, set_, nproc, verbose, guard=guard)
+    from qckpt.recipe import recipe_from_dict
+
+    # a recipe made of the arguments (an HF dir is the model), validated before any rank starts
+    raw = {"model": {"source": str(src)}} if kind == "hf" else {}
+    return start_with(lambda: recipe_from_dict(raw, set_ or []), nproc, verbose)
+
+
+def _refuse_existing(dst: Path) -> None:
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UsageError(f"DST: {dst} already exists; remove it or choose another destination")
 
 
 def _quantized_hf(src: Path) -> bool:
@@ -181,42 +134,15 @@ def _quantized_hf(src: Path) -> bool:
 
 def _dequantize_hf(src: Path, dst: Path, dtype: str) -> None:
     """A quantized HF dir -> a plain HF dir of ``dtype``, streaming, written then renamed."""
-    from qckpt.checkpoint.dequantize_dir import DTYPES, dequantize_dir
+    from qckpt.checkpoint.dequantize_dir import DTYPES
+    from qckpt.pipeline.convert import dequantize_hf
 
     if dtype not in DTYPES:
         raise UsageError(f"--dtype: must be one of {', '.join(DTYPES)}; got {dtype!r}")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise UsageError(f"DST: {dst} already exists; remove it or choose another destination")
+    _refuse_existing(dst)
     quiet_torch_logs()
-    with atomic_dir(dst, key="DST", replace=True, may_replace=_empty_dir) as tmp:
-        info = dequantize_dir(src, tmp, dtype=DTYPES[dtype])
+    info = dequantize_hf(src, dst, dtype)
     _output.result(
         f"wrote {dst} (hf, {dtype}): {info['dequantized']} of {info['tensors']} tensors "
         f"dequantized from {info['layout']}"
     )
-
-
-def _barrier(mesh) -> None:
-    if mesh.world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-def start_without_recipe(
-    hf_dir: Path | None, overrides: list[str] | None, nproc: int, verbose: bool
-):
-    from qckpt.recipe import recipe_from_dict
-
-    _output.set_verbose(verbose)
-    raw = {"model": {"source": str(hf_dir)}} if hf_dir is not None else {}
-    recipe = recipe_from_dict(raw, overrides or [])  # validated before any rank starts
-    recipe.parallel.check_world(
-        nproc if will_relaunch(nproc) else int(os.environ.get("WORLD_SIZE", "1"))
-    )
-    refuse_code_in_sources(recipe)
-    code = relaunch(nproc)
-    if code is not None:
-        raise typer.Exit(code)
-    quiet_torch_logs()
-    return recipe

@@ -37,35 +37,13 @@ def export_cmd(
         check_export_target(r.export.output, r.export.overwrite)
 
     r = start(recipe, set_, 1, verbose, guard=guard)
-    from qckpt.calib.state_file import load_calibration
-    from qckpt.checkpoint.export import export_checkpoint
-    from qckpt.models.build import load_config
+    from qckpt.pipeline.export import export
     from qckpt.report import render_export_report
 
-    calibration = load_calibration(r.calibrate.output)
-    cfg = load_config(r.model.source)
-    source_dir = r.model.source if cfg is not None and _is_dir(r.model.source) else None
-    with _output.progress("exporting", None) as advance:
-        rep = export_checkpoint(
-            source=r.checkpoint.path,
-            calibration=calibration,
-            output=r.export.output,
-            model_type=cfg.model_type,
-            model_config=cfg,
-            quant=r.quant,
-            export=r.export,
-            source_dir=source_dir,
-            progress=advance,
-        )
+    rep = export(r, hooks=_output.hooks())
     data = rep.to_dict()
     render_export_report(data)
     for w in rep.warnings:
         _output.log(f"warning: {w}")
     _output.write_json(json_path, data)
     _output.result(f"wrote {r.export.output} ({r.export.format})")
-
-
-def _is_dir(p: str) -> bool:
-    from pathlib import Path
-
-    return Path(p).is_dir()

@@ -1,7 +1,7 @@
 """No function over 80 lines in qckpt/ (Triton kernels excepted: one kernel is one launch).
 
-``checkpoint/`` and ``cli/`` are left out until their long functions are split (they are being
-reworked elsewhere); the rest of the package is held to the rule now.
+``checkpoint/export.py`` is left out until ``export_checkpoint`` is split into a plan and a
+writer; the rest of the package is held to the rule now.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "qckpt"
 LIMIT = 80
-NOT_YET = ("checkpoint/", "cli/")
+NOT_YET = ("checkpoint/export.py",)
 
 
 def _is_kernel(fn: ast.FunctionDef) -> bool:
@@ -29,7 +29,7 @@ def long_functions(root: Path = PKG) -> list[str]:
     return out
 
 
-def test_no_long_functions_outside_checkpoint_and_cli():
+def test_no_long_functions():
     assert [f for f in long_functions() if not f.startswith(NOT_YET)] == []
 
 

@@ -83,6 +83,7 @@ class Entry:
     stored: str = ""  # dtype code on disk when a source converts on read ("" = ``dtype``)
     scales: tuple[str, ...] = ()  # names of companion entries (scales) a read needs with it
     loc: Any = field(default=None, compare=False, repr=False)  # source-private: where it lies
+    stored_bytes: int = 0  # bytes on disk when not shape x dtype (codes and scales together)
 
     @property
     def stored_dtype(self) -> str:
@@ -91,7 +92,7 @@ class Entry:
     @property
     def nbytes(self) -> int:
         """Bytes stored (what reading it costs)."""
-        return math.prod(self.shape) * stio.itemsize(self.stored_dtype)
+        return self.stored_bytes or math.prod(self.shape) * stio.itemsize(self.stored_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -219,8 +220,11 @@ class SafetensorsSource(CheckpointSource):
             if w is not None:
                 scales = tuple(k for k in (w.scale, w.global_scale) if k)
                 parts = tuple(by_name[k] for k in (w.codes, *scales))
+                nbytes = sum(p.nbytes for p in parts)
                 out.append(
-                    Entry(w.name, "F32", tuple(w.shape), e.file, e.dtype, scales, (w, parts))
+                    Entry(
+                        w.name, "F32", tuple(w.shape), e.file, e.dtype, scales, (w, parts), nbytes
+                    )
                 )
             elif e.name not in claimed and e.name not in layout.hidden:
                 out.append(e)

@@ -252,3 +252,18 @@ def test_plain_dir_check_knows_every_quantization_parameter_name():
     from qckpt.checkpoint import quantized_sources, sources
 
     assert sources._QUANT_PARAM_SUFFIXES == quantized_sources._PARAM_SUFFIXES
+
+
+def test_quantized_source_entries_report_stored_dtype_scales_and_bytes(tmp_path):
+    from tests import quantized_fixtures as fx
+
+    src = fx.bf16_dir(tmp_path, source="tiny-dense")
+    q = SafetensorsSource(fx.blockwise_fp8(src, tmp_path / "bw", (32, 32)))
+    stored = {e.name: e for e in q.stored()}
+    quantized = [e for e in q.entries() if e.scales]
+    assert quantized and all(e.dtype == "F32" and e.stored_dtype == "F8_E4M3" for e in quantized)
+    for e in quantized:  # what reading it costs: the codes plus their scales, as stored
+        assert e.nbytes == stored[e.name].nbytes + sum(stored[s].nbytes for s in e.scales)
+        assert not any(n in {x.name for x in q.entries()} for n in e.scales)
+    e = quantized[0]
+    assert tuple(q.read(e).shape) == e.shape and q.read(e).dtype == torch.float32

@@ -175,7 +175,8 @@ def make_checkpoint(work: Path, size_gb: float, hidden: int, inter: int, vocab: 
 
 
 def child_stream(src: str, cal: str, out: str, fmt: str) -> dict:
-    from qckpt.checkpoint.export import _model_linears, export_checkpoint
+    from qckpt.checkpoint.export import export_checkpoint
+    from qckpt.checkpoint.export_plan import _model_linears
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig, QuantConfig
 

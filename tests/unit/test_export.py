@@ -470,3 +470,40 @@ def test_scales_are_the_correctly_rounded_quotient_on_any_device():
         assert torch.equal(got, exact)
         recip = a * torch.tensor(1 / qmax, dtype=torch.float32)
         assert (recip != got).sum() > 1000  # the reciprocal multiply is not the same number
+
+
+# -- plan, then write -----------------------------------------------------------------------------
+
+
+def test_plan_writes_nothing_and_the_writer_executes_it(tmp_path, dense):
+    """plan_export decides everything from metadata alone; write_export of that plan gives the
+    same files as export_checkpoint, and a refusal found while planning leaves no trace."""
+    from qckpt.checkpoint.export import plan_export, write_export
+
+    model, hf_dir = dense
+    q = quant_config("channel")
+    cal = write_calibration(tmp_path, model, q)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    kw = dict(
+        source=hf_dir,
+        calibration=cal,
+        model_type=model.config.model_type,
+        model_config=model.config,
+        quant=q,
+    )
+    out = tmp_path / "planned"
+    plan = plan_export(output=out, export=ExportConfig(format="compressed-tensors"), **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # not a byte yet
+    assert plan.quantized_linears == 14 and len(plan.shards.files) >= 1
+    assert plan.config["quantization_config"]["quant_method"] == "compressed-tensors"
+    rep = write_export(plan)
+    ref = tmp_path / "direct"
+    run_export(model, hf_dir, cal, ref, q)
+    got, want = read_export(out)[0], read_export(ref)[0]
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert rep.files == sorted(p.name for p in ref.iterdir())
+
+    other = quant_config("tensor")  # the calibration file was made for channel weights
+    with pytest.raises(ExportError, match="granularity=channel"):
+        plan_export(output=tmp_path / "refused", export=ExportConfig(), **{**kw, "quant": other})
+    assert not (tmp_path / "refused").exists() and _no_temp_dirs(tmp_path)

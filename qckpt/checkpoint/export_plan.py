@@ -1,0 +1,344 @@
+"""The export's plan: everything an export decides, and every refusal it can meet, before a byte
+is written (:func:`plan_export` -> :class:`ExportPlan`; :mod:`qckpt.checkpoint.export` writes it).
+
+Only metadata is read: the checkpoint's entries in HF checkpoint naming, the calibration file,
+the model config (and the model built on the meta device, to know which modules are linears).
+For each entry the plan says what it becomes (a quantized linear -> weight + scales, anything
+else -> the model dtype), checks the calibration file against the model (model_type,
+fingerprint, quant format, every amax present with the right shape) and assigns the outputs to
+shards. Every failure is a one-line :class:`~qckpt.errors.ExportError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qckpt.calib.state_file import CalibrationState, load_calibration, model_fingerprint
+from qckpt.checkpoint.export_layouts import MOE_SHARED, Layout, OutSpec, make_layout, share_moe_amax
+from qckpt.checkpoint.safetensors_io import ShardPlan, plan_shards, read_json
+from qckpt.checkpoint.sources import CheckpointSource, HFEntry, hf_entries, open_source
+from qckpt.errors import CheckpointError, ExportError
+from qckpt.models.naming import expert_slices
+from qckpt.models.naming import ignored as naming_ignored
+from qckpt.outputs import check_export_target, guard
+from qckpt.recipe import ExportConfig, QuantConfig
+
+
+@dataclass
+class _Group:
+    """The outputs of one source entry (or of the KV scales), written together."""
+
+    entry: HFEntry | None
+    module: str | None  # set when the entry is a quantized linear's weight
+    specs: list[OutSpec]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+def _config_dict(model_config: Any) -> dict:
+    if isinstance(model_config, dict):
+        return dict(model_config)
+    return json.loads(model_config.to_json_string(use_diff=False))
+
+
+def _transformers_config(model_config: Any, model_type: str) -> Any:
+    if not isinstance(model_config, dict):
+        return model_config
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in model_config.items() if k not in ("model_type", "quantization_config")}
+    return AutoConfig.for_model(model_config.get("model_type", model_type), **d)
+
+
+def _is_router(name: str, module: torch.nn.Module) -> bool:
+    cls = type(module).__name__.lower()
+    return "router" in cls or name.endswith((".mlp.gate", ".block_sparse_moe.gate", ".router"))
+
+
+def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[str], list[str]]:
+    """(HF names of every linear, incl. per-expert ones; the MoE routers; the embeddings).
+
+    The model is built on the meta device: no memory, and the module types say what is a linear
+    (an embedding or a norm never is), which a guess from tensor shapes could not.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = _transformers_config(model_config, model_type)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
+    linears: set[str] = set()
+    routers: set[str] = set()
+    embeddings = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
+    for name, mod in model.named_modules():
+        if _is_router(name, mod):
+            routers.add(name)
+            continue
+        if isinstance(mod, torch.nn.Linear):
+            linears.add(name)
+        params = dict(mod.named_parameters(recurse=False))
+        if "gate_up_proj" in params and "down_proj" in params:
+            for sl in expert_slices(
+                name, model_type, params["gate_up_proj"].shape, params["down_proj"].shape
+            ):
+                linears.add(sl.hf_module)
+    return linears, routers, embeddings
+
+
+def _model_dtype(cfg: dict, entries: list[HFEntry]) -> torch.dtype:
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    for e in entries:
+        if e.dtype.is_floating_point:
+            return e.dtype
+    return torch.bfloat16
+
+
+def _check_calibration(
+    cal: CalibrationState,
+    model_type: str,
+    fingerprint: str,
+    quant: QuantConfig,
+    where: str,
+) -> None:
+    if cal.model_type and cal.model_type != model_type:
+        raise ExportError(
+            f"{where}: calibration of a {cal.model_type} model, the export is of a {model_type} model"
+        )
+    if cal.model_fingerprint and cal.model_fingerprint != fingerprint:
+        raise ExportError(
+            f"{where}: calibration of another model (fingerprint {cal.model_fingerprint}, "
+            f"this checkpoint has {fingerprint})"
+        )
+    for side in ("weights", "inputs"):
+        got = cal.quant.get(side) or {}
+        want = asdict(getattr(quant, side))
+        keys = ["format", "granularity"] + (["dynamic"] if side == "inputs" else [])
+        if want["granularity"] == "block":
+            keys.append("block_size")
+        diff = [k for k in keys if k in got and got[k] != want[k]]
+        if diff:
+            have = ", ".join(f"{k}={got[k]}" for k in diff)
+            asked = ", ".join(f"{k}={want[k]}" for k in diff)
+            raise ExportError(
+                f"{where}: calibrated for quant.{side} {have}; the export asks {asked}"
+            )
+
+
+def _check_amax(
+    cal: CalibrationState, needed: list[tuple[str, tuple[int, ...]]], where: str
+) -> None:
+    missing = [k for k, _ in needed if k not in cal.amax]
+    if missing:
+        raise ExportError(
+            f"{where}: {len(missing)} amax missing from the calibration file (first: {missing[0]}); "
+            "an uncalibrated scale would load as zero and serve NaNs"
+        )
+    for key, shape in needed:
+        got = tuple(cal.amax[key].shape)
+        ok = got == shape or (shape == () and math.prod(got) == 1) or (got == (*shape, 1))
+        if not ok:
+            raise ExportError(
+                f"{where}: {key} has shape {list(got)}, the export needs {list(shape)}"
+            )
+        if not torch.isfinite(cal.amax[key]).all():
+            raise ExportError(f"{where}: {key} is not finite")
+
+
+@dataclass(kw_only=True)
+class ExportPlan:
+    """Everything an export decides before it writes a byte (:func:`plan_export`).
+
+    Building one reads only metadata (the checkpoint's entries, the calibration file, the model
+    config) and raises every refusal an export can meet in planning; :func:`write_export` then
+    executes it. ``groups`` are the outputs in write order, one group per source entry (plus
+    the KV scales), ``shards`` their assignment to files, ``config`` the config.json written.
+    """
+
+    target: Path
+    overwrite: bool
+    layout_name: str
+    layout: Layout
+    source: CheckpointSource
+    model_type: str
+    source_tensors: int
+    groups: list[_Group]
+    attn_modules: list[str]
+    cal_amax: dict[str, torch.Tensor]  # as calibrated: each weight is checked against it
+    amax: dict[str, torch.Tensor]  # what the scales are made from (MoE scales shared or not)
+    shards: ShardPlan
+    config: dict
+    ignore_list: list[str]
+    quantized_linears: int
+    source_dir: str | os.PathLike | None = None
+
+    @property
+    def quantized_modules(self) -> list[str]:
+        return [g.module for g in self.groups if g.module is not None]
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max(g.entry.source.nbytes for g in self.groups if g.entry is not None)
+
+
+def _open_entries(source: str | os.PathLike, source_format: str) -> tuple[CheckpointSource, list]:
+    """The source and its stored entries (metadata only)."""
+    try:
+        src = open_source(source, source_format)
+        stored = src.entries()
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
+    if not stored:
+        raise ExportError(f"{source}: the checkpoint holds no tensors")
+    return src, stored
+
+
+def _calibration(calibration: str | os.PathLike | CalibrationState) -> tuple[CalibrationState, str]:
+    """The calibration state and how to name it in a message."""
+    if isinstance(calibration, CalibrationState):
+        return calibration, "calibration"
+    try:
+        return load_calibration(calibration), str(calibration)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def _check_model_type(model_config: Any, model_type: str) -> None:
+    cfg_model_type = (
+        model_config.get("model_type")
+        if isinstance(model_config, dict)
+        else getattr(model_config, "model_type", None)
+    )
+    if cfg_model_type and cfg_model_type != model_type:
+        raise ExportError(
+            f"model config is of a {cfg_model_type} model, the export was asked for {model_type}"
+        )
+
+
+def _model_config_dict(model_config: Any, source_dir: str | os.PathLike | None) -> dict:
+    """The config.json to write: the model dir's own when there is one (kept as it is)."""
+    if source_dir is not None and os.path.lexists(Path(source_dir) / "config.json"):
+        return read_json(Path(source_dir) / "config.json", what="model config")
+    return _config_dict(model_config)
+
+
+@dataclass
+class _Outputs:
+    groups: list[_Group] = field(default_factory=list)
+    needed: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    attn_modules: list[str] = field(default_factory=list)
+    quantized: int = 0
+
+
+def _plan_outputs(
+    entries: list[HFEntry],
+    layout: Layout,
+    model_dtype: torch.dtype,
+    quantize: Callable[[str], bool],
+    kv_cache: bool,
+) -> _Outputs:
+    """What each entry becomes (``quantize(module)``: a linear the recipe quantizes) and the
+    amaxes that needs, in entry order; the KV scales last."""
+    out = _Outputs()
+    for e in entries:
+        module, _, leaf = e.name.rpartition(".")
+        if leaf == "weight" and len(e.shape) == 2 and quantize(module):
+            out.groups.append(_Group(e, module, layout.linear_specs(module, e.shape)))
+            out.needed += layout.needed_amax(module, e.shape)
+            out.quantized += 1
+            if module.endswith(".k_proj"):
+                out.attn_modules.append(module.rpartition(".")[0])
+        else:
+            dtype = model_dtype if e.dtype.is_floating_point else e.dtype
+            out.groups.append(_Group(e, None, [OutSpec(e.name, dtype, e.shape)]))
+    if kv_cache:
+        attn = out.attn_modules
+        kv_specs = [s for a in attn for s in layout.kv_specs(a)]
+        out.needed += [(f"{a}.{kv}_proj.output_amax", ()) for a in attn for kv in ("k", "v")]
+        out.groups.append(_Group(None, None, kv_specs))
+    return out
+
+
+def plan_export(
+    *,
+    source: str | os.PathLike,
+    calibration: str | os.PathLike | CalibrationState,
+    output: str | os.PathLike,
+    model_type: str,
+    model_config: Any,
+    quant: QuantConfig,
+    export: ExportConfig,
+    source_dir: str | os.PathLike | None = None,
+    source_format: str = "auto",
+) -> ExportPlan:
+    """The export of ``source`` with ``calibration`` into ``output``, decided and checked.
+
+    Reads metadata only and writes nothing. Raises :class:`ExportError` (one line) for a refused
+    target, a checkpoint without tensors or without a linear to quantize, a calibration file of
+    another model or format (or missing an amax), or a recipe the layout cannot express.
+    """
+    inputs = [("checkpoint.path", source), ("model.source", source_dir)]
+    if not isinstance(calibration, CalibrationState):
+        inputs.append(("calibrate.output", calibration))
+    target = guard([("export.output", output)], inputs)["export.output"]
+    check_export_target(target, export.overwrite)
+
+    src, stored = _open_entries(source, source_format)
+    entries = hf_entries(stored, model_type)
+    cal, where = _calibration(calibration)
+    _check_model_type(model_config, model_type)
+    fingerprint = model_fingerprint((e.name, e.shape) for e in entries)
+    _check_calibration(cal, model_type, fingerprint, quant, where)
+
+    cfg = _model_config_dict(model_config, source_dir)
+    model_dtype = _model_dtype(cfg, entries)
+    layout: Layout = make_layout(export.format, quant, model_dtype)
+    linears, routers, embeddings = _model_linears(model_config, model_type)
+
+    def ignored(module: str) -> bool:  # routers are never quantized, whatever quant.ignore says
+        return module in routers or naming_ignored(module, quant.ignore)
+
+    outs = _plan_outputs(
+        entries, layout, model_dtype, lambda m: m in linears and not ignored(m), quant.kv_cache
+    )
+    if outs.quantized == 0:
+        raise ExportError(
+            f"{source}: no linear weight left to quantize (check quant.ignore and model_type)"
+        )
+    _check_amax(cal, outs.needed, where)
+    ignore_list = layout.ignore_entries(
+        sorted(m for m in linears | routers if ignored(m)), embeddings
+    )
+    amax = cal.amax
+    if export.moe_scales == MOE_SHARED:
+        modules = [g.module for g in outs.groups if g.module is not None]
+        amax = share_moe_amax(cal.amax, modules, quant, model_type)
+    cfg["quantization_config"] = layout.quantization_config(ignore_list)
+    return ExportPlan(
+        target=target,
+        overwrite=export.overwrite,
+        layout_name=export.format,
+        layout=layout,
+        source=src,
+        model_type=model_type,
+        source_tensors=len(stored),
+        groups=outs.groups,
+        attn_modules=outs.attn_modules,
+        cal_amax=cal.amax,
+        amax=amax,
+        shards=plan_shards((g.specs for g in outs.groups), export.max_shard_bytes),
+        config=cfg,
+        ignore_list=ignore_list,
+        quantized_linears=outs.quantized,
+        source_dir=source_dir,
+    )

@@ -26,7 +26,7 @@ from qckpt.checkpoint.export_layouts import MOE_SHARED, Layout, OutSpec, make_la
 from qckpt.checkpoint.safetensors_io import ShardPlan, plan_shards, read_json
 from qckpt.checkpoint.sources import CheckpointSource, HFEntry, hf_entries, open_source
 from qckpt.errors import CheckpointError, ExportError
-from qckpt.models.naming import expert_slices
+from qckpt.models.naming import expert_slices, is_fused_experts
 from qckpt.models.naming import ignored as naming_ignored
 from qckpt.outputs import check_export_target, guard
 from qckpt.recipe import ExportConfig, QuantConfig
@@ -85,12 +85,9 @@ def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[st
             continue
         if isinstance(mod, torch.nn.Linear):
             linears.add(name)
-        params = dict(mod.named_parameters(recurse=False))
-        if "gate_up_proj" in params and "down_proj" in params:
-            for sl in expert_slices(
-                name, model_type, params["gate_up_proj"].shape, params["down_proj"].shape
-            ):
-                linears.add(sl.hf_module)
+        if is_fused_experts(mod):
+            gate_up, down = mod.gate_up_proj.shape, mod.down_proj.shape
+            linears.update(sl.hf_module for sl in expert_slices(name, model_type, gate_up, down))
     return linears, routers, embeddings
 
 

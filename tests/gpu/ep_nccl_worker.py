@@ -13,8 +13,8 @@ import torch.distributed as dist
 from qckpt.calib.calibrate import calibrate_model
 from qckpt.calib.data import calibration_batches
 from qckpt.models.build import build_model
-from qckpt.parallel.expert import shard_experts
 from qckpt.parallel.mesh import Mesh, init_mesh
+from qckpt.pipeline.model import build
 from qckpt.recipe import recipe_from_dict
 
 
@@ -33,8 +33,7 @@ def main(out_path: str, device: str = "cuda") -> None:
     ref_batches = calibration_batches(r.calibrate.data, vocab_size=256)
     ref_state, _ = calibrate_model(ref, ref_batches, r.quant, Mesh(device=mesh.device))
 
-    model = build_model("tiny-moe", device=mesh.device)
-    shard_experts(model, mesh)
+    model = build("tiny-moe", mesh, seeded=True).model  # seeded weights, this rank's experts
     mine = ids[mesh.data_rank :: mesh.data_parallel_size]
     sync()
     t0 = time.perf_counter()

@@ -34,20 +34,11 @@ def _load(rank: int, world: int, path: str, ep: int, tp: int, block) -> dict:
     from qckpt.parallel.mesh import init_mesh
     from qckpt.pipeline.model import build
 
-<<<<<<< HEAD
-    # built before the mesh: on a busy host a rank can spend seconds here, and the groups' 10 s
-    # timeout must not count them
-    model = build_model("tiny-moe", dtype="bfloat16", seed=3)
-    mesh = init_mesh(ep=ep, tp=tp, timeout_s=10, device="cpu")
-    shard_experts(model, mesh)
-    shard_tensor_parallel(model, mesh)
-    if block is not None:
-        quantize_model_params(model, "fp8_block", ignore=IGNORE, block_size=block)
-=======
+    # _warm built this model once already (imports, first build): a busy host's seconds of
+    # building do not count against the groups' 10 s timeout here
     mesh = init_mesh(ep=ep, tp=tp, timeout_s=10, device="cpu")
     params = {} if block is None else {"params": "fp8_block", "block_size": block}
     model = build("tiny-moe", mesh, seed=3, seeded=True, ignore=IGNORE, **params).model
->>>>>>> edad280 (pipeline (issue 14, part 1): qckpt/pipeline/ holds the order build on meta -> shard EP -> shard TP -> materialize -> quantize params (pipeline.model.build), and the bodies of load and calibrate (pipeline.load / pipeline.calibrate, log and progress through pipeline.Hooks); qckpt load and calibrate are start -> world -> pipeline call -> render; the dist tests that retyped the order call pipeline.model.build; layer test: pipeline imports no cli, only cli imports pipeline; load_checkpoint split (_world_of, _formats_and_transient, _stream_load) under 80 lines)
     rep = load_checkpoint(model, path, mesh=mesh)
     shards = {**expert_shards(model), **tensor_shards(model)}
     return {"values": _values(model), "shards": shards, "copied": rep.copied_tensors}

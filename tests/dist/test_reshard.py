@@ -166,9 +166,9 @@ def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
 
     # why the plan-order reader: DCP's stock FileSystemReader walks file by file, so with every
     # tensor split over 4 files all scratches are alive at once (2 * sum(numel))
+    from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
     from qckpt.checkpoint.planner import MemoryMeter, StreamingDequantLoadPlanner
     from qckpt.checkpoint.safe_metadata import SafeFileSystemReader
-    from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
 
     q_bytes = [
         2 * v.numel() for v in m.state_dict(keep_vars=True).values() if formats.is_quantized(v)

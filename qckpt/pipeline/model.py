@@ -65,16 +65,39 @@ def build(
     there). ``params`` / ``ignore`` / ``backend`` / ``param_opts``: the quantized parameters
     (``qckpt.models.quantize_params``).
     """
-    from qckpt.models.build import build_model, materialize
-    from qckpt.models.quantize_params import quantize_model_params
+    from qckpt.models.build import build_model
 
     seeded = seeded or params not in (None, "none")
     device = mesh.device if seeded else "meta"
     model = build_model(source, dtype=dtype, seed=seed, device=device)
     if before_shard is not None:
         before_shard(model)
+    return prepare(
+        model, mesh, sharded=sharded, params=params, ignore=ignore, backend=backend, **param_opts
+    )
+
+
+def prepare(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    sharded: bool = True,
+    params: str = "none",
+    ignore: Iterable[str] = (),
+    backend: str = "native",
+    **param_opts: Any,
+) -> Built:
+    """The rest of the order for a model already built (whole, on meta or with its weights):
+    shard EP then TP, allocate a meta model on ``mesh.device``, quantize the parameters.
+
+    :func:`build` ends here; a caller holding a model it built itself (before its mesh, or
+    with changes of its own) calls it directly.
+    """
+    from qckpt.models.build import materialize
+    from qckpt.models.quantize_params import quantize_model_params
+
     ep_names, tp_names = shard(model, mesh) if sharded else ([], [])
-    if not seeded:
+    if any(p.is_meta for p in model.parameters()):
         materialize(model, mesh.device)
     quantized = quantize_model_params(model, params, ignore=ignore, backend=backend, **param_opts)
     return Built(model=model, ep_sharded=ep_names, tp_sharded=tp_names, quantized=quantized)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -27,26 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench._memory import reset_rss_peak, rss_peak
+
 REPO = Path(__file__).resolve().parents[1]
 
 MiB = 2**20
-
-
-def _rss_peak() -> int:
-    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec, so a child would report
-    # the parent's peak (the parent just generated the whole checkpoint)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak() -> None:
-    """Reset VmHWM to the current RSS (Linux >= 4.0), so the peak is the measured work's own."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def _rss_now() -> int:
@@ -182,7 +166,7 @@ def child_stream(src: str, cal: str, out: str, fmt: str) -> dict:
 
     cfg = load_config(src)
     _model_linears(cfg, "llama")  # warm the transformers imports outside the measurement
-    _reset_peak()
+    reset_rss_peak()
     base = _rss_now()
     t0 = time.perf_counter()
     rep = export_checkpoint(
@@ -199,7 +183,7 @@ def child_stream(src: str, cal: str, out: str, fmt: str) -> dict:
     return {
         "seconds": sec,
         "baseline_rss": base,
-        "peak_rss": _rss_peak(),
+        "peak_rss": rss_peak(),
         "bytes_written": rep.bytes_written,
     }
 
@@ -210,7 +194,7 @@ def child_naive(src: str, cal: str, out: str, fmt: str) -> dict:
 
     from qckpt.calib.state_file import load_calibration
 
-    _reset_peak()
+    reset_rss_peak()
     base = _rss_now()
     t0 = time.perf_counter()
     amax = load_calibration(cal).amax
@@ -234,7 +218,7 @@ def child_naive(src: str, cal: str, out: str, fmt: str) -> dict:
     save_file(out_sd, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
     sec = time.perf_counter() - t0
     written = sum(t.numel() * t.element_size() for t in out_sd.values())
-    return {"seconds": sec, "baseline_rss": base, "peak_rss": _rss_peak(), "bytes_written": written}
+    return {"seconds": sec, "baseline_rss": base, "peak_rss": rss_peak(), "bytes_written": written}
 
 
 def _run_child(kind: str, src: str, cal: str, out: str, fmt: str, threads: int) -> dict:

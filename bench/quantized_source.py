@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench._memory import reset_rss_peak, rss_peak
 
 REPO = Path(__file__).resolve().parents[1]
 IGNORE = ["lm_head", "*.mlp.gate"]
@@ -197,20 +198,6 @@ def make_sources(work: Path, layers: int, small: bool) -> dict:
 # ---- children -------------------------------------------------------------------------------
 
 
-def _rss_peak() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 def child_load(src: str, params: str) -> dict:
     import psutil
     import torch
@@ -230,11 +217,11 @@ def child_load(src: str, params: str) -> dict:
     # the whole child's peaks so far (imports, the seeded build), read before the phase counters
     # are reset: the whole-command peak is the max of this and the load phase's peak
     build_dev = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
-    build_host = _rss_peak()
+    build_host = rss_peak()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     base_dev = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
-    _reset_peak()
+    reset_rss_peak()
     base = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     rep = load_checkpoint(model, src)
@@ -252,8 +239,8 @@ def child_load(src: str, params: str) -> dict:
         if dev.type == "cuda"
         else None,
         "transient_bytes": rep.transient_bytes,
-        "host_peak_delta": _rss_peak() - base,
-        "host_peak_whole": max(build_host, _rss_peak()),
+        "host_peak_delta": rss_peak() - base,
+        "host_peak_whole": max(build_host, rss_peak()),
         "copied": rep.copied_tensors,
         "layout": rep.source_layout,
     }
@@ -272,8 +259,8 @@ def child_export(src: str, cal: str, out: str) -> dict:
         inputs=TensorQuantConfig(format="nvfp4", granularity="tensor", dynamic=False),
         ignore=list(IGNORE),
     )
-    build_host = _rss_peak()
-    _reset_peak()
+    build_host = rss_peak()
+    reset_rss_peak()
     base = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     rep = export_checkpoint(
@@ -289,8 +276,8 @@ def child_export(src: str, cal: str, out: str) -> dict:
     return {
         "seconds": time.perf_counter() - t0,
         "bytes_written": rep.bytes_written,
-        "host_peak_delta": _rss_peak() - base,
-        "host_peak_whole": max(build_host, _rss_peak()),
+        "host_peak_delta": rss_peak() - base,
+        "host_peak_whole": max(build_host, rss_peak()),
     }
 
 

@@ -7,7 +7,8 @@ anywhere, on any export (qckpt's or another tool's) in the two layouts qckpt wri
   ``hf_quant_config.json`` beside it, with the same algorithm, the same ignore list
   (``exclude_modules``) and a KV-cache algorithm that agrees with ``kv_cache_scheme``; the
   ``ignore`` key in ``config.json`` (what vLLM reads there);
-* the modules: a quantized weight (FP8, or NVFP4's packed uint8) is a quantized linear; every
+* the modules: a quantized weight (FP8, or NVFP4's packed uint8: ``weight_packed`` in
+  compressed-tensors' nvfp4-pack-quantized) is a quantized linear; every
   other 2-D weight that is not an embedding must be named by the ignore list, and no quantized
   one may be (vLLM would load the one as FP8 and the other in high precision: garbage either
   way); q/k/v and gate/up are quantized together or not at all (vLLM fuses them); MoE experts
@@ -33,6 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from qckpt.checkpoint.layout_names import (
+    CT_INPUT_GLOBAL,
+    CT_NVFP4_FORMAT,
+    CT_PACKED,
+    CT_WEIGHT_GLOBAL,
     EMBEDDING_LEAVES,
     FUSED_GROUPS,
     INPUT_SCALE,
@@ -70,6 +75,10 @@ class Scheme:
     block: tuple[int, int] | None = None
     kv: bool = False
     kv_names: str = "ct"  # "ct": {attn}.k_scale; "modelopt": {attn}.k_proj.k_scale
+    # the stored names: ModelOpt's; compressed-tensors NVFP4 has its own (see layout_names)
+    codes_leaf: str = "weight"
+    global_leaf: str = WEIGHT_SCALE_2
+    input_leaf: str = INPUT_SCALE
 
 
 @dataclass(kw_only=True)
@@ -199,6 +208,8 @@ def _ct_scheme(qc: dict, problems: list[str]) -> Scheme | None:
         return None
     g = next(iter(groups.values()))
     w, i = g.get("weights") or {}, g.get("input_activations")
+    if qc.get("format") == CT_NVFP4_FORMAT:
+        return _ct_nvfp4_scheme(qc, w, i, problems)
     if w.get("num_bits") != 8 or w.get("type") != "float":
         problems.append(f"config.json: weights {w.get('num_bits')}-bit {w.get('type')}: not FP8")
         return None
@@ -222,6 +233,28 @@ def _ct_scheme(qc: dict, problems: list[str]) -> Scheme | None:
         scale_dtypes=FLOAT_DTYPES,
         block=block,
         kv=kv,
+    )
+
+
+def _ct_nvfp4_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Scheme | None:
+    """compressed-tensors ``nvfp4-pack-quantized``: E2M1 weights in groups of 16."""
+    if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", NVFP4_GROUP):
+        problems.append(
+            f"config.json: {CT_NVFP4_FORMAT} weights {w.get('num_bits')}-bit {w.get('type')} "
+            f"group_size {w.get('group_size')}: not NVFP4 (4-bit float, groups of {NVFP4_GROUP})"
+        )
+        return None
+    # "dynamic: local" (the NVFP4 preset) keeps a static global input scale; true keeps none
+    static = bool(i) and i.get("dynamic", False) in (False, "local")
+    return Scheme(
+        name=f"NVFP4 {'static' if static else 'dynamic'}",
+        weight="nvfp4",
+        static_input=static,
+        scale_dtypes=("F32",),
+        kv=qc.get("kv_cache_scheme") is not None,
+        codes_leaf=CT_PACKED,
+        global_leaf=CT_WEIGHT_GLOBAL,
+        input_leaf=CT_INPUT_GLOBAL,
     )
 
 
@@ -300,7 +333,7 @@ def _expected_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple]
         cols = shape[1] * 2
         exp = {
             WEIGHT_SCALE: ({(out_dim, cols // NVFP4_GROUP)}, ("F8_E4M3",)),
-            WEIGHT_SCALE_2: ({(), (1,)}, f32),
+            scheme.global_leaf: ({(), (1,)}, f32),
         }
     elif scheme.weight == "tensor":
         exp = {WEIGHT_SCALE: ({(), (1,)}, scheme.scale_dtypes)}
@@ -311,7 +344,7 @@ def _expected_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple]
         want = (math.ceil(shape[0] / b0), math.ceil(shape[1] / b1))
         exp = {WEIGHT_SCALE: ({want}, scheme.scale_dtypes)}
     if scheme.static_input:
-        exp[INPUT_SCALE] = ({(), (1,)}, scheme.scale_dtypes)
+        exp[scheme.input_leaf] = ({(), (1,)}, scheme.scale_dtypes)
     return exp
 
 
@@ -332,7 +365,9 @@ def _check_scale(name: str, t: Tensor, allow_zero: bool, problems: list[str]) ->
 def _check_module(m: str, w: Tensor, scheme: Scheme, tensors: dict, problems: list[str]) -> None:
     want_dtype = "U8" if scheme.weight == "nvfp4" else "F8_E4M3"
     if w.dtype != want_dtype or len(w.shape) != 2:
-        problems.append(f"{m}.weight: {w.dtype} {list(w.shape)}, {scheme.name} stores {want_dtype}")
+        problems.append(
+            f"{m}.{scheme.codes_leaf}: {w.dtype} {list(w.shape)}, {scheme.name} stores {want_dtype}"
+        )
         return
     for leaf, (shapes, dtypes) in _expected_scales(scheme, w.shape).items():
         t = tensors.get(f"{m}.{leaf}")
@@ -471,21 +506,25 @@ def _check_tensors(res: CheckResult, scheme: Scheme, cfg: dict, qc: dict, tensor
     quantized: set[str] = set()
     for name, t in sorted(tensors.items()):
         module, _, leaf = name.rpartition(".")
-        if leaf != "weight":
-            continue
-        if t.dtype in ("F8_E4M3", "U8"):
+        if leaf == scheme.codes_leaf and t.dtype in ("F8_E4M3", "U8"):
             quantized.add(module)
             if ignored(module):
                 p.append(f"{module}: quantized, but the ignore list names it")
             _check_module(module, t, scheme, tensors, p)
-        elif len(t.shape) == 2 and not _is_embedding(module):
+        elif leaf == "weight" and len(t.shape) == 2 and not _is_embedding(module):
             res.unquantized += 1
             if not ignored(module):
                 p.append(
                     f"{module}: {t.dtype} weight not in the ignore list (clients would load it "
                     "as quantized)"
                 )
-    scale_leaves = (WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE)
+    scale_leaves = {
+        WEIGHT_SCALE,
+        WEIGHT_SCALE_2,
+        INPUT_SCALE,
+        scheme.global_leaf,
+        scheme.input_leaf,
+    }
     for name in sorted(tensors):
         module, _, leaf = name.rpartition(".")
         if leaf in scale_leaves and module not in quantized:

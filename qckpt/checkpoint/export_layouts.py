@@ -1,6 +1,6 @@
 """The two export layouts: what each quantized linear becomes, and the config that describes it.
 
-compressed-tensors (``format: float-quantized``), FP8 only:
+compressed-tensors FP8 (``format: float-quantized``):
 
 * weights ``tensor`` -> ``weight_scale`` ``(1,)``; ``channel`` -> ``(out, 1)``; ``block`` ->
   ``(ceil(out/b0), ceil(in/b1))`` (the last block of a dim that b does not divide is padded, as
@@ -14,6 +14,18 @@ compressed-tensors (``format: float-quantized``), FP8 only:
   *rounded* scale, so dequantizing with what is stored gives back what we meant. That is why
   this layout quantizes here (:func:`fp8_quantize`) and not through ``qckpt.formats``, which
   derives a float32 scale from the amax and has no option to quantize with a given scale.
+
+compressed-tensors NVFP4 (``format: nvfp4-pack-quantized``, what llm-compressor writes for its
+``NVFP4`` scheme; weights and static inputs nvfp4): ``weight_packed`` uint8 ``[out, in/2]`` and
+``weight_scale`` float8_e4m3fn ``[out, in/16]`` are ModelOpt's ``weight`` / ``weight_scale``
+byte for byte (compressed-tensors packs the even column in the low nibble too), quantized by
+:mod:`qckpt.formats`; the global scales are the *reciprocals* of ModelOpt's, because
+compressed-tensors divides by them (value = e2m1 * scale / global_scale):
+``weight_global_scale`` float32 ``(1,)`` = ``1 / weight_scale_2`` (~ ``6 * 448 / amax``) and
+``input_global_scale`` float32 ``(1,)`` = ``1 / input_scale``. Each reciprocal is correctly
+rounded (in float64, then to float32), so ``scale / global_scale`` is within an ulp of
+ModelOpt's ``weight_scale_2 * scale`` for the same codes. The inputs are ``dynamic: local`` in
+the config (a static global scale, per-16 scales at run time), as in compressed-tensors' preset.
 
 ModelOpt (``hf_quant_config.json`` + ``quant_method: modelopt``), field for field what ModelOpt
 0.47's own ``export_hf_checkpoint`` writes for the same model (the producer aside; fixtures and the
@@ -55,6 +67,10 @@ import torch
 import qckpt
 from qckpt.calib.shapes import config_amax_shape, weight_block
 from qckpt.checkpoint.layout_names import (  # noqa: F401 - re-exported: the one place for layouts
+    CT_INPUT_GLOBAL,
+    CT_NVFP4_FORMAT,
+    CT_PACKED,
+    CT_WEIGHT_GLOBAL,
     EMBEDDING_LEAVES,
     FP4_MAX,
     FP8_MAX,
@@ -72,6 +88,7 @@ from qckpt.checkpoint.layout_names import (  # noqa: F401 - re-exported: the one
     NVFP4_GROUP,
     WEIGHT_SCALE,
     WEIGHT_SCALE_2,
+    ct_nvfp4_args,
     modelopt_config_groups,
 )
 from qckpt.errors import ExportError
@@ -223,8 +240,8 @@ class CompressedTensorsLayout(Layout):
         w, i = quant.weights, quant.inputs
         if w.format != "fp8" or i.format != "fp8":
             raise ExportError(
-                "export.format compressed-tensors writes FP8 (float-quantized) only; "
-                f"got weights {w.format}, inputs {i.format} (use export.format modelopt for nvfp4)"
+                "export.format compressed-tensors writes FP8 weights with FP8 inputs, or NVFP4 "
+                f"weights with NVFP4 inputs; got weights {w.format}, inputs {i.format}"
             )
         if i.granularity == "block" and not i.dynamic:
             raise ExportError(
@@ -334,6 +351,64 @@ class CompressedTensorsLayout(Layout):
             "qckpt_layout": "compressed-tensors",
             "quant_format": "float-quantized",
         }
+
+
+def _reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``1 / x`` correctly rounded on every device (float64 division, rounded once)."""
+    return (1.0 / x.to(torch.float64)).to(torch.float32)
+
+
+class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
+    """compressed-tensors ``nvfp4-pack-quantized`` (see the module doc); KV scales as FP8's."""
+
+    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
+        Layout.__init__(self, quant, model_dtype)
+        w, i = quant.weights, quant.inputs
+        if w.format != "nvfp4" or i.format != "nvfp4" or i.dynamic:
+            raise ExportError(
+                "export.format compressed-tensors writes NVFP4 (nvfp4-pack-quantized) with "
+                f"weights and static inputs nvfp4; got weights {w.format}, inputs {i.format}"
+                f"{' dynamic' if i.dynamic else ''}"
+            )
+
+    def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
+        if shape[1] % NVFP4_GROUP:
+            raise ExportError(
+                f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}, got {shape[1]}"
+            )
+        f32 = torch.float32
+        return [
+            OutSpec(f"{module}.{CT_PACKED}", torch.uint8, (shape[0], shape[1] // 2)),
+            OutSpec(f"{module}.{WEIGHT_SCALE}", FP8, (shape[0], shape[1] // NVFP4_GROUP)),
+            OutSpec(f"{module}.{CT_WEIGHT_GLOBAL}", f32, (1,)),
+            OutSpec(f"{module}.{CT_INPUT_GLOBAL}", f32, (1,)),
+        ]
+
+    def quantize_linear(
+        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        from qckpt.formats import quantize
+
+        if w.shape[1] % NVFP4_GROUP:
+            raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
+        q = quantize(w, "nvfp4", amax=_amax_scalar(amax[f"{module}.weight_amax"]))
+        ia = _amax_scalar(amax[f"{module}.input_amax"])
+        yield f"{module}.{CT_PACKED}", q.qdata
+        yield f"{module}.{WEIGHT_SCALE}", q.scale
+        yield f"{module}.{CT_WEIGHT_GLOBAL}", _reciprocal(q.global_scale).reshape(1)
+        yield f"{module}.{CT_INPUT_GLOBAL}", _reciprocal(_over(ia, FP4_MAX * FP8_MAX)).reshape(1)
+
+    def quantization_config(self, ignored: list[str]) -> dict:
+        cfg = super().quantization_config(ignored)
+        group = cfg["config_groups"]["group_0"]
+        group["weights"] = ct_nvfp4_args(inputs=False)
+        group["input_activations"] = ct_nvfp4_args(inputs=True)
+        group["format"] = CT_NVFP4_FORMAT
+        cfg["format"] = CT_NVFP4_FORMAT
+        return cfg
+
+    def shard_metadata(self) -> dict[str, str]:
+        return {**super().shard_metadata(), "quant_format": CT_NVFP4_FORMAT}
 
 
 class ModelOptLayout(Layout):
@@ -467,6 +542,8 @@ class ModelOptLayout(Layout):
 
 def make_layout(export_format: str, quant: QuantConfig, model_dtype: torch.dtype) -> Layout:
     if export_format == "compressed-tensors":
+        if quant.weights.format == "nvfp4":
+            return CompressedTensorsNvfp4Layout(quant, model_dtype)
         return CompressedTensorsLayout(quant, model_dtype)
     if export_format == "modelopt":
         return ModelOptLayout(quant, model_dtype)

@@ -29,6 +29,12 @@ WEIGHT_SCALE = "weight_scale"
 WEIGHT_SCALE_2 = "weight_scale_2"  # NVFP4's per-tensor scale
 INPUT_SCALE = "input_scale"
 KV_SCALES = ("k_scale", "v_scale")
+# compressed-tensors' nvfp4-pack-quantized names (its NVFP4PackedCompressor): the packed codes,
+# and global scales that *divide* (448 * 6 / amax: the reciprocal of ModelOpt's weight_scale_2)
+CT_PACKED = "weight_packed"
+CT_WEIGHT_GLOBAL = "weight_global_scale"
+CT_INPUT_GLOBAL = "input_global_scale"
+CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 
 # ModelOpt's quant_algo values qckpt writes
 MO_FP8 = "FP8"
@@ -58,6 +64,25 @@ def modelopt_config_groups(algo: str) -> dict | None:
         args = {"dynamic": False, "group_size": NVFP4_GROUP, "num_bits": 4, "type": "float"}
         return {"group_0": {"input_activations": args, "targets": ["Linear"], "weights": args}}
     return None
+
+
+def ct_nvfp4_args(*, inputs: bool) -> dict:
+    """A ``config_groups`` entry's weights / input_activations for compressed-tensors' ``NVFP4``
+    preset (compressed-tensors 0.20 ``quant_scheme.NVFP4``, serialized as its ``model_dump``
+    writes it): weights static; inputs ``dynamic: local`` (a static global scale, the per-16
+    scales computed at run time)."""
+    args = {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "group_size": NVFP4_GROUP,
+        "strategy": "tensor_group",
+        "dynamic": "local" if inputs else False,
+        "scale_dtype": "torch.float8_e4m3fn",
+    }
+    if inputs:
+        args["observer"] = "static_minmax"
+    return args
 
 
 MODELOPT_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}

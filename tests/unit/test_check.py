@@ -35,6 +35,9 @@ def exports(tmp_path_factory):
         q = quant_config("tensor", "static", kv=kv)
         out[fmt] = root / fmt
         run_export(model, hf_dir, make_calibration(model, q), out[fmt], q, fmt=fmt)
+    q = quant_config(fmt="nvfp4")
+    out["ct-nvfp4"] = root / "ct-nvfp4"
+    run_export(model, hf_dir, make_calibration(model, q), out["ct-nvfp4"], q)
     return root, out
 
 
@@ -69,7 +72,9 @@ def test_qckpt_exports_pass(exports):
     for fmt, d in out.items():
         res = check_export(d)
         assert res.ok, res.problems
-        assert res.layout == fmt and res.quantized == 8 + 48 and res.experts == 48
+        assert res.layout == fmt.replace("ct-nvfp4", "compressed-tensors")
+        assert res.quantized == 8 + 48 and res.experts == 48
+    assert check_export(out["ct-nvfp4"]).scheme == "NVFP4 static"
     assert check_export(out["compressed-tensors"]).kv
     r = run_qckpt("check", str(out["modelopt"]))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -97,6 +102,16 @@ def test_qckpt_exports_pass(exports):
         ("modelopt", "old-layout",
          lambda d: _edit_config(d, lambda q: q.update(exclude_modules=q.pop("ignore"))),
          "config.json: quantization_config has no 'ignore'"),
+        ("ct-nvfp4", "zero-global",
+         lambda d: _poke(d, f"{EXPERT}.up_proj.weight_global_scale", 0.0),
+         f"{EXPERT}.up_proj.weight_global_scale: zero scale"),
+        ("ct-nvfp4", "nan-input-global",
+         lambda d: _poke(d, "model.layers.0.self_attn.q_proj.input_global_scale", float("nan")),
+         "model.layers.0.self_attn.q_proj.input_global_scale: NaN or Inf scale"),
+        ("ct-nvfp4", "group-32",
+         lambda d: _edit_config(d, lambda q: q["config_groups"]["group_0"]["weights"].update(
+             group_size=32)),
+         "config.json: nvfp4-pack-quantized weights 4-bit float group_size 32: not NVFP4"),
     ],
 )  # fmt: skip
 def test_broken_export_names_the_problem(exports, fmt, name, breakage, expect):
@@ -124,6 +139,21 @@ def test_missing_per_expert_scale_via_cli(exports):
     lines = r.stdout.strip().splitlines()
     assert lines[0] == f"{d}: 1 problem (modelopt FP8)"
     assert lines[1:] == [f"{EXPERT}.gate_proj: no weight_scale"]
+
+
+def test_ct_nvfp4_missing_global_scale_is_named(exports):
+    root, out = exports
+    d = _copy(root, out["ct-nvfp4"], "ct-nvfp4-missing")
+    shard = next(d.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    del tensors[f"{EXPERT}.down_proj.weight_global_scale"]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = d / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    del idx["weight_map"][f"{EXPERT}.down_proj.weight_global_scale"]
+    index.write_text(json.dumps(idx))
+    res = check_export(d)
+    assert res.problems == [f"{EXPERT}.down_proj: no weight_global_scale"], res.problems
 
 
 def test_export_refuses_to_publish_what_fails_the_check(exports, monkeypatch):

@@ -407,6 +407,15 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
         cfg["format"] = CT_NVFP4_FORMAT
         return cfg
 
+    def warnings(self, modules: list[str]) -> list[str]:
+        if any(_EXPERT.match(m) for m in modules):
+            return [
+                "transformers 5.24 cannot dequantize NVFP4 MoE experts of a compressed-tensors "
+                "export (it leaves them unloaded, or with dequantize=True drops their "
+                "weight_global_scale): the logits are garbage there; see docs/CLIENTS.md"
+            ]
+        return []
+
     def shard_metadata(self) -> dict[str, str]:
         return {**super().shard_metadata(), "quant_format": CT_NVFP4_FORMAT}
 

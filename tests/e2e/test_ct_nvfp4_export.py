@@ -62,7 +62,8 @@ def test_moe_export_is_what_compressed_tensors_decompresses(tmp_path):
     src, model = _source_model(tmp_path, "tiny-moe")
     q = _nvfp4_quant()
     out = tmp_path / "nvfp4"
-    run_export(model, src, make_calibration(model, q), out, q, source_dir=src)
+    rep = run_export(model, src, make_calibration(model, q), out, q, source_dir=src)
+    assert len(rep.warnings) == 1 and "NVFP4 MoE experts" in rep.warnings[0]
 
     res = check_export(out)
     assert res.ok and res.quantized == 56 and res.experts == 48, res.lines()
@@ -101,7 +102,7 @@ def test_blockwise_fp8_to_ct_nvfp4_loads_in_transformers(tmp_path):
     q = _nvfp4_quant()
     state, _ = calibrate_model(model, calib_inputs(), q, init_mesh(ep=1, tp=1, timeout_s=60))
     out = tmp_path / "nvfp4"
-    run_export(model, src, state, out, q, source_dir=src)
+    assert run_export(model, src, state, out, q, source_dir=src).warnings == []
     assert check_export(out).ok, check_export(out).lines()
 
     ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(7))

@@ -12,6 +12,11 @@ class QckptError(Exception):
 
     exit_code = 1
 
+    def __init__(self, message: object = "", *args: object) -> None:
+        # the message is one line by contract, also when it quotes a library's own text
+        # (an unpickler, a JSON parser) that wraps over several
+        super().__init__(" ".join(str(message).split()), *args)
+
 
 class UsageError(QckptError):
     """Bad usage: a wrong flag, a recipe that does not validate. Exit code 2."""

@@ -49,3 +49,13 @@ def test_garbage_metadata_is_one_line_error(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"\x00not a pickle")
     with pytest.raises(CheckpointError, match="corrupt DCP metadata"):
         read_metadata_file(tmp_path / ".metadata")
+
+
+def test_a_library_message_over_several_lines_becomes_one_line(tmp_path):
+    # found by the DCP metadata fuzzer: the unpickler's own message wraps over two lines
+    from qckpt.checkpoint.safe_metadata import read_metadata_file
+
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04P\x00.")  # a persistent-id load
+    with pytest.raises(CheckpointError) as err:
+        read_metadata_file(tmp_path / ".metadata")
+    assert "\n" not in str(err.value) and str(err.value).startswith(str(tmp_path))

@@ -81,7 +81,13 @@ def guard(
     ``file_outputs`` name files: an existing directory there is refused. Returns each output's
     resolved path, which the writer should use (it is what was checked).
     """
-    ins = [(k, p, resolve(p)) for k, p in inputs if p is not None and os.fspath(p).strip()]
+    # every path an output must keep clear of, with the reason a clash gives: the inputs, then
+    # (growing as we go) the outputs already checked
+    avoid: list[tuple[str, str, Path, str]] = []
+    for k, p in inputs:
+        if p is not None and os.fspath(p).strip():
+            real_in = resolve(p)
+            avoid.append((k, _shown(p, real_in), real_in, "refusing to write over an input"))
     checked: list[tuple[str, str, Path]] = []
     file_keys = set(file_outputs)
     for key, given in outputs:
@@ -97,23 +103,15 @@ def guard(
             contains, what = min(hits)
             verb = "contains" if contains else "is"
             raise OutputPathError(f"{key}: {shown} {verb} {what}; refusing to write there")
-        for in_key, in_given, in_real in ins:
-            rel = _relation(real, in_real)
-            if rel is not None:
-                what = in_key if rel == "is" else f"{in_key} {_shown(in_given, in_real)}"
-                raise OutputPathError(
-                    f"{key}: {shown} {rel} {what}; refusing to write over an input"
-                )
-        for other_key, other_shown, other_real in checked:
+        for other_key, other_shown, other_real, why in avoid:
             rel = _relation(real, other_real)
             if rel is not None:
                 what = other_key if rel == "is" else f"{other_key} {other_shown}"
-                raise OutputPathError(
-                    f"{key}: {shown} {rel} {what}; each output needs its own path"
-                )
+                raise OutputPathError(f"{key}: {shown} {rel} {what}; {why}")
         if key in file_keys and real.is_dir():
             raise OutputPathError(f"{key}: {shown} is a directory; name a file")
         checked.append((key, shown, real))
+        avoid.append((key, shown, real, "each output needs its own path"))
     return {key: real for key, _, real in checked}
 
 

@@ -128,3 +128,26 @@ def _experts_cell(row: dict[str, Any]) -> str:
 
 def render_export_report(data: dict[str, Any], console: Console = err) -> None:
     render_mapping("export", data, console)
+
+
+def render_command(data: dict[str, Any], console: Console = err) -> None:
+    """Two lines under a command's report: where its time went (seconds per phase, from the
+    process start) and its whole-command peaks (never reset), beside the tables above."""
+    ph = data.get("phases")
+    if ph:
+        parts = [f"{k} {v:.2f}" for k, v in ph.items() if k != "total" and v >= 0.005]
+        console.print(f"[bold]time (s)[/bold]  {' · '.join(parts)}  = {ph['total']:.2f} total")
+    pk = data.get("peaks")
+    if pk:
+        dev = (
+            f"device {human_bytes(pk['device_peak_bytes'])} "
+            f"(reserved {human_bytes(pk.get('device_peak_reserved_bytes'))}) · "
+            if pk.get("device_peak_bytes") is not None
+            else ""
+        )
+        anon = pk.get("host_peak_anon_bytes")
+        console.print(
+            f"[bold]whole-command peaks[/bold]  {dev}host RSS "
+            f"{human_bytes(pk.get('host_peak_rss_bytes'))}"
+            + (f" (anonymous {human_bytes(anon)})" if anon is not None else "")
+        )

@@ -51,6 +51,7 @@ from qckpt.calib.quantizer import DTYPE_CODE, DTYPES, AmaxBank, TensorQuantizer
 from qckpt.errors import SyncError
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import group_device
+from qckpt.phases import SYNC, timed
 
 # presence travels as K - (dtype code): 1..K for the dtypes in DTYPES, 0 for absent
 K = len(DTYPES)
@@ -276,6 +277,7 @@ class _Fetch:
             torch.cuda.current_stream(d).synchronize()
 
 
+@timed(SYNC)
 def sync_amax(
     quantizers: Iterable[TensorQuantizer],
     group: dist.ProcessGroup | None,

@@ -19,6 +19,7 @@ from qckpt.errors import SyncError, UsageError
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import group_device
 from qckpt.parallel.shard import ShardSpec, model_shards
+from qckpt.phases import SYNC, timed
 
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -86,6 +87,7 @@ def check_sharded_quantizers(quantizers, shards: dict[str, ShardSpec]) -> list:
     return out
 
 
+@timed(SYNC)
 def gather_sharded_amax(
     quantizers, shards: dict[str, ShardSpec], group: dist.ProcessGroup | None
 ) -> int:

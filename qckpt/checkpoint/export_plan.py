@@ -29,6 +29,7 @@ from qckpt.errors import CheckpointError, ExportError
 from qckpt.models.naming import expert_slices, is_fused_experts
 from qckpt.models.naming import ignored as naming_ignored
 from qckpt.outputs import check_export_target, guard
+from qckpt.phases import PLAN, timed
 from qckpt.recipe import ExportConfig, QuantConfig
 
 
@@ -266,6 +267,7 @@ def _plan_outputs(
     return out
 
 
+@timed(PLAN)
 def plan_export(
     *,
     source: str | os.PathLike,

@@ -128,10 +128,13 @@ def _rss() -> int:
 class MemoryMeter:
     """Memory accounting of one load, sampled at every committed item (no sampling thread).
 
-    On CUDA ``transient`` is measured with the caching allocator's peak statistics, per
-    destination window (peak minus what was allocated when the window opened, minus the kept
-    outputs allocated inside it). On CPU it is the planner's own scratch accounting; the host RSS
-    (psutil) is sampled alongside in both cases.
+    On CUDA ``transient`` is measured per destination window: the peak inside it minus what was
+    allocated when it opened, minus the kept outputs allocated inside it. The allocator's peak
+    counter is never reset (it is the whole command's, ``qckpt.phases``), so a window's peak is
+    exact when the window raised it (``max_memory_allocated`` grew), else it is the largest
+    allocation sampled inside the window, a lower bound under the command's earlier high;
+    ``measured_by`` says when a figure is such a bound. On CPU ``transient`` is the planner's own
+    scratch accounting; the host RSS (psutil) is sampled alongside in both cases.
     """
 
     def __init__(self, device: torch.device | str) -> None:
@@ -141,22 +144,43 @@ class MemoryMeter:
         self.base_rss = _rss()
         self.peak_rss = self.base_rss
         self.base_alloc = torch.cuda.memory_allocated(self.device) if self.cuda else 0
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        # the command's high before this load (never reset: see the class doc)
+        self.high_at_start = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
         self.scratch = 0  # live scratch bytes (accounting)
         self.peak_scratch = 0
         self.outputs = 0  # bytes of kept outputs (FP32 main params)
         self.device_transient = 0
-        self.device_peak = self.base_alloc
-        self._win: tuple[int, int] | None = None  # (allocated at open, outputs at open)
+        self.transient_bound = 0  # the most a window's transient can be (== measured when exact)
+        self._sampled_peak = self.base_alloc
+        # (allocated at open, outputs at open, the allocator's high at open, sampled max inside)
+        self._win: list[int] | None = None
         self.samples: list[tuple[float, int, int]] = []
         self.sample()
 
     @property
+    def device_peak(self) -> int:
+        """The load's device peak: exact when the load raised the command's high, else the
+        largest allocation sampled during it."""
+        if not self.cuda:
+            return self._sampled_peak
+        high = torch.cuda.max_memory_allocated(self.device)
+        return high if high > self.high_at_start else self._sampled_peak
+
+    @property
     def measured_by(self) -> str:
-        if self.cuda:
-            return "cuda allocator peak stats (torch.cuda.max_memory_allocated) + host RSS (psutil)"
-        return "planner scratch accounting + host RSS (psutil) sampled at every read item"
+        if not self.cuda:
+            return "planner scratch accounting + host RSS (psutil) sampled at every read item"
+        how = (
+            "cuda allocator high (torch.cuda.max_memory_allocated, never reset) + host RSS (psutil)"
+        )
+        if torch.cuda.max_memory_allocated(self.device) <= self.high_at_start:
+            how += "; the load stayed under the command's earlier high: peak sampled per item"
+        if self.transient_bound > self.device_transient:
+            how += (
+                f"; transient sampled per item (a lower bound; at most {self.transient_bound} "
+                "bytes)"
+            )
+        return how
 
     def add_scratch(self, n: int) -> None:
         self.scratch += n
@@ -170,16 +194,22 @@ class MemoryMeter:
 
     def open_window(self) -> None:
         if self.cuda and self._win is None:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._win = (torch.cuda.memory_allocated(self.device), self.outputs)
+            now = torch.cuda.memory_allocated(self.device)
+            self._win = [now, self.outputs, torch.cuda.max_memory_allocated(self.device), now]
 
     def close_window(self) -> None:
         if self.cuda and self._win is not None:
-            at_open, out_open = self._win
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self.device_peak = max(self.device_peak, peak)
-            self.device_transient = max(
-                self.device_transient, peak - at_open - (self.outputs - out_open)
+            at_open, out_open, high_open, sampled = self._win
+            high = torch.cuda.max_memory_allocated(self.device)
+            kept = self.outputs - out_open
+            # raised the high: exact; else somewhere between what was sampled and the old high
+            peak = (
+                high if high > high_open else max(sampled, torch.cuda.memory_allocated(self.device))
+            )
+            self._sampled_peak = max(self._sampled_peak, peak)
+            self.device_transient = max(self.device_transient, peak - at_open - kept)
+            self.transient_bound = max(
+                self.transient_bound, (high if high > high_open else high_open) - at_open - kept
             )
             self._win = None
 
@@ -188,7 +218,9 @@ class MemoryMeter:
         self.peak_rss = max(self.peak_rss, rss)
         if self.cuda:
             now = torch.cuda.memory_allocated(self.device)
-            self.device_peak = max(self.device_peak, now)
+            self._sampled_peak = max(self._sampled_peak, now)
+            if self._win is not None:
+                self._win[3] = max(self._win[3], now)
             level = now - self.base_alloc - self.outputs
         else:
             level = self.scratch

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._launch import relaunch, will_relaunch
 from qckpt.models.remote_code import refuse_custom_code
@@ -38,6 +39,13 @@ def start_with(
     guard: Callable[[Recipe], None] | None = None,
 ) -> Recipe:
     """``start`` for a recipe that ``read()`` makes (``convert`` makes one from its arguments)."""
+    with phases.phase(phases.STARTUP):
+        return _start(read, nproc, verbose, guard)
+
+
+def _start(
+    read: Callable[[], Recipe], nproc: int, verbose: bool, guard: Callable[[Recipe], None] | None
+) -> Recipe:
     _output.set_verbose(verbose)
     # everything that can be checked is checked here, before any rank starts: a bad recipe is
     # one line and exit 2, never a launcher's output
@@ -62,18 +70,20 @@ def refuse_code_in_sources(recipe: Recipe) -> None:
 @contextmanager
 def world(recipe: Recipe, device: str = "auto") -> Iterator:
     """The DP x EP x TP mesh for the life of a command; torn down even on failure."""
-    from qckpt.parallel.mesh import init_mesh, shutdown
+    with phases.phase(phases.WORLD):
+        from qckpt.parallel.mesh import init_mesh, shutdown
 
-    mesh = init_mesh(
-        ep=recipe.parallel.ep,
-        tp=recipe.parallel.tp,
-        timeout_s=recipe.parallel.timeout_s,
-        device=device,
-    )
+        mesh = init_mesh(
+            ep=recipe.parallel.ep,
+            tp=recipe.parallel.tp,
+            timeout_s=recipe.parallel.timeout_s,
+            device=device,
+        )
     try:
         yield mesh
     finally:
-        shutdown(mesh)
+        with phases.phase(phases.WORLD):
+            shutdown(mesh)
 
 
 def _world_size() -> int:

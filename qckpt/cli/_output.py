@@ -21,6 +21,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from qckpt import phases
 from qckpt.pipeline.hooks import Hooks
 from qckpt.term import err, out  # noqa: F401  (the consoles live below the CLI)
 
@@ -96,3 +97,8 @@ def progress(description: str, total: int | None) -> Iterator[Any]:
 def hooks() -> Hooks:
     """The pipeline's log lines and progress bars, drawn here."""
     return Hooks(log=log, progress=progress)
+
+
+def with_phases(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the command's ``phases`` (seconds) and whole-command ``peaks`` so far."""
+    return {**data, **phases.summary()}

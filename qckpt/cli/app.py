@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from qckpt import __version__
+from qckpt import __version__, phases
 from qckpt.cli import calibrate, check, convert, export, inspect, load
 from qckpt.cli._errors import interruptible, report
 
@@ -83,6 +83,7 @@ def _terminate_as_interrupt() -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
+    phases.begin()  # the command's time and memory, from the process start (issue 18)
     _quiet_third_party()
     old_term = _terminate_as_interrupt()
     from qckpt.kernel_policy import KernelPolicy, kernel_policy
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+        phases.end()
         # The command is over. With torch and transformers loaded, the interpreter's last
         # garbage collection walks millions of objects (seconds on a busy host); refcounting
         # frees them anyway, so skip that walk: a survivor whose peer died then exits right

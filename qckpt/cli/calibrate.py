@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
@@ -38,13 +39,21 @@ def calibrate_cmd(
         guard_paths(outs, ins, file_outputs=["calibrate.output", "--json"])
 
     r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
-    from qckpt.pipeline.calibrate import calibrate
-    from qckpt.report import render_amax_report
+    with phases.phase(phases.STARTUP):
+        from qckpt.pipeline.calibrate import calibrate
+        from qckpt.pipeline.imports import warm_imports
+        from qckpt.report import render_amax_report, render_command
+
+        mods = ("qckpt.checkpoint.load", "qckpt.calib.calibrate", "qckpt.calib.data")
+        warm_imports(r.model.source, *mods, "qckpt.calib.state_file")
 
     with world(r, r.load.device) as mesh:
         res = calibrate(r, mesh, hooks=_output.hooks())
-        if _output.speaks():
-            render_amax_report(res.report)
-        _output.write_json(json_path, {**res.report, "data": res.data})
+        with phases.phase(phases.REPORT):
+            data = _output.with_phases({**res.report, "data": res.data})
+            if _output.speaks():
+                render_amax_report(res.report)
+                render_command(data)
+            _output.write_json(json_path, data)
         n = len(res.state.amax)
         _output.result(f"wrote {res.output}: {n} amax values from {res.world_size} rank(s)")

@@ -9,11 +9,12 @@ from typing import Annotated
 
 import typer
 
+from qckpt import phases
 from qckpt.atomic import terminate_as_interrupt
 from qckpt.cli import _output
 from qckpt.cli._common import quiet_torch_logs, start, start_with, world
 from qckpt.cli._launch import under_torchrun
-from qckpt.cli._options import NprocOpt, SetOpt, VerboseOpt
+from qckpt.cli._options import JsonOpt, NprocOpt, SetOpt, VerboseOpt
 from qckpt.errors import UsageError
 from qckpt.recipe import Recipe
 
@@ -50,6 +51,7 @@ def convert_cmd(
         ),
     ] = "bfloat16",
     set_: SetOpt = None,
+    json_path: JsonOpt = None,
     nproc_per_node: NprocOpt = 1,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -67,7 +69,8 @@ def convert_cmd(
     """
     is_recipe = src.suffix in (".yaml", ".yml")
     model_in = [("--model", model)] if model and os.path.lexists(model) else []
-    _guard_paths(src, dst, is_recipe, model_in, None)
+    outs = [("DST", dst), ("--json", json_path)]
+    _guard_paths(src, outs, is_recipe, model_in, None)
     from qckpt.checkpoint.sources import is_dcp_dir
 
     kind = "recipe" if is_recipe else ("dcp" if is_dcp_dir(src) else "hf")
@@ -75,40 +78,59 @@ def convert_cmd(
     if to not in ("dcp", "hf"):
         raise UsageError(f"--to: must be dcp or hf, got {to!r}")
     if kind == to == "hf" and _quantized_hf(src):
-        return _dequantize_hf(src, dst, dtype)
+        return _dequantize_hf(src, dst, dtype, json_path)
     if kind == to:
         raise UsageError(f"{src}: is already a {to} checkpoint")
     if kind != "recipe" and not src.is_dir():
         raise UsageError(f"{src}: not a recipe, an HF model dir or a DCP dir")
-    r = _start(kind, src, dst, set_, nproc_per_node, verbose, model_in)
+    r = _start(kind, src, outs, set_, nproc_per_node, verbose, model_in)
     _refuse_existing(dst)
-    from qckpt.pipeline.convert import convert
+    with phases.phase(phases.STARTUP):
+        from qckpt.pipeline.convert import convert
+        from qckpt.pipeline.imports import warm_imports
+
+        source = None if kind == "dcp" else r.model.source
+        warm_imports(source, "qckpt.checkpoint.convert")
 
     # SIGTERM unwinds (removing the temp dir) in a plain run; under torchrun it must kill a rank
     # at once, even one blocked in a collective (a Python handler would wait for it to return)
     on_term = contextlib.nullcontext() if under_torchrun() else terminate_as_interrupt()
     with world(r, "cpu") as mesh, on_term:
         convert(kind=kind, to=to, src=src, dst=dst, recipe=r, mesh=mesh, model_config=model)
+    _report(json_path, {"src": str(src), "dst": str(dst), "to": to})
     _output.result(f"wrote {dst} ({to})")
 
 
-def _guard_paths(src: Path, dst: Path, is_recipe: bool, model_in: list, r: Recipe | None) -> None:
-    """DST against SRC (or the recipe) and --model; once read, the recipe's model.source too."""
+def _report(json_path: Path | None, data: dict) -> None:
+    """The phase breakdown and whole-command peaks: on stderr, and in ``--json``."""
+    from qckpt.report import render_command
+
+    with phases.phase(phases.REPORT):
+        data = _output.with_phases(data)
+        if _output.speaks():
+            render_command(data)
+        _output.write_json(json_path, data)
+
+
+def _guard_paths(src: Path, outs: list, is_recipe: bool, model_in: list, r: Recipe | None) -> None:
+    """DST and --json against SRC (or the recipe) and --model; once read, the recipe's
+    model.source too."""
     from qckpt.outputs import guard, recipe_inputs
 
     if r is None:
-        guard([("DST", dst)], [("RECIPE" if is_recipe else "SRC", src), *model_in])
+        ins = [("RECIPE" if is_recipe else "SRC", src)]
     else:
-        guard([("DST", dst)], recipe_inputs(r, src, checkpoint=False) + model_in)
+        ins = recipe_inputs(r, src, checkpoint=False)
+    guard(outs, ins + model_in, file_outputs=["--json"])
 
 
 def _start(
-    kind: str, src: Path, dst: Path, set_, nproc: int, verbose: bool, model_in: list
+    kind: str, src: Path, outs: list, set_, nproc: int, verbose: bool, model_in: list
 ) -> Recipe:
     if kind == "recipe":
 
         def guard(r: Recipe) -> None:
-            _guard_paths(src, dst, True, model_in, r)
+            _guard_paths(src, outs, True, model_in, r)
 
         return start(src, set_, nproc, verbose, guard=guard)
     from qckpt.recipe import recipe_from_dict
@@ -132,7 +154,7 @@ def _quantized_hf(src: Path) -> bool:
     return layout is not None and layout.quantized
 
 
-def _dequantize_hf(src: Path, dst: Path, dtype: str) -> None:
+def _dequantize_hf(src: Path, dst: Path, dtype: str, json_path: Path | None) -> None:
     """A quantized HF dir -> a plain HF dir of ``dtype``, streaming, written then renamed."""
     from qckpt.checkpoint.dequantize_dir import DTYPES
     from qckpt.pipeline.convert import dequantize_hf
@@ -142,6 +164,7 @@ def _dequantize_hf(src: Path, dst: Path, dtype: str) -> None:
     _refuse_existing(dst)
     quiet_torch_logs()
     info = dequantize_hf(src, dst, dtype)
+    _report(json_path, {"src": str(src), "dst": str(dst), "to": "hf", "dtype": dtype, **info})
     _output.result(
         f"wrote {dst} (hf, {dtype}): {info['dequantized']} of {info['tensors']} tensors "
         f"dequantized from {info['layout']}"

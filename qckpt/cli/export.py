@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._common import start
 from qckpt.cli._options import JsonOpt, RecipeArg, SetOpt, VerboseOpt
@@ -37,13 +38,19 @@ def export_cmd(
         check_export_target(r.export.output, r.export.overwrite)
 
     r = start(recipe, set_, 1, verbose, guard=guard)
-    from qckpt.pipeline.export import export
-    from qckpt.report import render_export_report
+    with phases.phase(phases.STARTUP):
+        from qckpt.pipeline.export import export
+        from qckpt.pipeline.imports import warm_imports
+        from qckpt.report import render_command, render_export_report
+
+        warm_imports(r.model.source, "qckpt.checkpoint.export", "qckpt.calib.state_file")
 
     rep = export(r, hooks=_output.hooks())
-    data = rep.to_dict()
-    render_export_report(data)
-    for w in rep.warnings:
-        _output.log(f"warning: {w}")
-    _output.write_json(json_path, data)
+    with phases.phase(phases.REPORT):
+        data = _output.with_phases(rep.to_dict())
+        render_export_report(rep.to_dict())
+        render_command(data)
+        for w in rep.warnings:
+            _output.log(f"warning: {w}")
+        _output.write_json(json_path, data)
     _output.result(f"wrote {r.export.output} ({r.export.format})")

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
@@ -53,21 +54,27 @@ def load_cmd(
         from qckpt.formats.te import require_te
 
         require_te()  # before any world is started
-    from qckpt.pipeline.load import load
-    from qckpt.plot import plot_memory
-    from qckpt.report import render_load_report
+    with phases.phase(phases.STARTUP):
+        from qckpt.pipeline.imports import warm_imports
+        from qckpt.pipeline.load import load
+        from qckpt.plot import plot_memory
+
+        warm_imports(r.model.source, "qckpt.checkpoint.load")
+        from qckpt.report import render_command, render_load_report
 
     with world(r, r.load.device) as mesh:
         res = load(r, mesh, compare=compare, hooks=_output.hooks())
-        data = res.to_dict(str(recipe), r.load.params)
-        if _output.speaks():
-            render_load_report(data)
-        if plot is not None and mesh.is_main:
-            from qckpt.atomic import atomic_file
+        with phases.phase(phases.REPORT):
+            if plot is not None and mesh.is_main:
+                from qckpt.atomic import atomic_file
 
-            with atomic_file(plot, key="--plot") as tmp:
-                plot_memory(res.reports, tmp)
-        _output.write_json(json_path, data)
+                with atomic_file(plot, key="--plot") as tmp:
+                    plot_memory(res.reports, tmp)
+            data = _output.with_phases(res.to_dict(str(recipe), r.load.params))
+            if _output.speaks():
+                render_load_report(data)
+                render_command(data)
+            _output.write_json(json_path, data)
         first = data["runs"][0]
         _output.result(
             f"loaded {first.get('tensors', '?')} tensors from {r.checkpoint.path} into "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qckpt import phases
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.hooks import SILENT, Hooks
 from qckpt.pipeline.model import build_for
@@ -36,21 +37,24 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         hooks.log(f"{len(built.tp_sharded)} linears split over {mesh.tp} TP ranks")
     # the data first: a short file under strict: true is refused before the weights load
     data_cfg = recipe.calibrate.data
-    batches = calibration_batches(
-        data_cfg,
-        vocab_size=model.config.vocab_size,
-        model_source=recipe.model.source,
-        data_rank=mesh.data_rank,
-        data_world=mesh.data_parallel_size,
-        stats=(data_stats := {}),
-    )
+    with phases.phase(phases.DATA):
+        batches = calibration_batches(
+            data_cfg,
+            vocab_size=model.config.vocab_size,
+            model_source=recipe.model.source,
+            data_rank=mesh.data_rank,
+            data_world=mesh.data_parallel_size,
+            stats=(data_stats := {}),
+        )
     data_report = data_summary(data_cfg, data_stats["samples"], hooks)
     hooks.log(f"reading weights from {recipe.checkpoint.path}")
-    load_checkpoint(
-        model, recipe.checkpoint.path, format=recipe.checkpoint.format, stream=True, mesh=mesh
-    )
+    with phases.phase(phases.READ):
+        load_checkpoint(
+            model, recipe.checkpoint.path, format=recipe.checkpoint.format, stream=True, mesh=mesh
+        )
     hooks.log(f"calibrating on {len(batches)} batches")
-    with hooks.progress("calibrating", len(batches)) as advance:
+    # the amax sync inside is charged to its own phase (calib.sync is timed)
+    with phases.phase(phases.FORWARD), hooks.progress("calibrating", len(batches)) as advance:
         state, report = calibrate_model(
             model,
             batches,
@@ -61,7 +65,8 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         )
     out = recipe.calibrate.output
     if mesh.is_main:
-        save_calibration(state, out)
+        with phases.phase(phases.WRITE):
+            save_calibration(state, out)
     return CalibrateResult(
         state=state, report=report, data=data_report, output=out, world_size=mesh.world_size
     )

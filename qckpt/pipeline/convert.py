@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qckpt import phases
 from qckpt.atomic import AtomicDir, atomic_dir, write_error
 from qckpt.errors import OutputError, UsageError
 from qckpt.parallel.mesh import Mesh
@@ -33,10 +34,11 @@ def convert(
     out = AtomicDir(dst, key="DST", replace=True, may_replace=empty_dir)
     tmp = _begin_all(out, mesh)
     try:
-        if kind == "dcp":
-            _dcp_to_hf(src, tmp, mesh, model_config)
-        else:
-            _model_to(to, kind, src, tmp, recipe, mesh)
+        with phases.phase(phases.WRITE):  # a model's build inside is charged to build
+            if kind == "dcp":
+                _dcp_to_hf(src, tmp, mesh, model_config)
+            else:
+                _model_to(to, kind, src, tmp, recipe, mesh)
         _barrier(mesh)
         if mesh.is_main:  # written whole, then renamed: a failure leaves no half checkpoint
             out.commit()
@@ -90,7 +92,10 @@ def dequantize_hf(src: Path, dst: Path, dtype: str) -> dict:
     returns ``dequantize_dir``'s counts."""
     from qckpt.checkpoint.dequantize_dir import DTYPES, dequantize_dir
 
-    with atomic_dir(dst, key="DST", replace=True, may_replace=empty_dir) as tmp:
+    with (
+        phases.phase(phases.WRITE),
+        atomic_dir(dst, key="DST", replace=True, may_replace=empty_dir) as tmp,
+    ):
         return dequantize_dir(src, tmp, dtype=DTYPES[dtype])
 
 
@@ -120,6 +125,7 @@ def _begin_all(out: AtomicDir, mesh: Mesh) -> Path:
     return Path(box[0])
 
 
+@phases.timed(phases.SYNC)
 def _barrier(mesh: Mesh) -> None:
     if mesh.world_size > 1:
         import torch.distributed as dist

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qckpt import phases
 from qckpt.pipeline.hooks import SILENT, Hooks
 from qckpt.recipe import Recipe
 
@@ -15,12 +16,14 @@ def export(recipe: Recipe, *, hooks: Hooks = SILENT):
     from qckpt.checkpoint.export import export_checkpoint
     from qckpt.models.build import load_config
 
-    calibration = load_calibration(recipe.calibrate.output)
-    source = recipe.model.source
-    cfg = load_config(source)
+    with phases.phase(phases.PLAN):
+        calibration = load_calibration(recipe.calibrate.output)
+        source = recipe.model.source
+        cfg = load_config(source)
     # a model dir's config.json, tokenizer and generation files travel with the export
     source_dir = source if cfg is not None and Path(source).is_dir() else None
-    with hooks.progress("exporting", None) as advance:
+    # plan_export is timed as its own phase; the rest reads, quantizes and writes, tensor by tensor
+    with phases.phase(phases.WRITE), hooks.progress("exporting", None) as advance:
         return export_checkpoint(
             source=recipe.checkpoint.path,
             calibration=calibration,

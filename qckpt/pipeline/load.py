@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qckpt import phases
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.hooks import SILENT, Hooks
 from qckpt.pipeline.model import build_for
@@ -38,7 +39,10 @@ def load(recipe: Recipe, mesh: Mesh, *, compare: bool = False, hooks: Hooks = SI
     reports = []
     for stream in [lo.stream] + ([not lo.stream] if compare else []):
         built = build_for(recipe, mesh, sharded=False, seeded=True, params=lo.params)
-        with hooks.progress("loading" + ("" if stream else " (bulk)"), None) as advance:
+        with (
+            phases.phase(phases.READ),
+            hooks.progress("loading" + ("" if stream else " (bulk)"), None) as advance,
+        ):
             rep = load_checkpoint(
                 built.model,
                 recipe.checkpoint.path,

@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from qckpt import phases
 from qckpt.parallel.mesh import Mesh
 from qckpt.recipe import Recipe
 
@@ -69,7 +70,8 @@ def build(
 
     seeded = seeded or params not in (None, "none")
     device = mesh.device if seeded else "meta"
-    model = build_model(source, dtype=dtype, seed=seed, device=device)
+    with phases.phase(phases.BUILD):
+        model = build_model(source, dtype=dtype, seed=seed, device=device)
     if before_shard is not None:
         before_shard(model)
     return prepare(
@@ -96,10 +98,14 @@ def prepare(
     from qckpt.models.build import materialize
     from qckpt.models.quantize_params import quantize_model_params
 
-    ep_names, tp_names = shard(model, mesh) if sharded else ([], [])
-    if any(p.is_meta for p in model.parameters()):
-        materialize(model, mesh.device)
-    quantized = quantize_model_params(model, params, ignore=ignore, backend=backend, **param_opts)
+    with phases.phase(phases.BUILD):
+        ep_names, tp_names = shard(model, mesh) if sharded else ([], [])
+        if any(p.is_meta for p in model.parameters()):
+            materialize(model, mesh.device)
+    with phases.phase(phases.QUANTIZE):
+        quantized = quantize_model_params(
+            model, params, ignore=ignore, backend=backend, **param_opts
+        )
     return Built(model=model, ep_sharded=ep_names, tp_sharded=tp_names, quantized=quantized)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import typer
 
 from qckpt import __version__, phases
-from qckpt.cli import calibrate, check, convert, export, inspect, load
+from qckpt.cli import calibrate, check, convert, export, inspect, load, plan
 from qckpt.cli._errors import interruptible, report
 
 app = typer.Typer(
@@ -33,6 +33,7 @@ app.command("export")(interruptible(export.export_cmd))
 app.command("inspect")(interruptible(inspect.inspect_cmd))
 app.command("convert")(interruptible(convert.convert_cmd))
 app.command("check")(interruptible(check.check_cmd))
+app.command("plan")(interruptible(plan.plan_cmd))
 
 
 def _version(value: bool) -> None:

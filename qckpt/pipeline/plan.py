@@ -1,0 +1,335 @@
+"""``qckpt plan``'s body: every rank's memory and reads for a world, from metadata alone.
+
+The model is built once on the meta device (``models.build.build_model``), and for each layout
+a copy of it is sharded by :func:`qckpt.pipeline.model.shard`, the commands' own EP-then-TP
+order, on a mesh that names rank 0's place and has no process groups (nothing runs a forward).
+Then ``qckpt.plan`` sizes what each rank holds, transient and kept, and what it reads.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qckpt.errors import UsageError
+from qckpt.parallel.mesh import Mesh
+from qckpt.pipeline.model import shard
+from qckpt.plan.layouts import (
+    OFFLOADS,
+    RESIDENT_FORMATS,
+    Layout,
+    check_world,
+    preference,
+    recipe_layout,
+    splits,
+)
+from qckpt.plan.predict import (
+    CalibShape,
+    RankFigures,
+    calibrate_figures,
+    export_figures,
+    load_figures,
+    rank_samples,
+    split_evenly,
+)
+from qckpt.plan.reads import Reads
+from qckpt.plan.tensors import Held, for_rank, rank_tensors
+from qckpt.recipe import Recipe
+
+COMMANDS = ("load", "calibrate", "export")
+_PLANNED = object()  # stands in for a process group: sharding records it, no forward runs
+
+
+@dataclass(kw_only=True)
+class PlanResult:
+    recipe: str
+    world_size: int
+    nproc_per_node: int
+    nnodes: int
+    device_bytes: int | None
+    layout: Layout
+    checkpoint: str
+    model: dict[str, Any]
+    rows: dict[str, list[RankFigures]]
+    suggestions: dict[str, Layout | None] = field(default_factory=dict)
+    extra: dict[str, dict[str, list[RankFigures]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def fits(self, command: str) -> bool | None:
+        rows = self.rows[command]
+        if any(r.fits is None for r in rows):
+            return None
+        return all(r.fits for r in rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        def lay(x: Layout | None) -> dict | None:
+            if x is None:
+                return None
+            return {**x.__dict__, "label": x.label(), "set": x.overrides(True)}
+
+        return {
+            "recipe": self.recipe,
+            "world_size": self.world_size,
+            "nproc_per_node": self.nproc_per_node,
+            "nnodes": self.nnodes,
+            "gpu_memory_bytes": self.device_bytes,
+            "layout": lay(self.layout),
+            "checkpoint": self.checkpoint,
+            "model": self.model,
+            "commands": {c: [r.to_dict() for r in rows] for c, rows in self.rows.items()},
+            "fits": {c: self.fits(c) for c in self.rows},
+            "suggestion": {c: lay(s) for c, s in self.suggestions.items()},
+            "layouts": {
+                label: {c: [r.to_dict() for r in rows] for c, rows in cmds.items()}
+                for label, cmds in self.extra.items()
+            },
+            "notes": self.notes,
+        }
+
+
+def _mesh(world: int, layout: Layout) -> Mesh:
+    return Mesh(
+        world_size=world,
+        dp=layout.dp(world),
+        ep=layout.ep,
+        tp=layout.tp,
+        device=torch.device("meta"),
+        ep_group=_PLANNED if layout.ep > 1 else None,  # type: ignore[arg-type]
+        tp_group=_PLANNED if layout.tp > 1 else None,  # type: ignore[arg-type]
+    )
+
+
+_BUILT: dict[tuple, nn.Module] = {}
+
+
+def _whole(source: str, dtype: str) -> nn.Module:
+    """The whole model on meta. Kept for the next plan of the same config in this process (a
+    large model takes seconds to build); nothing here changes it: layouts shard copies."""
+    from qckpt.models.build import build_model
+
+    cfg = Path(source) / "config.json"
+    key = (source, dtype, cfg.stat().st_mtime_ns if cfg.is_file() else None)
+    if key not in _BUILT:
+        _BUILT.clear()
+        _BUILT[key] = build_model(source, dtype=dtype, device="meta")
+    return _BUILT[key]
+
+
+class _Planner:
+    """The whole model on meta, its checkpoint's metadata, and the recipe; plans layouts."""
+
+    def __init__(self, recipe: Recipe, world: int, nproc: int, device_bytes: int | None):
+        from qckpt.models.build import model_type
+
+        self.recipe, self.world, self.nproc, self.device_bytes = recipe, world, nproc, device_bytes
+        self.whole = _whole(recipe.model.source, recipe.model.dtype)
+        expected = {k: v.shape for k, v in self.whole.state_dict(keep_vars=True).items()}
+        self.reads = Reads.open(
+            recipe.checkpoint.path,
+            recipe.checkpoint.format,
+            model_type=model_type(self.whole) or None,
+            expected=expected,
+        )
+        self._sharded: dict[tuple[int, int], nn.Module | str] = {}
+        from qckpt.parallel.tensor import tp_plan
+
+        self._tp_linears = len(tp_plan(self.whole))
+
+    def sharded(self, layout: Layout) -> nn.Module:
+        """Rank 0's model under ``layout`` (a UsageError naming why it cannot be split)."""
+        key = (layout.ep, layout.tp)
+        if key not in self._sharded and layout.tp > 1 and not self._tp_linears:
+            # the TP sharder refuses a model it finds nothing to split in (MLA attention):
+            # asked of its own plan, before a copy of the model is made for nothing
+            self._sharded[key] = "parallel.tp: > 1 but the model has no attention layers to split"
+        if key not in self._sharded:
+            model = copy.deepcopy(self.whole)
+            try:
+                shard(model, _mesh(self.world, layout))
+                self._sharded[key] = model
+            except UsageError as exc:
+                self._sharded[key] = str(exc)
+        got = self._sharded[key]
+        if isinstance(got, str):
+            raise UsageError(got)
+        return got
+
+    def calib_shape(self, layout: Layout) -> CalibShape:
+        cfg = self.whole.config
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        hidden = int(cfg.hidden_size)
+        heads = int(getattr(cfg, "num_attention_heads", 1))
+        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+        top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        moe = int(getattr(cfg, "moe_intermediate_size", 0) or 0) * max(top_k, 1)
+        dense = int(getattr(cfg, "intermediate_size", 0) or 0)
+        data = self.recipe.calibrate.data
+        return CalibShape(
+            hidden=hidden,
+            vocab=int(cfg.vocab_size),
+            intermediate=max(dense, moe) // layout.tp,
+            attn_width=(2 * heads + 2 * kv) * head_dim // layout.tp,
+            itemsize=self.whole.dtype.itemsize,
+            seq_len=data.seq_len,
+            batch_size=data.batch_size,
+            ep=layout.ep,
+            top_k=top_k,
+        )
+
+    def tensors(self, layout: Layout, params: str) -> list[Held]:
+        return rank_tensors(self.sharded(layout), params=params, ignore=self.recipe.quant.ignore)
+
+    def ranks(self, layout: Layout) -> list[tuple[int, int, int, int]]:
+        """(rank, dp_rank, ep_rank, tp_rank) by the mesh's rule (tp fastest, then ep)."""
+        ep, tp = layout.ep, layout.tp
+        return [(r, (r // tp) // ep, (r // tp) % ep, r % tp) for r in range(self.world)]
+
+    def figures(
+        self, layout: Layout, command: str, ranks: list[tuple[int, int, int, int]], reads: bool
+    ) -> list[RankFigures]:
+        """``command``'s figures on ``ranks`` under ``layout`` (``reads=False``: bytes read
+        left at 0, for the layout search, where only memory decides)."""
+        from dataclasses import replace
+
+        if command == "export":
+            return self._export(ranks)
+        src = self.reads if reads else None
+        r = self.recipe
+        if command == "load":
+            base = self.tensors(layout, r.load.params)
+        else:
+            base = self.tensors(layout, "none" if layout.resident == "bf16" else layout.resident)
+            shape = self.calib_shape(layout)
+        data = r.calibrate.data
+        done: dict[tuple, RankFigures] = {}
+        out = []
+        for rank, dp_rank, ep_rank, tp_rank in ranks:
+            samples = 0
+            if command == "calibrate":
+                dw = layout.dp(self.world) * layout.ep
+                samples = rank_samples(
+                    data.num_samples, data.batch_size, dp_rank * layout.ep + ep_rank, dw
+                )
+            key = (ep_rank, tp_rank, samples)
+            if key not in done:
+                held = for_rank(base, ep_rank, tp_rank)
+                if command == "load":
+                    done[key] = load_figures(
+                        held,
+                        src,
+                        rank=rank,
+                        stream=r.load.stream,
+                        main_params=r.load.main_params == "fp32",
+                        max_inflight=int(getattr(r.load, "max_inflight", 1) or 1),
+                    )
+                else:
+                    done[key] = calibrate_figures(
+                        held, src, shape, rank=rank, samples=samples, offload=layout.offload
+                    )
+            out.append(replace(done[key], rank=rank).judge(self.device_bytes))
+        return out
+
+    def _export(self, ranks: list[tuple[int, int, int, int]]) -> list[RankFigures]:
+        largest, total = self.reads.source_sizes(self.whole)
+        return [
+            export_figures(
+                rank=rank, largest=largest, bytes_read=split_evenly(total, self.world, rank)
+            ).judge(self.device_bytes)
+            for rank, *_ in ranks
+        ]
+
+    def suggest(self, command: str, nnodes: int) -> Layout | None:
+        """The first layout in :func:`preference` order whose every rank fits."""
+        if command == "export":
+            return None
+        if command == "load":
+            cands = [Layout(ep=ep, tp=tp) for ep, tp in splits(self.world, self.nproc)]
+        else:
+            cands = [
+                Layout(ep=ep, tp=tp, resident=res, offload=off)
+                for ep, tp in splits(self.world, self.nproc)
+                for res in RESIDENT_FORMATS
+                for off in OFFLOADS
+            ]
+        first = [self.ranks(Layout())[0]]  # rank 0 holds the most (equal blocks; data rank 0)
+        for cand in sorted(cands, key=preference):
+            try:
+                rows = self.figures(cand, command, first, reads=False)
+            except UsageError:
+                continue  # the sharders refuse this split for this model
+            if all(x.fits for x in rows):
+                return cand
+        return None
+
+
+def plan(
+    recipe: Recipe,
+    *,
+    recipe_path: str = "",
+    nproc_per_node: int,
+    nnodes: int = 1,
+    device_bytes: int | None = None,
+    layouts: list[Layout] | tuple[Layout, ...] = (),
+    suggest: bool = True,
+) -> PlanResult:
+    """Every rank's figures for ``load``, ``calibrate`` and ``export`` under the recipe's
+    layout (and each of ``layouts``), and the smallest layout that fits ``device_bytes``."""
+    if nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node: must be >= 1, got {nproc_per_node}")
+    if nnodes < 1:
+        raise UsageError(f"--nnodes: must be >= 1, got {nnodes}")
+    world = nproc_per_node * nnodes
+    recipe.parallel.check_world(world)
+    base = recipe_layout(recipe)
+    for lay in layouts:
+        why = check_world(lay, world, nproc_per_node)
+        if why:
+            raise UsageError(f"--layout {lay.label()}: {why}")
+    p = _Planner(recipe, world, nproc_per_node, device_bytes)
+    p.sharded(base)  # a split the model refuses is refused here, as the command would
+    ranks = p.ranks(base)
+    rows = {c: p.figures(base, c, ranks, reads=True) for c in COMMANDS}
+    extra = {}
+    for lay in layouts:
+        p.sharded(lay)
+        extra[lay.label()] = {c: p.figures(lay, c, p.ranks(lay), reads=True) for c in COMMANDS}
+    notes = [p.reads.describe]
+    why = check_world(base, world, nproc_per_node)
+    if why:
+        notes.append(f"the recipe's layout: {why} (TP across nodes is slow)")
+    suggestions = {}
+    if device_bytes is not None and suggest:
+        suggestions = {c: p.suggest(c, nnodes) for c in COMMANDS}
+    return PlanResult(
+        recipe=recipe_path,
+        world_size=world,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        device_bytes=device_bytes,
+        layout=base,
+        checkpoint=p.reads.describe,
+        model=_model_summary(p),
+        rows=rows,
+        suggestions=suggestions,
+        extra=extra,
+        notes=notes,
+    )
+
+
+def _model_summary(p: _Planner) -> dict[str, Any]:
+    sd = p.whole.state_dict()
+    cfg = p.whole.config
+    return {
+        "source": p.recipe.model.source,
+        "model_type": getattr(cfg, "model_type", ""),
+        "dtype": p.recipe.model.dtype,
+        "parameters": sum(v.numel() for v in sd.values()),
+        "bytes": sum(v.numel() * v.element_size() for v in sd.values()),
+        "largest_tensor_numel": max((v.numel() for v in sd.values()), default=0),
+    }

@@ -1,0 +1,124 @@
+"""Layouts: how the ranks split a model (EP x TP) and how calibration holds it.
+
+A :class:`Layout` is what a user sets in the recipe (``parallel.ep``, ``parallel.tp``,
+``calibrate.weights_resident``, ``calibrate.offload``); :meth:`Layout.overrides` says it as
+``--set`` arguments. :func:`candidates` lists the ones worth planning for a world, and
+:func:`preference` orders them: the suggestion is the first that fits.
+
+Order of preference (the "smallest" layout): no offload before host offload before layer
+offload (offload re-reads or copies every layer and is the slowest); BF16-resident weights
+before quantized ones (calibration statistics from the model's own values); then the fewest
+model-parallel ranks (ep x tp: the rest of the world is data parallel, the cheapest split);
+then EP before TP (expert-parallel results are bit-identical to one process, TP's to rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qckpt.errors import UsageError
+
+# calibrate.weights_resident and calibrate.offload values (issue 17)
+RESIDENT_FORMATS = ("bf16", "fp8", "fp8_block", "mxfp8")
+OFFLOADS = ("none", "layer", "host")
+_KEYS = ("ep", "tp", "resident", "offload")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    ep: int = 1
+    tp: int = 1
+    resident: str = "bf16"
+    offload: str = "none"
+
+    @property
+    def model_parallel(self) -> int:
+        return self.ep * self.tp
+
+    def dp(self, world: int) -> int:
+        return world // self.model_parallel
+
+    def label(self) -> str:
+        parts = [f"ep={self.ep}", f"tp={self.tp}"]
+        if self.resident != "bf16":
+            parts.append(f"resident={self.resident}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        return ",".join(parts)
+
+    def overrides(self, calibrate: bool = True) -> list[str]:
+        """The ``--set`` arguments that make a recipe use this layout."""
+        out = [f"parallel.ep={self.ep}", f"parallel.tp={self.tp}"]
+        if calibrate:
+            out += [
+                f"calibrate.weights_resident={self.resident}",
+                f"calibrate.offload={self.offload}",
+            ]
+        return out
+
+
+def parse_layout(spec: str, base: Layout) -> Layout:
+    """``ep=8,tp=1,resident=fp8,offload=layer`` (any subset; the rest from ``base``)."""
+    values: dict[str, object] = {
+        "ep": base.ep, "tp": base.tp, "resident": base.resident, "offload": base.offload,
+    }  # fmt: skip
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or key not in _KEYS:
+            raise UsageError(
+                f"--layout {spec!r}: unknown layout key {key!r} (known: {', '.join(_KEYS)}, "
+                "as key=value separated by commas)"
+            )
+        if key in ("ep", "tp"):
+            if not value.isdigit() or int(value) < 1:
+                raise UsageError(f"--layout {spec!r}: {key} must be a positive integer")
+            values[key] = int(value)
+        else:
+            allowed = RESIDENT_FORMATS if key == "resident" else OFFLOADS
+            if value not in allowed:
+                raise UsageError(
+                    f"--layout {spec!r}: {key} must be one of {', '.join(allowed)}; got {value!r}"
+                )
+            values[key] = value
+    return Layout(**values)  # type: ignore[arg-type]
+
+
+def check_world(layout: Layout, world: int, nproc_per_node: int) -> str | None:
+    """Why ``layout`` cannot run on this world (None when it can)."""
+    if world % layout.model_parallel:
+        return f"ep x tp = {layout.model_parallel} does not divide the world size {world}"
+    if layout.tp > nproc_per_node or nproc_per_node % layout.tp:
+        return f"tp {layout.tp} does not divide the {nproc_per_node} GPUs of a node"
+    return None
+
+
+def splits(world: int, nproc_per_node: int) -> list[tuple[int, int]]:
+    """Every (ep, tp) a world can run: ep x tp divides the world, TP stays inside a node."""
+    out = []
+    for tp in range(1, nproc_per_node + 1):
+        if nproc_per_node % tp:
+            continue
+        for ep in range(1, world // tp + 1):
+            if world % (ep * tp) == 0:
+                out.append((ep, tp))
+    return out
+
+
+def preference(layout: Layout) -> tuple:
+    """Sort key: the first layout that fits is the suggestion (see the module doc)."""
+    offload = {"none": 0, "host": 1, "layer": 2}[layout.offload]
+    resident = RESIDENT_FORMATS.index(layout.resident)
+    return (offload, resident != 0, layout.model_parallel, layout.tp, resident)
+
+
+def recipe_layout(recipe: Any) -> Layout:
+    """The layout a recipe asks for (calibration options that are not set: bf16, none)."""
+    cal = recipe.calibrate
+    return Layout(
+        ep=recipe.parallel.ep,
+        tp=recipe.parallel.tp,
+        resident=str(getattr(cal, "weights_resident", "bf16")),
+        offload=str(getattr(cal, "offload", "none")),
+    )

@@ -1,0 +1,196 @@
+"""Each command's figures for one rank, from the tensors it holds (:mod:`qckpt.plan.tensors`).
+
+The rules are the commands' own documented bounds; where one says "about", so does this:
+
+* ``load``: parameters are what the rank holds after the load (quantized parameters by their
+  format's field shapes, the rest at the model dtype; FP32 main params with
+  ``load.main_params: fp32``). Transient: the streaming planner's, the largest quantized
+  destination's numel x nominal itemsize (``LoadReport.predicted_transient_bytes``), times
+  ``load.max_inflight`` where the reader keeps several scratches live; the bulk baseline holds
+  every quantized destination dequantized at once. Bytes read: :mod:`qckpt.plan.reads`.
+* ``calibrate``: the weights resident as ``calibrate.weights_resident`` says (bf16: the model
+  dtype; fp8 / fp8_block / mxfp8: quantized parameters, dequantized one linear at a time as the
+  forward reaches it: that linear is the transient). ``calibrate.offload: layer | host`` keeps
+  on the device only the weights outside the decoder layers plus two layers (the one running and
+  the next one being read), and keeps the activations between layers: this rank's samples x
+  seq_len x hidden x dtype bytes. The forward's own working set (one batch) is an estimate
+  (:func:`forward_bytes`).
+* ``export``: no model on the device; per rank, at most 2 x the largest tensor + 256 MiB of
+  memory (the export's documented bound), and its share of the reads.
+
+``peak_bytes`` adds parameters, transient and activations, plus ``SLACK_BYTES`` for what a
+command allocates besides (allocator rounding, kernels' workspaces).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from qckpt.plan.reads import Reads
+from qckpt.plan.tensors import Held
+
+SLACK_BYTES = 64 << 20
+EXPORT_SLACK_BYTES = 256 << 20
+
+
+@dataclass(kw_only=True)
+class RankFigures:
+    """One command on one rank. Bytes; ``fits`` is None when no device memory was given."""
+
+    command: str
+    rank: int
+    parameter_bytes: int  # on the device, for the whole command
+    transient_bytes: int
+    activation_bytes: int  # kept between layers (offload) + one batch's forward
+    bytes_read: int
+    host_bytes: int = 0  # host memory the command holds beyond the page cache
+    peak_bytes: int = 0
+    fits: bool | None = None
+    slack_bytes: int = SLACK_BYTES  # what the command allocates besides (see the module doc)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def judge(self, device_bytes: int | None) -> RankFigures:
+        self.peak_bytes = (
+            self.parameter_bytes + self.transient_bytes + self.activation_bytes + self.slack_bytes
+        )
+        self.fits = None if device_bytes is None else self.peak_bytes <= device_bytes
+        return self
+
+
+def _read(reads: Reads | None, tensors: list[Held]) -> int:
+    return 0 if reads is None else sum(reads.bytes_for(t) for t in tensors)
+
+
+def _quantized(tensors: list[Held]) -> list[Held]:
+    return [t for t in tensors if t.fmt is not None]
+
+
+def load_figures(
+    tensors: list[Held],
+    reads: Reads | None,
+    *,
+    rank: int,
+    stream: bool = True,
+    main_params: bool = False,
+    max_inflight: int = 1,
+) -> RankFigures:
+    """``qckpt load`` on one rank (``tensors`` built with ``load.params``)."""
+    q = _quantized(tensors)
+    scratch = [t.nominal_bytes for t in q]
+    if stream:
+        transient = max(scratch, default=0) * max(1, max_inflight)
+    else:
+        transient = sum(scratch)
+    params = sum(t.nbytes for t in tensors)
+    if main_params:
+        params += sum(t.numel * 4 for t in q)
+    return RankFigures(
+        command="load",
+        rank=rank,
+        parameter_bytes=params,
+        transient_bytes=transient,
+        activation_bytes=0,
+        bytes_read=_read(reads, tensors),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibShape:
+    """What the forward's memory depends on, from the model config and the recipe."""
+
+    hidden: int
+    vocab: int
+    intermediate: int  # the widest MLP (dense, or top-k experts' together)
+    attn_width: int  # q + k + v + o widths
+    itemsize: int
+    seq_len: int
+    batch_size: int
+    ep: int
+    top_k: int
+
+
+def forward_bytes(s: CalibShape) -> int:
+    """An estimate of one calibration batch's forward working set on a rank: the residual
+    stream and a layer's widest activations (attention or MLP), or the logits at the end,
+    whichever is larger; under EP the experts' exchange gathers every EP rank's tokens."""
+    tokens = s.batch_size * s.seq_len
+    layer = tokens * (4 * s.hidden + max(s.attn_width, 3 * s.intermediate))
+    if s.ep > 1:
+        layer += s.ep * tokens * s.hidden * (2 + s.top_k)
+    return max(layer, tokens * s.vocab) * s.itemsize
+
+
+def calibrate_figures(
+    tensors: list[Held],
+    reads: Reads | None,
+    shape: CalibShape,
+    *,
+    rank: int,
+    samples: int,
+    offload: str = "none",
+) -> RankFigures:
+    """``qckpt calibrate`` on one rank (``tensors`` built with the resident format, or plain);
+    ``samples``: this rank's share of the calibration samples."""
+    q = _quantized(tensors)
+    load_transient = max((t.nominal_bytes for t in q), default=0)
+    # a quantized-resident linear is dequantized as the forward reaches it
+    transient = load_transient
+    host = 0
+    activations = forward_bytes(shape)
+    if offload == "none":
+        params = sum(t.nbytes for t in tensors)
+    else:
+        per_layer: dict[int, int] = {}
+        outside = 0
+        for t in tensors:
+            if t.layer is None:
+                outside += t.nbytes
+            else:
+                per_layer[t.layer] = per_layer.get(t.layer, 0) + t.nbytes
+        params = outside + 2 * max(per_layer.values(), default=0)
+        if offload == "host":
+            host = sum(per_layer.values())
+        activations += samples * shape.seq_len * shape.hidden * shape.itemsize
+    return RankFigures(
+        command="calibrate",
+        rank=rank,
+        parameter_bytes=params,
+        transient_bytes=transient,
+        activation_bytes=activations,
+        bytes_read=_read(reads, tensors),
+        host_bytes=host,
+    )
+
+
+def export_figures(*, rank: int, largest: int, bytes_read: int) -> RankFigures:
+    """``qckpt export`` on one rank: ``largest`` is the largest source tensor's value bytes.
+    The export holds no model: on the host it holds at most its bound (``host_bytes``); on a
+    GPU, where it quantizes there, two tensors at a time (the transient)."""
+    return RankFigures(
+        command="export",
+        rank=rank,
+        parameter_bytes=0,
+        transient_bytes=2 * largest,
+        activation_bytes=0,
+        bytes_read=bytes_read,
+        host_bytes=2 * largest + EXPORT_SLACK_BYTES,
+    )
+
+
+def split_evenly(total: int, world: int, rank: int) -> int:
+    """Rank ``rank``'s share of ``total`` bytes split over ``world`` ranks."""
+    base = total // world
+    return base + (1 if rank < total - base * world else 0)
+
+
+def rank_samples(num_samples: int, batch_size: int, data_rank: int, data_world: int) -> int:
+    """Samples a data rank calibrates on: batches dealt round-robin (``calib.data``)."""
+    n_batches = math.ceil(num_samples / batch_size)
+    total = 0
+    for i in range(data_rank, n_batches, data_world):
+        total += min(batch_size, num_samples - i * batch_size)
+    return total

@@ -1,0 +1,193 @@
+"""Bytes a rank reads from a checkpoint, counted from its metadata as the readers count them.
+
+* DCP dir: DCP reads every stored chunk that overlaps the rank's block whole (``info.length``
+  of ``.metadata``'s storage entry, the serialized chunk), which is what
+  ``OrderedFileSystemReader.bytes_read`` adds up.
+* HF safetensors dir: each piece overlapping the block is sliced, so the bytes are the overlap's
+  elements times the stored itemsize (``HFSafetensorsReader.bytes_read``); a quantized weight
+  is read as codes plus the scales of the rows and columns it needs, row chunk by row chunk
+  (``quantized_sources.dequantize_into``'s pattern).
+* No checkpoint yet: the block's elements at the model's dtype (the BF16 checkpoint it would be).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from qckpt.plan.tensors import Held, global_shape, region
+
+
+def _overlap(
+    a_off: tuple[int, ...], a_len: tuple[int, ...], b_off: tuple[int, ...], b_len: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The intersection of two boxes as (offsets, lengths), None when empty."""
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off, strict=True))
+    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(a_off, a_len, b_off, b_len, strict=True))
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi, strict=True))
+
+
+def _lead(box: tuple[tuple[int, ...], tuple[int, ...]], ndim: int) -> tuple[tuple, tuple]:
+    """A box with the checkpoint's prepended singleton axes in front."""
+    off, size = box
+    k = ndim - len(off)
+    return (0,) * k + tuple(off), (1,) * k + tuple(size)
+
+
+class Reads:
+    """Bytes read per tensor for one checkpoint (or none: the BF16 size)."""
+
+    def __init__(
+        self, path: str | os.PathLike | None, fmt: str, md: Any = None, reader: Any = None
+    ):
+        self.path, self.format, self._md, self._reader = path, fmt, md, reader
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike | None,
+        format: str = "auto",
+        *,
+        model_type: str | None = None,
+        expected: dict[str, torch.Size] | None = None,
+    ) -> Reads:
+        """Metadata of the checkpoint at ``path``; a path that does not exist plans from the
+        model's own size (a plan must work before the checkpoint is written)."""
+        if path is None or not os.path.exists(path):
+            return cls(None, "none")
+        from qckpt.checkpoint.sources import open_reader, resolve_format
+
+        fmt = resolve_format(path, format)
+        if fmt == "dcp":
+            reader = open_reader(path, fmt)
+            return cls(path, fmt, reader.read_metadata(), reader)
+        from qckpt.checkpoint.hf_reader import HFSafetensorsReader
+
+        reader = HFSafetensorsReader(path, model_type=model_type, expected=expected)
+        return cls(path, fmt, reader.read_metadata(), reader)
+
+    @property
+    def describe(self) -> str:
+        if self.path is None:
+            return "no checkpoint: bytes read are the model's own size at its dtype"
+        src = getattr(self._reader, "source", None)
+        layout = src.describe() if src is not None else "plain"
+        return f"{self.format} checkpoint {self.path} ({layout})"
+
+    def source_sizes(self, whole: Any) -> tuple[int, int]:
+        return source_sizes(self, whole)
+
+    def _name(self, t: Held) -> str:
+        for n in (t.name, *t.aliases):
+            if n in self._md.state_dict_metadata:
+                return n
+        return t.name
+
+    def bytes_for(self, t: Held) -> int:
+        """Bytes the rank holding ``t`` reads for it (0 for what no checkpoint fills)."""
+        if not t.persistent:
+            return 0
+        if self._md is None:
+            return t.numel * t.dtype.itemsize
+        name = self._name(t)
+        m = self._md.state_dict_metadata.get(name)
+        if m is None or not hasattr(m, "chunks"):
+            return 0
+        box = _lead(region(t), len(m.size))
+        if self.format == "dcp":
+            return self._dcp(name, m, box)
+        return self._hf(name, m, box)
+
+    def _dcp(self, name: str, m: Any, box: tuple) -> int:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        total = 0
+        for c in m.chunks:
+            if _overlap(tuple(c.offsets), tuple(c.sizes), *box) is not None:
+                info = self._md.storage_data[MetadataIndex(name, torch.Size(c.offsets))]
+                total += int(info.length)
+        return total
+
+    def _hf(self, name: str, m: Any, box: tuple) -> int:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        total = 0
+        raw = self._reader.raw_index
+        for c in m.chunks:
+            hit = _overlap(tuple(c.offsets), tuple(c.sizes), *box)
+            if hit is None:
+                continue
+            piece = self._md.storage_data[MetadataIndex(name, torch.Size(c.offsets))]
+            rel = tuple(o - co for o, co in zip(hit[0], c.offsets, strict=True))
+            offs, lens = rel[piece.lead :], hit[1][piece.lead :]
+            if piece.quant is not None:
+                rows = (offs[0], offs[0] + lens[0])
+                cols = (offs[1], offs[1] + lens[1])
+                total += quantized_read_bytes(piece.quant, raw, rows, cols)
+            else:
+                total += math.prod(lens) * raw[piece.key][2].itemsize
+        return total
+
+
+def quantized_read_bytes(w: Any, raw: dict, rows: tuple[int, int], cols: tuple[int, int]) -> int:
+    """What ``dequantize_into`` fetches for rows x cols of a quantized source weight ``w``:
+    codes chunk by chunk, and the scales each chunk multiplies by."""
+    from qckpt.checkpoint.quantized_sources import CHUNK_ELEMS, NVFP4_GROUP
+
+    def nbytes(key: str, shape: tuple[int, ...]) -> int:
+        return math.prod(shape) * raw[key][2].itemsize
+
+    nc = cols[1] - cols[0]
+    step = max(1, CHUNK_ELEMS // max(nc, 1))
+    if w.granularity == "block":
+        step = max(w.block[0], step // w.block[0] * w.block[0])
+    c0, c1 = cols
+    total = 0
+    for a in range(rows[0], rows[1], step):
+        b = min(rows[1], a + step)
+        if w.scheme == "fp8":
+            total += nbytes(w.codes, (b - a, nc))
+            if w.granularity == "block":
+                b0, b1 = w.block
+                total += nbytes(w.scale, (-(-b // b0) - a // b0, -(-c1 // b1) - c0 // b1))
+            else:  # per tensor or per channel: the whole scale tensor, once per chunk
+                total += nbytes(w.scale, raw[w.scale][1])
+            continue
+        total += nbytes(w.codes, (b - a, -(-c1 // 2) - c0 // 2))
+        total += nbytes(w.scale, (b - a, -(-c1 // NVFP4_GROUP) - c0 // NVFP4_GROUP))
+        total += nbytes(w.global_scale, raw[w.global_scale][1])
+    return total
+
+
+def whole_bytes(t: Held) -> int:
+    """The whole (unsharded) tensor at its nominal dtype."""
+    return math.prod(global_shape(t)) * t.dtype.itemsize
+
+
+def _value_bytes(shape: Any, dtype: torch.dtype) -> int:
+    return math.prod(int(s) for s in shape) * dtype.itemsize
+
+
+def source_sizes(reads: Reads, whole: Any) -> tuple[int, int]:
+    """(largest tensor's value bytes, total bytes stored) of what an export reads: the
+    checkpoint's tensors (as its source lists them: a quantized weight's value in float32), or,
+    with no checkpoint, the whole model's at its dtype."""
+    if reads.path is None:  # the HF BF16 checkpoint it would be: fused experts per expert
+        from qckpt.models.build import model_type
+        from qckpt.models.naming import hf_tensors
+
+        mt = model_type(whole)
+        sd = whole.state_dict()
+        views = [v for k, t in sd.items() for _, v in hf_tensors(k, t, mt)]
+        sizes = [_value_bytes(v.shape, v.dtype) for v in views]
+        return max(sizes, default=0), sum(sizes)
+    from qckpt.checkpoint.sources import open_source
+
+    entries = open_source(reads.path, reads.format).entries()
+    largest = max((_value_bytes(e.shape, e.torch_dtype) for e in entries), default=0)
+    return largest, sum(e.nbytes for e in entries)

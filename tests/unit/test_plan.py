@@ -1,0 +1,143 @@
+"""``qckpt plan``'s predictions against what the commands measure (one rank, in process), its
+layout suggestion, and its refusals of bad input. Sharded loads: tests/dist/test_plan_sharded.py;
+the model configs of docs/SCALING.md: tests/unit/test_plan_models.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qckpt import formats
+from qckpt.checkpoint.convert import save_model_dcp
+from qckpt.checkpoint.load import load_checkpoint
+from qckpt.cli.app import main
+from qckpt.models.build import build_model
+from qckpt.parallel.mesh import Mesh
+from qckpt.pipeline.model import build_for
+from qckpt.pipeline.plan import plan
+from qckpt.plan.fields import field_specs
+from qckpt.recipe import load_recipe
+from tests.conftest import ROOT, run_qckpt
+
+RECIPE = str(ROOT / "configs" / "tiny-moe.yaml")
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """What a rank's model holds: every parameter and buffer once, quantized ones as stored."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            q = formats.is_quantized(t)
+            total += t.quantized_nbytes() if q else t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
+def test_field_shapes_are_the_formats_own(fmt):
+    opts_list = [{}]
+    if fmt == "fp8":
+        opts_list.append({"granularity": "channel"})
+    if fmt == "fp8_block":
+        opts_list.append({"block_size": (16, 48)})
+    for shape in [(64, 48), (3, 40, 130), (33,), (130, 257)]:
+        for opts in opts_list:
+            q = formats.quantize(torch.randn(shape, dtype=torch.bfloat16), fmt, **opts)
+            real = {k: (tuple(getattr(q, k).shape), getattr(q, k).dtype) for k in q.fields()}
+            assert real == field_specs(fmt, shape, opts), (fmt, shape, opts)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    model = build_model("tiny-moe", seed=0)
+    save_model_dcp(model, d / "dcp")
+    model.save_pretrained(d / "hf")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("kind", "fmt"),
+    [("dcp", "fp8"), ("dcp", "nvfp4"), ("hf", "fp8_block"), ("hf", "mxfp8"), ("hf", "none")],
+)
+def test_one_rank_load_is_predicted_exactly(checkpoints, kind, fmt):
+    r = load_recipe(RECIPE, [f"checkpoint.path={checkpoints / kind}", f"load.params={fmt}"])
+    built = build_for(r, Mesh(), sharded=False, seeded=True, params=fmt)
+    rep = load_checkpoint(built.model, r.checkpoint.path, mesh=Mesh())
+    (row,) = plan(r, nproc_per_node=1).rows["load"]
+    assert row.parameter_bytes == held_bytes(built.model)
+    assert row.bytes_read == rep.bytes_read > 0
+    assert row.transient_bytes == rep.predicted_transient_bytes == rep.transient_bytes
+    assert (row.transient_bytes > 0) == (fmt != "none")
+
+
+def test_no_checkpoint_reads_the_bf16_size():
+    r = load_recipe(RECIPE, ["checkpoint.path=/nonexistent/dcp"])
+    res = plan(r, nproc_per_node=1)
+    model = build_model("tiny-moe", seed=0)
+    bf16 = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    assert res.rows["load"][0].bytes_read == bf16
+    assert res.rows["calibrate"][0].bytes_read == bf16
+    assert "no checkpoint" in res.checkpoint
+
+
+def test_calibrate_offload_keeps_the_activations_between_layers():
+    r = load_recipe(RECIPE, ["checkpoint.path=/nonexistent/dcp"])
+    res = plan(r, nproc_per_node=2)
+    from qckpt.plan.layouts import parse_layout
+
+    base = res.layout
+    lay = parse_layout("offload=layer", base)
+    off = plan(r, nproc_per_node=2, layouts=[lay]).extra[lay.label()]["calibrate"]
+    data = r.calibrate.data
+    # 16 samples in batches of 4 over 2 data ranks: 8 samples each, hidden 64, bf16
+    kept = 8 * data.seq_len * 64 * 2
+    for full, layer in zip(res.rows["calibrate"], off, strict=True):
+        assert layer.activation_bytes - full.activation_bytes == kept
+        assert layer.bytes_read == full.bytes_read
+
+
+def test_too_small_a_gpu_does_not_fit_and_gets_a_layout_that_does(tmp_path):
+    r = load_recipe(RECIPE, ["checkpoint.path=/nonexistent/dcp", "parallel.ep=1"])
+    one = plan(r, nproc_per_node=2).rows["load"][0].peak_bytes
+    ep2 = load_recipe(RECIPE, ["checkpoint.path=/nonexistent/dcp", "parallel.ep=2"])
+    two = plan(ep2, nproc_per_node=2).rows["load"][0].peak_bytes
+    assert two < one
+    mem = (one + two) // 2
+    out = tmp_path / "plan.json"
+    res = run_qckpt(
+        "plan", RECIPE, "--nproc-per-node", "2", "--gpu-memory", str(mem),
+        "--set", "checkpoint.path=/nonexistent/dcp", "--json", str(out),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    load_rows = [ln for ln in res.stdout.splitlines() if ln.startswith("load ")]
+    assert load_rows and all("does not fit" in ln for ln in load_rows)
+    assert "load: does not fit" in res.stdout
+    assert "smallest layout that fits: ep=2,tp=1 (--set parallel.ep=2 --set parallel.tp=1)" in (
+        res.stdout
+    )
+    data = json.loads(out.read_text())
+    assert data["fits"]["load"] is False
+    assert data["suggestion"]["load"]["ep"] == 2
+    assert all(row["peak_bytes"] == one for row in data["commands"]["load"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nnodes", "0"], "--nnodes: must be >= 1, got 0"),
+        (["--gpu-memory", "12XB"], "--gpu-memory: not a size like '5GB' or '512MiB': '12XB'"),
+        (["--layout", "pp=2"], "--layout 'pp=2': unknown layout key 'pp'"),
+        (["--layout", "offload=disk"], "offload must be one of none, layer, host; got 'disk'"),
+        (["--layout", "ep=3"], "--layout ep=3,tp=1: ep x tp = 3 does not divide the world size 2"),
+        (["--set", "parallel.ep=3"], "parallel.ep: must divide the world size 2"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", RECIPE, "--nproc-per-node", "2", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

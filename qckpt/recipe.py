@@ -127,6 +127,10 @@ class CalibrateConfig:
     algorithm: Literal["max"] = "max"
     output: str = "runs/tiny/calib.safetensors"
     share_expert_inputs: bool = True
+    # the format the weights are held in while calibrating: bf16 = the model's dtype; a quantized
+    # one halves the parameter memory (weights dequantized one linear / expert at a time in the
+    # forward; weight amax still taken from the checkpoint's values as they stream in)
+    weights_resident: Literal["bf16", "fp8", "fp8_block", "mxfp8"] = "bf16"
 
     def validate(self, path: str) -> None:
         self.data.validate(f"{path}.data")

@@ -2,8 +2,11 @@
 
 Order (the same on every rank, so every rank reaches every collective):
 1. quantizers in (:func:`qckpt.calib.instrument.insert_quantizers`);
-2. weight amax from the weights, every local quantizer, cold experts included;
-3. forwards over this rank's batches under ``no_grad``; a failure here is remembered, not raised,
+2. weight amax from the weights, every local quantizer, cold experts included (weights held
+   quantized: the amaxes a load took from the checkpoint's values, ``weight_amax``);
+3. forwards over this rank's batches under ``no_grad`` (a quantized weight is dequantized for
+   its matmul, one linear or one expert at a time, never an FP8 copy of the input: the
+   activations are those of the dequantized model); a failure here is remembered, not raised,
    so that this rank still reaches the sync and tells the others (who would otherwise wait);
 4. :func:`qckpt.calib.sync.sync_amax` over ``mesh.data_group`` (DP x EP: the ranks that saw
    different data), then over ``mesh.tp_group`` for the per-tensor amaxes (MAX over the shards of
@@ -19,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +40,7 @@ from qckpt.calib.state_file import CalibrationState, model_fingerprint, model_na
 from qckpt.calib.sync import sync_amax
 from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax, linear_shards
 from qckpt.errors import SyncError
+from qckpt.formats.tensor import dequantized_compute
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
 from qckpt.recipe import QuantConfig
@@ -53,8 +57,13 @@ def calibrate_model(
     share_expert_inputs: bool = True,
     progress: Callable[[int], Any] | None = None,
     calib_dtype: torch.dtype = torch.float32,
+    weight_amax: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[CalibrationState, dict[str, Any]]:
-    """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc."""
+    """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
+
+    ``weight_amax``: weight amaxes already taken from the checkpoint's values (quantized-resident
+    weights, :mod:`qckpt.calib.weight_amax`); the forwards then run on dequantized weights.
+    """
     t0 = time.perf_counter()
     quantizers = insert_quantizers(
         model, quant_cfg, share_expert_inputs=share_expert_inputs, calib_dtype=calib_dtype
@@ -68,8 +77,8 @@ def calibrate_model(
         failure: BaseException | None = None
         tokens = 0
         try:
-            calibrate_weights(model)
-            with torch.no_grad():
+            calibrate_weights(model, weight_amax)
+            with torch.no_grad(), dequantized_compute():
                 for b in batches:
                     model(input_ids=b.to(device), use_cache=False)
                     tokens += b.numel()

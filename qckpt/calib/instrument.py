@@ -11,6 +11,14 @@
   the same operations in the same order as transformers' eager experts forward, feeding each
   expert's tokens to its quantizers. gate and up read the same input and are fed the same tokens.
 
+Quantized-resident weights (``calibrate.weights_resident``): transformers' own experts forwards
+cannot run on a quantized fused weight: the eager loop indexes ``gate_up_proj[expert_idx]`` (a
+partial ``aten.select``, which ``QuantizedTensor`` refuses rather than dequantize the whole
+tensor), ``batched_mm`` gathers ``gate_up_proj[expert_ids]`` (an index per token) and
+``grouped_mm`` hands the whole 3-D weights to ``torch._grouped_mm``. The loop here asks for one
+expert at a time (:func:`qckpt.formats.tensor.select_dequantized`): only that expert is
+dequantized, and only for its two matmuls.
+
 Nothing is registered as a submodule, parameter or buffer, so ``state_dict`` and
 ``named_modules`` are unchanged and :func:`remove_quantizers` restores the model exactly.
 
@@ -22,8 +30,9 @@ identically; those of remote experts are ``local=False``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -31,6 +40,7 @@ from torch import nn
 from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
 from qckpt.calib.shapes import calib_granularity
 from qckpt.errors import CalibrationError
+from qckpt.formats.tensor import is_quantized, select_dequantized
 from qckpt.models.naming import expert_slices, ignored, is_fused_experts
 from qckpt.parallel.shard import shard_of
 from qckpt.recipe import QuantConfig
@@ -52,11 +62,26 @@ class ExpertsInfo:
     tokens: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a weight quantizer's values live: the parameter ``param`` (state-dict name) and
+    ``take(tensor)``, the part of that parameter it calibrates (one expert's gate rows, ...).
+    The same ``take`` reads the model's parameter or, during a load, the checkpoint's value
+    of it (:mod:`qckpt.calib.weight_amax`)."""
+
+    quantizer: TensorQuantizer
+    param: str
+    take: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 @dataclass
 class Instrumentation:
     quantizers: dict[str, TensorQuantizer]
-    # (weight quantizer, a function giving the weight tensor it calibrates from)
-    weights: list[tuple[TensorQuantizer, Callable[[], torch.Tensor]]]
+    weights: list[WeightSource]
     experts: list[ExpertsInfo]
     hooks: list = field(default_factory=list)
     patched: list[nn.Module] = field(default_factory=list)
@@ -111,7 +136,7 @@ def insert_quantizers(
             dev = mod.weight.device
             wq = make(name, "weight", tuple(mod.weight.shape), dev)
             iq = make(name, "input", (mod.in_features,), dev)
-            instr.weights.append((wq, (lambda m=mod: m.weight)))
+            instr.weights.append(WeightSource(wq, f"{name}.weight", _whole))
             instr.hooks.append(mod.register_forward_pre_hook(_input_hook(iq)))
             if quant_cfg.kv_cache and name.rpartition(".")[2] in ("k_proj", "v_proj"):
                 # the KV-cache scales: the cache holds these outputs (k after its norm and
@@ -177,18 +202,15 @@ def _instrument_experts(name, mod, mtype, make, instr: Instrumentation, share: b
         info.weight_q.setdefault(s.expert, {})[s.role] = wq
         info.input_q.setdefault(s.expert, {})[s.role] = iq
         if local:
-            r = row_of[s.expert]
-            instr.weights.append(
-                (wq, (lambda p=s.param_name, r=r, s=s, m=mod: _expert_weight(m, p, r, s)))
-            )
+            take = partial(_expert_rows, row=row_of[s.expert], start=s.row_start, rows=s.rows)
+            instr.weights.append(WeightSource(wq, s.param_name, take))
     instr.experts.append(info)
     mod.forward = _experts_forward(mod, info, row_of)
     instr.patched.append(mod)
 
 
-def _expert_weight(mod: nn.Module, param_name: str, row: int, s) -> torch.Tensor:
-    fused = mod.gate_up_proj if param_name.endswith("gate_up_proj") else mod.down_proj
-    return fused[row].narrow(0, s.row_start, s.rows)
+def _expert_rows(fused: torch.Tensor, *, row: int, start: int, rows: int) -> torch.Tensor:
+    return fused[row].narrow(0, start, rows)
 
 
 def _experts_forward(mod: nn.Module, info: ExpertsInfo, row_of: dict[int, int]):
@@ -216,10 +238,14 @@ def _experts_forward(mod: nn.Module, info: ExpertsInfo, row_of: dict[int, int]):
             tokens[ids[row]] += int(token_idx.numel())
             qs["gate"].collect(x)
             qs["up"].collect(x)
-            gate, up = nn.functional.linear(x, mod.gate_up_proj[row]).chunk(2, dim=-1)
+            # quantized-resident weights: only this expert is dequantized, and only for its
+            # matmul (a plain weight gives the view transformers' loop takes)
+            gate, up = nn.functional.linear(x, select_dequantized(mod.gate_up_proj, row)).chunk(
+                2, dim=-1
+            )
             h = mod.act_fn(gate) * up
             qs["down"].collect(h)
-            h = nn.functional.linear(h, mod.down_proj[row])
+            h = nn.functional.linear(h, select_dequantized(mod.down_proj, row))
             h = h * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, h.to(final.dtype))
         return final
@@ -234,15 +260,32 @@ def instrumentation(model: nn.Module) -> Instrumentation:
     return instr
 
 
-def calibrate_weights(model: nn.Module) -> int:
-    """Weight amax from the weights themselves, for every local quantizer (cold experts too)."""
+def calibrate_weights(model: nn.Module, given: Mapping[str, torch.Tensor] | None = None) -> int:
+    """Weight amax from the weights themselves, for every local quantizer (cold experts too).
+
+    ``given`` (quantizer key -> amax) holds amaxes already taken from the checkpoint's values
+    (:mod:`qckpt.calib.weight_amax`): those quantizers take them as they are. A quantized
+    weight must be among them: its dequantized codes are not the checkpoint's values.
+    """
     instr = instrumentation(model)
+    given = given or {}
     n = 0
     with torch.no_grad():
-        for q, get in instr.weights:
-            if q.enabled:
-                q.collect(get())
-                n += 1
+        for src in instr.weights:
+            q = src.quantizer
+            if not q.enabled:
+                continue
+            if q.key in given:
+                q.amax = given[q.key]
+            else:
+                w = model.get_parameter(src.param)
+                if is_quantized(w):
+                    raise CalibrationError(
+                        f"{q.key}: the weight {src.param} is held quantized and its amax was not "
+                        "taken from the checkpoint while loading"
+                    )
+                q.collect(src.take(w))
+            n += 1
     return n
 
 

@@ -51,8 +51,9 @@ def model_names_shapes(model: nn.Module) -> Iterator[tuple[str, tuple[int, ...]]
     shards = model_shards(model)
     for name, t in model.state_dict().items():
         spec = shards.get(name)
-        if spec is not None:
-            t = t.new_empty(()).expand(spec.global_shape)  # the whole shape, no memory
+        # shapes only: a meta stand-in of the whole shape (no memory, and no op on a
+        # quantized tensor, which cannot be sliced per expert)
+        t = torch.empty((), device="meta").expand(spec.global_shape if spec else t.shape)
         for n, v in hf_tensors(name, t, mtype):
             yield n, tuple(v.shape)
 

@@ -198,6 +198,7 @@ def load_checkpoint(
     main_params: str | None = None,
     mesh: Any = None,
     progress: Callable[[int], Any] | None = None,
+    tap: Callable[[str, torch.Tensor], Any] | None = None,
 ) -> LoadReport:
     """Load the checkpoint at ``path`` (DCP dir or HF safetensors dir) into ``model`` in place.
 
@@ -206,6 +207,7 @@ def load_checkpoint(
     params holding the checkpoint's values exactly (``report.main_param_tensors``). ``mesh``
     (``qckpt.parallel.mesh.Mesh``) makes the load collective over its world; without one, a
     running process group is used if there is one. ``progress(n)`` is called per tensor.
+    ``tap(name, value)``: see ``StreamingDequantLoadPlanner`` (no same-layout copy with a tap).
     """
     if main_params in ("none", ""):
         main_params = None
@@ -219,7 +221,8 @@ def load_checkpoint(
     md = reader.read_metadata()
     state = _destinations(model, md)
     check_fit(state, md, path, shards)
-    copied = _copy_same_layout(state, reader, shards, progress) if main_params is None else set()
+    # with a tap every quantized destination must pass through the scratch, none copied
+    copied = set() if main_params or tap else _copy_same_layout(state, reader, shards, progress)
 
     group, world, no_dist, rank = _world_of(mesh)
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
@@ -231,9 +234,9 @@ def load_checkpoint(
     # the copied destinations are done: the rest is read (and dequantized) by DCP
     args = (_without(state, copied), reader, meter, progress, main_params, group, no_dist, shards)
     if stream:
-        items, masters = _stream_load(*args, path=path)
+        items, masters = _stream_load(*args, path=path, tap=tap)
     else:
-        items, masters = _bulk_load(*args, md=md)
+        items, masters = _bulk_load(*args, md=md, tap=tap)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
@@ -306,10 +309,11 @@ def _stream_load(
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
     *,
     path: str | os.PathLike,
+    tap: Callable[[str, torch.Tensor], Any] | None = None,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """The streaming load: (items read, FP32 master copies when ``main_params="fp32"``)."""
     planner = StreamingDequantLoadPlanner(
-        main_params=main_params == "fp32", meter=meter, progress=progress, shards=shards
+        main_params=main_params == "fp32", meter=meter, progress=progress, shards=shards, tap=tap
     )
     try:
         _dcp(state, reader, planner, group, no_dist)
@@ -369,6 +373,7 @@ def _bulk_load(
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
     *,
     md: Metadata,
+    tap: Callable[[str, torch.Tensor], Any] | None = None,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """The baseline: every quantized destination dequantized at once (2 * sum(numel) bytes)."""
     meter.open_window()
@@ -404,6 +409,8 @@ def _bulk_load(
             meter.add_scratch(src.numel() * src.element_size())
         else:
             src = full
+        if tap is not None:
+            tap(name, src)
         state_snapshot = t.quant_state()
         t.quantize_(src, update_state=False)
         t.load_quant_state(state_snapshot)

@@ -249,7 +249,8 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
 
     ``main_params=True`` keeps an FP32 master copy of every quantized destination, filled with
     the checkpoint's values (take them with ``take_main_params()``). ``meter`` records memory;
-    ``progress(n)`` is called once per finished tensor.
+    ``progress(n)`` is called once per finished tensor; ``tap(fqn, value)`` sees each quantized
+    destination's whole value (this rank's block) just before it is quantized.
     """
 
     def __init__(
@@ -260,8 +261,12 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         progress: Callable[[int], Any] | None = None,
         allow_partial_load: bool = False,
         shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+        tap: Callable[[str, torch.Tensor], Any] | None = None,
     ) -> None:
         super().__init__(allow_partial_load=allow_partial_load)
+        # tap(fqn, value): sees each quantized destination's whole value (nominal dtype, the
+        # checkpoint's own numbers) before it is quantized, e.g. to take weight amaxes from it
+        self.tap = tap
         # local shards of plain tensors (EP-sharded experts): fqn -> (global shape, offsets of
         # this rank's block); DCP plans them as one chunk of the checkpoint's global tensor
         self.shards = dict(shards or {})
@@ -439,6 +444,8 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
                 meter.sample()
         else:
             src = full
+        if self.tap is not None:
+            self.tap(fqn, src)
         state = d.target.quant_state()
         try:
             d.target.quantize_(src, update_state=False)

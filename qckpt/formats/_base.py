@@ -81,6 +81,12 @@ class Format:
             "without dequantizing"
         )
 
+    def select_fields(self, q: QuantizedTensor, index: int) -> dict[str, torch.Tensor] | None:
+        """Fields of ``q[index]`` (along dim 0) for READING, when dim 0 is a leading dim that
+        no block spans (one expert of a fused experts weight); None where the layout ties
+        dim 0 to the others. Per-tensor fields are shared with ``q``: never write through it."""
+        return None
+
     def transpose_fields(
         self, q: QuantizedTensor
     ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, Any]]:

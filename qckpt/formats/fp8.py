@@ -353,6 +353,16 @@ class Fp8Format(Format):
             "a view must keep the channel dim"
         )
 
+    def select_fields(self, q: QuantizedTensor, index: int) -> dict[str, torch.Tensor] | None:
+        if q.dim() < 2:
+            return None
+        if q.scale.numel() == 1:
+            return {"qdata": q.qdata[index], "scale": q.scale}
+        if q.scale.dim() == q.dim() and q.scale.shape[0] == q.shape[0]:
+            # per-channel over dim 0: the entry keeps its own row of scales
+            return {"qdata": q.qdata[index], "scale": q.scale[index]}
+        return None
+
     def transpose_fields(self, q: QuantizedTensor) -> Any:
         # the scale broadcasts against qdata, so transposing both keeps it per output row
         return {"qdata": q.qdata.t(), "scale": q.scale.t() if q.scale.dim() == 2 else q.scale}
@@ -420,6 +430,11 @@ class Fp8DelayedFormat(Format):
             "amax_history": q.amax_history,
             "quant_scale": q.quant_scale,
         }
+
+    def select_fields(self, q: QuantizedTensor, index: int) -> dict[str, torch.Tensor] | None:
+        if q.dim() < 2:
+            return None
+        return {**q.fields(), "qdata": q.qdata[index]}
 
     def transpose_fields(self, q: QuantizedTensor) -> Any:
         return {

@@ -260,6 +260,12 @@ class Fp8BlockFormat(Format):
         sshape = self.scale_shape(tuple(shape), q.opts["block_size"])
         return {"qdata": q.qdata.reshape(shape), "scale": q.scale.reshape(sshape)}
 
+    def select_fields(self, q: QuantizedTensor, index: int) -> dict[str, torch.Tensor] | None:
+        # the tiles cover the last two dims: a leading dim indexes whole (M, N) matrices
+        if q.dim() < 3:
+            return None
+        return {"qdata": q.qdata[index], "scale": q.scale[index]}
+
     def transpose_fields(self, q: QuantizedTensor) -> Any:
         if q.dim() != 2:
             raise UnsupportedOpError("fp8_block: t() needs a 2-D tensor")

@@ -217,5 +217,11 @@ class MxFp8Format(Format):
         nb = q.scale.shape[-1]
         return {"qdata": q.qdata.reshape(shape), "scale": q.scale.reshape(lead + (nb,))}
 
+    def select_fields(self, q: QuantizedTensor, index: int) -> dict[str, torch.Tensor] | None:
+        # blocks run along the last dim only: any other dim indexes whole rows of blocks
+        if q.dim() < 2:
+            return None
+        return {"qdata": q.qdata[index], "scale": q.scale[index]}
+
 
 MXFP8 = register(MxFp8Format())

@@ -236,5 +236,10 @@ class NvFp4Format(Format):
             "global_scale": q.global_scale,
         }
 
+    def select_fields(self, q: QuantizedTensor, index: int) -> dict[str, torch.Tensor] | None:
+        if q.dim() < 2:
+            return None
+        return {"qdata": q.qdata[index], "scale": q.scale[index], "global_scale": q.global_scale}
+
 
 NVFP4 = register(NvFp4Format())

@@ -10,7 +10,9 @@ so nothing ever dequantizes behind the caller's back. ``F.linear`` is intercepte
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -201,6 +203,41 @@ def implements_torch_function(funcs: list[Any]) -> Callable[[Callable], Callable
 def is_quantized(t: Any) -> bool:
     """True for a QuantizedTensor (a Parameter wrapping one included)."""
     return isinstance(t, QuantizedTensor)
+
+
+def select_dequantized(t: torch.Tensor, index: int, dtype: torch.dtype | None = None) -> Any:
+    """``t[index]`` along dim 0 as a plain tensor (``dtype``, default the nominal one).
+
+    For a QuantizedTensor only that entry's codes are dequantized where the format allows it
+    (:meth:`Format.select_fields`: one expert of a fused experts weight); otherwise the whole
+    tensor is dequantized, the entry copied out and the whole copy dropped before returning.
+    A plain tensor gives ``t[index]`` (a view, no copy).
+    """
+    if not isinstance(t, QuantizedTensor):
+        return t[index] if dtype is None else t[index].to(dtype)
+    dtype = t.dtype if dtype is None else dtype
+    fields = t.spec.select_fields(t, index)
+    if fields is None:
+        return t.dequantize(dtype)[index].clone()
+    part = QuantizedTensor(fields, t.fmt, t.opts, tuple(t.shape[1:]), t.dtype)
+    return part.dequantize(dtype)
+
+
+# False inside dequantized_compute(): linears dequantize their weight instead of running
+# torch._scaled_mm on a quantized copy of their input
+_SCALED_MM: ContextVar[bool] = ContextVar("qckpt_scaled_mm", default=True)
+
+
+@contextmanager
+def dequantized_compute() -> Iterator[None]:
+    """Inside the block a linear with a quantized weight computes with the dequantized weight
+    and the input as it is (never an FP8 copy of the input): what calibration needs, since
+    its input amaxes must see the activations a high-precision model would produce."""
+    token = _SCALED_MM.set(False)
+    try:
+        yield
+    finally:
+        _SCALED_MM.reset(token)
 
 
 def _like(
@@ -430,6 +467,8 @@ def _scaled_mm_linear(
     """torch._scaled_mm for a per-tensor FP8 E4M3 weight on CUDA; None where it does not apply
     (CPU, other formats, shapes not multiples of 16, ...), and the caller dequantizes instead."""
     if not (x.is_cuda and w.fmt in ("fp8", "fp8_delayed") and w.dim() == 2):
+        return None
+    if not _SCALED_MM.get():
         return None
     if w.qdata.dtype != torch.float8_e4m3fn or w.scale.numel() != 1:
         return None

@@ -25,12 +25,19 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.data import calibration_batches
     from qckpt.calib.state_file import save_calibration
+    from qckpt.calib.weight_amax import CheckpointWeightAmax
     from qckpt.checkpoint.load import load_checkpoint
 
     # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
-    # reads only its own experts and linear shards, never the whole model
-    built = build_for(recipe, mesh)
+    # reads only its own experts and linear shards, never the whole model. Quantized-resident
+    # weights: the linears and experts the calibration quantizes are held in that format
+    # (native tensors: the calibration instruments nn.Linear and fused experts, not TE's)
+    resident = recipe.calibrate.weights_resident
+    params = "none" if resident == "bf16" else resident
+    built = build_for(recipe, mesh, params=params, backend="native")
     model = built.model
+    if built.quantized:
+        hooks.log(f"{len(built.quantized)} weights held as {resident} while calibrating")
     if built.ep_sharded:
         hooks.log(f"experts of {len(built.ep_sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
     if built.tp_sharded:
@@ -48,9 +55,17 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         )
     data_report = data_summary(data_cfg, data_stats["samples"], hooks)
     hooks.log(f"reading weights from {recipe.checkpoint.path}")
+    # a quantized weight's amax comes from the checkpoint's value as it streams in, not from
+    # the re-quantized codes the model then holds
+    tap = CheckpointWeightAmax(model, recipe.quant) if built.quantized else None
     with phases.phase(phases.READ):
         load_checkpoint(
-            model, recipe.checkpoint.path, format=recipe.checkpoint.format, stream=True, mesh=mesh
+            model,
+            recipe.checkpoint.path,
+            format=recipe.checkpoint.format,
+            stream=True,
+            mesh=mesh,
+            tap=tap,
         )
     hooks.log(f"calibrating on {len(batches)} batches")
     # the amax sync inside is charged to its own phase (calib.sync is timed)
@@ -62,7 +77,9 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
             mesh,
             share_expert_inputs=recipe.calibrate.share_expert_inputs,
             progress=advance,
+            weight_amax=tap.amax() if tap is not None else None,
         )
+    report.update(weights_resident=resident, param_bytes=param_bytes(model))
     out = recipe.calibrate.output
     if mesh.is_main:
         with phases.phase(phases.WRITE):
@@ -70,6 +87,20 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     return CalibrateResult(
         state=state, report=report, data=data_report, output=out, world_size=mesh.world_size
     )
+
+
+def param_bytes(model) -> int:
+    """Bytes the model's parameters hold on this rank: codes and scales for a quantized one."""
+    from qckpt.formats import is_quantized
+
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.quantized_nbytes() if is_quantized(p) else p.numel() * p.element_size()
+    return total
 
 
 def data_summary(cfg: DataConfig, samples: int, hooks: Hooks = SILENT) -> dict:

@@ -116,8 +116,10 @@ def build_for(
     sharded: bool = True,
     seeded: bool = False,
     params: str = "none",
+    backend: str | None = None,
 ) -> Built:
-    """``build`` with a recipe's model and quantized-parameter settings."""
+    """``build`` with a recipe's model and quantized-parameter settings (``backend``: the
+    recipe's ``load.backend`` unless given)."""
     return build(
         recipe.model.source,
         mesh,
@@ -127,5 +129,5 @@ def build_for(
         sharded=sharded,
         params=params,
         ignore=recipe.quant.ignore,
-        backend=recipe.load.backend,
+        backend=recipe.load.backend if backend is None else backend,
     )

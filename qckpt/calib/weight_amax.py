@@ -1,0 +1,70 @@
+"""Weight amaxes taken from the checkpoint's own values while a load streams them in.
+
+Quantized-resident calibration (``calibrate.weights_resident: fp8 | fp8_block | mxfp8``) holds
+the weights quantized; their dequantized codes are not the checkpoint's numbers, so an amax
+taken from them would describe the re-quantized weight, not the one the export quantizes. A
+:class:`CheckpointWeightAmax` is the load's tap (``load_checkpoint(tap=...)``): the streaming
+planner hands it each quantized destination's whole value (this rank's block, in the model's
+dtype) just before quantizing it, and it folds that value into the weight quantizers the
+calibration will have, with the quantizers' own reduction. The amaxes are therefore those a
+BF16-resident run computes from its parameters, bit for bit. ``calibrate_model(weight_amax=)``
+then takes them instead of reading the (quantized) weights.
+
+The quantizers are made by :func:`qckpt.calib.instrument.insert_quantizers` on the model and
+the model is left as it was (instrumentation removed), so the keys, shapes, granularities and
+the expert slices are the calibration's own, not a second description of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qckpt.calib.instrument import (
+    WeightSource,
+    insert_quantizers,
+    instrumentation,
+    remove_quantizers,
+)
+from qckpt.errors import CalibrationError
+from qckpt.recipe import QuantConfig
+
+
+class CheckpointWeightAmax:
+    """``tap(name, value)`` for a load: the weight amaxes of ``model``'s quantizers from the
+    checkpoint's values. Call it with every quantized destination; read :meth:`amax` after."""
+
+    def __init__(
+        self, model: nn.Module, quant_cfg: QuantConfig, *, calib_dtype: torch.dtype = torch.float32
+    ) -> None:
+        insert_quantizers(model, quant_cfg, calib_dtype=calib_dtype)
+        try:
+            sources = instrumentation(model).weights
+        finally:
+            remove_quantizers(model)
+        self._by_param: dict[str, list[WeightSource]] = {}
+        for src in sources:
+            if src.quantizer.enabled:
+                self._by_param.setdefault(src.param, []).append(src)
+        self.seen: set[str] = set()
+
+    def __call__(self, name: str, value: torch.Tensor) -> None:
+        sources = self._by_param.get(name)
+        if not sources:
+            return  # a quantized parameter no weight quantizer reads
+        if name in self.seen:
+            raise CalibrationError(f"{name}: the load delivered this weight twice")
+        self.seen.add(name)
+        with torch.no_grad():
+            for src in sources:
+                src.quantizer.collect(src.take(value))
+
+    def amax(self) -> dict[str, torch.Tensor]:
+        """Quantizer key -> amax, for every weight quantizer whose parameter was delivered."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self.seen:
+            for src in self._by_param[name]:
+                a = src.quantizer.amax
+                if a is not None:
+                    out[src.quantizer.key] = a
+        return out

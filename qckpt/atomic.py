@@ -335,6 +335,21 @@ class AtomicDir:
             self.tmp = None
 
 
+def discard_temp(tmp: Path) -> None:
+    """Remove a temp dir that another process (a multi-rank writer's main rank) made and may
+    still be committing: it is first renamed to a temp name of this process, so that either
+    the owner's rename or this one wins, atomically, and a commit never renames a dir that is
+    half removed. Gone already (committed or removed): nothing to do."""
+    target = tmp.with_name(tmp.name.split(TEMP_TAG, 1)[0][1:] or tmp.name)
+    mine = _hidden(target, TEMP_TAG)
+    try:
+        os.rename(tmp, mine)
+    except OSError:
+        return
+    with _signals_blocked():
+        shutil.rmtree(mine, ignore_errors=True)
+
+
 def _swap(tmp: Path, target: Path) -> None:
     """Replace ``target`` by ``tmp``: rename the old one aside, rename the new one in, delete."""
     old: Path | None = _hidden(target, OLD_TAG)

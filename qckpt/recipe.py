@@ -169,12 +169,16 @@ class ExportConfig:
     # MoE experts: "shared" = one weight scale for gate and up, one input scale per layer (what
     # vLLM and ModelOpt use); "per_expert" = every expert linear its own calibrated scales
     moe_scales: Literal["shared", "per_expert"] = "shared"
+    # where the weights are quantized: auto = this rank's GPU when there is one, else the CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    writers: int = 4  # threads writing shard files (and tensors of one file) at once, per rank
 
     def validate(self, path: str) -> None:
         try:
             parse_size(self.max_shard_size)
         except ValueError as exc:
             raise RecipeError(f"{path}.max_shard_size: {exc}") from None
+        _in_range(f"{path}.writers", self.writers, 1, 64, "1 .. 64")
 
     @property
     def max_shard_bytes(self) -> int:

@@ -126,8 +126,25 @@ def _experts_cell(row: dict[str, Any]) -> str:
     return f"{hot}/{len(counts)} {ranks}{tail}".strip()
 
 
+_EXPORT_RANK_COLS = ("files", "bytes_read", "bytes_written", "read_seconds",
+                     "quantize_seconds", "write_seconds", "rss_anon_peak_bytes")  # fmt: skip
+
+
 def render_export_report(data: dict[str, Any], console: Console = err) -> None:
-    render_mapping("export", data, console)
+    render_mapping("export", {k: v for k, v in data.items() if k != "ranks"}, console)
+    ranks = data.get("ranks") or []
+    if ranks:  # a distributed export: what each rank did
+        t = Table(title="export per rank", title_justify="left")
+        t.add_column("rank", style="bold")
+        for c in _EXPORT_RANK_COLS:
+            t.add_column(c)
+        for r in ranks:
+            files = r.get("files", [])
+            cells = [
+                f"{len(files)}" if c == "files" else _fmt(c, r.get(c)) for c in _EXPORT_RANK_COLS
+            ]
+            t.add_row(str(r.get("rank")), *cells)
+        console.print(t)
 
 
 def render_command(data: dict[str, Any], console: Console = err) -> None:

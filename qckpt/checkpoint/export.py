@@ -4,9 +4,12 @@ Two steps: :func:`~qckpt.checkpoint.export_plan.plan_export` reads metadata only
 everything (what each tensor becomes, the checks of the calibration file, the shard
 assignment, the config), so every refusal comes before a byte is written; :func:`write_export`
 executes the plan: the safetensors headers are written from the plan first (all shapes are
-known), then each source tensor is read, quantized and appended to its shard, and dropped: one
-tensor in flight, so host memory stays near the largest tensor however large the model is.
-:func:`export_checkpoint` is the two in a row.
+known), then each source tensor is read, quantized (on a GPU when one is given) and written at
+its planned place, with reads, quantization and writes overlapped
+(:mod:`~qckpt.checkpoint.export_pipeline`) and the host bytes in flight bounded by twice the
+largest tensor, however large the model is. Under torchrun every rank writes its share of the
+shard files and the main rank the rest (:mod:`~qckpt.checkpoint.export_dist`).
+:func:`export_checkpoint` is plan and write in a row.
 
 Atomicity and safety (``qckpt.atomic``, ``qckpt.outputs``): the output may not equal, contain or
 lie inside the source, the model dir or the calibration file (checked first); everything is
@@ -20,28 +23,33 @@ removes it once its pid is gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from qckpt.atomic import atomic_dir
+from qckpt.atomic import AtomicDir, terminate_as_interrupt, write_error
 from qckpt.calib.state_file import CalibrationState
-from qckpt.checkpoint.export_layouts import Layout, check_source_weight
-from qckpt.checkpoint.export_plan import ExportPlan, _Group, plan_export
+from qckpt.checkpoint.export_dist import Team
+from qckpt.checkpoint.export_pipeline import HOST_SLACK_BYTES, assign_files, peak_rss, write_files
+from qckpt.checkpoint.export_plan import ExportPlan, plan_export
 from qckpt.checkpoint.model_files import copy_model_files
-from qckpt.checkpoint.safetensors_io import write_json, write_shards
-from qckpt.checkpoint.sources import CheckpointSource, iter_hf_tensors
-from qckpt.errors import ExportError
+from qckpt.checkpoint.safetensors_io import write_index, write_json
+from qckpt.errors import ExportError, PeerError
 from qckpt.outputs import EXPORT_MARKER, check_export_target, export_marker
 from qckpt.recipe import ExportConfig, QuantConfig
 
-__all__ = ["ExportPlan", "ExportReport", "export_checkpoint", "plan_export", "write_export"]
+__all__ = [
+    "ExportPlan",
+    "ExportReport",
+    "WriteOptions",
+    "export_checkpoint",
+    "plan_export",
+    "write_export",
+]
 
 ProgressFn = Callable[[int, int, str], None]
 
@@ -52,82 +60,29 @@ class ExportReport:
     layout: str
     quant_format: str
     source_format: str
-    source_tensors: int  # stored tensors read (a fused experts parameter counts once)
+    source_tensors: int  # stored tensors in the source (a fused experts parameter counts once)
     tensors_written: int
     quantized_linears: int
-    bytes_read: int
-    bytes_written: int  # tensor data, headers excluded
+    bytes_read: int  # all ranks together
+    bytes_written: int  # tensor data, headers excluded, all ranks together
     shards: int
     largest_tensor_bytes: int
-    seconds: float
+    seconds: float  # the main rank's wall time, planning included
     gbps: float  # bytes_read / seconds / 1e9
-    peak_rss_bytes: int  # the process's peak RSS (VmHWM), so it includes what ran before
+    peak_rss_bytes: int  # the largest whole-process peak RSS (VmHWM) of any rank, never reset
+    # anonymous memory (RssAnon, sampled; no file pages) at its peak during the write, and over
+    # what the process held when the write began: the figure the documented bound is about
+    peak_rss_anon_bytes: int = 0
+    write_rss_anon_bytes: int = 0
+    host_bound_bytes: int = 0  # 2 x largest tensor + 256 MiB
+    world_size: int = 1
+    device: str = "cpu"
     files: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # what known clients cannot serve
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: files, bytes, seconds
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _peak_rss() -> int:
-    """The process's peak RSS: VmHWM (ru_maxrss would carry a parent's peak over fork+exec)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-@dataclass
-class _WriteStats:
-    written: int = 0  # output tensors
-    sources: int = 0  # stored tensors read
-    bytes_read: int = 0
-
-
-def _output_tensors(
-    src: CheckpointSource,
-    groups: list[_Group],
-    layout: Layout,
-    cal_amax: dict[str, torch.Tensor],
-    amax: dict[str, torch.Tensor],
-    attn_modules: list[str],
-    model_type: str,
-    stats: _WriteStats,
-    progress: ProgressFn | None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The export's tensors in plan order (the groups' order), one source tensor in flight.
-
-    Each quantized weight is first checked against its calibrated amax (``cal_amax``: finite,
-    and no larger than what was calibrated); ``amax`` is what the scales are made from."""
-    by_name = {g.entry.name: g for g in groups if g.entry is not None}
-    n_source = len(src.entries())
-    last_source = None
-    for he, t in iter_hf_tensors(src, [g.entry for g in groups if g.entry], model_type):
-        g = by_name[he.name]
-        if g.module is not None:
-            check_source_weight(g.module, t, cal_amax[f"{g.module}.weight_amax"])
-            outs = layout.quantize_linear(g.module, t, amax)
-        else:
-            outs = iter([(he.name, t.to(g.specs[0].dtype))])
-        for name, q in outs:
-            stats.written += 1
-            yield name, q
-            del q
-        del t
-        if he.source is not last_source:
-            last_source = he.source
-            stats.sources += 1
-            stats.bytes_read += he.source.nbytes
-            if progress is not None:
-                progress(stats.sources, n_source, he.source.name)
-    if any(g.entry is None for g in groups):  # the KV scales: from the calibration file only
-        for a in attn_modules:
-            for name, q in layout.kv_tensors(a, amax):
-                stats.written += 1
-                yield name, q
 
 
 def _self_check(tmp: Path, target: Path) -> None:
@@ -144,59 +99,150 @@ def _refuse_unmarked(target: Path) -> None:
     check_export_target(target, overwrite=True)
 
 
+def _finish_dir(plan: ExportPlan, tmp: Path) -> None:
+    """What only the main rank writes, after every shard is: index, config, layout files,
+    model files, the marker (last: overwrite replaces only a dir holding it), then the check."""
+    if plan.shards.index:
+        write_index(tmp, plan.shards)
+    write_json(tmp / "config.json", plan.config)
+    for fname, obj in plan.layout.extra_files(plan.ignore_list).items():
+        write_json(tmp / fname, obj)
+    if plan.source_dir is not None:
+        copy_model_files(plan.source_dir, tmp)
+    marker = export_marker(layout=plan.layout_name, shards=len(plan.shards.files))
+    write_json(tmp / EXPORT_MARKER, marker)
+    _self_check(tmp, plan.target)
+
+
+@dataclass(kw_only=True)
+class WriteOptions:
+    """How a rank writes its shards: where it quantizes and how many threads read and write."""
+
+    device: str = "cpu"  # a torch device: "cpu", "cuda", "cuda:1"
+    readers: int = 2
+    writers: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.readers <= 64 or not 1 <= self.writers <= 64:
+            raise ExportError(
+                f"readers and writers must be 1..64, got {self.readers}, {self.writers}"
+            )
+
+
+def _write_rank(
+    plan: ExportPlan, team: Team, tmp: Path, opts: WriteOptions, progress
+) -> list[dict]:
+    """This rank's shard files, then the agreement: every rank's stats, or the failure."""
+    files = assign_files(plan, team.world)[team.rank]
+    try:
+        stats = write_files(
+            plan,
+            tmp,
+            files,
+            device=opts.device,
+            readers=opts.readers,
+            writers=opts.writers,
+            progress=progress,
+            should_stop=team.check_peers,
+        )
+    except Exception as exc:  # tell the others first, then fail with it
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        team.mark_failed(msg)
+        try:
+            team.agree(False, msg, {})
+        except (ExportError, PeerError):
+            pass  # this rank's own error is the one to report
+        raise
+    return team.agree(True, "", {**stats.to_dict(), "peak_rss_bytes": peak_rss()})
+
+
 def write_export(
-    plan: ExportPlan, *, progress: ProgressFn | None = None, started: float | None = None
+    plan: ExportPlan,
+    *,
+    progress: ProgressFn | None = None,
+    started: float | None = None,
+    mesh: Any = None,
+    options: WriteOptions | None = None,
 ) -> ExportReport:
     """Execute ``plan``: every file into a temp dir beside the target, renamed to it at the end.
 
-    ``started`` (a ``time.perf_counter()``) is when the export began, planning included.
+    ``mesh`` (a :class:`~qckpt.parallel.mesh.Mesh` of several ranks, every rank calling this
+    with the same plan): each rank writes the shard files it is assigned; the main rank then
+    writes the rest and renames the dir (see :mod:`qckpt.checkpoint.export_dist`). ``started``
+    (a ``time.perf_counter()``) is when the export began, planning included.
     """
     t0 = time.perf_counter() if started is None else started
-    stats = _WriteStats()
-    layout = plan.layout
-    with atomic_dir(
+    opts = options or WriteOptions()
+    team = Team(mesh)
+    out = AtomicDir(
         plan.target, key="export.output", replace=plan.overwrite, may_replace=_refuse_unmarked
-    ) as tmp:
-        tensors = _output_tensors(
-            plan.source,
-            plan.groups,
-            layout,
-            plan.cal_amax,
-            plan.amax,
-            plan.attn_modules,
-            plan.model_type,
-            stats,
-            progress,
-        )
-        bytes_written = write_shards(tmp, plan.shards, tensors, metadata=layout.shard_metadata())
-        write_json(tmp / "config.json", plan.config)
-        for fname, obj in layout.extra_files(plan.ignore_list).items():
-            write_json(tmp / fname, obj)
-        if plan.source_dir is not None:
-            copy_model_files(plan.source_dir, tmp)
-        # last: overwrite replaces only a dir holding this file
-        marker = export_marker(layout=plan.layout_name, shards=len(plan.shards.files))
-        write_json(tmp / EXPORT_MARKER, marker)
-        _self_check(tmp, plan.target)
+    )
+    # one process: SIGTERM unwinds and removes the temp dir; under torchrun a SIGTERM must end
+    # a rank at once, even one blocked in a collective
+    on_term = terminate_as_interrupt() if team.world == 1 else contextlib.nullcontext()
+    agreed = False
+    with on_term:
+        tmp = team.begin(out)
+        try:
+            ranks = _write_rank(plan, team, tmp, opts, progress)
+            agreed = True
+            if team.is_main:
+                _finish_dir(plan, tmp)
+                out.commit()
+        except BaseException as exc:
+            if team.is_main:
+                out.abort()
+                if agreed:  # the others wait for the outcome
+                    _tell(team, False, " ".join(str(exc).split()) or type(exc).__name__)
+            else:  # renamed away first: never races a commit (export_dist's module doc)
+                team.discard()
+            err = write_error(exc, out.target, "export.output", tmp)
+            if err is not None:
+                raise err from exc
+            raise
+        if team.is_main:
+            _tell(team, True, "")
+        else:
+            team.outcome(True, "")
+    return _report(plan, ranks, time.perf_counter() - t0, team.world, opts.device)
 
-    seconds = time.perf_counter() - t0
+
+def _tell(team: Team, ok: bool, message: str) -> None:
+    """The main rank's outcome to the others. Its own failure to get through changes nothing
+    here: on success the export is whole and in place (a rank that died after the agreement
+    fails on its own), on failure this rank raises its own error."""
+    with contextlib.suppress(ExportError, PeerError):
+        team.outcome(ok, message)
+
+
+def _report(
+    plan: ExportPlan, ranks: list[dict], seconds: float, world: int, device: str
+) -> ExportReport:
+    st = [r["stats"] for r in ranks]
+    bytes_read = sum(s["bytes_read"] for s in st)
     return ExportReport(
         output=str(plan.target),
         layout=plan.layout_name,
-        quant_format=layout.shard_metadata()["quant_format"],
+        quant_format=plan.layout.shard_metadata()["quant_format"],
         source_format=plan.source.format,
         source_tensors=plan.source_tensors,
-        tensors_written=stats.written,
+        tensors_written=sum(s["tensors_written"] for s in st),
         quantized_linears=plan.quantized_linears,
-        bytes_read=stats.bytes_read,
-        bytes_written=bytes_written,
+        bytes_read=bytes_read,
+        bytes_written=sum(s["bytes_written"] for s in st),
         shards=len(plan.shards.files),
         largest_tensor_bytes=plan.largest_tensor_bytes,
         seconds=seconds,
-        gbps=stats.bytes_read / seconds / 1e9 if seconds > 0 else 0.0,
-        peak_rss_bytes=_peak_rss(),
+        gbps=bytes_read / seconds / 1e9 if seconds > 0 else 0.0,
+        peak_rss_bytes=max([peak_rss()] + [s["peak_rss_bytes"] for s in st]),
+        peak_rss_anon_bytes=max(s["rss_anon_peak_bytes"] for s in st),
+        write_rss_anon_bytes=max(s["rss_anon_peak_bytes"] - s["rss_anon_start_bytes"] for s in st),
+        host_bound_bytes=2 * plan.largest_tensor_bytes + HOST_SLACK_BYTES,
+        world_size=world,
+        device=str(device),
         files=sorted(p.name for p in plan.target.iterdir()),
-        warnings=layout.warnings(plan.quantized_modules),
+        warnings=plan.layout.warnings(plan.quantized_modules),
+        ranks=[{"rank": r["rank"], **r["stats"]} for r in ranks] if world > 1 else [],
     )
 
 
@@ -212,13 +258,15 @@ def export_checkpoint(
     source_dir: str | os.PathLike | None = None,
     source_format: str = "auto",
     progress: ProgressFn | None = None,
+    mesh: Any = None,
+    options: WriteOptions | None = None,
 ) -> ExportReport:
     """Export ``source`` (DCP or HF safetensors dir) quantized with ``calibration`` into ``output``:
     :func:`plan_export`, then :func:`write_export`.
 
     ``model_config`` is the model's transformers config (or its dict); ``source_dir`` a model dir
-    whose config.json, generation config and tokenizer files are carried over. Raises
-    :class:`ExportError` (one line, before anything is written) for a refused target, a
+    whose config.json, generation config and tokenizer files are carried over; ``mesh`` and
+    ``options``: see :func:`write_export`. Raises :class:`ExportError` (one line, before anything is written) for a refused target, a
     calibration file of another model or format, or a recipe the layout cannot express.
     """
     t0 = time.perf_counter()
@@ -233,4 +281,4 @@ def export_checkpoint(
         source_dir=source_dir,
         source_format=source_format,
     )
-    return write_export(plan, progress=progress, started=t0)
+    return write_export(plan, progress=progress, started=t0, mesh=mesh, options=options)

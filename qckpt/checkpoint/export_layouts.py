@@ -206,14 +206,16 @@ def fp8_quantize(
     ``torch.div(bf16, f32, out=f32)`` would save a pass but runs ~3x slower on CPU.)
     """
     rows, cols = w.shape
-    out = torch.empty((rows, cols), dtype=FP8)
+    out = torch.empty((rows, cols), dtype=FP8, device=w.device)
     b0, b1 = block
-    scale = scale.to(torch.float32)
-    buf = torch.empty(0, dtype=torch.float32)
+    # on w's device: a CPU 0-d divisor would make CUDA torch multiply by its reciprocal instead
+    # of dividing (one ulp off for many values), and the GPU result would differ from the CPU's
+    scale = scale.to(device=w.device, dtype=torch.float32)
+    buf = torch.empty(0, dtype=torch.float32, device=w.device)
     for r0, r1 in _row_chunks(rows, cols, b0 if granularity == "block" else 1):
         n = r1 - r0
         if buf.numel() < n * cols:
-            buf = torch.empty(n * cols, dtype=torch.float32)
+            buf = torch.empty(n * cols, dtype=torch.float32, device=w.device)
         x = buf[: n * cols].view(n, cols)
         x.copy_(w[r0:r1])
         if granularity == "tensor":
@@ -615,8 +617,8 @@ def check_source_weight(module: str, w: torch.Tensor, weight_amax: torch.Tensor)
     """
     rows, cols = w.shape
     per_row = rows > 1 and weight_amax.numel() == rows and weight_amax.shape[0] == rows
-    got = torch.empty(rows if per_row else 0, dtype=torch.float32)
-    top = torch.zeros((), dtype=torch.float32)
+    got = torch.empty(rows if per_row else 0, dtype=torch.float32, device=w.device)
+    top = torch.zeros((), dtype=torch.float32, device=w.device)
     for r0, r1 in _row_chunks(rows, cols):
         part = w[r0:r1].abs().amax(dim=1).to(torch.float32)
         if not torch.isfinite(part).all():
@@ -629,7 +631,7 @@ def check_source_weight(module: str, w: torch.Tensor, weight_amax: torch.Tensor)
             got[r0:r1] = part
         else:
             top = torch.maximum(top, part.max())
-    cal = weight_amax.detach().to(torch.float32)
+    cal = weight_amax.detach().to(device=w.device, dtype=torch.float32)
     if per_row:
         over = got > cal.reshape(-1) * (1 + WEIGHT_AMAX_RTOL)
         if over.any():

@@ -409,39 +409,103 @@ def plan_shards(
     return ShardPlan([f"model-{i + 1:05d}-of-{k:05d}.safetensors" for i in range(k)], shards, True)
 
 
+def shard_header(
+    path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str]
+) -> tuple[bytes, list[int]]:
+    """The header bytes of a shard (length prefix included) and each spec's absolute data
+    offset in the file: everything about the file but its data, from the plan alone."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    off = 0
+    offsets = []
+    for s in specs:
+        n = spec_nbytes(s)
+        code = dtype_code(s.dtype)
+        if code not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {s.name}: safetensors cannot store {code}")
+        header[s.name] = {"dtype": code, "shape": list(s.shape), "data_offsets": [off, off + n]}
+        offsets.append(off)
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    start = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, [start + o for o in offsets]
+
+
+def _check_spec(spec: TensorSpec, name: str, t: torch.Tensor) -> None:
+    if name != spec.name or t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+        # the plan and the producer disagree: a bug, never a user error
+        raise AssertionError(f"wrote {name} {t.dtype} {tuple(t.shape)}, planned {spec}")
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    import torch
+
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(data.numpy())
+
+
+class ShardFile:
+    """One safetensors file whose tensors are written at their planned offsets, in any order
+    and from several threads at once (``pwrite``): the header is written when it is opened,
+    every offset is known from the plan. ``close`` checks that every tensor came."""
+
+    def __init__(self, path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str]) -> None:
+        head, offsets = shard_header(path, specs, metadata)
+        self.path = path
+        self.slots = {s.name: (s, off) for s, off in zip(specs, offsets, strict=True)}
+        self.done: set[str] = set()
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            self._pwrite(head, 0)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _pwrite(self, data: memoryview | bytes, pos: int) -> None:
+        view = memoryview(data).cast("B")
+        while view:  # pwrite may write less than asked (a signal, a large write)
+            n = os.pwrite(self.fd, view, pos)
+            view, pos = view[n:], pos + n
+
+    def write(self, name: str, t: torch.Tensor) -> int:
+        """Write tensor ``name`` at its place; thread-safe for distinct names."""
+        spec, off = self.slots[name]
+        _check_spec(spec, name, t)
+        data = _host_bytes(t)
+        self._pwrite(data, off)
+        self.done.add(name)
+        return data.nbytes
+
+    def close(self) -> None:
+        if len(self.done) != len(self.slots):
+            raise AssertionError(f"{self.path}: wrote {len(self.done)} of {len(self.slots)}")
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class ShardWriter:
     """One safetensors file written front to back: the header from the specs, then the data."""
 
     def __init__(self, path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str]) -> None:
-        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-        off = 0
-        for s in specs:
-            n = spec_nbytes(s)
-            code = dtype_code(s.dtype)
-            if code not in DTYPES:
-                raise CheckpointError(f"{path}: tensor {s.name}: safetensors cannot store {code}")
-            header[s.name] = {"dtype": code, "shape": list(s.shape), "data_offsets": [off, off + n]}
-            off += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+        head, _ = shard_header(path, specs, metadata)
         self.path = path
         self.specs = list(specs)
         self.pos = 0
         self.f = open(path, "wb")
-        self.f.write(struct.pack("<Q", len(raw)))
-        self.f.write(raw)
+        self.f.write(head)
 
     def write(self, name: str, t: torch.Tensor) -> int:
-        import torch
-
-        spec = self.specs[self.pos]
-        if name != spec.name or t.dtype != spec.dtype or tuple(t.shape) != tuple(spec.shape):
-            # the plan and the producer disagree: a bug, never a user error
-            raise AssertionError(f"wrote {name} {t.dtype} {tuple(t.shape)}, planned {spec}")
+        _check_spec(self.specs[self.pos], name, t)
         self.pos += 1
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        self.f.write(memoryview(data.numpy()))
-        return data.numel()
+        data = _host_bytes(t)
+        self.f.write(data)
+        return data.nbytes
 
     def close(self) -> None:
         if self.pos != len(self.specs):
@@ -494,6 +558,11 @@ def write_shards(
     if next(it, None) is not None:
         raise AssertionError("write_shards: more tensors than the plan holds")
     if plan.index:
-        index = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
-        write_json(out / INDEX_NAME, index)
+        write_index(out, plan)
     return written
+
+
+def write_index(out_dir: str | os.PathLike, plan: ShardPlan) -> None:
+    """``model.safetensors.index.json`` of a plan that has one."""
+    index = {"metadata": {"total_size": plan.total_size}, "weight_map": plan.weight_map}
+    write_json(Path(out_dir) / INDEX_NAME, index)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from qckpt import phases
 from qckpt.cli import _output
-from qckpt.cli._common import start
-from qckpt.cli._options import JsonOpt, RecipeArg, SetOpt, VerboseOpt
+from qckpt.cli._common import start, world
+from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
 from qckpt.outputs import check_export_target, recipe_inputs
 from qckpt.outputs import guard as guard_paths
 from qckpt.recipe import Recipe
@@ -15,9 +15,14 @@ def export_cmd(
     recipe: RecipeArg,
     set_: SetOpt = None,
     json_path: JsonOpt = None,
+    nproc_per_node: NprocOpt = 1,
     verbose: VerboseOpt = False,
 ) -> None:
     """Write the checkpoint plus the calibration file as quantized safetensors.
+
+    Under torchrun (or with --nproc-per-node) every rank reads, quantizes (on its GPU when
+    there is one) and writes its share of the shard files; rank 0 writes the rest and renames
+    the finished dir into place.
 
     Examples:
 
@@ -26,6 +31,8 @@ def export_cmd(
         qckpt export configs/tiny-moe.yaml --set export.format=modelopt --set export.output=runs/mo
 
         qckpt export configs/tiny-dense.yaml --set export.overwrite=true --json export.json
+
+        torchrun --nproc-per-node 2 -m qckpt export configs/tiny-moe.yaml
     """
 
     def guard(r: Recipe) -> None:
@@ -37,7 +44,7 @@ def export_cmd(
         )
         check_export_target(r.export.output, r.export.overwrite)
 
-    r = start(recipe, set_, 1, verbose, guard=guard)
+    r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
     with phases.phase(phases.STARTUP):
         from qckpt.pipeline.export import export
         from qckpt.pipeline.imports import warm_imports
@@ -45,12 +52,16 @@ def export_cmd(
 
         warm_imports(r.model.source, "qckpt.checkpoint.export", "qckpt.calib.state_file")
 
-    rep = export(r, hooks=_output.hooks())
+    # the ranks only agree on small things (a temp dir's name, who failed): gloo on the host,
+    # whatever device quantizes
+    with world(r, "cpu") as mesh:
+        rep = export(r, mesh, hooks=_output.hooks())
     with phases.phase(phases.REPORT):
         data = _output.with_phases(rep.to_dict())
-        render_export_report(rep.to_dict())
-        render_command(data)
+        if _output.speaks():
+            render_export_report(rep.to_dict())
+            render_command(data)
         for w in rep.warnings:
             _output.log(f"warning: {w}")
         _output.write_json(json_path, data)
-    _output.result(f"wrote {r.export.output} ({r.export.format})")
+    _output.result(f"wrote {r.export.output} ({r.export.format}) on {rep.world_size} rank(s)")

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qckpt import phases
 from qckpt.pipeline.hooks import SILENT, Hooks
 from qckpt.recipe import Recipe
 
+if TYPE_CHECKING:
+    from qckpt.parallel.mesh import Mesh
 
-def export(recipe: Recipe, *, hooks: Hooks = SILENT):
+
+def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     """Export ``recipe.checkpoint`` with ``recipe.calibrate.output`` to ``recipe.export.output``;
-    returns the ``ExportReport``. One process (distributed exports are issue 17)."""
+    returns the ``ExportReport``. Every rank of ``mesh`` calls it: each writes its share of the
+    shard files, quantizing on its GPU when ``export.device`` allows one (pick_device)."""
     from qckpt.calib.state_file import load_calibration
-    from qckpt.checkpoint.export import export_checkpoint
+    from qckpt.checkpoint.export import WriteOptions, export_checkpoint
     from qckpt.models.build import load_config
+    from qckpt.parallel.mesh import pick_device
 
     with phases.phase(phases.PLAN):
         calibration = load_calibration(recipe.calibrate.output)
@@ -22,6 +28,8 @@ def export(recipe: Recipe, *, hooks: Hooks = SILENT):
         cfg = load_config(source)
     # a model dir's config.json, tokenizer and generation files travel with the export
     source_dir = source if cfg is not None and Path(source).is_dir() else None
+    device = pick_device(recipe.export.device)
+    options = WriteOptions(device=str(device), writers=recipe.export.writers)
     # plan_export is timed as its own phase; the rest reads, quantizes and writes, tensor by tensor
     with phases.phase(phases.WRITE), hooks.progress("exporting", None) as advance:
         return export_checkpoint(
@@ -34,4 +42,6 @@ def export(recipe: Recipe, *, hooks: Hooks = SILENT):
             export=recipe.export,
             source_dir=source_dir,
             progress=advance,
+            mesh=mesh,
+            options=options,
         )

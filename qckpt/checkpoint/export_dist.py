@@ -1,0 +1,140 @@
+"""The ranks of a distributed export agreeing on one temp dir, on success, and on cleanup.
+
+Every rank plans the export alike (``plan_export`` is deterministic), writes the shard files
+:func:`~qckpt.checkpoint.export_pipeline.assign_files` gives it into one temp dir that the main
+rank made beside the target, and then:
+
+1. **agree**: one ``all_gather_object`` of (ok, message, stats). A rank that failed still joins
+   it, so that every rank learns who failed and why; a rank that died makes it fail (gloo sees
+   the closed connection, or the group timeout passes) and, through the mesh's
+   :class:`~qckpt.parallel.deadline.Deadline`, every later collective fails at once.
+2. the main rank writes the index, config, layout and model files and the marker, checks the
+   whole dir and renames it into place (``AtomicDir.commit``);
+3. **outcome**: one broadcast from the main rank, so that no rank exits 0 for an export that
+   its last step refused.
+
+A rank that fails while writing also drops a ``.qckpt-failed-rank-N`` file in the temp dir: the
+others look for one before each source tensor and stop early, instead of writing their whole
+share of a doomed export first.
+
+Cleanup: the main rank removes the temp dir on any failure (``AtomicDir.abort``); another rank
+removes it (:func:`qckpt.atomic.discard_temp`: renamed to a temp of its own first, so it can
+never race the main rank's commit) only when the agreement itself failed, i.e. when the main
+rank may be the one that died.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from qckpt.atomic import AtomicDir, discard_temp
+from qckpt.errors import ExportError, PeerError
+from qckpt.parallel.deadline import collective
+
+FAILED_PREFIX = ".qckpt-failed-rank-"
+
+
+class Team:
+    """The ranks of one export: ``mesh`` is None (or of size 1) for a one-process export."""
+
+    def __init__(self, mesh: Any = None) -> None:
+        self.world = 1 if mesh is None else mesh.world_size
+        self.rank = 0 if mesh is None else mesh.rank
+        self.group = None if mesh is None else mesh.world_group
+        self.tmp: Path | None = None
+        self._next_look = 0.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _run(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        return collective(f"export: {what}", fn, *args, group=self.group, **kw)
+
+    def begin(self, out: AtomicDir) -> Path:
+        """One temp dir for every rank: the main rank makes it, the others learn its name (or
+        that it failed, so that nobody waits for a dir that will never come)."""
+        if self.world == 1:
+            self.tmp = out.begin()
+            return self.tmp
+        import torch.distributed as dist
+
+        box: list[str | None] = [None]
+        try:
+            if self.is_main:
+                box[0] = str(out.begin())
+        finally:
+            self._run("sharing the temp dir", dist.broadcast_object_list, box, src=0)
+        if box[0] is None:
+            raise ExportError(
+                f"export.output: the main rank could not create a temp dir beside {out.target}"
+            )
+        self.tmp = Path(box[0])
+        return self.tmp
+
+    # -- failures while writing ------------------------------------------------------------
+    def mark_failed(self, message: str) -> None:
+        """Tell the other ranks, through the temp dir, that this one failed."""
+        if self.world == 1 or self.tmp is None:
+            return
+        try:
+            (self.tmp / f"{FAILED_PREFIX}{self.rank}").write_text(message)
+        except OSError:
+            pass  # the agreement still tells them
+
+    def check_peers(self) -> None:
+        """Raise when another rank has marked itself failed (looked up at most every 0.2 s)."""
+        if self.world == 1 or self.tmp is None:
+            return
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + 0.2
+        for p in sorted(self.tmp.glob(f"{FAILED_PREFIX}*")):
+            rank = p.name[len(FAILED_PREFIX) :]
+            if rank != str(self.rank):
+                raise ExportError(f"export stopped: rank {rank} failed: {_read(p)}")
+
+    # -- the agreement ----------------------------------------------------------------------
+    def agree(self, ok: bool, message: str, stats: dict) -> list[dict]:
+        """Every rank's (ok, message, stats); raises ExportError naming the first rank that
+        failed (PeerError when a rank is gone)."""
+        mine = {"rank": self.rank, "ok": ok, "message": message, "stats": stats}
+        if self.world == 1:
+            return [mine]
+        import torch.distributed as dist
+
+        got: list[Any] = [None] * self.world
+        self._run("waiting for every rank's shards", dist.all_gather_object, got, mine)
+        for r in got:
+            if not r["ok"]:
+                raise ExportError(f"export failed on rank {r['rank']}: {r['message']}")
+        return got
+
+    def outcome(self, ok: bool, message: str) -> None:
+        """The main rank's last word (after its commit or failure) to every other rank."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        box = [(ok, message)]
+        self._run("the main rank's outcome", dist.broadcast_object_list, box, src=0)
+        if not self.is_main and not box[0][0]:
+            raise ExportError(f"export failed on rank 0: {box[0][1]}")
+
+    def discard(self) -> None:
+        """A rank other than the main one removes the temp dir (see the module doc)."""
+        if not self.is_main and self.tmp is not None:
+            discard_temp(self.tmp)
+
+
+def _read(p: Path) -> str:
+    try:
+        return " ".join(p.read_text().split())[:500] or "no message"
+    except OSError:
+        return "no message"
+
+
+__all__ = ["FAILED_PREFIX", "PeerError", "Team"]

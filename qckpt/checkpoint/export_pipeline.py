@@ -1,0 +1,441 @@
+"""Writing an export plan's shard files: reads, quantization and writes overlapped.
+
+One rank writes the files it is given (all of them in a one-process export) in three stages:
+
+* **read**: a feeder thread walks this rank's source tensors in plan order; for each it first
+  takes its host bytes from a :class:`HostBudget` (the stored value plus every output made from
+  it), then hands the read to a small pool (``readers`` threads; one for a DCP source, whose
+  reader is not thread-safe). Results are consumed in order.
+* **quantize**: the calling thread moves each source tensor to ``device`` (a GPU when there is
+  one: one host-to-device copy, after which its host bytes are given back), checks it against
+  its calibrated amax (the source-weight guard), quantizes it with the layout and copies the
+  outputs back to the host.
+* **write**: a pool of ``writers`` threads writes each output at its planned offset in its
+  file (:class:`~qckpt.checkpoint.safetensors_io.ShardFile`, ``pwrite``), so several files (and
+  several tensors of one file) are written at once; each write gives its bytes back.
+
+Host memory: everything in flight is counted against the budget, ``2 x`` the largest source
+tensor's host bytes; one item larger than the budget still runs, alone. Peak anonymous host
+memory is then at most the budget plus the quantize kernels' chunk temporaries (a few tens of
+MiB) over what the process held before: the ``2 x largest + 256 MiB`` bound of the export.
+The files are the same whatever the device, the thread counts or the order writes land in:
+each tensor has one planned place, and GPU and CPU quantization are bit-identical.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qckpt import phases
+from qckpt.checkpoint.export_layouts import check_source_weight
+from qckpt.checkpoint.export_plan import ExportPlan, _Group
+from qckpt.checkpoint.safetensors_io import ShardFile, itemsize, spec_nbytes
+from qckpt.checkpoint.sources import Entry
+
+ProgressFn = Callable[[int, int, str], None]
+MiB = 2**20
+# what the export may hold on the host beyond its tensors in flight (kernel chunk temporaries,
+# allocator slack): the "+ 256 MiB" of the documented bound
+HOST_SLACK_BYTES = 256 * MiB
+
+
+# --------------------------------------------------------------------------------------------
+# host memory figures (Linux /proc; 0 where unavailable)
+
+
+def peak_rss() -> int:
+    """The process's peak RSS since it started (VmHWM; never reset by qckpt)."""
+    return phases.host_peak_rss()
+
+
+def rss_anon() -> int:
+    """Anonymous resident memory now (RssAnon): what the process allocated, without the file
+    pages it maps (libraries, or a reader's mmap of the page cache); 0 where Linux cannot say."""
+    return phases.status_kib("RssAnon").get("RssAnon", 0)
+
+
+class AnonSampler:
+    """The largest :func:`rss_anon` seen, sampled at most every ``every_s`` (Linux has no
+    high-water mark for anonymous memory alone)."""
+
+    def __init__(self, every_s: float = 0.005) -> None:
+        self.every_s = every_s
+        self.start = rss_anon()
+        self.peak = self.start
+        self._last = 0.0
+
+    def sample(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.every_s:
+            self._last = now
+            self.peak = max(self.peak, rss_anon())
+
+
+# --------------------------------------------------------------------------------------------
+# which files a rank writes
+
+
+def group_files(plan: ExportPlan) -> list[int]:
+    """The shard file index of every group of ``plan`` (a group never straddles two files)."""
+    out: list[int] = []
+    file_i, left = 0, len(plan.shards.specs[0]) if plan.shards.specs else 0
+    for g in plan.groups:
+        while left == 0 and file_i + 1 < len(plan.shards.specs):
+            file_i += 1
+            left = len(plan.shards.specs[file_i])
+        if len(g.specs) > left:
+            raise AssertionError("a group straddles two shard files")
+        out.append(file_i)
+        left -= len(g.specs)
+    return out
+
+
+def assign_files(plan: ExportPlan, world: int) -> list[list[int]]:
+    """Shard files per rank, bytes balanced: the largest file first, each to the rank with the
+    fewest bytes so far (ties: the lower rank). The same on every rank: the plan is."""
+    sizes = [sum(spec_nbytes(s) for s in specs) for specs in plan.shards.specs]
+    load = [0] * world
+    out: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[r].append(i)
+        load[r] += sizes[i]
+    return [sorted(files) for files in out]
+
+
+# --------------------------------------------------------------------------------------------
+# the budget
+
+
+class Stopped(Exception):
+    """The pipeline was torn down while a thread waited (another stage failed)."""
+
+
+class HostBudget:
+    """Bytes in flight on the host, at most ``cap`` (an item larger than ``cap`` runs alone)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.used = 0
+        self.peak = 0
+        self.stopped = False
+        self._cv = threading.Condition()
+
+    def take(self, n: int) -> None:
+        with self._cv:
+            while not self.stopped and self.used and self.used + n > self.cap:
+                self._cv.wait()
+            if self.stopped:
+                raise Stopped()
+            self.used += n
+            self.peak = max(self.peak, self.used)
+
+    def give(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        with self._cv:
+            self.stopped = True
+            self._cv.notify_all()
+
+
+# --------------------------------------------------------------------------------------------
+# the work items
+
+
+@dataclass
+class _Item:
+    """One stored source tensor (or the KV scales, ``entry`` None) and the groups made of it."""
+
+    entry: Entry | None
+    groups: list[_Group]
+    file_of: list[int]
+    host_bytes: int = 0  # the value as read: entry.dtype, not the stored dtype
+    out_bytes: int = 0  # outputs that are new tensors (a pass-through of the same dtype is not)
+
+    @property
+    def quantized_only(self) -> bool:
+        """Every group a quantized linear: the item may go to the device (a pass-through
+        would only travel there and back)."""
+        return self.entry is not None and all(g.module is not None for g in self.groups)
+
+
+def _aliases(g: _Group) -> bool:
+    """An unquantized entry written in its own dtype: the output is (a view of) the tensor read."""
+    return g.module is None and g.entry is not None and g.specs[0].dtype == g.entry.dtype
+
+
+def _items(plan: ExportPlan, files: set[int]) -> list[_Item]:
+    where = group_files(plan)
+    items: list[_Item] = []
+    for g, f in zip(plan.groups, where, strict=True):
+        if f not in files:
+            continue
+        src = g.entry.source if g.entry is not None else None
+        if not items or src is None or items[-1].entry is not src:
+            host = 0 if src is None else math.prod(src.shape) * itemsize(src.dtype)
+            items.append(_Item(src, [], [], host_bytes=host))
+        it = items[-1]
+        it.groups.append(g)
+        it.file_of.append(f)
+        if not _aliases(g):
+            it.out_bytes += g.nbytes
+    return items
+
+
+class _Hold:
+    """A source tensor's host bytes, given back to the budget when its last user lets go (the
+    quantize stage, and every write of a pass-through view of it)."""
+
+    def __init__(self, budget: HostBudget, nbytes: int) -> None:
+        self.budget = budget
+        self.nbytes = nbytes
+        self.refs = 1
+        self._lock = threading.Lock()
+
+    def ref(self) -> None:
+        with self._lock:
+            self.refs += 1
+
+    def unref(self) -> None:
+        with self._lock:
+            self.refs -= 1
+            last = self.refs == 0
+        if last:
+            self.budget.give(self.nbytes)
+
+
+# --------------------------------------------------------------------------------------------
+# the stages
+
+
+@dataclass
+class WriteStats:
+    """What one rank's writer did (busy seconds summed over each stage's threads)."""
+
+    files: list[str] = field(default_factory=list)
+    tensors_written: int = 0
+    sources: int = 0  # stored tensors read
+    bytes_read: int = 0  # as stored on disk
+    bytes_written: int = 0  # tensor data, headers excluded
+    read_seconds: float = 0.0
+    quantize_seconds: float = 0.0  # device copies, the source-weight guard, quantize, copy back
+    write_seconds: float = 0.0
+    budget_bytes: int = 0
+    inflight_peak_bytes: int = 0
+    rss_anon_start_bytes: int = 0
+    rss_anon_peak_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Pipeline:
+    """The three stages of one rank's write; see the module doc."""
+
+    def __init__(
+        self,
+        plan: ExportPlan,
+        tmp: Path,
+        files: list[int],
+        device: torch.device,
+        readers: int,
+        writers: int,
+    ) -> None:
+        self.plan = plan
+        self.device = device
+        self.items = _items(plan, set(files))
+        largest = max([it.host_bytes for it in self.items] + [1])
+        self.budget = HostBudget(2 * largest)
+        self.stats = WriteStats(files=[plan.shards.files[i] for i in files])
+        self.stats.budget_bytes = self.budget.cap
+        self.sampler = AnonSampler()
+        self.stats.rss_anon_start_bytes = self.sampler.start
+        meta = plan.layout.shard_metadata()
+        self.out: dict[int, ShardFile] = {}
+        dcp = plan.source.format == "dcp"  # its reader keeps per-load state: one thread
+        self.read_pool = cf.ThreadPoolExecutor(1 if dcp else readers, "qckpt-read")
+        self.write_pool = cf.ThreadPoolExecutor(writers, "qckpt-write")
+        self.ready: queue.Queue = queue.Queue()
+        self.pending: list[cf.Future] = []
+        self.lock = threading.Lock()
+        self.done = 0
+        for i in files:
+            self.out[i] = ShardFile(tmp / plan.shards.files[i], plan.shards.specs[i], meta)
+
+    # -- read ----------------------------------------------------------------------------------
+    def _read(self, it: _Item) -> list:
+        """[tensor] (a box the quantize stage empties, so no other reference outlives it)."""
+        if it.entry is None:
+            return [None]
+        t0 = time.perf_counter()
+        t = self.plan.source.read(it.entry)
+        with self.lock:
+            self.stats.read_seconds += time.perf_counter() - t0
+            self.stats.bytes_read += it.entry.nbytes
+            self.stats.sources += 1
+        self.sampler.sample()
+        return [t]
+
+    def _feed(self) -> None:
+        """Take each item's bytes in order, then start its read; None marks the end."""
+        try:
+            for it in self.items:
+                self.budget.take(it.host_bytes + it.out_bytes)
+                self.ready.put((it, self.read_pool.submit(self._read, it)))
+            self.ready.put(None)
+        except Stopped:
+            self.ready.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consuming thread
+            self.ready.put(exc)
+
+    # -- write ---------------------------------------------------------------------------------
+    def _write(self, f: ShardFile, name: str, t: torch.Tensor, give: int, hold: _Hold | None):
+        t0 = time.perf_counter()
+        try:
+            n = f.write(name, t)
+        finally:
+            del t
+            self.budget.give(give)
+            if hold is not None:
+                hold.unref()
+        with self.lock:
+            self.stats.write_seconds += time.perf_counter() - t0
+            self.stats.bytes_written += n
+            self.stats.tensors_written += 1
+        self.sampler.sample()
+
+    def _submit(self, *args: Any) -> None:
+        self._raise_failed_writes()
+        self.pending.append(self.write_pool.submit(self._write, *args))
+
+    def _raise_failed_writes(self) -> None:
+        keep = []
+        for fut in self.pending:
+            if not fut.done():
+                keep.append(fut)
+            elif fut.exception() is not None:
+                raise fut.exception()
+        self.pending = keep
+
+    # -- quantize ------------------------------------------------------------------------------
+    def _outputs(self, it: _Item, box: list) -> Iterator[tuple[int, str, torch.Tensor, bool]]:
+        """(file, name, output tensor, is a view of the source) of every group of ``it``."""
+        plan = self.plan
+        if it.entry is None:  # the KV scales: from the calibration file only
+            for a in plan.attn_modules:
+                for name, q in plan.layout.kv_tensors(a, plan.amax):
+                    yield it.file_of[0], name, q, False
+            return
+        from qckpt.models.naming import hf_tensors
+
+        views = dict(hf_tensors(it.entry.name, box.pop(), plan.model_type))
+        for g, f in zip(it.groups, it.file_of, strict=True):
+            v = views.pop(g.entry.name)
+            if g.module is None:
+                yield f, g.entry.name, v.to(g.specs[0].dtype), _aliases(g)
+                continue
+            check_source_weight(g.module, v, plan.cal_amax[f"{g.module}.weight_amax"])
+            for name, q in plan.layout.quantize_linear(g.module, v, plan.amax):
+                yield f, name, q, False
+            del v
+
+    def _process(self, it: _Item, box: list) -> None:
+        t0 = time.perf_counter()
+        hold = _Hold(self.budget, it.host_bytes)
+        if it.quantized_only and self.device.type != "cpu":
+            box.append(box.pop().to(self.device))  # one copy; the host tensor is dropped here
+            hold.unref()
+            hold = None
+        out_left = it.out_bytes
+        for f, name, q, alias in self._outputs(it, box):
+            if q.device.type != "cpu":
+                q = q.cpu()
+            if alias:
+                hold.ref()
+            give = 0 if alias else min(q.nbytes, out_left)
+            out_left -= give
+            self.stats.quantize_seconds += time.perf_counter() - t0
+            self._submit(self.out[f], name, q, give, hold if alias else None)
+            del q
+            t0 = time.perf_counter()
+        self.budget.give(out_left)  # reserved, never written (nothing, unless the plan was off)
+        if hold is not None:
+            hold.unref()
+        self.stats.quantize_seconds += time.perf_counter() - t0
+        self.sampler.sample()
+
+    # -- the whole -----------------------------------------------------------------------------
+    def run(self, progress: ProgressFn | None, should_stop: Callable[[], None] | None) -> None:
+        feeder = threading.Thread(target=self._feed, name="qckpt-feed", daemon=True)
+        feeder.start()
+        n = sum(1 for it in self.items if it.entry is not None)
+        try:
+            while (got := self.ready.get()) is not None:
+                if isinstance(got, BaseException):
+                    raise got
+                it, fut = got
+                if should_stop is not None:
+                    should_stop()
+                box = fut.result()
+                del got, fut
+                self._process(it, box)
+                if it.entry is not None:
+                    self.done += 1
+                    if progress is not None:
+                        progress(self.done, n, it.entry.name)
+            for fut in self.pending:
+                fut.result()
+            for f in self.out.values():
+                f.close()
+        finally:
+            self._shutdown(feeder)
+        self.sampler.sample(force=True)
+        self.stats.inflight_peak_bytes = self.budget.peak
+        self.stats.rss_anon_peak_bytes = self.sampler.peak
+
+    def _shutdown(self, feeder: threading.Thread) -> None:
+        self.budget.stop()
+        while feeder.is_alive():  # drain, so that a feeder blocked on put can finish
+            try:
+                self.ready.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self.read_pool.shutdown(wait=True, cancel_futures=True)
+        self.write_pool.shutdown(wait=True, cancel_futures=True)
+        for f in self.out.values():
+            f.abort()
+
+
+def write_files(
+    plan: ExportPlan,
+    tmp: str | Path,
+    files: list[int],
+    *,
+    device: torch.device | str = "cpu",
+    readers: int = 2,
+    writers: int = 4,
+    progress: ProgressFn | None = None,
+    should_stop: Callable[[], None] | None = None,
+) -> WriteStats:
+    """Write shard files ``files`` (indices into ``plan.shards.files``) of ``plan`` into ``tmp``.
+
+    ``should_stop()`` is called before each source tensor and may raise to stop the write (a
+    peer rank failed). Nothing else is written (no index, config or marker). Raises what a
+    stage raised; the files may then be partly written (the caller discards the directory).
+    """
+    pipe = _Pipeline(plan, Path(tmp), files, torch.device(device), readers, writers)
+    pipe.run(progress, should_stop)
+    return pipe.stats

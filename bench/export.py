@@ -1,23 +1,29 @@
-"""Streaming export vs the naive path, side by side, on a synthetic Llama-shaped checkpoint.
+"""``qckpt export`` as a user runs it, one process beside torchrun with N, on one checkpoint.
 
-    python -m bench.export                      # ~0.5 GB smoke run (CPU)
-    python -m bench.export --size-gb 4 --json out.json
+    python -m bench.export                                  # ~0.5 GB synthetic Llama, 1 vs 2
+    python -m bench.export --src /data/qwen3-30b --nprocs 1,2 --json export.json
 
-* streaming: ``qckpt.checkpoint.export.export_checkpoint`` (one tensor in flight);
-* naive: load the whole state dict (``safetensors.torch.load_file``), quantize every linear to
-  FP8 per tensor with the same amax, ``save_file`` the result.
+Each run is the real CLI in a fresh process (``python -m qckpt export RECIPE``, with
+``--nproc-per-node N`` for N > 1: torchrun under it), timed from its start to its exit, and
+its ``--json`` report read back: the export's own GB/s (source bytes / the main rank's export
+seconds, planning included), the whole command's wall time and phases, and its memory, never
+reset: the whole process's peak RSS (VmHWM, max over ranks), the peak of its anonymous memory
+(RssAnon, no file pages) and how far that rose during the write, next to the documented bound
+``2 x largest tensor + 256 MiB``. Every run's files are hashed (threads) and compared with the
+first run's: "same files" means every file byte-identical. Outputs are deleted after hashing
+(``--keep`` keeps the last), so a 61 GB checkpoint needs room for one export at a time.
 
-Each path runs in its own fresh subprocess, so that each peak RSS (``VmHWM``, reset to the
-current RSS right before the export starts) is its own.
-Both children import what they need and, for the streaming one, build the meta model once
-before taking the baseline, so that the reported delta (peak - baseline) is the export's own
-memory, not the interpreter's. GB/s = source checkpoint bytes / wall seconds of the export, best of ``--repeat`` alternating
-runs (the median is in the JSON): on a shared host a single run measures the neighbours.
+``--src`` is an HF safetensors dir (config.json + shards). ``--calib`` is its calibration file;
+when it does not exist yet it is made from the checkpoint's own weights (per-tensor weight amax,
+every input amax 4.0: a throughput benchmark needs valid scales, not calibrated activations),
+on the GPU when there is one, and kept for the next run.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import hashlib
 import json
 import shutil
 import subprocess
@@ -26,17 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._memory import reset_rss_peak, rss_peak
-
 REPO = Path(__file__).resolve().parents[1]
-
 MiB = 2**20
-
-
-def _rss_now() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
 
 
 def _llama_config(hidden: int, inter: int, layers: int, vocab: int):
@@ -158,198 +155,195 @@ def make_checkpoint(work: Path, size_gb: float, hidden: int, inter: int, vocab: 
     }
 
 
-def child_stream(src: str, cal: str, out: str, fmt: str) -> dict:
-    from qckpt.checkpoint.export import export_checkpoint
-    from qckpt.checkpoint.export_plan import _model_linears
-    from qckpt.models.build import load_config
-    from qckpt.recipe import ExportConfig, QuantConfig
-
-    cfg = load_config(src)
-    _model_linears(cfg, "llama")  # warm the transformers imports outside the measurement
-    reset_rss_peak()
-    base = _rss_now()
-    t0 = time.perf_counter()
-    rep = export_checkpoint(
-        source=src,
-        calibration=cal,
-        output=out,
-        model_type="llama",
-        model_config=cfg,
-        quant=QuantConfig(),
-        export=ExportConfig(format=fmt, output=out, max_shard_size="2GB"),
-        source_dir=src,
-    )
-    sec = time.perf_counter() - t0
-    return {
-        "seconds": sec,
-        "baseline_rss": base,
-        "peak_rss": rss_peak(),
-        "bytes_written": rep.bytes_written,
-    }
-
-
-def child_naive(src: str, cal: str, out: str, fmt: str) -> dict:
+def make_calibration_for(src: Path, out: Path) -> Path:
+    """A calibration file for an existing HF dir: weight amax from its weights (see the doc)."""
     import torch
-    from safetensors.torch import load_file, save_file
 
-    from qckpt.calib.state_file import load_calibration
+    from qckpt.calib.state_file import CalibrationState, model_fingerprint, save_calibration
+    from qckpt.checkpoint.export_plan import _model_linears
+    from qckpt.checkpoint.sources import SafetensorsSource, hf_entries, iter_hf_tensors
+    from qckpt.models.build import load_config
+    from qckpt.models.naming import ignored
+    from qckpt.recipe import QuantConfig
 
-    reset_rss_peak()
-    base = _rss_now()
-    t0 = time.perf_counter()
-    amax = load_calibration(cal).amax
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(src).glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    out_sd: dict[str, torch.Tensor] = {}
-    for name, w in sd.items():
-        module = name.rpartition(".")[0]
-        key = f"{module}.weight_amax"
-        if key in amax:
-            scale = amax[key].float() / 448
-            out_sd[name] = (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-            out_sd[f"{module}.weight_scale"] = scale.reshape(1).to(torch.bfloat16)
-            out_sd[f"{module}.input_scale"] = (
-                (amax[f"{module}.input_amax"] / 448).reshape(1).to(torch.bfloat16)
-            )
-        else:
-            out_sd[name] = w
-    Path(out).mkdir(parents=True)
-    save_file(out_sd, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
-    sec = time.perf_counter() - t0
-    written = sum(t.numel() * t.element_size() for t in out_sd.values())
-    return {"seconds": sec, "baseline_rss": base, "peak_rss": rss_peak(), "bytes_written": written}
+    cfg = load_config(str(src))
+    mt = cfg.model_type
+    q = QuantConfig()
+    source = SafetensorsSource(src)
+    entries = hf_entries(source.entries(), mt)
+    linears, routers, _ = _model_linears(cfg, mt)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    amax: dict[str, torch.Tensor] = {}
+    for he, t in iter_hf_tensors(source, entries, mt):
+        module, _, leaf = he.name.rpartition(".")
+        use = module in linears and module not in routers and not ignored(module, q.ignore)
+        if leaf == "weight" and t.dim() == 2 and use:
+            amax[f"{module}.weight_amax"] = t.to(dev).abs().amax().float().cpu()
+            amax[f"{module}.input_amax"] = torch.tensor(4.0)
+    from dataclasses import asdict
 
-
-def _run_child(kind: str, src: str, cal: str, out: str, fmt: str, threads: int) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.export", "--child", kind, src, cal, out, fmt, str(threads)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
+    state = CalibrationState(
+        amax=amax,
+        model_type=mt,
+        model_fingerprint=model_fingerprint((e.name, e.shape) for e in entries),
+        quant=asdict(q),
     )
+    return save_calibration(state, out)
+
+
+def _digests(d: Path) -> dict[str, str]:
+    """sha256 of every file of an export dir, several files at once."""
+
+    def one(p: Path) -> str:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(64 * MiB):
+                h.update(chunk)
+        return h.hexdigest()
+
+    files = sorted(p for p in d.iterdir() if p.is_file())
+    with cf.ThreadPoolExecutor(8) as pool:
+        return dict(zip((p.name for p in files), pool.map(one, files), strict=True))
+
+
+def _recipe(work: Path, src: Path, cal: Path, out: Path, args) -> Path:
+    r = work / "export.yaml"
+    r.write_text(
+        f"model: {{source: {json.dumps(str(src))}}}\n"
+        f"checkpoint: {{path: {json.dumps(str(src))}, format: safetensors}}\n"
+        f"calibrate: {{output: {json.dumps(str(cal))}}}\n"
+        f"export: {{output: {json.dumps(str(out))}, format: {args.format}, "
+        f"device: {args.device}, max_shard_size: {args.max_shard_size}, writers: {args.writers}}}\n"
+    )
+    return r
+
+
+def run_once(work: Path, src: Path, cal: Path, nproc: int, args) -> dict:
+    """One whole CLI export; its report, wall time and file digests."""
+    out = work / f"out-{nproc}"
+    shutil.rmtree(out, ignore_errors=True)
+    recipe = _recipe(work, src, cal, out, args)
+    report = work / f"report-{nproc}.json"
+    cmd = [sys.executable, "-m", "qckpt", "export", str(recipe), "--json", str(report)]
+    if nproc > 1:
+        cmd += ["--nproc-per-node", str(nproc)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{kind} child failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"export with {nproc} process(es) failed:\n{proc.stderr[-3000:]}")
+    rep = json.loads(report.read_text())
+    digests = _digests(out)
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
+    return {"wall_seconds": wall, "report": rep, "digests": digests}
+
+
+def summarize(nproc: int, runs: list[dict], source_bytes: int) -> dict:
+    best = min(runs, key=lambda r: r["report"]["seconds"])
+    rep = best["report"]
+    peaks = rep.get("peaks", {})
+    return {
+        "nproc": nproc,
+        "device": rep["device"],
+        "export_seconds": round(rep["seconds"], 3),  # the main rank's plan + write
+        "gbps": round(rep["gbps"], 3),
+        "wall_seconds": round(best["wall_seconds"], 3),  # the whole process, start-up included
+        "wall_gbps": round(source_bytes / best["wall_seconds"] / 1e9, 3),
+        "phases": rep.get("phases", {}),
+        "host_peak_rss_bytes": rep["peak_rss_bytes"],  # VmHWM, max over ranks, never reset
+        "host_peak_anon_bytes": peaks.get("host_peak_anon_bytes", rep["peak_rss_anon_bytes"]),
+        "write_anon_rise_bytes": rep["write_rss_anon_bytes"],
+        "host_bound_bytes": rep["host_bound_bytes"],
+        "meets_host_bound": rep["write_rss_anon_bytes"] <= rep["host_bound_bytes"],
+        "ranks": rep.get("ranks", []),
+        "median_export_seconds": sorted(r["report"]["seconds"] for r in runs)[len(runs) // 2],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--size-gb", type=float, default=0.5, help="synthetic checkpoint size (default 0.5)"
-    )
+    ap.add_argument("--src", default=None, help="an HF safetensors dir (default: synthetic)")
+    ap.add_argument("--calib", default=None, help="its calibration file (made when missing)")
+    ap.add_argument("--size-gb", type=float, default=0.5, help="synthetic checkpoint size")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--nprocs", default="1,2", help="process counts to compare (default 1,2)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument(
         "--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"]
     )
-    ap.add_argument(
-        "--workdir", default=None, help="where the checkpoints go (default: a temp dir)"
-    )
-    ap.add_argument(
-        "--repeat", type=int, default=3, help="runs per path, alternating (best is reported)"
-    )
-    ap.add_argument(
-        "--threads", type=int, default=0, help="torch threads in each child (0: torch's default)"
-    )
+    ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--writers", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1, help="runs per process count, alternating")
+    ap.add_argument("--workdir", default=None, help="where outputs go (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the last export of each count")
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:
-        kind, src, cal, out, fmt, threads = args.child
-        if int(threads) > 0:
-            import torch
-
-            torch.set_num_threads(int(threads))
-        res = (child_stream if kind == "stream" else child_naive)(src, cal, out, fmt)
-        print(json.dumps(res))
-        return 0
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="qckpt-bench-export-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.perf_counter()
-        info = make_checkpoint(work, args.size_gb, args.hidden, args.intermediate, args.vocab)
+        if args.src:
+            src = Path(args.src).resolve()
+            cal = Path(args.calib or work / "calib.safetensors").resolve()
+            if not cal.exists():
+                make_calibration_for(src, cal)
+        else:
+            info = make_checkpoint(work, args.size_gb, args.hidden, args.intermediate, args.vocab)
+            src, cal = Path(info["src"]), Path(info["calib"])
         setup_s = time.perf_counter() - t0
-        runs: dict[str, list[dict]] = {"stream": [], "naive": []}
-        for _ in range(args.repeat):
-            # alternating, so that load from the other tenants of a shared host hits both alike;
-            # both read the same source, warm in the page cache after the setup wrote it
-            for kind in ("stream", "naive"):
-                out = work / f"out-{kind}"
-                runs[kind].append(
-                    _run_child(
-                        kind, info["src"], info["calib"], str(out), args.format, args.threads
-                    )
-                )
-                shutil.rmtree(out, ignore_errors=True)
-        results = {}
-        for kind, rs in runs.items():
-            secs = sorted(r["seconds"] for r in rs)
-            best = min(rs, key=lambda r: r["seconds"])
-            results[kind] = {
-                **best,
-                "median_seconds": secs[len(secs) // 2],
-                "peak_rss": max(r["peak_rss"] for r in rs),
-                "baseline_rss": min(r["baseline_rss"] for r in rs),
-            }
-        largest = info["largest_tensor_bytes"]
+        source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        counts = [int(n) for n in args.nprocs.split(",")]
+        runs: dict[int, list[dict]] = {n: [] for n in counts}
+        for _ in range(args.repeat):  # alternating: a shared host's load hits every count alike
+            for n in counts:
+                runs[n].append(run_once(work, src, cal, n, args))
+        first = runs[counts[0]][0]["digests"]
+        same = all(r["digests"] == first for rs in runs.values() for r in rs)
+        results = {n: summarize(n, rs, source_bytes) for n, rs in runs.items()}
+        base = results[counts[0]]["gbps"]
         report = {
-            "source_bytes": info["source_bytes"],
-            "layers": info["layers"],
-            "largest_tensor_bytes": largest,
+            "source": str(src),
+            "source_bytes": source_bytes,
+            "largest_tensor_bytes": runs[counts[0]][0]["report"]["largest_tensor_bytes"],
             "format": args.format,
-            "threads": args.threads,
-            "repeat": args.repeat,
             "setup_seconds": round(setup_s, 2),
-            "target_peak_delta_bytes": 2 * largest + 256 * MiB,
+            "same_files": same,
+            "files": len(first),
+            "runs": [results[n] for n in counts],
+            "speedup_over_first": {n: round(results[n]["gbps"] / base, 2) for n in counts},
         }
-        for kind, r in results.items():
-            delta = r["peak_rss"] - r["baseline_rss"]
-            report[kind] = {
-                "seconds": round(r["seconds"], 3),  # the best of --repeat runs
-                "median_seconds": round(r["median_seconds"], 3),
-                "gbps": round(info["source_bytes"] / r["seconds"] / 1e9, 3),
-                "peak_rss_bytes": r["peak_rss"],
-                "baseline_rss_bytes": r["baseline_rss"],
-                "peak_delta_bytes": delta,
-                "peak_delta_over_largest": round(delta / largest, 2),
-                "bytes_written": r["bytes_written"],
-            }
-        report["rss_ratio_naive_over_stream"] = round(
-            report["naive"]["peak_delta_bytes"] / max(1, report["stream"]["peak_delta_bytes"]), 2
-        )
-        report["speed_ratio_stream_over_naive"] = round(
-            report["stream"]["gbps"] / report["naive"]["gbps"], 2
-        )
-        report["stream_meets_target"] = (
-            report["stream"]["peak_delta_bytes"] <= report["target_peak_delta_bytes"]
-        )
-        gb = 1e9
-        print(
-            f"checkpoint {info['source_bytes'] / gb:.2f} GB, {info['layers']} layers, largest tensor {largest / MiB:.0f} MiB"
-        )
-        print(
-            f"{'path':<8}{'best s':>9}{'median s':>10}{'GB/s':>8}{'peak RSS':>12}{'delta':>10}{'delta/largest':>15}"
-        )
-        for kind in ("stream", "naive"):
-            r = report[kind]
-            print(
-                f"{kind:<8}{r['seconds']:>9.2f}{r['median_seconds']:>10.2f}{r['gbps']:>8.3f}{r['peak_rss_bytes'] / MiB:>10.0f}Mi"
-                f"{r['peak_delta_bytes'] / MiB:>8.0f}Mi{r['peak_delta_over_largest']:>15.2f}"
-            )
-        print(
-            f"naive/stream peak delta {report['rss_ratio_naive_over_stream']}x; stream/naive speed "
-            f"{report['speed_ratio_stream_over_naive']}x; target delta <= 2 x largest + 256 MiB: "
-            f"{'met' if report['stream_meets_target'] else 'NOT met'}"
-        )
+        _print(report)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return 0 if same else 1
+
+
+def _print(report: dict) -> None:
+    gb = 1e9
+    print(
+        f"checkpoint {report['source_bytes'] / gb:.2f} GB, largest tensor "
+        f"{report['largest_tensor_bytes'] / MiB:.0f} MiB; {report['files']} files, "
+        f"same files in every run: {report['same_files']}"
+    )
+    print(
+        f"{'nproc':>5} {'device':>7} {'export s':>9} {'GB/s':>7} {'wall s':>8} {'peak RSS':>10} "
+        f"{'anon peak':>10} {'anon rise':>10} {'bound':>9}  ok"
+    )
+    for r in report["runs"]:
+        print(
+            f"{r['nproc']:>5} {r['device']:>7} {r['export_seconds']:>9.2f} {r['gbps']:>7.2f} "
+            f"{r['wall_seconds']:>8.2f} {r['host_peak_rss_bytes'] / MiB:>8.0f}Mi "
+            f"{r['host_peak_anon_bytes'] / MiB:>8.0f}Mi {r['write_anon_rise_bytes'] / MiB:>8.0f}Mi "
+            f"{r['host_bound_bytes'] / MiB:>7.0f}Mi  {r['meets_host_bound']}"
+        )
+    print(f"GB/s over the first count: {report['speedup_over_first']}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qckpt import phases
 from qckpt.atomic import AtomicDir, discard_temp
 from qckpt.errors import ExportError, PeerError
 from qckpt.parallel.deadline import collective
@@ -51,7 +52,8 @@ class Team:
         return self.rank == 0
 
     def _run(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
-        return collective(f"export: {what}", fn, *args, group=self.group, **kw)
+        with phases.phase(phases.SYNC):  # waiting for the other ranks, as the report says
+            return collective(f"export: {what}", fn, *args, group=self.group, **kw)
 
     def begin(self, out: AtomicDir) -> Path:
         """One temp dir for every rank: the main rank makes it, the others learn its name (or

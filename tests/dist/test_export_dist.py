@@ -223,39 +223,48 @@ def _rank(rank: int, port: int, recipe: Path, victim: int, mark: Path) -> subpro
     )
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_dead_rank_leaves_no_target_and_the_other_fails_in_time(setup, tmp_path, victim):
-    root, jobs = setup
-    case, src, cal = jobs["ct-tensor-kv"]
-    out = tmp_path / "out"
-    recipe = tmp_path / "r.yaml"
+def _recipe(d: Path, root: Path, job: tuple) -> Path:
+    case, src, cal = job
+    d.mkdir()
+    recipe = d / "r.yaml"
     recipe.write_text(
         f"model: {{source: {root / 'tiny-dense-hf'}}}\n"
         f"checkpoint: {{path: {src}}}\n"
         f"calibrate: {{output: {cal}}}\n"
         "quant: {kv_cache: true}\n"
         f"parallel: {{timeout_s: {TIMEOUT_S}}}\n"
-        f"export: {{output: {out}, max_shard_size: {SHARD}, device: cpu}}\n"
+        f"export: {{output: {d / 'out'}, max_shard_size: {SHARD}, device: cpu}}\n"
     )
-    mark = tmp_path / "died"
-    port = _free_port()
-    procs = [_rank(r, port, recipe, victim, mark) for r in (0, 1)]
+    return recipe
+
+
+def test_a_dead_rank_leaves_no_target_and_the_other_fails_in_time(setup, tmp_path):
+    """Rank 1 dies (rank 0 must clean up), and in a second world at the same time rank 0 dies
+    (rank 1 must remove the temp dir rank 0 made)."""
+    root, jobs = setup
+    runs = {}
+    for victim in (1, 0):
+        recipe = _recipe(tmp_path / f"victim{victim}", root, jobs["ct-tensor-kv"])
+        mark, port = recipe.parent / "died", _free_port()
+        runs[victim] = (recipe, mark, [_rank(r, port, recipe, victim, mark) for r in (0, 1)])
     try:
-        rcs = [p.wait(timeout=180) for p in procs]
+        rcs = {v: [p.wait(timeout=180) for p in procs] for v, (_, _, procs) in runs.items()}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for _, _, procs in runs.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     ended = time.time()
-    survivor = 1 - victim
-    assert rcs[victim] == 9 and mark.exists()
-    # (rank 0's transient progress bar leaves an empty line on a non-terminal stderr)
-    lines = [ln for ln in procs[survivor].stderr.read().splitlines() if ln.strip()]
-    assert rcs[survivor] == 1, lines
-    assert ended - float(mark.read_text()) < 1.5 * TIMEOUT_S + 5  # + the survivor's exit
-    assert len(lines) == 1 and not any("Traceback" in ln for ln in lines), lines
-    assert lines[0].startswith(f"qckpt: error (rank {survivor}): export: "), lines
-    assert "died or timed out (parallel.timeout_s=10" in lines[0], lines
-    assert not out.exists()
-    assert _no_temps(tmp_path), sorted(p.name for p in tmp_path.iterdir())
+    for victim, (recipe, mark, procs) in runs.items():
+        survivor = 1 - victim
+        assert rcs[victim][victim] == 9 and mark.exists()
+        # (rank 0's transient progress bar leaves an empty line on a non-terminal stderr)
+        lines = [ln for ln in procs[survivor].stderr.read().splitlines() if ln.strip()]
+        assert rcs[victim][survivor] == 1, lines
+        assert ended - float(mark.read_text()) < 1.5 * TIMEOUT_S + 5  # + the survivor's exit
+        assert len(lines) == 1 and "Traceback" not in lines[0], lines
+        assert lines[0].startswith(f"qckpt: error (rank {survivor}): export: "), lines
+        assert "died or timed out (parallel.timeout_s=10" in lines[0], lines
+        assert not (recipe.parent / "out").exists()
+        assert _no_temps(recipe.parent), sorted(p.name for p in recipe.parent.iterdir())

@@ -1,0 +1,126 @@
+"""Export on the GPU: byte-identical files to the CPU export for every layout; skipped without CUDA.
+
+The tiny models of tests/dist/test_export_dist.py (every export layout, an HF and a DCP source,
+KV scales), and one larger dense layer set so that the quantize kernels run over several row
+chunks and the GPU's Triton/compiled paths take real sizes:
+
+    pytest -q tests/gpu/test_export_gpu.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SHARD = "24KB"
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def _export(case, src, cal, out, device, shard=SHARD, config=None):
+    from qckpt.checkpoint.export import WriteOptions, export_checkpoint
+    from qckpt.models.build import load_config
+    from qckpt.recipe import ExportConfig
+    from tests.unit._export_fixtures import quant_config
+
+    fmt, qkw, model, _ = case
+    cfg = config if config is not None else load_config(model)
+    return export_checkpoint(
+        source=src,
+        calibration=cal,
+        output=out,
+        model_type=cfg.model_type,
+        model_config=cfg,
+        quant=quant_config(**qkw),
+        export=ExportConfig(format=fmt, output=str(out), max_shard_size=shard),
+        options=WriteOptions(device=device),
+    )
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("export_gpu")
+
+
+def test_gpu_export_equals_cpu_export_for_every_layout(root):
+    import torch.distributed.checkpoint as dcp
+
+    from tests.dist.test_export_dist import CASES
+    from tests.unit._export_fixtures import quant_config, saved_model, write_calibration
+
+    models = {m: saved_model(root, m) for m in ("tiny-dense", "tiny-moe")}
+    dcp_dir = root / "tiny-moe-dcp"
+    dcp.save(models["tiny-moe"][0].state_dict(), checkpoint_id=str(dcp_dir), no_dist=True)
+    for name, case in CASES.items():
+        model, hf_dir = models[case[2]]
+        cal = write_calibration(root, model, quant_config(**case[1]), f"cal-{name}.safetensors")
+        src = dcp_dir if case[3] == "dcp" else hf_dir
+        cpu = _export(case, src, cal, root / f"{name}-cpu", "cpu")
+        gpu = _export(case, src, cal, root / f"{name}-gpu", "cuda")
+        assert cpu.device == "cpu" and gpu.device.startswith("cuda")
+        one, other = _tree(root / f"{name}-cpu"), _tree(root / f"{name}-gpu")
+        assert sorted(one) == sorted(other), name
+        for f in one:
+            assert one[f] == other[f], (name, f)
+
+
+def _big_dense(root: Path):
+    """A 2-layer Llama with 4096 x 4096 and 11008 x 4096 weights (several row chunks each)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # a few outliers, so that the scales are not all alike
+        for p in model.parameters():
+            p.view(-1)[::4099].mul_(40)
+    d = root / "big-dense"
+    model.save_pretrained(d)
+    return model.cpu(), d, cfg
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("compressed-tensors", {}, None, "hf"),
+        ("compressed-tensors", {"weights": "block", "inputs": "group"}, None, "hf"),
+        ("compressed-tensors", {"fmt": "nvfp4"}, None, "hf"),
+        ("modelopt", {}, None, "hf"),
+        ("modelopt", {"weights": "channel", "inputs": "token"}, None, "hf"),
+        ("modelopt", {"fmt": "nvfp4"}, None, "hf"),
+    ],
+    ids=["ct-tensor", "ct-block", "ct-nvfp4", "mo-fp8", "mo-pcpt", "mo-nvfp4"],
+)
+def test_gpu_export_of_real_sizes_equals_cpu(root, case):
+    from tests.unit._export_fixtures import quant_config, write_calibration
+
+    if not (root / "big-dense").exists():
+        _big_dense(root)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(root / "big-dense")
+    model = AutoModelForCausalLM.from_pretrained(root / "big-dense", dtype=torch.bfloat16)
+    tag = "-".join(map(str, [case[0], *case[1].values()]))
+    cal = write_calibration(root, model, quant_config(**case[1]), f"cal-big-{tag}.safetensors")
+    src = root / "big-dense"
+    _export(case, src, cal, root / f"big-{tag}-cpu", "cpu", "200MB", cfg)
+    _export(case, src, cal, root / f"big-{tag}-gpu", "cuda", "200MB", cfg)
+    one, other = _tree(root / f"big-{tag}-cpu"), _tree(root / f"big-{tag}-gpu")
+    assert sorted(one) == sorted(other)
+    for f in one:
+        assert one[f] == other[f], f

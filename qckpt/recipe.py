@@ -131,9 +131,26 @@ class CalibrateConfig:
     # one halves the parameter memory (weights dequantized one linear / expert at a time in the
     # forward; weight amax still taken from the checkpoint's values as they stream in)
     weights_resident: Literal["bf16", "fp8", "fp8_block", "mxfp8"] = "bf16"
+    # where the weights wait while calibration runs: all on the device (none), on disk and
+    # read one decoder layer at a time (layer), or in host memory (host, pinned under CUDA)
+    offload: Literal["none", "layer", "host"] = "none"
+    # with offload: where a layer's outputs (the next layer's inputs) are kept between layers
+    activations: Literal["device", "host"] = "device"
 
     def validate(self, path: str) -> None:
         self.data.validate(f"{path}.data")
+        if self.activations == "host" and self.offload == "none":
+            raise RecipeError(
+                f"{path}.activations: host needs {path}.offload: layer or host "
+                "(a resident calibration keeps no activations between layers)"
+            )
+        if self.offload != "none" and self.weights_resident != "bf16":
+            # a layer streamed from disk is read in the model's dtype; holding it quantized
+            # would save nothing that one layer at a time does not already save
+            raise RecipeError(
+                f"{path}.offload: {self.offload} does not combine with {path}.weights_resident: "
+                f"{self.weights_resident}; use one of them"
+            )
 
 
 @dataclass(kw_only=True)

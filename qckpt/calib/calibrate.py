@@ -58,32 +58,36 @@ def calibrate_model(
     progress: Callable[[int], Any] | None = None,
     calib_dtype: torch.dtype = torch.float32,
     weight_amax: Mapping[str, torch.Tensor] | None = None,
+    runner: Any = None,
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
 
     ``weight_amax``: weight amaxes already taken from the checkpoint's values (quantized-resident
     weights, :mod:`qckpt.calib.weight_amax`); the forwards then run on dequantized weights.
+    ``runner`` replaces steps 2-3 (a :class:`qckpt.calib.layerwise.LayerwiseRunner`: the model
+    stays on meta and its layers come onto ``runner.device`` one at a time); its
+    ``report()`` joins the amax report as ``offload``.
     """
     t0 = time.perf_counter()
     quantizers = insert_quantizers(
-        model, quant_cfg, share_expert_inputs=share_expert_inputs, calib_dtype=calib_dtype
+        model,
+        quant_cfg,
+        share_expert_inputs=share_expert_inputs,
+        calib_dtype=calib_dtype,
+        device=None if runner is None else runner.device,
     )
     try:
         instr = instrumentation(model)
         tp_mods = linear_shards(model)
         # a block size that straddles TP shards: a config error, the same on every rank
         check_sharded_quantizers(quantizers.values(), tp_mods)
-        device = _model_device(model)
         failure: BaseException | None = None
         tokens = 0
         try:
-            calibrate_weights(model, weight_amax)
-            with torch.no_grad(), dequantized_compute():
-                for b in batches:
-                    model(input_ids=b.to(device), use_cache=False)
-                    tokens += b.numel()
-                    if progress is not None:
-                        progress(1)
+            if runner is None:
+                tokens = _resident_pass(model, batches, progress, weight_amax)
+            else:
+                tokens = runner.run(model, batches, progress)
         except Exception as exc:  # noqa: BLE001 - re-raised below after telling the other ranks
             failure = exc
         t_fwd = time.perf_counter()
@@ -122,9 +126,30 @@ def calibrate_model(
             sync_collectives=dres.collectives + (tres.collectives if tres else 0) + tp_gathers,
             shared_from_layer=len(dres.shared),
         )
+        if runner is not None:
+            report["offload"] = runner.report()
         return state, report
     finally:
         remove_quantizers(model)
+
+
+def _resident_pass(
+    model: nn.Module,
+    batches: Sequence[torch.Tensor],
+    progress: Callable[[int], Any] | None,
+    weight_amax: Mapping[str, torch.Tensor] | None,
+) -> int:
+    """Steps 2-3 with the whole model on its device: weight amax, then every batch's forward."""
+    device = _model_device(model)
+    calibrate_weights(model, weight_amax)
+    tokens = 0
+    with torch.no_grad(), dequantized_compute():
+        for b in batches:
+            model(input_ids=b.to(device), use_cache=False)
+            tokens += b.numel()
+            if progress is not None:
+                progress(1)
+    return tokens
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -97,8 +97,13 @@ def insert_quantizers(
     *,
     share_expert_inputs: bool = True,
     calib_dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
 ) -> dict[str, TensorQuantizer]:
-    """Instrument ``model``; returns the quantizers keyed ``{hf_module}.{weight|input}_amax``."""
+    """Instrument ``model``; returns the quantizers keyed ``{hf_module}.{weight|input}_amax``.
+
+    The amaxes live on each module's weight's device, or on ``device`` when given (a model
+    built on meta whose layers come onto the device one at a time: :mod:`qckpt.calib.layerwise`).
+    """
     if getattr(model, _ATTR, None) is not None:
         raise CalibrationError("model already has quantizers; call remove_quantizers first")
     wcfg, icfg = quant_cfg.weights, quant_cfg.inputs
@@ -109,7 +114,7 @@ def insert_quantizers(
     # ones as one tensor per device
     store = AmaxStore(capacity=1024)
 
-    def make(name: str, kind: str, shape, device, **kw) -> TensorQuantizer:
+    def make(name: str, kind: str, shape, dev, **kw) -> TensorQuantizer:
         cfg = wcfg if kind == "weight" else icfg
         gran = calib_granularity(cfg.format, cfg.granularity)
         q = TensorQuantizer(
@@ -123,7 +128,7 @@ def insert_quantizers(
             # a dynamic input is scaled per batch at run time: nothing to calibrate or sync
             enabled=not (kind == "input" and cfg.dynamic),
             calib_dtype=calib_dtype,
-            device=device,
+            device=device or dev,
             **kw,
         )
         instr.quantizers[q.key] = q
@@ -133,7 +138,7 @@ def insert_quantizers(
         if isinstance(mod, nn.Linear):
             if ignored(name, ignore):
                 continue
-            dev = mod.weight.device
+            dev = device or mod.weight.device
             wq = make(name, "weight", tuple(mod.weight.shape), dev)
             iq = make(name, "input", (mod.in_features,), dev)
             instr.weights.append(WeightSource(wq, f"{name}.weight", _whole))
@@ -190,7 +195,7 @@ def _instrument_experts(name, mod, mtype, make, instr: Instrumentation, share: b
     info.tokens = [0] * n_global
     gshape = torch.Size((n_global, *gu.shape[1:]))
     dshape = torch.Size((n_global, *dn.shape[1:]))
-    dev = gu.device
+    dev = gu.device  # make() puts it on insert_quantizers' device when one is given
     for s in expert_slices(name, mtype, gshape, dshape):
         local = s.expert in row_of
         fused = gu if s.role in ("gate", "up") else dn
@@ -260,12 +265,19 @@ def instrumentation(model: nn.Module) -> Instrumentation:
     return instr
 
 
-def calibrate_weights(model: nn.Module, given: Mapping[str, torch.Tensor] | None = None) -> int:
+def calibrate_weights(
+    model: nn.Module,
+    given: Mapping[str, torch.Tensor] | None = None,
+    *,
+    within: Callable[[str], bool] | None = None,
+) -> int:
     """Weight amax from the weights themselves, for every local quantizer (cold experts too).
 
     ``given`` (quantizer key -> amax) holds amaxes already taken from the checkpoint's values
     (:mod:`qckpt.calib.weight_amax`): those quantizers take them as they are. A quantized
     weight must be among them: its dequantized codes are not the checkpoint's values.
+    ``within``: only the quantizers whose module name it accepts (one decoder layer, when the
+    layers come onto the device one at a time: :mod:`qckpt.calib.layerwise`).
     """
     instr = instrumentation(model)
     given = given or {}
@@ -273,7 +285,7 @@ def calibrate_weights(model: nn.Module, given: Mapping[str, torch.Tensor] | None
     with torch.no_grad():
         for src in instr.weights:
             q = src.quantizer
-            if not q.enabled:
+            if not q.enabled or (within is not None and not within(q.name)):
                 continue
             if q.key in given:
                 q.amax = given[q.key]

@@ -110,3 +110,34 @@ def load_calibration(path: str | os.PathLike) -> CalibrationState:
         model_fingerprint=meta.get("model_fingerprint", ""),
         quant=json.loads(meta.get("quant", "{}")),
     )
+
+
+def calibration_differences(a: str | os.PathLike, b: str | os.PathLike) -> list[str]:
+    """How two calibration files differ, one line per difference ([] = the same calibration).
+
+    Amaxes are compared bit for bit (their bytes, so -0.0 vs 0.0 and NaN payloads count) and
+    the metadata as parsed: safetensors writes its metadata keys in no fixed order, so two
+    writes of the same calibration need not be the same bytes.
+    """
+    sa, sb = load_calibration(a), load_calibration(b)
+    out = [
+        f"{what}: {x!r} vs {y!r}"
+        for what, x, y in (
+            ("model_type", sa.model_type, sb.model_type),
+            ("model_fingerprint", sa.model_fingerprint, sb.model_fingerprint),
+            ("quant", sa.quant, sb.quant),
+        )
+        if x != y
+    ]
+    for k in sorted(set(sa.quantizers) | set(sb.quantizers)):
+        if sa.quantizers.get(k) != sb.quantizers.get(k):
+            out.append(f"{k}: quantizer {sa.quantizers.get(k)} vs {sb.quantizers.get(k)}")
+    for k in sorted(set(sa.amax) | set(sb.amax)):
+        x, y = sa.amax.get(k), sb.amax.get(k)
+        if x is None or y is None:
+            out.append(f"{k}: only in {a if y is None else b}")
+        elif x.dtype != y.dtype or x.shape != y.shape:
+            out.append(f"{k}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
+        elif not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            out.append(f"{k}: {x.flatten()[:4].tolist()} vs {y.flatten()[:4].tolist()} (bits)")
+    return out

@@ -25,16 +25,21 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.data import calibration_batches
     from qckpt.calib.state_file import save_calibration
-    from qckpt.calib.weight_amax import CheckpointWeightAmax
-    from qckpt.checkpoint.load import load_checkpoint
 
     # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
     # reads only its own experts and linear shards, never the whole model. Quantized-resident
     # weights: the linears and experts the calibration quantizes are held in that format
-    # (native tensors: the calibration instruments nn.Linear and fused experts, not TE's)
+    # (native tensors: the calibration instruments nn.Linear and fused experts, not TE's).
+    # calibrate.offload: the model stays on meta; the runner allocates one layer at a time
     resident = recipe.calibrate.weights_resident
-    params = "none" if resident == "bf16" else resident
-    built = build_for(recipe, mesh, params=params, backend="native")
+    offload = recipe.calibrate.offload != "none"
+    if offload:
+        from qckpt.pipeline.offload import build_meta
+
+        built = build_meta(recipe, mesh)
+    else:
+        params = "none" if resident == "bf16" else resident
+        built = build_for(recipe, mesh, params=params, backend="native")
     model = built.model
     if built.quantized:
         hooks.log(f"{len(built.quantized)} weights held as {resident} while calibrating")
@@ -54,22 +59,20 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
             stats=(data_stats := {}),
         )
     data_report = data_summary(data_cfg, data_stats["samples"], hooks)
-    hooks.log(f"reading weights from {recipe.checkpoint.path}")
-    # a quantized weight's amax comes from the checkpoint's value as it streams in, not from
-    # the re-quantized codes the model then holds
-    tap = CheckpointWeightAmax(model, recipe.quant) if built.quantized else None
+    runner, tap, steps = None, None, len(batches)
     with phases.phase(phases.READ):
-        load_checkpoint(
-            model,
-            recipe.checkpoint.path,
-            format=recipe.checkpoint.format,
-            stream=True,
-            mesh=mesh,
-            tap=tap,
-        )
+        if offload:
+            from qckpt.pipeline.offload import runner_for
+
+            # layer: the checkpoint checked from its metadata; host: the layers read here
+            runner = runner_for(recipe, mesh, model, hooks)
+            steps *= model.config.num_hidden_layers
+        else:
+            tap = _load(recipe, mesh, model, bool(built.quantized), hooks)
     hooks.log(f"calibrating on {len(batches)} batches")
-    # the amax sync inside is charged to its own phase (calib.sync is timed)
-    with phases.phase(phases.FORWARD), hooks.progress("calibrating", len(batches)) as advance:
+    # the amax sync inside is charged to its own phase (calib.sync is timed); with offload
+    # the layer reads overlap the forwards and are charged here too
+    with phases.phase(phases.FORWARD), hooks.progress("calibrating", steps) as advance:
         state, report = calibrate_model(
             model,
             batches,
@@ -78,8 +81,15 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
             share_expert_inputs=recipe.calibrate.share_expert_inputs,
             progress=advance,
             weight_amax=tap.amax() if tap is not None else None,
+            runner=runner,
         )
-    report.update(weights_resident=resident, param_bytes=param_bytes(model))
+    if runner is not None:
+        from qckpt.pipeline.offload import held_bytes, summary
+
+        hooks.log(summary(report["offload"]))
+        report.update(weights_resident=resident, param_bytes=held_bytes(report["offload"]))
+    else:
+        report.update(weights_resident=resident, param_bytes=param_bytes(model))
     out = recipe.calibrate.output
     if mesh.is_main:
         with phases.phase(phases.WRITE):
@@ -87,6 +97,27 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     return CalibrateResult(
         state=state, report=report, data=data_report, output=out, world_size=mesh.world_size
     )
+
+
+def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
+    """The whole (sharded) model's weights from the checkpoint; the weight-amax tap of a
+    quantized-resident model (else None)."""
+    from qckpt.calib.weight_amax import CheckpointWeightAmax
+    from qckpt.checkpoint.load import load_checkpoint
+
+    hooks.log(f"reading weights from {recipe.checkpoint.path}")
+    # a quantized weight's amax comes from the checkpoint's value as it streams in, not from
+    # the re-quantized codes the model then holds
+    tap = CheckpointWeightAmax(model, recipe.quant) if quantized else None
+    load_checkpoint(
+        model,
+        recipe.checkpoint.path,
+        format=recipe.checkpoint.format,
+        stream=True,
+        mesh=mesh,
+        tap=tap,
+    )
+    return tap
 
 
 def param_bytes(model) -> int:

@@ -11,6 +11,7 @@ def test_defaults_match_design():
     assert r.quant.ignore == ["lm_head", "*.mlp.gate"]
     assert r.parallel.ep == 1 and r.parallel.tp == 1
     assert r.export.format == "compressed-tensors" and r.export.overwrite is False
+    assert r.calibrate.offload == "none" and r.calibrate.activations == "device"
 
 
 @pytest.mark.parametrize(
@@ -34,6 +35,18 @@ def test_defaults_match_design():
         ),
         ({"quant": {"ignore": "lm_head"}}, "quant.ignore: expected a list"),
         ({"model": "tiny"}, "model: expected a mapping"),
+        (
+            {"calibrate": {"offload": "disk"}},
+            "calibrate.offload: must be one of none, layer, host; got 'disk'",
+        ),
+        (
+            {"calibrate": {"activations": "host"}},
+            "calibrate.activations: host needs calibrate.offload: layer or host",
+        ),
+        (
+            {"calibrate": {"offload": "layer", "weights_resident": "fp8"}},
+            "calibrate.offload: layer does not combine with calibrate.weights_resident: fp8",
+        ),
     ],
 )
 def test_errors_name_the_yaml_path(raw, message):

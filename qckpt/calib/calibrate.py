@@ -64,17 +64,13 @@ def calibrate_model(
 
     ``weight_amax``: weight amaxes already taken from the checkpoint's values (quantized-resident
     weights, :mod:`qckpt.calib.weight_amax`); the forwards then run on dequantized weights.
-    ``runner`` replaces steps 2-3 (a :class:`qckpt.calib.layerwise.LayerwiseRunner`: the model
-    stays on meta and its layers come onto ``runner.device`` one at a time); its
-    ``report()`` joins the amax report as ``offload``.
+    ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
+    model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
     """
     t0 = time.perf_counter()
+    share, dev = share_expert_inputs, None if runner is None else runner.device
     quantizers = insert_quantizers(
-        model,
-        quant_cfg,
-        share_expert_inputs=share_expert_inputs,
-        calib_dtype=calib_dtype,
-        device=None if runner is None else runner.device,
+        model, quant_cfg, share_expert_inputs=share, calib_dtype=calib_dtype, device=dev
     )
     try:
         instr = instrumentation(model)

@@ -81,8 +81,9 @@ def test_two_ranks_write_the_resident_file(ckpts, tmp_path, src, ep, tp):
         rep = o.value["layer"]
         assert rep["mode"] == "layer" and rep["weights_on"] == "disk"
         assert rep["layers"] == 2 and rep["bytes_read"] > 0
-        # the activations kept: 4 of this rank's 8 samples x 16 tokens x 64 hidden, bf16
-        assert rep["activation_bytes"] == 4 * 16 * 64 * 2
+        # the activations kept: this rank's samples (8 split over DP x EP) x 16 tokens x 64
+        # hidden, bf16 (TP ranks see the same samples)
+        assert rep["activation_bytes"] == 8 // (2 // tp) * 16 * 64 * 2
         assert o.value["host"]["mode"] == "host"
         assert o.value["host"]["host_weight_bytes"] > 0
 

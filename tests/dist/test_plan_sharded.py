@@ -1,0 +1,79 @@
+"""``qckpt plan``'s per-rank load predictions against sharded loads on 2 gloo ranks (EP2, TP2):
+each rank's held parameter bytes, bytes read and transient, exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.dist._harness import shared_world
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def sc_sharded_load(rank, world, recipe, sets, fmt):
+    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.parallel.mesh import init_mesh
+    from qckpt.pipeline.model import build_for
+    from qckpt.recipe import load_recipe
+    from tests.unit.test_plan import held_bytes
+
+    r = load_recipe(recipe, sets)
+    mesh = init_mesh(ep=r.parallel.ep, tp=r.parallel.tp, timeout_s=10, device="cpu")
+    # the sharded load's order: build, shard EP then TP, quantize the rank's blocks, read them
+    built = build_for(r, mesh, sharded=True, seeded=True, params=fmt)
+    assert built.ep_sharded or built.tp_sharded
+    rep = load_checkpoint(built.model, r.checkpoint.path, mesh=mesh)
+    return {
+        "rank": mesh.rank,
+        "held": held_bytes(built.model),
+        "read": rep.bytes_read,
+        "transient": rep.transient_bytes,
+        "predicted": rep.predicted_transient_bytes,
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.models.build import build_model
+
+    d = tmp_path_factory.mktemp("plan-ckpt")
+    for source in ("tiny-moe",):
+        model = build_model(source, seed=0)
+        save_model_dcp(model, d / source / "dcp")
+        model.save_pretrained(d / source / "hf")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("source", "kind", "layout", "fmt"),
+    [
+        ("tiny-moe", "dcp", "ep=2", "fp8"),
+        ("tiny-moe", "hf", "ep=2", "nvfp4"),
+        ("tiny-moe", "hf", "tp=2", "fp8_block"),
+        ("tiny-moe", "dcp", "tp=2", "mxfp8"),
+    ],
+)
+def test_sharded_load_is_predicted_per_rank(checkpoints, source, kind, layout, fmt):
+    from qckpt.pipeline.plan import plan
+    from qckpt.recipe import load_recipe
+
+    recipe = str(ROOT / "configs" / f"{source}.yaml")
+    key, _, n = layout.partition("=")
+    sets = [
+        f"checkpoint.path={checkpoints / source / kind}",
+        f"load.params={fmt}",
+        f"parallel.{key}={n}",
+    ]
+    outs = shared_world(2).run(sc_sharded_load, recipe, sets, fmt, deadline_s=120)
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    rows = plan(load_recipe(recipe, sets), nproc_per_node=2).rows["load"]
+    for o in outs:
+        got, row = o.value, rows[o.value["rank"]]
+        assert row.parameter_bytes == got["held"], (o.rank, row, got)
+        assert row.bytes_read == got["read"], (o.rank, row, got)
+        assert row.transient_bytes == got["predicted"] == got["transient"], (o.rank, row, got)
+    # a rank holds less than the whole model: half of the sharded tensors
+    whole = plan(load_recipe(recipe, sets[:2]), nproc_per_node=1).rows["load"][0]
+    assert all(r.parameter_bytes < whole.parameter_bytes for r in rows)

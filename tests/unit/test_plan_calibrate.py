@@ -1,0 +1,47 @@
+"""``qckpt plan``'s calibrate figures against what ``calibrate`` reports (one rank, in process):
+the parameters a quantized-resident calibration holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from qckpt.checkpoint.convert import save_model_dcp
+from qckpt.models.build import build_model
+from qckpt.parallel.mesh import Mesh
+from qckpt.pipeline.calibrate import calibrate
+from qckpt.pipeline.plan import plan
+from qckpt.recipe import load_recipe
+from tests.conftest import ROOT
+
+RECIPE = str(ROOT / "configs" / "tiny-moe.yaml")
+
+
+@pytest.fixture(scope="module")
+def dcp(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plan-cal")
+    save_model_dcp(build_model("tiny-moe", seed=0), d / "dcp")
+    return d
+
+
+def _buffers(source: str) -> int:
+    model = build_model(source, seed=0)
+    return sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+@pytest.mark.parametrize("resident", ["bf16", "fp8_block"])
+def test_resident_weights_are_predicted_exactly(dcp, resident):
+    r = load_recipe(
+        RECIPE,
+        [
+            f"checkpoint.path={dcp / 'dcp'}",
+            f"calibrate.weights_resident={resident}",
+            f"calibrate.output={dcp / resident}.safetensors",
+        ],
+    )
+    got = calibrate(r, Mesh())
+    (row,) = plan(r, nproc_per_node=1).rows["calibrate"]
+    # the report counts parameters; a rank also holds its buffers (the rotary table)
+    assert row.parameter_bytes == got.report["param_bytes"] + _buffers("tiny-moe")
+    bf16 = plan(load_recipe(RECIPE, [f"checkpoint.path={dcp / 'dcp'}"]), nproc_per_node=1)
+    if resident != "bf16":
+        assert row.parameter_bytes < 0.7 * bf16.rows["calibrate"][0].parameter_bytes

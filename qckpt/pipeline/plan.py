@@ -20,6 +20,7 @@ from qckpt.errors import UsageError
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.model import shard
 from qckpt.plan.layouts import (
+    ACTIVATIONS,
     OFFLOADS,
     RESIDENT_FORMATS,
     Layout,
@@ -30,6 +31,7 @@ from qckpt.plan.layouts import (
 )
 from qckpt.plan.predict import (
     CalibShape,
+    Offload,
     RankFigures,
     calibrate_figures,
     export_figures,
@@ -70,7 +72,7 @@ class PlanResult:
         def lay(x: Layout | None) -> dict | None:
             if x is None:
                 return None
-            return {**x.__dict__, "label": x.label(), "set": x.overrides(True)}
+            return {**x.__dict__, "label": x.label(), "set": x.overrides(self.layout)}
 
         return {
             "recipe": self.recipe,
@@ -180,7 +182,20 @@ class _Planner:
             batch_size=data.batch_size,
             ep=layout.ep,
             top_k=top_k,
+            head_dim=head_dim,
         )
+
+    def offload(self, layout: Layout) -> Offload:
+        """``calibrate.offload``'s setting; the output embedding stays off the device unless a
+        quantizer lives there (not in ``quant.ignore``), as ``calib.layerwise`` decides."""
+        from qckpt.models.naming import ignored
+
+        head = None
+        out_emb = self.whole.get_output_embeddings()
+        for name, mod in self.whole.named_modules():
+            if mod is out_emb and ignored(name, self.recipe.quant.ignore):
+                head = name
+        return Offload(mode=layout.offload, activations=layout.activations, head=head)
 
     def tensors(self, layout: Layout, params: str) -> list[Held]:
         return rank_tensors(self.sharded(layout), params=params, ignore=self.recipe.quant.ignore)
@@ -230,7 +245,7 @@ class _Planner:
                     )
                 else:
                     done[key] = calibrate_figures(
-                        held, src, shape, rank=rank, samples=samples, offload=layout.offload
+                        held, src, shape, rank=rank, samples=samples, offload=self.offload(layout)
                     )
             out.append(replace(done[key], rank=rank).judge(self.device_bytes))
         return out
@@ -251,12 +266,14 @@ class _Planner:
         if command == "load":
             cands = [Layout(ep=ep, tp=tp) for ep, tp in splits(self.world, self.nproc)]
         else:
-            cands = [
-                Layout(ep=ep, tp=tp, resident=res, offload=off)
+            every = [
+                Layout(ep=ep, tp=tp, resident=res, offload=off, activations=act)
                 for ep, tp in splits(self.world, self.nproc)
                 for res in RESIDENT_FORMATS
                 for off in OFFLOADS
+                for act in ACTIVATIONS
             ]
+            cands = [c for c in every if c.problem() is None]
         first = [self.ranks(Layout())[0]]  # rank 0 holds the most (equal blocks; data rank 0)
         for cand in sorted(cands, key=preference):
             try:

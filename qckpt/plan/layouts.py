@@ -6,7 +6,8 @@ A :class:`Layout` is what a user sets in the recipe (``parallel.ep``, ``parallel
 :func:`preference` orders them: the suggestion is the first that fits.
 
 Order of preference (the "smallest" layout): no offload before host offload before layer
-offload (offload re-reads or copies every layer and is the slowest); BF16-resident weights
+offload (offload re-reads or copies every layer and is the slowest), activations kept on the
+device before on the host (copied both ways for every layer); BF16-resident weights
 before quantized ones (calibration statistics from the model's own values); then the fewest
 model-parallel ranks (ep x tp: the rest of the world is data parallel, the cheapest split);
 then EP before TP (expert-parallel results are bit-identical to one process, TP's to rounding).
@@ -22,7 +23,9 @@ from qckpt.errors import UsageError
 # calibrate.weights_resident and calibrate.offload values (issue 17)
 RESIDENT_FORMATS = ("bf16", "fp8", "fp8_block", "mxfp8")
 OFFLOADS = ("none", "layer", "host")
-_KEYS = ("ep", "tp", "resident", "offload")
+ACTIVATIONS = ("device", "host")  # calibrate.activations: where offload keeps layer outputs
+_KEYS = ("ep", "tp", "resident", "offload", "activations")
+_CHOICES = {"resident": RESIDENT_FORMATS, "offload": OFFLOADS, "activations": ACTIVATIONS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +34,7 @@ class Layout:
     tp: int = 1
     resident: str = "bf16"
     offload: str = "none"
+    activations: str = "device"
 
     @property
     def model_parallel(self) -> int:
@@ -45,24 +49,37 @@ class Layout:
             parts.append(f"resident={self.resident}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        if self.activations != "device":
+            parts.append(f"activations={self.activations}")
         return ",".join(parts)
 
-    def overrides(self, calibrate: bool = True) -> list[str]:
-        """The ``--set`` arguments that make a recipe use this layout."""
+    def overrides(self, base: Layout | None = None) -> list[str]:
+        """The ``--set`` arguments that make a recipe of layout ``base`` use this one (the
+        calibration keys only where they differ from ``base`` or from their defaults)."""
+        base = base or Layout()
         out = [f"parallel.ep={self.ep}", f"parallel.tp={self.tp}"]
-        if calibrate:
-            out += [
-                f"calibrate.weights_resident={self.resident}",
-                f"calibrate.offload={self.offload}",
-            ]
+        for key, recipe_key in (
+            ("resident", "weights_resident"),
+            ("offload", "offload"),
+            ("activations", "activations"),
+        ):
+            mine = getattr(self, key)
+            if mine != getattr(base, key) or mine != getattr(Layout(), key):
+                out.append(f"calibrate.{recipe_key}={mine}")
         return out
+
+    def problem(self) -> str | None:
+        """Why the recipe would refuse this combination (None when it would not)."""
+        if self.offload != "none" and self.resident != "bf16":
+            return "offload does not combine with resident weights other than bf16"
+        if self.activations == "host" and self.offload == "none":
+            return "activations=host needs offload=layer or host"
+        return None
 
 
 def parse_layout(spec: str, base: Layout) -> Layout:
     """``ep=8,tp=1,resident=fp8,offload=layer`` (any subset; the rest from ``base``)."""
-    values: dict[str, object] = {
-        "ep": base.ep, "tp": base.tp, "resident": base.resident, "offload": base.offload,
-    }  # fmt: skip
+    values: dict[str, object] = {k: getattr(base, k) for k in _KEYS}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, eq, value = part.partition("=")
         key, value = key.strip(), value.strip()
@@ -76,13 +93,16 @@ def parse_layout(spec: str, base: Layout) -> Layout:
                 raise UsageError(f"--layout {spec!r}: {key} must be a positive integer")
             values[key] = int(value)
         else:
-            allowed = RESIDENT_FORMATS if key == "resident" else OFFLOADS
+            allowed = _CHOICES[key]
             if value not in allowed:
                 raise UsageError(
                     f"--layout {spec!r}: {key} must be one of {', '.join(allowed)}; got {value!r}"
                 )
             values[key] = value
-    return Layout(**values)  # type: ignore[arg-type]
+    layout = Layout(**values)  # type: ignore[arg-type]
+    if layout.problem():
+        raise UsageError(f"--layout {spec!r}: {layout.problem()}")
+    return layout
 
 
 def check_world(layout: Layout, world: int, nproc_per_node: int) -> str | None:
@@ -110,7 +130,8 @@ def preference(layout: Layout) -> tuple:
     """Sort key: the first layout that fits is the suggestion (see the module doc)."""
     offload = {"none": 0, "host": 1, "layer": 2}[layout.offload]
     resident = RESIDENT_FORMATS.index(layout.resident)
-    return (offload, resident != 0, layout.model_parallel, layout.tp, resident)
+    moved = layout.activations != "device"
+    return (offload, moved, resident != 0, layout.model_parallel, layout.tp, resident)
 
 
 def recipe_layout(recipe: Any) -> Layout:
@@ -121,4 +142,5 @@ def recipe_layout(recipe: Any) -> Layout:
         tp=recipe.parallel.tp,
         resident=str(getattr(cal, "weights_resident", "bf16")),
         offload=str(getattr(cal, "offload", "none")),
+        activations=str(getattr(cal, "activations", "device")),
     )

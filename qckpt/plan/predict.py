@@ -25,7 +25,7 @@ command allocates besides (allocator rounding, kernels' workspaces).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from qckpt.plan.reads import Reads
@@ -111,6 +111,7 @@ class CalibShape:
     batch_size: int
     ep: int
     top_k: int
+    head_dim: int = 0
 
 
 def forward_bytes(s: CalibShape) -> int:
@@ -124,6 +125,33 @@ def forward_bytes(s: CalibShape) -> int:
     return max(layer, tokens * s.vocab) * s.itemsize
 
 
+@dataclass(frozen=True, kw_only=True)
+class Offload:
+    """``calibrate.offload`` and what goes with it: where activations wait between layers
+    (``calibrate.activations``), and the module outside the layers left off the device (the
+    output embedding, unless a quantizer lives there: ``calib.layerwise``'s ``tail``)."""
+
+    mode: str = "none"  # none | layer | host
+    activations: str = "device"  # device | host
+    head: str | None = None  # the output embedding's module name when it stays off
+
+
+def _offload_params(tensors: list[Held], off: Offload) -> tuple[int, int]:
+    """(device bytes at most, host bytes) of layer-by-layer calibration: the weights outside the
+    decoder layers, plus two adjacent layers (one running, the next one being fetched)."""
+    per_layer: dict[int, int] = {}
+    outside = 0
+    for t in tensors:
+        if t.layer is not None:
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + t.nbytes
+        elif off.head is None or not t.name.startswith(off.head + "."):
+            outside += t.nbytes
+    sizes = [per_layer[i] for i in sorted(per_layer)]
+    pair = max((a + b for a, b in zip(sizes, sizes[1:], strict=False)), default=0)
+    peak = max([pair, *sizes]) if sizes else 0
+    return outside + peak, (sum(sizes) if off.mode == "host" else 0)
+
+
 def calibrate_figures(
     tensors: list[Held],
     reads: Reads | None,
@@ -131,30 +159,29 @@ def calibrate_figures(
     *,
     rank: int,
     samples: int,
-    offload: str = "none",
+    offload: Offload | None = None,
 ) -> RankFigures:
     """``qckpt calibrate`` on one rank (``tensors`` built with the resident format, or plain);
     ``samples``: this rank's share of the calibration samples."""
-    q = _quantized(tensors)
-    load_transient = max((t.nominal_bytes for t in q), default=0)
-    # a quantized-resident linear is dequantized as the forward reaches it
-    transient = load_transient
+    off = offload or Offload()
+    # quantized-resident: the load's scratch (the largest quantized destination), then one
+    # linear or expert dequantized at a time in the forward, never more than that scratch
+    transient = max((t.nominal_bytes for t in _quantized(tensors)), default=0)
     host = 0
-    activations = forward_bytes(shape)
-    if offload == "none":
+    if off.mode == "none":
         params = sum(t.nbytes for t in tensors)
+        activations = forward_bytes(shape)
     else:
-        per_layer: dict[int, int] = {}
-        outside = 0
-        for t in tensors:
-            if t.layer is None:
-                outside += t.nbytes
-            else:
-                per_layer[t.layer] = per_layer.get(t.layer, 0) + t.nbytes
-        params = outside + 2 * max(per_layer.values(), default=0)
-        if offload == "host":
-            host = sum(per_layer.values())
-        activations += samples * shape.seq_len * shape.hidden * shape.itemsize
+        params, host = _offload_params(tensors, off)
+        # one batch through one layer (no logits: the head runs only when it is calibrated),
+        # the layer outputs of this rank's samples, and the rotary tables the layers take
+        activations = forward_bytes(replace(shape, vocab=shape.vocab if off.head is None else 0))
+        kept = samples * shape.seq_len * shape.hidden * shape.itemsize
+        activations += 2 * shape.batch_size * shape.seq_len * shape.head_dim * shape.itemsize
+        if off.activations == "host":
+            host += kept
+        else:
+            activations += kept
     return RankFigures(
         command="calibrate",
         rank=rank,

@@ -18,6 +18,7 @@ from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.model import build_for
 from qckpt.pipeline.plan import plan
 from qckpt.plan.fields import field_specs
+from qckpt.plan.layouts import Layout
 from qckpt.recipe import load_recipe
 from tests.conftest import ROOT, run_qckpt
 
@@ -84,19 +85,24 @@ def test_no_checkpoint_reads_the_bf16_size():
 
 
 def test_calibrate_offload_keeps_the_activations_between_layers():
-    r = load_recipe(RECIPE, ["checkpoint.path=/nonexistent/dcp"])
-    res = plan(r, nproc_per_node=2)
     from qckpt.plan.layouts import parse_layout
 
-    base = res.layout
-    lay = parse_layout("offload=layer", base)
-    off = plan(r, nproc_per_node=2, layouts=[lay]).extra[lay.label()]["calibrate"]
-    data = r.calibrate.data
+    r = load_recipe(RECIPE, ["checkpoint.path=/nonexistent/dcp"])
+    lays = [parse_layout(s, Layout()) for s in ("offload=layer", "offload=host,activations=host")]
+    res = plan(r, nproc_per_node=2, layouts=lays)
+    layer, host = (res.extra[x.label()]["calibrate"] for x in lays)
     # 16 samples in batches of 4 over 2 data ranks: 8 samples each, hidden 64, bf16
-    kept = 8 * data.seq_len * 64 * 2
-    for full, layer in zip(res.rows["calibrate"], off, strict=True):
-        assert layer.activation_bytes - full.activation_bytes == kept
-        assert layer.bytes_read == full.bytes_read
+    kept = 8 * r.calibrate.data.seq_len * 64 * 2
+    model = build_model("tiny-moe", seed=0)
+    layer_bytes = sum(p.numel() * 2 for p in model.model.layers[0].parameters())
+    outer = sum(p.numel() * 2 for n, p in model.named_parameters() if "layers." not in n)
+    outer -= model.lm_head.weight.numel() * 2  # ignored: never on the device
+    outer += sum(b.numel() * b.element_size() for b in model.buffers())
+    for full, on_dev, on_host in zip(res.rows["calibrate"], layer, host, strict=True):
+        assert on_dev.activation_bytes - on_host.activation_bytes == kept
+        assert on_host.host_bytes - on_dev.host_bytes == kept + 2 * layer_bytes
+        assert on_dev.parameter_bytes == on_host.parameter_bytes == outer + 2 * layer_bytes
+        assert on_dev.bytes_read == full.bytes_read
 
 
 def test_too_small_a_gpu_does_not_fit_and_gets_a_layout_that_does(tmp_path):

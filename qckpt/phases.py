@@ -205,6 +205,8 @@ class Recorder:
             out["device"] = f"cuda:{dev}"
             out["device_peak_bytes"] = int(cuda.max_memory_allocated(dev))
             out["device_peak_reserved_bytes"] = int(cuda.max_memory_reserved(dev))
+            # what the command holds at its report (for load: the loaded model)
+            out["device_allocated_bytes"] = int(cuda.memory_allocated(dev))
         else:
             out["device"] = "cpu"
             out["device_peak_bytes"] = None

@@ -168,3 +168,8 @@ def render_command(data: dict[str, Any], console: Console = err) -> None:
             f"{human_bytes(pk.get('host_peak_rss_bytes'))}"
             + (f" (anonymous {human_bytes(anon)})" if anon is not None else "")
         )
+    ranks = data.get("ranks") or []
+    if ranks:
+        key = "device_peak_bytes" if pk and pk.get("device_peak_bytes") else "host_peak_rss_bytes"
+        per = " · ".join(f"r{r['rank']} {human_bytes(r['peaks'].get(key))}" for r in ranks)
+        console.print(f"[bold]per rank[/bold] ({key.split('_')[0]})  {per}")

@@ -13,14 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
-
 from qckpt import phases
 from qckpt.pipeline.hooks import Hooks
 from qckpt.term import err, out  # noqa: F401  (the consoles live below the CLI)
@@ -74,6 +66,15 @@ def progress(description: str, total: int | None) -> Iterator[Any]:
     if rank() != 0:
         yield lambda *a: None
         return
+    # imported here: a command that draws no bar (--help, check) does not pay for it
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     bar = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -99,6 +100,22 @@ def hooks() -> Hooks:
     return Hooks(log=log, progress=progress)
 
 
-def with_phases(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with the command's ``phases`` (seconds) and whole-command ``peaks`` so far."""
-    return {**data, **phases.summary()}
+def with_phases(data: dict[str, Any], mesh: Any = None) -> dict[str, Any]:
+    """``data`` with the command's ``phases`` (seconds) and whole-command ``peaks`` so far.
+
+    With a ``mesh`` of several ranks every rank must call it (one all-gather): ``ranks`` then
+    lists each rank's phases and peaks, since ``phases``/``peaks`` are this rank's own.
+    """
+    own = phases.summary()
+    if not own or mesh is None or mesh.world_size <= 1:
+        return {**data, **own}
+    import torch.distributed as dist
+
+    from qckpt.parallel.deadline import collective
+
+    box: list[Any] = [None] * mesh.world_size
+    mine = {"rank": mesh.rank, **own}
+    collective(
+        "gathering the ranks' reports", dist.all_gather_object, box, mine, group=mesh.world_group
+    )
+    return {**data, **own, "ranks": box}

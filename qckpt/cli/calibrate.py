@@ -50,7 +50,7 @@ def calibrate_cmd(
     with world(r, r.load.device) as mesh:
         res = calibrate(r, mesh, hooks=_output.hooks())
         with phases.phase(phases.REPORT):
-            data = _output.with_phases({**res.report, "data": res.data})
+            data = _output.with_phases({**res.report, "data": res.data}, mesh)
             if _output.speaks():
                 render_amax_report(res.report)
                 render_command(data)

@@ -70,7 +70,7 @@ def load_cmd(
 
                 with atomic_file(plot, key="--plot") as tmp:
                     plot_memory(res.reports, tmp)
-            data = _output.with_phases(res.to_dict(str(recipe), r.load.params))
+            data = _output.with_phases(res.to_dict(str(recipe), r.load.params), mesh)
             if _output.speaks():
                 render_load_report(data)
                 render_command(data)

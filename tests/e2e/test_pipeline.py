@@ -55,6 +55,9 @@ def test_end_to_end(tmp_path, config):
     run0 = load["runs"][0]
     assert run0["stream"] is True
     assert run0["transient_bytes"] <= run0["predicted_transient_bytes"] * 1.05 + 4096
+    # every rank's whole-command figures, gathered into rank 0's report (issue 17)
+    assert [r["rank"] for r in load["ranks"]] == [0, 1]
+    assert all(r["peaks"]["host_peak_rss_bytes"] > 0 < r["phases"]["total"] for r in load["ranks"])
 
     r = _torchrun("calibrate", str(recipe), *sets, "--json", str(run / "amax.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

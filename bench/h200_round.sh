@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The lead's batched GPU round (nvidia-h200-x2): make the Qwen3-30B-A3B-shaped checkpoints if
+# they are absent, run the benchmarks, and collect every result under $OUT.
+#
+#   bash bench/h200_round.sh                 # every step, in order
+#   bash bench/h200_round.sh env ckpt_8l whole_8l    # only these steps (e.g. to split calls)
+#   bash bench/h200_round.sh --list          # the steps
+#
+# One function per step (step_NAME), each run under its own timeout; a failed step is recorded
+# and the round goes on. To add a step: write a step_NAME function, add NAME and its limit in
+# seconds to STEPS below. A step writes what it measured to "$RES/NAME.json" (or .txt); its
+# stdout and stderr go to "$RES/NAME.log" by themselves.
+#
+# What comes back ($OUT holds at most 8 files): $OUT/summary.txt (each step's exit code and
+# seconds, then the tail of each log), $OUT/results.json (every step's JSON, by step name) and
+# $OUT/round.tar.gz (all of $RES: every log and result whole).
+#
+# Checkpoints live in $WORK (default /tmp/qckpt-round), outside the repo, so they are not sent
+# back; on a machine still warm from an earlier call they are found and kept.
+set -u
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the device README asks for it, also in child environments)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PY:-python3}
+OUT=${OUT:-$PWD/round-out}
+WORK=${QCKPT_ROUND_WORK:-/tmp/qckpt-round}
+RES="$WORK/results"
+CKPT48="$WORK/qwen3-30b-a3b"
+CKPT8="$WORK/qwen3-30b-a3b-8l"
+mkdir -p "$OUT" "$RES"
+
+# name:limit_s, in the order a full round runs them
+STEPS=(
+  env:60
+  ckpt_8l:240
+  whole_8l:300
+  ckpt_48l:420
+  whole_48l:540
+)
+
+step_env() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  "$PY" -c 'import torch, transformers, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count()); print("transformers", transformers.__version__)'
+  free -g; df -h "$WORK"; nproc
+}
+
+# the 8-layer version (11 GB) and the whole 48 layers (61 GB), made on the GPU, kept if present
+step_ckpt_8l() {
+  "$PY" -m bench.whole_command make "$CKPT8" --preset qwen3-30b-a3b --layers 8 --device cuda \
+    | tee "$RES/ckpt_8l.json"
+}
+step_ckpt_48l() {
+  "$PY" -m bench.whole_command make "$CKPT48" --preset qwen3-30b-a3b --device cuda \
+    | tee "$RES/ckpt_48l.json"
+}
+
+# qckpt load (FP8) beside transformers' BF16 and FP8 loads, whole processes, one GPU
+step_whole_8l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.whole_command run "$CKPT8" --device cuda \
+    --json "$RES/whole_8l.json"
+}
+step_whole_48l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.whole_command run "$CKPT48" --device cuda \
+    --json "$RES/whole_48l.json"
+}
+
+# ---- the runner ---------------------------------------------------------------------------------
+
+limit_of() {
+  local s
+  for s in "${STEPS[@]}"; do
+    if [[ "${s%%:*}" == "$1" ]]; then echo "${s##*:}"; return 0; fi
+  done
+  return 1
+}
+
+run_step() {
+  local name=$1 limit t0 rc
+  limit=$(limit_of "$name") || { echo "unknown step: $name" | tee -a "$RES/summary.txt"; return; }
+  echo "=== $name (limit ${limit}s)"
+  t0=$(date +%s)
+  # this script again, running that one step: a step's failure (or `exit`) cannot end the round
+  timeout --kill-after=15 "$limit" bash "$SELF" --one "$name" >"$RES/$name.log" 2>&1
+  rc=$?
+  [[ $rc -eq 124 || $rc -eq 137 ]] && echo "(timed out after ${limit}s)" >>"$RES/$name.log"
+  printf '%-12s rc=%-4s %5ss\n' "$name" "$rc" "$(($(date +%s) - t0))" | tee -a "$RES/summary.txt"
+}
+
+collect() {
+  {
+    cat "$RES/summary.txt"
+    for f in "$RES"/*.log; do
+      echo; echo "----- $(basename "$f") (last 40 lines)"; tail -n 40 "$f"
+    done
+  } >"$OUT/summary.txt"
+  "$PY" - "$RES" "$OUT/results.json" <<'EOF'
+import json, sys
+from pathlib import Path
+res, out = Path(sys.argv[1]), Path(sys.argv[2])
+merged = {}
+for f in sorted(res.glob("*.json")):
+    try:
+        merged[f.stem] = json.loads(f.read_text())
+    except ValueError:
+        merged[f.stem] = {"unreadable": f.read_text()[-2000:]}
+out.write_text(json.dumps(merged, indent=2) + "\n")
+EOF
+  tar -czf "$OUT/round.tar.gz" -C "$WORK" results
+}
+
+if [[ "${1:-}" == "--list" ]]; then printf '%s\n' "${STEPS[@]}"; exit 0; fi
+if [[ "${1:-}" == "--one" ]]; then set -o pipefail; "step_$2"; exit $?; fi
+echo "round $(date -u +%FT%TZ): ${*:-all steps}" >>"$RES/summary.txt"
+if [[ $# -gt 0 ]]; then todo=("$@"); else todo=(); for s in "${STEPS[@]}"; do todo+=("${s%%:*}"); done; fi
+for name in "${todo[@]}"; do run_step "$name"; done
+collect

@@ -1,0 +1,65 @@
+"""Commands that need no model start without torch or transformers (issue 18: no wasted work):
+help, version, ``check``, and every refusal made before the work (a bad recipe, a guarded
+output). One subprocess runs them all through ``main`` and reports what got imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+HEAVY = ("torch", "transformers", "triton", "matplotlib", "safetensors.torch")
+
+
+def test_commands_that_need_no_model_import_no_torch(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {source: tiny-moe}\nload: {params: fp9}\n")
+    good = ROOT / "configs" / "tiny-moe.yaml"
+    (tmp_path / "empty").mkdir()
+    argvs = {
+        "help": (["--help"], 0),
+        "version": (["--version"], 0),
+        "load help": (["load", "--help"], 0),
+        "calibrate help": (["calibrate", "--help"], 0),
+        "export help": (["export", "--help"], 0),
+        "convert help": (["convert", "--help"], 0),
+        "check of a dir that is no export": (["check", str(tmp_path / "empty")], 1),
+        "a bad recipe value": (["load", str(bad)], 2),
+        "--json onto the recipe": (["load", str(good), "--json", str(good)], 2),
+        "export onto its own checkpoint": (
+            [
+                "export",
+                str(good),
+                "--set",
+                "export.output=runs/x",
+                "--set",
+                "checkpoint.path=runs/x",
+            ],
+            2,
+        ),
+    }
+    code = (
+        "import json, sys\n"
+        "from qckpt.cli.app import main\n"
+        "out = {}\n"
+        "for name, argv in json.loads(sys.argv[1]).items():\n"
+        "    try:\n        main(argv)\n        rc = 0\n"
+        "    except SystemExit as e:\n        rc = e.code if isinstance(e.code, int) else 1\n"
+        f"    out[name] = [rc, [m for m in {HEAVY!r} if m in sys.modules]]\n"
+        "print('RESULT', json.dumps(out))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, json.dumps({k: v[0] for k, v in argvs.items()})],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, r.stderr[-2000:]
+    got = json.loads(line[len("RESULT ") :])
+    assert {k: v[0] for k, v in got.items()} == {k: v[1] for k, v in argvs.items()}, r.stderr
+    # every one of them, in one process, left the heavy modules unimported
+    assert all(not v[1] for v in got.values()), got

@@ -56,12 +56,12 @@ def export_cmd(
     # whatever device quantizes
     with world(r, "cpu") as mesh:
         rep = export(r, mesh, hooks=_output.hooks())
-    with phases.phase(phases.REPORT):
-        data = _output.with_phases(rep.to_dict())
-        if _output.speaks():
-            render_export_report(rep.to_dict())
-            render_command(data)
-        for w in rep.warnings:
-            _output.log(f"warning: {w}")
-        _output.write_json(json_path, data)
+        with phases.phase(phases.REPORT):  # in the world: every rank's peaks are gathered
+            data = _output.with_phases(rep.to_dict(), mesh)
+            if _output.speaks():
+                render_export_report(rep.to_dict())
+                render_command(data)
+            for w in rep.warnings:
+                _output.log(f"warning: {w}")
+            _output.write_json(json_path, data)
     _output.result(f"wrote {r.export.output} ({r.export.format}) on {rep.world_size} rank(s)")

@@ -35,6 +35,7 @@ mkdir -p "$OUT" "$RES"
 # name:limit_s, in the order a full round runs them
 STEPS=(
   env:60
+  gpu_phases:300
   ckpt_8l:240
   whole_8l:300
   ckpt_48l:420
@@ -45,6 +46,12 @@ step_env() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$PY" -c 'import torch, transformers, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count()); print("transformers", transformers.__version__)'
   free -g; df -h "$WORK"; nproc
+}
+
+# whole-command device peaks and exact load windows on CUDA (tests/gpu, skipped on CPU)
+step_gpu_phases() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider \
+    tests/gpu/test_phases_gpu.py tests/gpu/test_load_gpu.py
 }
 
 # the 8-layer version (11 GB) and the whole 48 layers (61 GB), made on the GPU, kept if present

@@ -61,6 +61,9 @@ def _model(fmt: str) -> nn.Module:
     quantize_model_params(m, fmt)
     gc.collect()
     torch.cuda.empty_cache()
+    # qckpt never resets the allocator's high (a command's peak is whole); the test does, here,
+    # before the load, so that every load window below raises it and is measured exactly
+    torch.cuda.reset_peak_memory_stats()
     return m
 
 
@@ -94,7 +97,7 @@ def test_stream_transient_is_bounded_by_the_largest_tensor(ckpt, fmt):
 
     ms = _model(fmt)
     rs = load_checkpoint(ms, path, stream=True)
-    assert "cuda allocator" in rs.measured_by
+    assert "cuda allocator" in rs.measured_by and "lower bound" not in rs.measured_by
     assert rs.predicted_transient_bytes == 2 * numel
     assert rs.transient_bytes <= 2 * numel + 64 * MiB, rs.to_dict()
     assert rs.transient_bytes >= 2 * numel  # the scratch itself is really there

@@ -28,6 +28,10 @@ def test_commands_that_need_no_model_import_no_torch(tmp_path):
         "check of a dir that is no export": (["check", str(tmp_path / "empty")], 1),
         "a bad recipe value": (["load", str(bad)], 2),
         "--json onto the recipe": (["load", str(good), "--json", str(good)], 2),
+        "convert --json onto its recipe": (
+            ["convert", str(good), str(tmp_path / "dst"), "--json", str(good)],
+            2,
+        ),
         "export onto its own checkpoint": (
             [
                 "export",

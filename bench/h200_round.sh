@@ -40,6 +40,8 @@ STEPS=(
   whole_8l:300
   ckpt_48l:420
   whole_48l:540
+  resident_tests:300
+  resident_48l:600
 )
 
 step_env() {
@@ -72,6 +74,22 @@ step_whole_8l() {
 step_whole_48l() {
   CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.whole_command run "$CKPT48" --device cuda \
     --json "$RES/whole_48l.json"
+}
+
+# calibrate.weights_resident (issue 17): tiny-moe on CUDA (weight amax identical to bf16, no
+# _scaled_mm inside calibration), then the 48-layer model calibrated with BF16 and with FP8
+# resident weights on one GPU, each a whole `qckpt calibrate` process: both device peaks
+# (max_memory_allocated, never reset), the ratio (target <= 0.6), weight amaxes bit-identical
+step_resident_tests() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_resident_gpu.py
+}
+step_resident_48l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.resident_calibration configs/tiny-moe.yaml \
+    --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
+    --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=600 \
+    --set calibrate.data.num_samples=16 --set calibrate.data.seq_len=256 \
+    --set calibrate.data.batch_size=4 --formats bf16,fp8 --max-ratio 0.6 \
+    --json "$RES/resident_48l.json"
 }
 
 # ---- the runner ---------------------------------------------------------------------------------

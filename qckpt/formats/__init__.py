@@ -6,6 +6,8 @@ Public API
   replaces the computed amax;
   the rest are the format's options. NaN/Inf input raises ``FormatError``.
 * ``FORMATS``: name -> ``Format``; ``is_quantized(t)``; ``dequantize(t, dtype)``.
+* ``empty(shape, fmt, nominal_dtype=, device=, **opts)``: a fresh tensor (fields as quantizing zeros
+  gives; shapes only on meta); ``torch.empty_like(q, device=)`` / ``Module.to_empty`` make one.
 * ``QuantizedTensor`` (``qckpt.formats.tensor``): nominal ``shape``/``dtype``; fields ``qdata``,
   ``scale`` (+ ``global_scale`` for nvfp4, ``amax_history``/``quant_scale`` for fp8_delayed),
   ``fmt``, ``opts``; ``dequantize(dtype)``, ``quantize_(src, update_state=True)``, ``copy_``,
@@ -56,6 +58,7 @@ __all__ = [
     "QuantizedTensor",
     "UnsupportedOpError",
     "dequantize",
+    "empty",
     "implements",
     "is_quantized",
     "quantize",
@@ -89,6 +92,37 @@ def quantize(
         x = x.detach()
         fields = spec.quantize(x, parsed, amax)
     return QuantizedTensor(fields, fmt, parsed, tuple(x.shape), x.dtype)
+
+
+def empty(
+    shape: tuple[int, ...] | torch.Size,
+    fmt: str,
+    *,
+    nominal_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    **opts: Any,
+) -> QuantizedTensor:
+    """A fresh ``fmt`` tensor of nominal ``shape``/``nominal_dtype`` on ``device``, nothing
+    quantized (``opts`` are the format's, its ``dtype`` among them).
+
+    Its fields hold what quantizing zeros gives (zero codes, all-zero scales; a fresh
+    ``fp8_delayed`` history, which its first ``quantize_`` starts). On ``device="meta"`` it is
+    shapes only: a model's quantized parameters are made so, then allocated by
+    ``Module.to_empty`` (``empty_like``) and filled by a checkpoint, without a high-precision
+    copy ever existing. Raises ``FormatError`` for an unknown format or option.
+    """
+    if fmt not in FORMATS:
+        raise FormatError(f"unknown quantization format {fmt!r}; known: {', '.join(FORMATS)}")
+    if not nominal_dtype.is_floating_point or nominal_dtype.itemsize == 1:
+        raise FormatError(
+            f"{fmt}: the nominal dtype must be a high-precision float, got {nominal_dtype}"
+        )
+    spec = FORMATS[fmt]
+    opts.pop("amax", None)
+    parsed = spec.parse_opts(opts)
+    shape = tuple(int(s) for s in shape)
+    fields = spec.empty_fields(shape, parsed, device)
+    return QuantizedTensor(fields, fmt, parsed, shape, nominal_dtype)
 
 
 def dequantize(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

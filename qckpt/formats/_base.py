@@ -15,6 +15,15 @@ if TYPE_CHECKING:
     from qckpt.formats.tensor import QuantizedTensor
 
 
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+    """One field of a fresh quantized tensor: its shape, dtype and initial value."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: float = 0.0
+
+
 class Format:
     """One quantization format. Stateless: everything about a tensor lives in the
     QuantizedTensor's fields (tensors) and ``opts`` (plain Python values)."""
@@ -52,6 +61,31 @@ class Format:
     ) -> dict[str, torch.Tensor]:
         """Quantize high-precision ``x`` into fresh field tensors."""
         raise NotImplementedError
+
+    def field_specs(self, shape: tuple[int, ...], opts: dict[str, Any]) -> dict[str, FieldSpec]:
+        """Shape, dtype and initial value of every field of a tensor of nominal ``shape``.
+
+        The initial values are what quantizing an all-zero tensor gives (zero codes, the
+        all-zero scale, an empty history), so a fresh tensor is defined, never garbage.
+        """
+        raise NotImplementedError
+
+    def empty_fields(
+        self, shape: tuple[int, ...], opts: dict[str, Any], device: torch.device | str
+    ) -> dict[str, torch.Tensor]:
+        """Fields of a fresh tensor of nominal ``shape`` on ``device`` (on meta: shapes only),
+        each filled with its :meth:`field_specs` value: nothing is read or quantized."""
+        out = {}
+        for name, spec in self.field_specs(tuple(shape), opts).items():
+            t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            if t.device.type != "meta":
+                t.fill_(spec.fill)
+            out[name] = t
+        return out
+
+    def quant_state(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        """Cloned state beyond qdata/scale that a load must leave untouched."""
+        return {k: getattr(q, k).clone() for k in self.state_fields}
 
     def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         """Quantize ``x`` into ``q``'s existing field tensors (their identity is kept).

@@ -53,6 +53,10 @@ history; a zero amax_h keeps the previous ``quant_scale``.
   pushes ``amax(x)`` into the history and recomputes ``quant_scale`` for the next call.
   ``update_state=False`` leaves ``amax_history`` and ``quant_scale`` bit-identical (what a loader
   uses); ``quant_state()`` / ``load_quant_state()`` snapshot and restore those two.
+* A *fresh* tensor (``formats.empty``, or one whose history holds no non-zero amax) has no scale
+  to keep: its first ``quantize_`` takes the scale from its own amax and starts the history, as
+  ``quantize`` does, whatever ``update_state`` says (``quant_state()`` of a fresh tensor is
+  empty). So a model built on meta and filled by a checkpoint holds ``quantize(value)``.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ import torch
 
 from qckpt.errors import FormatError
 from qckpt.formats import _common
-from qckpt.formats._base import Format, register, squeeze_map
+from qckpt.formats._base import FieldSpec, Format, register, squeeze_map
 from qckpt.formats._common import (
     FP8_EMAX,
     FP8_MAX,
@@ -299,6 +303,13 @@ class Fp8Format(Format):
         self._write(x, opts, amax, qdata, scale)
         return {"qdata": qdata, "scale": scale}
 
+    def field_specs(self, shape: tuple[int, ...], opts: dict[str, Any]) -> dict[str, FieldSpec]:
+        channel = opts["granularity"] == "channel"
+        return {
+            "qdata": FieldSpec(shape, opts["dtype"]),
+            "scale": FieldSpec(_channel_scale_shape(shape) if channel else (), torch.float32, 1.0),
+        }
+
     def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
         per_row = q.scale.numel() == 1 or tuple(q.scale.shape) == _channel_scale_shape(
             tuple(x.shape)
@@ -402,11 +413,39 @@ class Fp8DelayedFormat(Format):
         _quantize_tensorwise(x, scale, qdata, self.name, check, None if check else a)
         return {"qdata": qdata, "scale": scale, "amax_history": hist, "quant_scale": scale.clone()}
 
+    def field_specs(self, shape: tuple[int, ...], opts: dict[str, Any]) -> dict[str, FieldSpec]:
+        return {
+            "qdata": FieldSpec(shape, opts["dtype"]),
+            "scale": FieldSpec((), torch.float32, 1.0),
+            "amax_history": FieldSpec((opts["history_len"],), torch.float32, 0.0),
+            "quant_scale": FieldSpec((), torch.float32, 1.0),
+        }
+
+    @staticmethod
+    def is_fresh(q: QuantizedTensor) -> bool:
+        """True while the history holds no non-zero amax (a tensor made empty, or only ever
+        given zeros): there is no scale to keep yet. One host sync."""
+        return not bool(q.amax_history.ne(0).any())
+
+    def quant_state(self, q: QuantizedTensor) -> dict[str, torch.Tensor]:
+        # a fresh tensor has no state worth keeping: its first quantize starts the history
+        return {} if self.is_fresh(q) else super().quant_state(q)
+
     def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
         check_input(x, self.name)
         # the amax is needed for the NaN/Inf check even when the state is not updated
         a = tensor_amax(x)
-        qs = q.quant_scale.reshape(())
+        h = q.amax_history
+        if self.is_fresh(q):
+            # no amax seen yet: quantize with the scale of this value (what quantize() gives)
+            # and start the history from it, even for a load (update_state=False): a quant_scale
+            # of 1.0 would crush weights into FP8's subnormals
+            update_state = True
+            first = torch.zeros_like(h)
+            first[0] = a
+            qs = self.scale_from_history(first, q.quant_scale, q.opts)
+        else:
+            qs = q.quant_scale.reshape(())
         if q.qdata.is_contiguous():
             _quantize_tensorwise(x, qs, q.qdata, self.name, False, a)
         else:
@@ -415,7 +454,6 @@ class Fp8DelayedFormat(Format):
             q.qdata.copy_(tmp)
         q.scale.copy_(qs)
         if update_state:
-            h = q.amax_history
             h.copy_(torch.roll(h, 1))
             h[0] = a
             q.quant_scale.copy_(self.scale_from_history(h, qs, q.opts))

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from qckpt.errors import FormatError
 from qckpt.formats import _common
-from qckpt.formats._base import Format, register
+from qckpt.formats._base import FieldSpec, Format, register
 from qckpt.formats._common import (
     FP8_EMAX,
     FP8_MAX,
@@ -225,6 +225,12 @@ class Fp8BlockFormat(Format):
         )
         self._write(x, opts, amax, qdata, scale)
         return {"qdata": qdata, "scale": scale}
+
+    def field_specs(self, shape: tuple[int, ...], opts: dict[str, Any]) -> dict[str, FieldSpec]:
+        return {
+            "qdata": FieldSpec(shape, opts["dtype"]),
+            "scale": FieldSpec(self.scale_shape(shape, opts["block_size"]), torch.float32, 1.0),
+        }
 
     def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
         if not (q.qdata.is_contiguous() and q.scale.is_contiguous()):

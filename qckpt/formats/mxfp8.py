@@ -50,7 +50,7 @@ import torch
 
 from qckpt.errors import FormatError
 from qckpt.formats import _common
-from qckpt.formats._base import Format, register
+from qckpt.formats._base import FieldSpec, Format, register
 from qckpt.formats._common import (
     FP8_EMAX,
     FP8_MAX,
@@ -186,6 +186,11 @@ class MxFp8Format(Format):
         scale = torch.empty(sshape, dtype=torch.uint8, device=x.device)
         self._write(x, opts, qdata, scale)
         return {"qdata": qdata, "scale": scale}
+
+    def field_specs(self, shape: tuple[int, ...], opts: dict[str, Any]) -> dict[str, FieldSpec]:
+        sshape = shape[:-1] + (nblocks(last_dim(shape), BLOCK),) if shape else (1,)
+        # E8M0 code 0 (2**-127): the scale of an all-zero block
+        return {"qdata": FieldSpec(shape, opts["dtype"]), "scale": FieldSpec(sshape, torch.uint8)}
 
     def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
         if not (q.qdata.is_contiguous() and q.scale.is_contiguous()):

@@ -42,7 +42,7 @@ import torch
 
 from qckpt.errors import FormatError
 from qckpt.formats import _common
-from qckpt.formats._base import Format, register
+from qckpt.formats._base import FieldSpec, Format, register
 from qckpt.formats._common import (
     as_amax,
     check_finite_amax,
@@ -200,6 +200,15 @@ class NvFp4Format(Format):
         gscale = torch.empty((), dtype=torch.float32, device=x.device)
         self._write(x, amax, qdata, scale, gscale)
         return {"qdata": qdata, "scale": scale, "global_scale": gscale}
+
+    def field_specs(self, shape: tuple[int, ...], opts: dict[str, Any]) -> dict[str, FieldSpec]:
+        qshape, sshape = self._shapes(shape)
+        return {
+            "qdata": FieldSpec(qshape, torch.uint8),
+            # an all-zero block's scale is E4M3's smallest normal
+            "scale": FieldSpec(sshape, torch.float8_e4m3fn, E4M3_TINY),
+            "global_scale": FieldSpec((), torch.float32, 1.0),
+        }
 
     def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
         if not all(t.is_contiguous() for t in (q.qdata, q.scale)):

@@ -118,13 +118,15 @@ class QuantizedTensor(torch.Tensor):
         return sum(t.numel() * t.element_size() for t in self.fields().values())
 
     def quant_state(self) -> dict[str, torch.Tensor]:
-        """Cloned state beyond qdata/scale that a load must leave untouched."""
-        return {k: getattr(self, k).clone() for k in self.spec.state_fields}
+        """Cloned state beyond qdata/scale that a load must leave untouched (none for a
+        fresh fp8_delayed tensor: it has seen no amax yet, its first quantize starts it)."""
+        return self.spec.quant_state(self)
 
     def load_quant_state(self, state: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for k in self.spec.state_fields:
-                getattr(self, k).copy_(state[k])
+                if k in state:
+                    getattr(self, k).copy_(state[k])
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
@@ -318,6 +320,20 @@ def _copy_(func: Any, args: tuple, kwargs: dict) -> Any:
     # plain destination, quantized source: write the dequantized value
     dst.copy_(src.dequantize(dst.dtype if dst.dtype.is_floating_point else torch.float32))
     return dst
+
+
+@implements([aten.empty_like.default])
+def _empty_like(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A fresh tensor of the same format, options and nominal shape (``Module.to_empty`` of a
+    model whose quantized parameters were made on meta): fields hold their defined initial
+    values (``Format.field_specs``), never uninitialized memory a quantize would read."""
+    q = args[0]
+    dtype = kwargs.get("dtype") or q.dtype
+    device = kwargs.get("device") or q.device
+    if not dtype.is_floating_point or dtype.itemsize == 1:
+        raise UnsupportedOpError(f"{q.fmt}: empty_like with nominal dtype {dtype}")
+    fields = q.spec.empty_fields(tuple(q.shape), q.opts, device)
+    return QuantizedTensor(fields, q.fmt, q.opts, tuple(q.shape), dtype)
 
 
 # ---- views ------------------------------------------------------------------------------------

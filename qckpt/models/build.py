@@ -116,11 +116,20 @@ def materialize(model: nn.Module, device: str | torch.device) -> nn.Module:
     """Allocate a model built on the meta device, for a checkpoint to fill.
 
     Parameters and persistent buffers get uninitialized memory (the load overwrites every one of
-    them); non-persistent buffers, which no checkpoint holds (rotary ``inv_freq``), are rebuilt
-    by constructing their module again from its config on the real device.
+    them, and refuses a checkpoint that does not hold one); quantized parameters are allocated
+    in their format with defined fields (``formats.empty``); non-persistent buffers, which no
+    checkpoint holds (rotary ``inv_freq``), are rebuilt by constructing their module again from
+    its config on the real device. Tied parameters stay tied (``to_empty`` alone would give each
+    name its own tensor: a tied ``lm_head`` would then be left uninitialized).
     """
     device = torch.device(device)
+    ties = _tied_params(model)
     model.to_empty(device=device)
+    for slots in ties:
+        first_mod, first_name = slots[0]
+        shared = first_mod._parameters[first_name]
+        for mod, name in slots[1:]:
+            mod._parameters[name] = shared
     for name, mod in list(model.named_modules()):
         transient = getattr(mod, "_non_persistent_buffers_set", set())
         if not transient:
@@ -135,3 +144,13 @@ def materialize(model: nn.Module, device: str | torch.device) -> nn.Module:
         for b in transient:
             getattr(mod, b).copy_(getattr(fresh, b))
     return model
+
+
+def _tied_params(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter held under more than one (module, name) slot: its slots, in order."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((mod, name))
+    return [s for s in slots.values() if len(s) > 1]

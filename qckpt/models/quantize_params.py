@@ -4,8 +4,11 @@ Only the weights that a quantized GEMM consumes are replaced: every ``nn.Linear`
 matched by one of the recipe's ``quant.ignore`` fnmatch patterns, and the fused routed-expert
 parameters of MoE blocks (3-D ``experts.gate_up_proj`` / ``experts.down_proj``). Norms,
 embeddings, routers and biases stay as they are. Each replaced weight becomes
-``nn.Parameter(QuantizedTensor, requires_grad=False)`` quantized from its current value, so the
-model is usable before a checkpoint is loaded into it.
+``nn.Parameter(QuantizedTensor, requires_grad=False)``: quantized from its current value when
+the weight has one (a seeded model is usable before a checkpoint is loaded into it), or, for a
+weight on the meta device, a shape-only ``formats.empty`` that ``Module.to_empty`` allocates in
+its final format (``qckpt.models.build.materialize``) for a checkpoint to fill: no
+high-precision copy of it ever exists, nothing random is drawn for it.
 """
 
 from __future__ import annotations
@@ -70,8 +73,11 @@ def quantize_model_params(
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             if full not in names or formats.is_quantized(p):
                 continue
-            with torch.no_grad():
-                q = formats.quantize(p.detach(), params_fmt, **opts)
+            if p.is_meta:
+                q = formats.empty(p.shape, params_fmt, nominal_dtype=p.dtype, device="meta", **opts)
+            else:
+                with torch.no_grad():
+                    q = formats.quantize(p.detach(), params_fmt, **opts)
             # frozen: a quantized weight has no gradient of its own (training keeps FP32 main
             # params elsewhere, see load_checkpoint(main_params="fp32"))
             setattr(mod, p_name, nn.Parameter(q, requires_grad=False))

@@ -31,14 +31,15 @@ def load(recipe: Recipe, mesh: Mesh, *, compare: bool = False, hooks: Hooks = SI
     """Load ``recipe.checkpoint`` into a model with ``recipe.load.params`` parameters.
 
     ``compare`` also runs the other mode (bulk vs stream) on a fresh model. Every rank holds
-    the whole model (sharded loads are issue 17), built with its seeded weights and quantized.
+    the whole model (sharded loads are issue 17), built on meta and allocated straight into
+    its quantized parameters (no BF16 copy, no random init: the checkpoint fills it all).
     """
     from qckpt.checkpoint.load import load_checkpoint
 
     lo = recipe.load
     reports = []
     for stream in [lo.stream] + ([not lo.stream] if compare else []):
-        built = build_for(recipe, mesh, sharded=False, seeded=True, params=lo.params)
+        built = build_for(recipe, mesh, sharded=False, params=lo.params)
         with (
             phases.phase(phases.READ),
             hooks.progress("loading" + ("" if stream else " (bulk)"), None) as advance,

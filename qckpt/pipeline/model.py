@@ -1,6 +1,12 @@
 """The one order in which a model becomes a rank's model: a correctness rule, kept here only.
 
-build (on meta, or seeded) -> shard EP -> shard TP -> materialize -> quantize params.
+build (on meta, or seeded) -> shard EP -> shard TP -> quantize params -> materialize.
+
+On meta (every build a checkpoint fills: ``qckpt load``, ``qckpt calibrate``) the quantized
+parameters are made shape-only (``formats.empty``) and materialize allocates each one straight
+in its final format and block: no high-precision copy, no random init, on the device. A seeded
+build (tests, a recipe's demo model, ``load.backend: te``) has its values on the device first,
+and its parameters are quantized from them.
 
 EP goes first: it keeps a rank's block of the fused experts, which TP leaves whole; TP then
 splits the attention and dense-MLP linears. Both must run before anything is allocated so that
@@ -57,10 +63,12 @@ def build(
 ) -> Built:
     """This rank's model of ``source`` on ``mesh.device``.
 
-    ``seeded=False``: built on meta and allocated uninitialized, for a checkpoint to fill.
-    ``seeded=True``: the seeded random weights (the same on every rank), sharded after the
-    build; a model whose parameters are quantized is always seeded, since a quantize reads the
-    values (uninitialized memory may hold NaN, which a quantize refuses).
+    ``seeded=False``: built on meta, sharded, its quantized parameters made shape-only, then
+    allocated in their final format (fields defined, see ``formats.empty``) and its plain
+    tensors uninitialized, for a checkpoint to fill (a load refuses one that does not cover
+    every tensor). ``seeded=True``: the seeded random weights (the same on every rank),
+    sharded after the build, quantized from their values; ``load.backend: te`` with quantized
+    parameters is always seeded (Transformer Engine makes its linears on a real device).
     ``sharded=False`` keeps the whole model on every rank (``qckpt load`` today: sharded
     loads are issue 17). ``before_shard(model)`` sees the whole model (tests bias routers
     there). ``params`` / ``ignore`` / ``backend`` / ``param_opts``: the quantized parameters
@@ -68,7 +76,7 @@ def build(
     """
     from qckpt.models.build import build_model
 
-    seeded = seeded or params not in (None, "none")
+    seeded = seeded or (backend == "te" and params not in (None, "none"))
     device = mesh.device if seeded else "meta"
     with phases.phase(phases.BUILD):
         model = build_model(source, dtype=dtype, seed=seed, device=device)
@@ -90,7 +98,8 @@ def prepare(
     **param_opts: Any,
 ) -> Built:
     """The rest of the order for a model already built (whole, on meta or with its weights):
-    shard EP then TP, allocate a meta model on ``mesh.device``, quantize the parameters.
+    shard EP then TP, quantize the parameters (shape-only on meta), allocate a meta model on
+    ``mesh.device``.
 
     :func:`build` ends here; a caller holding a model it built itself (before its mesh, or
     with changes of its own) calls it directly.
@@ -100,12 +109,18 @@ def prepare(
 
     with phases.phase(phases.BUILD):
         ep_names, tp_names = shard(model, mesh) if sharded else ([], [])
-        if any(p.is_meta for p in model.parameters()):
-            materialize(model, mesh.device)
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and backend == "te" and params not in (None, "none"):
+            materialize(model, mesh.device)  # TE's linears are made on a real device
+            on_meta = False
     with phases.phase(phases.QUANTIZE):
+        # on meta: shape-only quantized params, nothing computed
         quantized = quantize_model_params(
             model, params, ignore=ignore, backend=backend, **param_opts
         )
+    if on_meta:
+        with phases.phase(phases.BUILD):
+            materialize(model, mesh.device)
     return Built(model=model, ep_sharded=ep_names, tp_sharded=tp_names, quantized=quantized)
 
 

@@ -66,14 +66,13 @@ step_ckpt_48l() {
     | tee "$RES/ckpt_48l.json"
 }
 
-# qckpt load (FP8) beside transformers' BF16 and FP8 loads, whole processes, one GPU
+# qckpt load (FP8) beside transformers' BF16 and FP8 loads, whole processes, on cuda:0; and
+# qckpt load with EP2 over both GPUs (each rank's whole-command peak against the one-GPU one)
 step_whole_8l() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.whole_command run "$CKPT8" --device cuda \
-    --json "$RES/whole_8l.json"
+  "$PY" -m bench.whole_command run "$CKPT8" --device cuda --ep 2 --json "$RES/whole_8l.json"
 }
 step_whole_48l() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.whole_command run "$CKPT48" --device cuda \
-    --json "$RES/whole_48l.json"
+  "$PY" -m bench.whole_command run "$CKPT48" --device cuda --ep 2 --json "$RES/whole_48l.json"
 }
 
 # calibrate.weights_resident (issue 17): tiny-moe on CUDA (weight amax identical to bf16, no

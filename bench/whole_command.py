@@ -20,6 +20,8 @@ one after the other, on a page cache warmed by reading every file once first:
 * ``hf_bf16``: ``AutoModelForCausalLM.from_pretrained(DIR, dtype=bfloat16, device_map=DEVICE)``;
 * ``hf_fp8``: the same with ``quantization_config=FineGrainedFP8Config()`` (transformers
   quantizes on the fly; it refuses to without a GPU, so on CPU it is skipped, and said so);
+* ``qckpt_epN`` (with ``--ep N``): the same load over N ranks (``--nproc-per-node N``,
+  ``parallel.ep=N``); its peaks are the largest rank's;
 * ``read_ceiling``: the host's own ceiling for this read: every file read from the page cache
   by ``--threads`` threads into reused buffers (no torch), GB/s.
 
@@ -242,12 +244,18 @@ def _contenders(ckpt: Path, work: Path, args) -> dict[str, list[str] | None]:
     recipe = _recipe(ckpt, work, args.params, args.device)
     me = [py, "-m", "bench.whole_command", "child-hf", str(ckpt), "--device", args.device]
     fp8_ok = args.device.startswith("cuda")
-    return {
-        "qckpt": [py, "-m", "qckpt", "load", str(recipe), "--json", str(work / "qckpt.json")],
+    load = [py, "-m", "qckpt", "load", str(recipe)]
+    cmds = {
+        "qckpt": [*load, "--json", str(work / "qckpt.json")],
         "hf_bf16": [*me, "--mode", "bf16", "--json", str(work / "hf_bf16.json")],
         # transformers refuses to quantize to FP8 without a GPU ("A GPU or XPU is needed")
         "hf_fp8": [*me, "--mode", "fp8", "--json", str(work / "hf_fp8.json")] if fp8_ok else None,
     }
+    if args.ep > 1:  # the same load over N ranks with experts sharded (one GPU each)
+        n = str(args.ep)
+        ep = [*load, "--nproc-per-node", n, "--set", f"parallel.ep={n}"]
+        cmds[f"qckpt_ep{n}"] = [*ep, "--json", str(work / f"qckpt_ep{n}.json")]
+    return cmds
 
 
 def run(ckpt: Path, args) -> dict:
@@ -313,6 +321,11 @@ def _describe(ckpt: Path) -> dict:
 
 
 def _peak(run: dict, key: str) -> float | None:
+    """A run's peak; over several ranks, the largest rank's (each rank is one GPU)."""
+    ranks = run.get("ranks") or []
+    if ranks:
+        got = [r["peaks"].get(key) for r in ranks if r["peaks"].get(key) is not None]
+        return max(got) if got else None
     return (run.get("peaks") or {}).get(key)
 
 
@@ -327,6 +340,15 @@ def _ratios(runs: dict) -> dict:
             a, b = _peak(q, key), _peak(o, key)
             if a and b:
                 out[f"{key.replace('_bytes', '')}_qckpt_over_{other}"] = round(a / b, 3)
+    for name, r in runs.items():
+        if (
+            name.startswith("qckpt_ep")
+            and _peak(r, "device_peak_bytes")
+            and _peak(q, "device_peak_bytes")
+        ):
+            # issue 17: each rank's whole-command peak against the one-GPU load's
+            ratio = _peak(r, "device_peak_bytes") / _peak(q, "device_peak_bytes")
+            out[f"{name}_max_rank_device_peak_over_qckpt"] = round(ratio, 3)
     if "runs" in q:  # qckpt's read rate against the host's ceiling for the same files
         ceiling = runs["read_ceiling"]["gbps"]
         out["qckpt_read_gbps"] = round(q["runs"][0]["gbps"], 3)
@@ -360,7 +382,7 @@ def table(res: dict) -> str:
         if "wall_seconds" not in r:
             lines.append(f"{name:14}{r.get('skipped') or r.get('error')}")
             continue
-        load_s = r["runs"][0]["seconds"] if name == "qckpt" else r.get("load_seconds")
+        load_s = r["runs"][0]["seconds"] if name.startswith("qckpt") else r.get("load_seconds")
         lines.append(
             f"{name:14}{r['wall_seconds']:9.2f}{load_s:9.2f}"
             f"{_gib(_peak(r, 'device_peak_bytes')):>14}{_gib(_peak(r, 'host_peak_rss_bytes')):>15}"
@@ -393,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--device", default="auto")
     rn.add_argument("--params", default="fp8")
     rn.add_argument("--repeat", type=int, default=1)
+    rn.add_argument("--ep", type=int, default=1, help="also load over N ranks with parallel.ep=N")
     rn.add_argument("--threads", type=int, default=8, help="threads of the read ceiling")
     rn.add_argument("--timeout", type=float, default=900.0, help="per child process, seconds")
     rn.add_argument("--json", type=Path, default=None)

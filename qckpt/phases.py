@@ -52,21 +52,37 @@ _lock = threading.Lock()
 _current: Recorder | None = None
 
 
-def _proc_start_age(pid: int | str = "self") -> float | None:
-    """Seconds since process ``pid`` started (Linux; None where /proc cannot say)."""
+# ``--nproc-per-node`` relaunches the command under torchrun: the ranks count from the start of
+# the command the user typed, which the relauncher passes on here (seconds since boot)
+STARTED_ENV = "QCKPT_STARTED_AT"
+
+
+def process_started_at(pid: int | str = "self") -> float | None:
+    """When process ``pid`` started, in seconds since boot (Linux; None where /proc cannot say)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         # field 22 is starttime in clock ticks since boot; the command name (field 2) may hold
         # spaces and parentheses, so count from its closing one
-        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        return int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def _proc_start_age(pid: int | str = "self") -> float | None:
+    start = process_started_at(pid)
+    return None if start is None else time.clock_gettime(time.CLOCK_BOOTTIME) - start
 
 
 def _started_age() -> tuple[float, str]:
     """How long ago what the user started began, and what that was."""
     if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        try:
+            start = float(os.environ[STARTED_ENV])
+            return time.clock_gettime(
+                time.CLOCK_BOOTTIME
+            ) - start, "the relaunching command's start"
+        except (KeyError, ValueError, AttributeError):
+            pass
         # a torchrun worker: the user waited for torchrun (our parent) too
         age = _proc_start_age(os.getppid())
         if age is not None:

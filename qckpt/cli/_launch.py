@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from qckpt.phases import STARTED_ENV, process_started_at
+
 RANK_ERRORS_ENV = "QCKPT_RANK_ERRORS"
 LAUNCHER_FILE = "launcher.json"
 _INTERRUPTED = (130, 143)  # a rank stopped by torchrun because another one failed first
@@ -64,7 +66,11 @@ def relaunch(nproc: int) -> int | None:
             "qckpt",
             *_strip_nproc(sys.argv[1:]),
         ]
-        code = _wait(subprocess.Popen(cmd, env={**os.environ, RANK_ERRORS_ENV: errors}))
+        env = {**os.environ, RANK_ERRORS_ENV: errors}
+        started = process_started_at()
+        if started is not None:  # the ranks' start-up phase counts from this command's start
+            env[STARTED_ENV] = f"{started:.3f}"
+        code = _wait(subprocess.Popen(cmd, env=env))
         if code == 0:
             return 0
         line, code = first_failure(Path(errors), code)

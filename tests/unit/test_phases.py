@@ -181,3 +181,22 @@ def test_every_command_reports_its_phases_and_whole_command_peaks(tmp_path):
     # the whole command's peak holds the load window's (never reset in between)
     assert load["peaks"]["host_peak_rss_bytes"] >= run0["host_peak_rss_bytes"] > 0
     assert load["peaks"]["host_peak_rss_bytes"] >= run0["peak_bytes"]
+
+
+def test_startup_counts_from_the_command_the_user_typed(monkeypatch):
+    """A rank relaunched by ``--nproc-per-node`` counts from the relaunching command's start;
+    a plain process from its own start (before this test ran, so older than the test)."""
+    t_test = time.perf_counter()
+    rec = phases.begin(sample_anon_s=None)
+    own = rec.age_at_begin
+    phases.end()
+    assert own > time.perf_counter() - t_test and rec.started_at == "the process start"
+
+    now = time.clock_gettime(time.CLOCK_BOOTTIME)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv(phases.STARTED_ENV, f"{now - 5:.3f}")
+    rec = phases.begin(sample_anon_s=None)
+    phases.end()
+    assert rec.started_at == "the relaunching command's start"
+    assert 4.99 <= rec.age_at_begin < 5 + 60  # the env holds milliseconds
+    assert rec.phases()["startup"] >= 4.99

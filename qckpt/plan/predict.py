@@ -18,7 +18,8 @@ The rules are the commands' own documented bounds; where one says "about", so do
 * ``export``: no model on the device; per rank, at most 2 x the largest tensor + 256 MiB of
   memory (the export's documented bound), and its share of the reads.
 
-``peak_bytes`` adds parameters, transient and activations, plus ``SLACK_BYTES`` for what a
+``peak_bytes`` adds parameters, transient, activations kept and the forward's working set
+(``forward_bytes``, the one estimate here), plus ``SLACK_BYTES`` for what a
 command allocates besides (allocator rounding, kernels' workspaces).
 """
 
@@ -43,8 +44,9 @@ class RankFigures:
     rank: int
     parameter_bytes: int  # on the device, for the whole command
     transient_bytes: int
-    activation_bytes: int  # kept between layers (offload) + one batch's forward
+    activation_bytes: int  # kept on the device between layers (offload)
     bytes_read: int
+    forward_bytes: int = 0  # one batch's forward working set (an estimate, see forward_bytes)
     host_bytes: int = 0  # host memory the command holds beyond the page cache
     peak_bytes: int = 0
     fits: bool | None = None
@@ -55,7 +57,11 @@ class RankFigures:
 
     def judge(self, device_bytes: int | None) -> RankFigures:
         self.peak_bytes = (
-            self.parameter_bytes + self.transient_bytes + self.activation_bytes + self.slack_bytes
+            self.parameter_bytes
+            + self.transient_bytes
+            + self.activation_bytes
+            + self.forward_bytes
+            + self.slack_bytes
         )
         self.fits = None if device_bytes is None else self.peak_bytes <= device_bytes
         return self
@@ -136,6 +142,10 @@ class Offload:
     head: str | None = None  # the output embedding's module name when it stays off
 
 
+def _in_head(t: Held, off: Offload) -> bool:
+    return off.head is not None and t.name.startswith(off.head + ".")
+
+
 def _offload_params(tensors: list[Held], off: Offload) -> tuple[int, int]:
     """(device bytes at most, host bytes) of layer-by-layer calibration: the weights outside the
     decoder layers, plus two adjacent layers (one running, the next one being fetched)."""
@@ -144,7 +154,7 @@ def _offload_params(tensors: list[Held], off: Offload) -> tuple[int, int]:
     for t in tensors:
         if t.layer is not None:
             per_layer[t.layer] = per_layer.get(t.layer, 0) + t.nbytes
-        elif off.head is None or not t.name.startswith(off.head + "."):
+        elif not _in_head(t, off):
             outside += t.nbytes
     sizes = [per_layer[i] for i in sorted(per_layer)]
     pair = max((a + b for a, b in zip(sizes, sizes[1:], strict=False)), default=0)
@@ -167,28 +177,31 @@ def calibrate_figures(
     # quantized-resident: the load's scratch (the largest quantized destination), then one
     # linear or expert dequantized at a time in the forward, never more than that scratch
     transient = max((t.nominal_bytes for t in _quantized(tensors)), default=0)
-    host = 0
+    host = activations = 0
+    read = tensors
     if off.mode == "none":
         params = sum(t.nbytes for t in tensors)
-        activations = forward_bytes(shape)
+        forward = forward_bytes(shape)
     else:
         params, host = _offload_params(tensors, off)
-        # one batch through one layer (no logits: the head runs only when it is calibrated),
-        # the layer outputs of this rank's samples, and the rotary tables the layers take
-        activations = forward_bytes(replace(shape, vocab=shape.vocab if off.head is None else 0))
+        # one batch through one layer (no logits: the head runs only when it is calibrated)
+        # with the rotary tables the layers take; the layer outputs of this rank's samples
+        forward = forward_bytes(replace(shape, vocab=shape.vocab if off.head is None else 0))
+        forward += 2 * shape.batch_size * shape.seq_len * shape.head_dim * shape.itemsize
         kept = samples * shape.seq_len * shape.hidden * shape.itemsize
-        activations += 2 * shape.batch_size * shape.seq_len * shape.head_dim * shape.itemsize
         if off.activations == "host":
             host += kept
         else:
-            activations += kept
+            activations = kept
+        read = [t for t in tensors if not _in_head(t, off)]  # the head is never fetched
     return RankFigures(
         command="calibrate",
         rank=rank,
         parameter_bytes=params,
         transient_bytes=transient,
         activation_bytes=activations,
-        bytes_read=_read(reads, tensors),
+        forward_bytes=forward,
+        bytes_read=_read(reads, read),
         host_bytes=host,
     )
 

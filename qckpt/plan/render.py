@@ -12,6 +12,7 @@ _COLUMNS = (
     ("parameter_bytes", "params"),
     ("transient_bytes", "transient"),
     ("activation_bytes", "activations"),
+    ("forward_bytes", "forward"),
     ("peak_bytes", "peak"),
     ("bytes_read", "read"),
     ("host_bytes", "host"),

@@ -77,3 +77,39 @@ def test_sharded_load_is_predicted_per_rank(checkpoints, source, kind, layout, f
     # a rank holds less than the whole model: half of the sharded tensors
     whole = plan(load_recipe(recipe, sets[:2]), nproc_per_node=1).rows["load"][0]
     assert all(r.parameter_bytes < whole.parameter_bytes for r in rows)
+
+
+def sc_offload(rank, world, recipe, sets):
+    from qckpt.parallel.mesh import init_mesh
+    from qckpt.pipeline.calibrate import calibrate
+    from qckpt.recipe import load_recipe
+
+    r = load_recipe(recipe, sets)
+    mesh = init_mesh(ep=r.parallel.ep, tp=r.parallel.tp, timeout_s=10, device="cpu")
+    return {"rank": mesh.rank, **calibrate(r, mesh).report["offload"]}
+
+
+def test_ep2_layer_offload_is_predicted_per_rank(checkpoints, tmp_path):
+    from qckpt.pipeline.plan import plan
+    from qckpt.recipe import load_recipe
+
+    recipe = str(ROOT / "configs" / "tiny-moe.yaml")
+    sets = [
+        f"checkpoint.path={checkpoints / 'tiny-moe' / 'hf'}",
+        "parallel.ep=2",
+        "calibrate.offload=layer",
+        # batches of 4, 4, 4, 2 dealt to 2 data ranks: 8 and 6 samples (EP ranks must run
+        # as many batches each: every forward is an exchange)
+        "calibrate.data.num_samples=14",
+        f"calibrate.output={tmp_path / 'calib.safetensors'}",
+    ]
+    outs = shared_world(2).run(sc_offload, recipe, sets, deadline_s=120)
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    rows = plan(load_recipe(recipe, sets), nproc_per_node=2).rows["calibrate"]
+    got = {o.value["rank"]: o.value for o in outs}
+    for row in rows:
+        rep = got[row.rank]
+        assert row.activation_bytes == rep["activation_bytes"], row.rank
+        assert row.parameter_bytes == rep["outer_weight_bytes"] + rep["layer_weight_bytes_peak"]
+        assert row.bytes_read == rep["bytes_read"]
+    assert rows[0].activation_bytes > rows[1].activation_bytes

@@ -45,3 +45,26 @@ def test_resident_weights_are_predicted_exactly(dcp, resident):
     bf16 = plan(load_recipe(RECIPE, [f"checkpoint.path={dcp / 'dcp'}"]), nproc_per_node=1)
     if resident != "bf16":
         assert row.parameter_bytes < 0.7 * bf16.rows["calibrate"][0].parameter_bytes
+
+
+@pytest.mark.parametrize("activations", ["device", "host"])
+def test_layer_offload_is_predicted_exactly(dcp, activations):
+    r = load_recipe(
+        RECIPE,
+        [
+            f"checkpoint.path={dcp / 'dcp'}",
+            "calibrate.offload=layer",
+            f"calibrate.activations={activations}",
+            f"calibrate.output={dcp / activations}.safetensors",
+        ],
+    )
+    got = calibrate(r, Mesh()).report["offload"]
+    (row,) = plan(r, nproc_per_node=1).rows["calibrate"]
+    # weights on the device at most: outside the layers plus two adjacent layers
+    assert row.parameter_bytes == got["outer_weight_bytes"] + got["layer_weight_bytes_peak"]
+    assert row.bytes_read == got["bytes_read"]
+    if activations == "device":
+        assert row.activation_bytes == got["activation_bytes"] > 0
+    else:  # on CPU the runner keeps them where they are: nothing to move them off
+        assert row.activation_bytes == 0
+        assert row.host_bytes == got["activation_bytes"]

@@ -34,7 +34,13 @@ from typing import Any
 from qckpt.atomic import AtomicDir, terminate_as_interrupt, write_error
 from qckpt.calib.state_file import CalibrationState
 from qckpt.checkpoint.export_dist import Team
-from qckpt.checkpoint.export_pipeline import HOST_SLACK_BYTES, assign_files, peak_rss, write_files
+from qckpt.checkpoint.export_pipeline import (
+    HOST_SLACK_BYTES,
+    assign_files,
+    peak_rss,
+    unmap_large_allocations,
+    write_files,
+)
 from qckpt.checkpoint.export_plan import ExportPlan, plan_export
 from qckpt.checkpoint.model_files import copy_model_files
 from qckpt.checkpoint.safetensors_io import write_index, write_json
@@ -121,6 +127,10 @@ class WriteOptions:
     device: str = "cpu"  # a torch device: "cpu", "cuda", "cuda:1"
     readers: int = 2
     writers: int = 4
+    # process-wide (glibc): large blocks mmapped and unmapped when freed, so that the host bytes
+    # the writer gives back leave the RSS (export_pipeline.unmap_large_allocations); the export
+    # command sets it, a library caller decides for its own process
+    unmap_large_allocations: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.readers <= 64 or not 1 <= self.writers <= 64:
@@ -134,6 +144,8 @@ def _write_rank(
 ) -> list[dict]:
     """This rank's shard files, then the agreement: every rank's stats, or the failure."""
     files = assign_files(plan, team.world)[team.rank]
+    if opts.unmap_large_allocations:
+        unmap_large_allocations()
     try:
         stats = write_files(
             plan,

@@ -450,10 +450,14 @@ class ShardFile:
     every offset is known from the plan. ``close`` checks that every tensor came."""
 
     def __init__(self, path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str]) -> None:
+        import threading
+
         head, offsets = shard_header(path, specs, metadata)
         self.path = path
         self.slots = {s.name: (s, off) for s, off in zip(specs, offsets, strict=True)}
         self.done: set[str] = set()
+        self.synced = False
+        self._lock = threading.Lock()
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             self._pwrite(head, 0)
@@ -473,13 +477,19 @@ class ShardFile:
         _check_spec(spec, name, t)
         data = _host_bytes(t)
         self._pwrite(data, off)
-        self.done.add(name)
+        with self._lock:
+            self.done.add(name)
+            last = len(self.done) == len(self.slots)
+        if last:  # the file is whole: flush it now, beside the other files' writes
+            os.fsync(self.fd)
+            self.synced = True
         return data.nbytes
 
     def close(self) -> None:
         if len(self.done) != len(self.slots):
             raise AssertionError(f"{self.path}: wrote {len(self.done)} of {len(self.slots)}")
-        os.fsync(self.fd)
+        if not self.synced:
+            os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
 

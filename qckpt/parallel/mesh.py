@@ -68,11 +68,13 @@ class Mesh:
         return self.dp_rank * self.ep + self.ep_rank
 
 
-def pick_device(device: str = "auto") -> torch.device:
+def pick_device(device: str = "auto", key: str = "load.device") -> torch.device:
+    """``device`` (auto | cpu | cuda) as this rank's device; ``key`` names the recipe field in
+    the error when CUDA is asked for and missing."""
     if device == "cpu":
         return torch.device("cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("load.device: cuda asked for but no CUDA device is available")
+        raise UsageError(f"{key}: cuda asked for but no CUDA device is available")
     if device in ("cuda", "auto") and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)

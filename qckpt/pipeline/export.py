@@ -22,14 +22,17 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     from qckpt.models.build import load_config
     from qckpt.parallel.mesh import pick_device
 
+    # first: a device that is not there is refused before any work
+    device = pick_device(recipe.export.device, key="export.device")
     with phases.phase(phases.PLAN):
         calibration = load_calibration(recipe.calibrate.output)
         source = recipe.model.source
         cfg = load_config(source)
     # a model dir's config.json, tokenizer and generation files travel with the export
     source_dir = source if cfg is not None and Path(source).is_dir() else None
-    device = pick_device(recipe.export.device)
-    options = WriteOptions(device=str(device), writers=recipe.export.writers)
+    options = WriteOptions(
+        device=str(device), writers=recipe.export.writers, unmap_large_allocations=True
+    )
     # plan_export is timed as its own phase; the rest reads, quantizes and writes, tensor by tensor
     with phases.phase(phases.WRITE), hooks.progress("exporting", None) as advance:
         return export_checkpoint(

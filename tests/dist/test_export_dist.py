@@ -143,6 +143,14 @@ def test_two_and_three_ranks_write_the_one_process_files(setup):
         for o in (outs[0], outs[2]):
             assert "rank 1" in o.error and "exceeds" in o.error, o.error
         assert not (root / "bad-w3").exists() and _no_temps(root)
+        # rank 0 fails after every shard is written (its own check of the dir): the others
+        # learn it from its outcome, and nothing is left
+        outs = world.run(_export_main_fails, str(root), jobs["ct-channel"], deadline_s=120)
+        assert not any(o.ok for o in outs)
+        assert "the export failed its own check: planted" in outs[0].error, outs[0].error
+        for o in outs[1:]:
+            assert "export failed on rank 0" in o.error and "planted" in o.error, o.error
+        assert not (root / "main-fails").exists() and _no_temps(root)
     finally:
         world.close()
 
@@ -185,6 +193,23 @@ def _export_bad(rank: int, world: int, root: str, job: tuple):
     mesh = init_mesh(timeout_s=TIMEOUT_S, device="cpu")
     case, src, cal = job
     return _export(case, src, cal, f"{root}/bad-w3", mesh=mesh)
+
+
+def _export_main_fails(rank: int, world: int, root: str, job: tuple):
+    import qckpt.checkpoint.export as ex
+    from qckpt.errors import ExportError
+    from qckpt.parallel.mesh import init_mesh
+
+    def planted(tmp, target):
+        raise ExportError(f"{target}: the export failed its own check: planted")
+
+    real, ex._self_check = ex._self_check, planted
+    try:
+        case, src, cal = job
+        mesh = init_mesh(timeout_s=TIMEOUT_S, device="cpu")
+        return _export(case, src, cal, f"{root}/main-fails", mesh=mesh)
+    finally:
+        ex._self_check = real
 
 
 # -- a rank that dies -----------------------------------------------------------------------------

@@ -1,17 +1,21 @@
-"""Benchmark: streaming vs bulk loads into quantized params, with a plain BF16 load as yardstick.
+"""Benchmark: the fast reader vs the plain one, streaming vs bulk, a plain BF16 load as yardstick.
 
 One run builds a synthetic DCP checkpoint (default 48 x 8192x8192 BF16 = 6.44 GB), warms the
-page cache, then loads it, side by side in the same process:
+page cache, measures the host's own read ceiling on its files (``bench.read_ceiling``: a
+parallel read into pinned memory, and on to the GPU, no parsing, no quantize), then loads it,
+side by side in the same process, once per storage reader (``--readers plain,fast``):
 
-  plain   params none (BF16), the speed yardstick
-  <fmt>   stream and bulk, for each --formats entry (default fp8, mxfp8)
+  plain bf16 <reader>   params none (BF16), the speed yardstick of that reader
+  <fmt> stream <reader> each --formats entry (default fp8, mxfp8) streamed
+  <fmt> bulk <reader>   the bulk baseline (on the last reader only unless --bulk)
 
-and prints transient / peak memory and seconds with ratios (stream / bulk transient, stream /
-plain time) and the issue's targets: stream transient <= 2*max(numel) + 64 MiB, stream time
-<= 1.1 x plain. On CUDA the transient comes from the allocator's peak statistics.
+and prints transient / peak memory and seconds with ratios and the issue's targets: fast
+reader >= 3x the plain reader; on each reader stream time <= 1.1 x its plain BF16 load; stream
+transient <= max_inflight x 2*max(numel) + 64 MiB (1 for the plain reader). On CUDA the
+transient comes from the allocator's peak statistics.
 
     python -m bench.load                                   # on the H200: full size
-    python -m bench.load --layers 4 --dim 512 --device cpu  # CPU smoke run
+    python -m bench.load --layers 8 --dim 1024 --device cpu  # CPU run
     python -m bench.load --json load.json --plot load.png
 """
 
@@ -31,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bench.read_ceiling import read_ceiling
 from qckpt import formats
 from qckpt.checkpoint.convert import save_model_dcp
 from qckpt.checkpoint.load import LoadReport, load_checkpoint
@@ -152,18 +157,16 @@ def same_params(a: nn.Module, b: nn.Module) -> bool:
     return True
 
 
-def run(args: argparse.Namespace) -> dict:
+def _device(args: argparse.Namespace) -> torch.device:
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if args.formats is None:
-        args.formats = "fp8_delayed,fp8_block" if args.backend == "te" else "fp8,mxfp8"
-    fmts = [f for f in args.formats.split(",") if f]
-    missing = [f for f in fmts if f not in formats.FORMATS and args.backend == "native"]
-    if missing:
-        raise SystemExit(f"formats not available: {missing} (have {sorted(formats.FORMATS)})")
+    return device
+
+
+def _checkpoint(args: argparse.Namespace) -> tuple[Path, Path, int]:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="qckpt-bench-"))
     ckpt = root / f"stack-{args.layers}x{args.dim}"
     t0 = time.perf_counter()
@@ -175,64 +178,131 @@ def run(args: argparse.Namespace) -> dict:
         )
     else:
         nbytes = args.layers * args.dim * args.dim * 2
-    warm_page_cache(ckpt)
-    if args.backend == "native":
-        warm_kernels(fmts, args.dim, device)
-    numel = args.dim * args.dim
-    rows: list[tuple[str, LoadReport]] = []
+    return root, ckpt, nbytes
 
-    def load(fmt: str, stream: bool) -> tuple[nn.Module, LoadReport]:
+
+def _loads(args, fmts, readers, device, ckpt) -> list[tuple[str, LoadReport]]:  # noqa: ANN001
+    """Every load of the run, named "<fmt> <stream|bulk> <reader>" ("plain bf16 <reader>")."""
+    rows: list[tuple[str, LoadReport]] = []
+    checks: dict[str, bool] = {}
+
+    def load(fmt: str, stream: bool, reader: str) -> tuple[nn.Module, LoadReport]:
         m = build(args.layers, args.dim, device, fmt, args.backend if fmt != "none" else "native")
         release(device)
-        rep = load_checkpoint(m, ckpt, stream=stream)
+        rep = load_checkpoint(
+            m,
+            ckpt,
+            stream=stream,
+            reader=reader,
+            max_inflight=args.max_inflight,
+            read_threads=args.threads,
+        )
         return m, rep
 
-    # the yardstick twice: the first run also pays one-time costs (allocator, imports)
-    for _ in range(2):
-        m, plain = load("none", True)
-        del m
-        release(device)
-    rows.append(("plain bf16", plain))
-    stock = stock_dcp_seconds(ckpt, args.layers, args.dim, device)
-    checks: dict[str, bool] = {}
-    for fmt in fmts:
-        ms, rs = load(fmt, True)
-        mb, rb = load(fmt, False)
-        checks[f"{fmt}: stream == bulk params"] = same_params(ms, mb)
-        del ms, mb
-        release(device)
-        rows.append((f"{fmt} stream", rs))
-        rows.append((f"{fmt} bulk", rb))
+    for reader in readers:
+        # the yardstick twice: the first run also pays one-time costs (allocator, imports)
+        for _ in range(2):
+            m, plain = load("none", True, reader)
+            del m
+            release(device)
+        rows.append((f"plain bf16 {reader}", plain))
+        for fmt in fmts:
+            ms, rs = load(fmt, True, reader)
+            rows.append((f"{fmt} stream {reader}", rs))
+            if args.bulk or reader == readers[-1]:
+                mb, rb = load(fmt, False, reader)
+                checks[f"{fmt} {reader}: stream == bulk params"] = same_params(ms, mb)
+                rows.append((f"{fmt} bulk {reader}", rb))
+                del mb
+            del ms
+            release(device)
+    _loads.checks = checks  # type: ignore[attr-defined]
+    return rows
 
+
+def _table(rows, nbytes, args, device, numel) -> None:  # noqa: ANN001
     by = dict(rows)
-    hdr = f"{'load':<16}{'transient MiB':>14}{'predicted MiB':>14}{'peak MiB':>11}{'seconds':>9}{'GB/s':>7}{'tr/bulk':>9}{'t/plain':>9}"
-    print(
-        f"\ncheckpoint {nbytes / 1e9:.2f} GB: {args.layers} x {args.dim}x{args.dim} bf16 on {device}; "
-        f"2*max(numel) = {2 * numel / MiB:.1f} MiB"
+    hdr = (
+        f"{'load':<22}{'transient MiB':>14}{'predicted MiB':>14}{'peak MiB':>11}{'seconds':>9}"
+        f"{'GB/s':>7}{'tr/bulk':>9}{'t/plain':>9}"
     )
-    print(f"measured by: {plain.measured_by}")
+    print(
+        f"\ncheckpoint {nbytes / 1e9:.2f} GB: {args.layers} x {args.dim}x{args.dim} bf16 on "
+        f"{device}; 2*max(numel) = {2 * numel / MiB:.1f} MiB; max_inflight {args.max_inflight}"
+    )
+    print(f"measured by: {rows[0][1].measured_by}")
     print(hdr)
     for name, r in rows:
-        fmt = name.split()[0]
-        bulk = by.get(f"{fmt} bulk")
+        fmt, _, reader = name.split()
+        bulk = by.get(f"{fmt} bulk {reader}")
+        plain = by[f"plain bf16 {reader}"]
         tr = (
             f"{r.transient_bytes / bulk.transient_bytes:.3f}"
             if bulk and bulk.transient_bytes
             else "-"
         )
         print(
-            f"{name:<16}{r.transient_bytes / MiB:>14.1f}{r.predicted_transient_bytes / MiB:>14.1f}"
-            f"{r.peak_bytes / MiB:>11.0f}{r.seconds:>9.2f}{r.gbps:>7.2f}{tr:>9}{r.seconds / plain.seconds:>9.2f}"
+            f"{name:<22}{r.transient_bytes / MiB:>14.1f}{r.predicted_transient_bytes / MiB:>14.1f}"
+            f"{r.peak_bytes / MiB:>11.0f}{r.seconds:>9.2f}{r.gbps:>7.2f}{tr:>9}"
+            f"{r.seconds / plain.seconds:>9.2f}"
         )
-    for fmt in fmts:
-        rs = by[f"{fmt} stream"]
-        checks[f"{fmt}: stream transient <= 2*max(numel) + 64 MiB"] = (
-            rs.transient_bytes <= 2 * numel + SLACK
+
+
+def _checks(rows, fmts, readers, args, numel) -> dict[str, bool]:  # noqa: ANN001
+    by = dict(rows)
+    checks: dict[str, bool] = dict(getattr(_loads, "checks", {}))
+    for reader in readers:
+        inflight = args.max_inflight if reader == "fast" else 1
+        plain = by[f"plain bf16 {reader}"]
+        for fmt in fmts:
+            rs = by[f"{fmt} stream {reader}"]
+            checks[f"{fmt} {reader}: stream transient <= {inflight} x 2*max(numel) + 64 MiB"] = (
+                rs.transient_bytes <= inflight * 2 * numel + SLACK
+            )
+            checks[f"{fmt} {reader}: stream time <= 1.1 x plain bf16 ({reader} reader)"] = (
+                rs.seconds <= 1.1 * plain.seconds
+            )
+    if {"fast", "plain"} <= set(readers):
+        for fmt in ["plain"] + fmts:
+            a = "plain bf16" if fmt == "plain" else f"{fmt} stream"
+            checks[f"{a}: fast reader >= 3x the plain reader"] = (
+                by[f"{a} plain"].seconds >= 3 * by[f"{a} fast"].seconds
+            )
+    return checks
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = _device(args)
+    if args.formats is None:
+        args.formats = "fp8_delayed,fp8_block" if args.backend == "te" else "fp8,mxfp8"
+    fmts = [f for f in args.formats.split(",") if f]
+    missing = [f for f in fmts if f not in formats.FORMATS and args.backend == "native"]
+    if missing:
+        raise SystemExit(f"formats not available: {missing} (have {sorted(formats.FORMATS)})")
+    readers = [r for r in args.readers.split(",") if r]
+    root, ckpt, nbytes = _checkpoint(args)
+    warm_page_cache(ckpt)
+    if args.backend == "native":
+        warm_kernels(fmts, args.dim, device)
+    numel = args.dim * args.dim
+    ceiling = read_ceiling(ckpt, threads=args.threads, device=str(device))
+    rows = _loads(args, fmts, readers, device, ckpt)
+    stock = stock_dcp_seconds(ckpt, args.layers, args.dim, device)
+    _table(rows, nbytes, args, device, numel)
+    checks = _checks(rows, fmts, readers, args, numel)
+    by = dict(rows)
+    print(
+        f"host ceiling (parallel read of the files, {ceiling['threads']} threads, no parsing or "
+        f"quantize): {ceiling['host_gbps']:.2f} GB/s into host memory"
+        + (
+            f", {ceiling['host_to_device_gbps']:.2f} GB/s on to {device}"
+            if "host_to_device_gbps" in ceiling
+            else ""
         )
-        checks[f"{fmt}: stream time <= 1.1 x plain"] = rs.seconds <= 1.1 * plain.seconds
+    )
     print(
         f"dcp.load with DefaultLoadPlanner (stock per-file reader), bf16: {stock:.2f} s "
-        f"({nbytes / stock / 1e9:.2f} GB/s); our plain load / stock = {plain.seconds / stock:.2f}"
+        f"({nbytes / stock / 1e9:.2f} GB/s)"
     )
     print()
     for k, v in checks.items():
@@ -243,31 +313,49 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "layers": args.layers,
         "dim": args.dim,
+        "max_inflight": args.max_inflight,
         "checkpoint_bytes": nbytes,
         "two_max_numel_bytes": 2 * numel,
         "runs": {
             name: {k: v for k, v in r.to_dict().items() if k != "samples" or args.samples}
             for name, r in rows
         },
-        "ratios": {
-            **{
-                f"{f} transient stream/bulk": by[f"{f} stream"].transient_bytes
-                / max(by[f"{f} bulk"].transient_bytes, 1)
-                for f in fmts
-            },
-            **{f"{f} time stream/plain": by[f"{f} stream"].seconds / plain.seconds for f in fmts},
-            **{f"{f} time bulk/plain": by[f"{f} bulk"].seconds / plain.seconds for f in fmts},
-        },
+        "ratios": _ratios(by, fmts, readers),
+        "host_ceiling": ceiling,
         "stock_dcp_bf16_seconds": stock,
         "checks": checks,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.plot:
-        plot_memory([r for n, r in rows if n != "plain bf16"], args.plot)
+        plot_memory([r for n, r in rows if not n.startswith("plain bf16")], args.plot)
     if not args.dir and not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _ratios(by: dict, fmts: list[str], readers: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for reader in readers:
+        plain = by[f"plain bf16 {reader}"]
+        for f in fmts:
+            out[f"{f} time stream/plain ({reader})"] = (
+                by[f"{f} stream {reader}"].seconds / plain.seconds
+            )
+            bulk = by.get(f"{f} bulk {reader}")
+            if bulk is not None:
+                out[f"{f} transient stream/bulk ({reader})"] = by[
+                    f"{f} stream {reader}"
+                ].transient_bytes / max(bulk.transient_bytes, 1)
+    if {"fast", "plain"} <= set(readers):
+        out["plain bf16 time plain/fast reader"] = (
+            by["plain bf16 plain"].seconds / by["plain bf16 fast"].seconds
+        )
+        for f in fmts:
+            out[f"{f} stream time plain/fast reader"] = (
+                by[f"{f} stream plain"].seconds / by[f"{f} stream fast"].seconds
+            )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,6 +376,14 @@ def main(argv: list[str] | None = None) -> int:
         help="te: Transformer Engine params",
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--readers", default="plain,fast", help="storage readers to compare (plain,fast)"
+    )
+    p.add_argument("--max-inflight", type=int, default=2, help="load.max_inflight (fast reader)")
+    p.add_argument("--threads", type=int, default=None, help="fast reader threads (default: cores)")
+    p.add_argument(
+        "--bulk", action="store_true", help="bulk loads on every reader (default: the last one)"
+    )
     p.add_argument(
         "--dir", help="where the checkpoint lives (reused if present); default a temp dir"
     )

@@ -31,6 +31,7 @@ TIMEOUT_RANGE_S = (1.0, 7 * 86400.0)
 MAX_SHARD_BYTES = 2**40
 MAX_SAMPLES = 10**7
 MAX_SEQ_LEN = 2**20
+MAX_INFLIGHT = 64  # scratches live at once on the fast reader; past this it is memory, not speed
 MAX_CALIB_TOKENS = 2**31  # num_samples * seq_len: the synthetic set is allocated whole
 
 
@@ -57,6 +58,21 @@ class LoadConfig:
     stream: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     main_params: Literal["none", "fp32"] = "none"
+    # the storage reader: fast (parallel reads overlapped with the quantize) or plain (DCP's
+    # per-item reader, the fallback and the A/B baseline); both give the same values
+    reader: Literal["fast", "plain"] = "fast"
+    # quantized destinations whose scratch may be live at once on the fast reader: the load's
+    # transient is at most max_inflight x 2*max(numel) (BF16)
+    max_inflight: int = 2
+
+    def validate(self, path: str) -> None:
+        _in_range(
+            f"{_join(path, 'max_inflight')}",
+            self.max_inflight,
+            1,
+            MAX_INFLIGHT,
+            f"1 .. {MAX_INFLIGHT}",
+        )
 
 
 @dataclass(kw_only=True)

@@ -60,6 +60,13 @@ class LoadReport:
     read_items: int
     main_params: str | None = None
     main_params_bytes: int = 0
+    # the storage reader: "fast" (parallel reads, up to max_inflight quantized destinations
+    # live) or "plain" (DCP's per-item torch.load, one at a time); inline_items: items the fast
+    # reader handed to the plain code (byte entries, unusual archives, quantized sources)
+    reader: str = "plain"
+    max_inflight: int = 1
+    read_threads: int = 1
+    inline_items: int = 0
     # a quantized source (quantized_sources): its layout, and the destinations that took its
     # codes and scales as they are (same layout: no dequantize/quantize round trip)
     source_layout: str = "plain"
@@ -199,6 +206,9 @@ def load_checkpoint(
     mesh: Any = None,
     progress: Callable[[int], Any] | None = None,
     tap: Callable[[str, torch.Tensor], Any] | None = None,
+    reader: str = "fast",
+    max_inflight: int = 2,
+    read_threads: int | None = None,
 ) -> LoadReport:
     """Load the checkpoint at ``path`` (DCP dir or HF safetensors dir) into ``model`` in place.
 
@@ -208,27 +218,23 @@ def load_checkpoint(
     (``qckpt.parallel.mesh.Mesh``) makes the load collective over its world; without one, a
     running process group is used if there is one. ``progress(n)`` is called per tensor.
     ``tap(name, value)``: see ``StreamingDequantLoadPlanner`` (no same-layout copy with a tap).
+    ``reader``: fast (``checkpoint.fast_read``) or plain (DCP's per-item reader); same values.
     """
-    if main_params in ("none", ""):
-        main_params = None
-    if main_params not in (None, "fp32"):
-        raise UsageError(f"load.main_params: must be none or fp32; got {main_params!r}")
+    main_params = _check_args(main_params, reader, max_inflight)
     fmt = resolve_format(path, format)
     shards = {**expert_shards(model), **tensor_shards(model)}
-    expected = {k: torch.Size(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
-    expected.update({k: torch.Size(g) for k, (g, _) in shards.items()})
-    reader = open_reader(path, fmt, model=model, expected=expected)
+    kind = reader
+    reader = _open(model, path, fmt, shards, kind, max_inflight, read_threads)
     md = reader.read_metadata()
     state = _destinations(model, md)
     check_fit(state, md, path, shards)
     # with a tap every quantized destination must pass through the scratch, none copied
     copied = set() if main_params or tap else _copy_same_layout(state, reader, shards, progress)
-
     group, world, no_dist, rank = _world_of(mesh)
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
-    per_fmt, predicted = _formats_and_transient(tensors)
-
+    inflight = max_inflight if kind == "fast" and stream else 1
+    per_fmt, predicted = _formats_and_transient(tensors, inflight)
     meter = MemoryMeter(device)
     t0 = time.perf_counter()
     # the copied destinations are done: the rest is read (and dequantized) by DCP
@@ -264,6 +270,7 @@ def load_checkpoint(
         read_items=int(items),
         main_params=main_params,
         main_params_bytes=sum(t.numel() * t.element_size() for t in masters.values()),
+        **_reader_info(reader, kind, inflight),
         source_layout=source.describe() if source is not None else "plain",
         copied_tensors=len(copied),
         samples=meter.samples,
@@ -283,19 +290,71 @@ def _world_of(mesh: Any) -> tuple[Any, int, bool, int]:
     return group, world, no_dist, rank
 
 
-def _formats_and_transient(tensors: list[torch.Tensor]) -> tuple[dict[str, int], int]:
-    """Destinations per format ("none": plain), and the predicted transient: the largest
-    quantized destination's numel times its nominal itemsize (one scratch at a time)."""
+def _formats_and_transient(
+    tensors: list[torch.Tensor], inflight: int = 1
+) -> tuple[dict[str, int], int]:
+    """Destinations per format ("none": plain), and the predicted transient: the ``inflight``
+    largest quantized destinations' numel times their nominal itemsize (that many scratches
+    live at a time; one for the plain reader: 2 * max(numel) for BF16)."""
     per_fmt: dict[str, int] = {}
-    predicted = 0
+    sizes: list[int] = []
     for v in tensors:
         dest = destination_of(v)
         if dest is not None:
             per_fmt[dest.fmt] = per_fmt.get(dest.fmt, 0) + 1
-            predicted = max(predicted, dest.numel() * dest.dtype.itemsize)
+            sizes.append(dest.numel() * dest.dtype.itemsize)
         else:
             per_fmt["none"] = per_fmt.get("none", 0) + 1
-    return per_fmt, predicted
+    return per_fmt, sum(sorted(sizes, reverse=True)[:inflight])
+
+
+def _check_args(main_params: str | None, reader: str, max_inflight: int) -> str | None:
+    """The arguments a recipe gives a load, checked; ``main_params`` normalized."""
+    if main_params in ("none", ""):
+        main_params = None
+    if main_params not in (None, "fp32"):
+        raise UsageError(f"load.main_params: must be none or fp32; got {main_params!r}")
+    if reader not in ("fast", "plain"):
+        raise UsageError(f"load.reader: must be fast or plain; got {reader!r}")
+    if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+        raise UsageError(f"load.max_inflight: must be an integer >= 1; got {max_inflight!r}")
+    return main_params
+
+
+def _open(
+    model: nn.Module,
+    path: str | os.PathLike,
+    fmt: str,
+    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    kind: str,
+    max_inflight: int,
+    threads: int | None,
+) -> Any:
+    """The storage reader (``kind``: fast | plain) for the model's (sharded) shapes."""
+    expected = {k: torch.Size(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    expected.update({k: torch.Size(g) for k, (g, _) in shards.items()})
+    return open_reader(
+        path,
+        fmt,
+        model=model,
+        expected=expected,
+        reader=kind,
+        max_inflight=max_inflight,
+        threads=threads,
+    )
+
+
+def _reader_info(reader: Any, kind: str, inflight: int) -> dict[str, Any]:
+    """The report's reader fields."""
+    from qckpt.checkpoint.fast_read import default_threads
+
+    threads = getattr(reader, "threads", None) or (default_threads() if kind == "fast" else 1)
+    return {
+        "reader": kind,
+        "max_inflight": inflight,
+        "read_threads": int(threads),
+        "inline_items": int(getattr(reader, "inline_items", 0)),
+    }
 
 
 def _stream_load(

@@ -32,6 +32,12 @@ recomputes the scale per piece (per-tensor scaling: silently wrong weights). So 
 Host side (CPU loads): DCP's reader ``torch.load``s each stored chunk before copying it into the
 scratch, so the host holds chunk + scratch (up to 2 x 2 * max(numel)) for a moment; on CUDA the
 chunk stays on the host and the device transient is the scratch alone.
+
+The fast reader (``fast_read``) calls ``resolve_tensor`` ahead of the commits for up to
+``max_inflight`` quantized destinations (``streams(fqn)`` says which fqns are those), so their
+scratches fill while the previous one is quantized; every planner call still happens on the
+calling thread and ``commit_tensor`` (hence ``_finish``) strictly in plan order, the same on
+every rank: ``_finish`` may run collectives.
 """
 
 from __future__ import annotations
@@ -195,7 +201,14 @@ class MemoryMeter:
     def open_window(self) -> None:
         if self.cuda and self._win is None:
             now = torch.cuda.memory_allocated(self.device)
-            self._win = [now, self.outputs, torch.cuda.max_memory_allocated(self.device), now]
+            # scratches still live from before (the fast reader keeps up to max_inflight) are
+            # part of this window's transient, not of its baseline
+            self._win = [
+                now - self.scratch,
+                self.outputs,
+                torch.cuda.max_memory_allocated(self.device),
+                now,
+            ]
 
     def close_window(self) -> None:
         if self.cuda and self._win is not None:
@@ -383,6 +396,11 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         return new_plan
 
     # ---- reading -------------------------------------------------------------------------
+
+    def streams(self, fqn: str) -> bool:
+        """Whether ``fqn`` goes through a scratch (a quantized destination not yet finished):
+        the fast reader bounds how many of those are live at once."""
+        return fqn in self._dests
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         fqn = read_item.dest_index.fqn

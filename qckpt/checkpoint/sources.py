@@ -422,20 +422,33 @@ def open_reader(
     *,
     model: nn.Module | None = None,
     expected: dict[str, torch.Size] | None = None,
+    reader: str = "plain",
+    max_inflight: int = 2,
+    threads: int | None = None,
 ) -> OrderedFileSystemReader | HFSafetensorsReader:
     """A plan-order storage reader for the checkpoint at ``path``.
 
     For HF dirs, ``model`` (or ``expected`` shapes) tells how per-expert tensors fuse.
+    ``reader="fast"`` gives the fast-path twin (``checkpoint.fast_readers``: parallel reads,
+    at most ``max_inflight`` quantized destinations live, ``threads`` reader threads).
     """
+    if reader not in ("fast", "plain"):
+        raise CheckpointError(f"reader: must be fast or plain, got {reader!r}")
+    fast = {"max_inflight": max_inflight, "threads": threads} if reader == "fast" else {}
     fmt = resolve_format(path, format)
     if fmt == "dcp":
         from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
 
         if not is_dcp_dir(path):
             raise CheckpointError(f"{path}: not a DCP checkpoint (no .metadata)")
-        reader = OrderedFileSystemReader(path)
-        _refuse_quantized_dcp(reader.read_metadata(), path)
-        return reader
+        if fast:
+            from qckpt.checkpoint.fast_readers import FastDCPReader
+
+            dcp_reader: OrderedFileSystemReader = FastDCPReader(path, **fast)
+        else:
+            dcp_reader = OrderedFileSystemReader(path)
+        _refuse_quantized_dcp(dcp_reader.read_metadata(), path)
+        return dcp_reader
     from qckpt.checkpoint.hf_reader import HFSafetensorsReader
 
     stio.list_files(path)  # a clear error for a dir without any
@@ -446,6 +459,10 @@ def open_reader(
         model_type = _mt(model) or None
         if expected is None:
             expected = {k: v.shape for k, v in model.state_dict(keep_vars=True).items()}
+    if fast:
+        from qckpt.checkpoint.fast_readers import FastHFReader
+
+        return FastHFReader(path, model_type=model_type, expected=expected, **fast)
     return HFSafetensorsReader(path, model_type=model_type, expected=expected)
 
 

@@ -116,6 +116,8 @@ def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
         stream=True,
         mesh=mesh,
         tap=tap,
+        reader=recipe.load.reader,
+        max_inflight=recipe.load.max_inflight,
     )
     return tap
 

@@ -52,6 +52,8 @@ def load(recipe: Recipe, mesh: Mesh, *, compare: bool = False, hooks: Hooks = SI
                 main_params=None if lo.main_params == "none" else lo.main_params,
                 mesh=mesh,
                 progress=advance,
+                reader=lo.reader,
+                max_inflight=lo.max_inflight,
             )
         reports.append(rep)
         del built

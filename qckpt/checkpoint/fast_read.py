@@ -1,0 +1,383 @@
+"""The fast read path: parallel positional reads of the stored bytes, overlapped with the
+planner's work, in plan order.
+
+DCP's plain reader handles one item at a time on one thread: ``torch.load`` of the whole
+stored chunk (read, unpickle, allocate, copy), then a copy into the destination, then the
+planner's commit (for a quantized destination at its last item: the quantize). Here:
+
+* each item's source is a row-major tensor at a known byte offset of a file
+  (``torch_save_layout.StoredTensor``: from the safetensors header, or from the ``torch.save``
+  archive DCP wrote, found without ``torch.load``);
+* the item's region is cut into pieces of at most ``chunk_bytes`` along its first axis longer
+  than one, and a thread pool reads the pieces with ``os.preadv`` (no GIL held): straight into
+  the destination when it is a contiguous host tensor of the stored dtype, else through a
+  per-thread buffer (narrowed, cast) into it; for a CUDA destination through a bounded pool of
+  pinned host buffers, each piece copied to the device on a copy stream
+  (``non_blocking``), so host reads, host-to-device copies and the planner's quantize (on the
+  current stream) overlap;
+* ``max_inflight`` bounds how many quantized destinations (planner scratches) are live at
+  once: the reads of the next destination go into its scratch while the previous one is
+  quantized. The planner's transient is then at most ``max_inflight`` scratches
+  (``max_inflight x 2*max(numel)`` for BF16), which the load report predicts.
+
+THE ORDERING INVARIANT (relied on by the planner's ``_finish``, which may run collectives, such
+as a group-reduced amax of a sharded parameter): every planner call (``resolve_tensor``,
+``commit_tensor``, ``load_bytes``, hence ``_finish``) happens on the calling thread, and
+``commit_tensor`` / ``load_bytes`` in exactly the plan's order (which ``finish_plan`` groups by
+fqn), the same on every rank. Only the byte reads and host-to-device copies run ahead on other
+threads; ``resolve_tensor`` runs ahead of commits (on the calling thread, in plan order too),
+which is how a scratch is allocated before its bytes arrive. Quantization stays on the calling
+thread, so the kernel policy (a context variable) applies to it as set by the caller.
+``tests/unit/test_fast_read.py`` pins this down.
+
+Items whose source cannot be described that way (a compressed or unusual archive, a quantized
+source's codes and scales, a byte entry) run inline, on the calling thread at their turn, by
+the plain code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
+from qckpt.checkpoint.safetensors_io import open_regular
+from qckpt.checkpoint.torch_save_layout import StoredTensor
+from qckpt.errors import CheckpointError
+
+CHUNK_BYTES = 32 << 20  # one read piece: large enough for full-speed reads, small to overlap
+DEFAULT_MAX_INFLIGHT = 2
+MAX_THREADS = 16
+
+
+def default_threads() -> int:
+    """Reader threads when none are asked for: the cores, at least 2, at most 16."""
+    return max(2, min(MAX_THREADS, os.cpu_count() or 2))
+
+
+@dataclass
+class Job:
+    """One read item: where its stored tensor lies (``locate``, called once when the item is
+    admitted), or the plain code to run at its turn (``inline``: resolve, copy, commit)."""
+
+    item: ReadItem
+    locate: Callable[[], StoredTensor | None] | None = None
+    inline: Callable[[], None] | None = None
+
+
+@dataclass
+class _Pending:
+    job: Job
+    target: torch.Tensor | None = None
+    futures: list[Future] = field(default_factory=list)
+
+
+class Files:
+    """Open descriptors of the files read, shared by the threads (positional reads only)."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path: str) -> int:
+        with self._lock:
+            f = self._files.get(path)
+            if f is None:
+                f = self._files[path] = open_regular(path)
+            return f.fileno()
+
+    def pread(self, path: str, pos: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``pos`` (short only at the end of the file)."""
+        return os.pread(self.fd(path), n, pos)
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+
+
+def read_exact(fd: int, buf: memoryview, pos: int, path: str) -> None:
+    """Fill ``buf`` with the bytes at ``pos``; a short file is a one-line CheckpointError."""
+    done, n = 0, len(buf)
+    while done < n:
+        try:
+            got = os.preadv(fd, [buf[done:]], pos + done)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+        if got <= 0:
+            raise CheckpointError(
+                f"{path}: truncated: {n} bytes expected at offset {pos}, the file ends after {done}"
+            )
+        done += got
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The writable bytes of a contiguous host tensor (the caller keeps ``t`` alive). Not
+    ``numpy()``: that would mark a scratch's storage unresizable, and the planner frees a
+    scratch by resizing its storage to 0."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+class PinnedPool:
+    """At most ``count`` pinned host buffers of ``nbytes``, each reused once its last
+    host-to-device copy is done (the event recorded after it)."""
+
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes = nbytes
+        self._free: list[tuple[torch.Tensor, Any]] = []
+        self._made = 0
+        self._count = count
+        self._cv = threading.Condition()
+
+    def acquire(self) -> torch.Tensor:
+        with self._cv:
+            while not self._free and self._made >= self._count:
+                self._cv.wait()
+            if self._free:
+                buf, ev = self._free.pop()
+            else:
+                self._made += 1
+                buf, ev = None, None
+        if buf is None:
+            buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        if ev is not None:
+            ev.synchronize()  # its previous copy has left the buffer
+        return buf
+
+    def release(self, buf: torch.Tensor, event: Any) -> None:
+        with self._cv:
+            self._free.append((buf, event))
+            self._cv.notify()
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Rows [a, b) along the split axis of an item's region."""
+
+    pos: int  # file offset of the first byte
+    nbytes: int
+    src_shape: tuple[int, ...]  # the rows as stored (full trailing axes)
+    narrow: tuple[tuple[int, int], ...]  # (offset, length) per trailing axis
+    target: torch.Tensor  # where the rows go
+    whole: bool  # the stored rows are the region's rows (trailing axes whole, same dtype)
+    direct: bool  # ... and the target is a contiguous host tensor: read straight into it
+
+
+def split_region(
+    st: StoredTensor,
+    offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    target: torch.Tensor,
+    chunk_bytes: int,
+) -> list[_Piece]:
+    """The region ``offsets``/``lengths`` of ``st`` as pieces of rows along its first axis
+    longer than one (every axis before it has length 1, so each piece is one contiguous byte
+    span of the file: the rows with their trailing axes whole, narrowed after the read)."""
+    nd = len(st.shape)
+    if math.prod(lengths) == 0:
+        return []
+    k = next((i for i, n in enumerate(lengths) if n > 1), max(nd - 1, 0))
+    strides = [math.prod(st.shape[i + 1 :]) for i in range(nd)]
+    item = st.dtype.itemsize
+    trail = tuple(st.shape[k + 1 :])
+    row_src = math.prod(trail) * item
+    row_dst = math.prod(lengths[k + 1 :]) * target.element_size()
+    rows = lengths[k] if nd else 1
+    step = max(1, chunk_bytes // max(row_src, row_dst, 1))
+    tgt = target[(0,) * k] if k else target
+    base = sum(offsets[i] * strides[i] for i in range(k))
+    narrow = tuple(zip(offsets[k + 1 :], lengths[k + 1 :], strict=True))
+    whole = tuple(lengths[k + 1 :]) == trail and st.dtype == target.dtype
+    out = []
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        first = base + ((offsets[k] + a) * strides[k] if nd else 0)
+        part = tgt.narrow(0, a, b - a) if nd else tgt
+        direct = whole and part.device.type == "cpu" and part.is_contiguous()
+        shape = ((b - a),) + trail if nd else ()
+        pos = st.offset + first * item
+        out.append(_Piece(pos, (b - a) * row_src, shape, narrow, part, whole, direct))
+    return out
+
+
+class FastReadEngine:
+    """Runs a plan's jobs: reads ahead on a thread pool, planner calls in plan order here."""
+
+    def __init__(
+        self,
+        *,
+        files: Files,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        threads: int | None = None,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
+        self.files = files
+        self.max_inflight = int(max_inflight)
+        self.threads = int(threads or default_threads())
+        self.chunk_bytes = int(chunk_bytes or CHUNK_BYTES)
+        self.window = max(8, 2 * self.threads)  # items admitted ahead of the one committed
+        self.bytes_read = 0
+        self._local = threading.local()
+        self._pool: PinnedPool | None = None
+        self._copy_stream: Any = None
+
+    # ---- the calling thread ---------------------------------------------------------------
+
+    def run(self, jobs: list[Job], planner: Any) -> None:
+        """Every job's item read, resolved and committed, commits in the jobs' order."""
+        left = Counter(j.item.dest_index.fqn for j in jobs)
+        streams = getattr(planner, "streams", None)
+        live: set[str] = set()  # destinations with a scratch admitted and not yet finished
+        window: deque[_Pending] = deque()
+        nxt = 0
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qckpt-read")
+        try:
+            for _ in range(len(jobs)):
+                while nxt < len(jobs) and len(window) < self.window:
+                    fqn = jobs[nxt].item.dest_index.fqn
+                    new = streams is not None and fqn not in live and bool(streams(fqn))
+                    # an empty window admits anyway: a plan whose destinations are not grouped
+                    # would otherwise wait for itself
+                    if new and len(live) >= self.max_inflight and window:
+                        break
+                    if new:
+                        live.add(fqn)
+                    window.append(self._start(jobs[nxt], planner, pool))
+                    nxt += 1
+                p = window.popleft()
+                self._complete(p, planner)
+                fqn = p.job.item.dest_index.fqn
+                left[fqn] -= 1
+                if left[fqn] <= 0:
+                    live.discard(fqn)
+        finally:
+            for p in window:
+                for f in p.futures:
+                    f.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+            if self._copy_stream is not None:
+                torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
+
+    def _start(self, job: Job, planner: Any, pool: ThreadPoolExecutor) -> _Pending:
+        st = job.locate() if job.locate is not None else None
+        item = job.item
+        if st is None or not _fits(st, item):
+            if job.inline is None:
+                raise CheckpointError(f"{item.dest_index.fqn}: no way to read this item")
+            return _Pending(job)
+        target = planner.resolve_tensor(item).detach()
+        if tuple(target.size()) != tuple(item.lengths):
+            raise CheckpointError(
+                f"{item.dest_index.fqn}: read {tuple(item.lengths)} for a destination slice "
+                f"of {tuple(target.size())}"
+            )
+        ready = None
+        if target.device.type == "cuda":
+            self._prepare_cuda(target.device)
+            # the scratch may reuse memory that the current stream still quantizes from: the
+            # copies into it wait for everything queued there so far
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(target.device))
+        pieces = split_region(
+            st, tuple(item.storage_offsets), tuple(item.lengths), target, self.chunk_bytes
+        )
+        self.bytes_read += sum(p.nbytes for p in pieces)
+        futures = [pool.submit(self._read_piece, st, p, ready) for p in pieces]
+        return _Pending(job, target, futures)
+
+    def _complete(self, p: _Pending, planner: Any) -> None:
+        if p.target is None:
+            assert p.job.inline is not None
+            p.job.inline()
+            return
+        for f in p.futures:
+            ev = f.result()
+            if ev is not None:
+                torch.cuda.current_stream(p.target.device).wait_event(ev)
+        p.futures.clear()
+        planner.commit_tensor(p.job.item, p.target)
+
+    # ---- reader threads -------------------------------------------------------------------
+
+    def _raw(self, nbytes: int) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+    def _rows(self, st: StoredTensor, p: _Piece) -> torch.Tensor:
+        """The piece's rows read into this thread's buffer, narrowed to the region."""
+        raw = self._raw(p.nbytes)
+        read_exact(self.files.fd(st.path), _byte_view(raw), p.pos, st.path)
+        blk = raw.view(st.dtype).view(p.src_shape) if p.nbytes else raw.view(st.dtype)
+        for axis, (o, n) in enumerate(p.narrow, start=1):
+            blk = blk.narrow(axis, o, n)
+        return blk.view(p.target.shape) if blk.dim() != p.target.dim() else blk
+
+    def _read_piece(self, st: StoredTensor, p: _Piece, ready: Any) -> Any:
+        if p.target.device.type != "cuda":
+            if p.direct:
+                read_exact(self.files.fd(st.path), _byte_view(p.target), p.pos, st.path)
+            else:
+                p.target.copy_(self._rows(st, p))
+            return None
+        return self._read_to_device(st, p, ready)
+
+    def _read_to_device(self, st: StoredTensor, p: _Piece, ready: Any) -> Any:
+        pool = self._pinned()
+        buf = pool.acquire()
+        try:
+            tbytes = p.target.numel() * p.target.element_size()
+            if p.whole and p.nbytes <= pool.nbytes:
+                host = buf[: p.nbytes]
+                read_exact(self.files.fd(st.path), _byte_view(host), p.pos, st.path)
+                src = host.view(st.dtype).view(p.target.shape)
+            elif tbytes <= pool.nbytes:
+                src = buf[:tbytes].view(p.target.dtype).view(p.target.shape)
+                src.copy_(self._rows(st, p))
+            else:  # one row larger than a pinned buffer: a synchronous copy from pageable memory
+                src = self._rows(st, p)
+            stream = self._copy_stream
+            with torch.cuda.device(p.target.device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                p.target.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+        except BaseException:
+            pool.release(buf, None)
+            raise
+        pool.release(buf, ev)
+        return ev
+
+    def _pinned(self) -> PinnedPool:
+        assert self._pool is not None
+        return self._pool
+
+    def _prepare_cuda(self, device: torch.device) -> None:
+        """Pinned buffers (one per thread, two spare) and a copy stream, made at the first
+        CUDA destination."""
+        if self._pool is None:
+            self._pool = PinnedPool(self.chunk_bytes, self.threads + 2)
+            self._copy_stream = torch.cuda.Stream(device=device)
+
+
+def _fits(st: StoredTensor, item: ReadItem) -> bool:
+    offs, lens = tuple(item.storage_offsets), tuple(item.lengths)
+    return len(st.shape) == len(offs) == len(lens) and all(
+        o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(offs, lens, st.shape, strict=True)
+    )

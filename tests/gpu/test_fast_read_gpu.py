@@ -1,0 +1,95 @@
+"""The fast reader on a GPU: pinned buffers, copy stream, overlapped quantize.
+
+Skipped without CUDA. Every format (and plain BF16) loads a DCP dir and its HF safetensors
+twin with the fast and the plain reader into CUDA params: identical params, and the fast
+stream's device transient (allocator peak stats) within max_inflight scratches + 64 MiB.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+LAYERS, DIM = 6, 2048
+MiB = 2**20
+DEVICE = "cuda"
+FORMATS = ["none", "fp8", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4"]
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(DIM, DIM, bias=False, dtype=torch.bfloat16, device="meta")
+            for _ in range(LAYERS)
+        )
+        # a tall one: its rows span several 32 MiB read pieces
+        self.big = nn.Linear(DIM, 5 * DIM, bias=False, dtype=torch.bfloat16, device="meta")
+        self.norm = nn.LayerNorm(DIM, dtype=torch.bfloat16, device="meta")
+        self.to_empty(device=DEVICE)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.zero_()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from qckpt.checkpoint.convert import save_model_dcp
+
+    g = torch.Generator().manual_seed(0)
+    src = Stack().cpu()
+    sd = {}
+    for k, v in src.state_dict().items():
+        w = torch.randn(v.shape, generator=g)
+        if w.dim() == 2:
+            w *= 2.0 ** ((torch.arange(w.shape[0]) % 8) - 4).float().view(-1, 1)
+        sd[k] = w.to(torch.bfloat16)
+    root = tmp_path_factory.mktemp("fastgpu")
+    save_model_dcp(sd, root / "dcp")
+    (root / "hf").mkdir()
+    save_file(sd, str(root / "hf" / "model.safetensors"))
+    return root
+
+
+def _model(fmt: str) -> nn.Module:
+    from qckpt.models.quantize_params import quantize_model_params
+
+    m = Stack()
+    if fmt != "none":
+        quantize_model_params(m, fmt, ignore=["norm"])
+    return m
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    from tests.unit._toy import same_tensor
+
+    sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
+    return all(same_tensor(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("kind", ["dcp", "hf"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fast_equals_plain_on_cuda(dirs, fmt, kind):
+    from qckpt.checkpoint.load import load_checkpoint
+
+    a, b = _model(fmt), _model(fmt)
+    ra = load_checkpoint(a, dirs / kind, reader="fast", max_inflight=2)
+    rb = load_checkpoint(b, dirs / kind, reader="plain")
+    assert ra.reader == "fast" and rb.reader == "plain"
+    assert ra.inline_items == 0
+    assert _same(a, b)
+    biggest = 2 * 5 * DIM * DIM
+    if fmt != "none":
+        assert ra.predicted_transient_bytes == biggest + 2 * DIM * DIM
+        assert ra.transient_bytes <= ra.predicted_transient_bytes + 64 * MiB
+        assert rb.transient_bytes <= biggest + 64 * MiB
+    del a, b
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -20,10 +20,12 @@ def reference_model(dcp_dir: str | Path, model_source: str | None = None, dtype=
     import torch.distributed.checkpoint as dcp
 
     from qckpt.checkpoint.safe_metadata import SafeFileSystemReader
-    from qckpt.models.build import build_model
+    from qckpt.models.build import build_model, materialize
 
     source = model_source or str(dcp_dir)
-    model = build_model(source, dtype=dtype)
+    # on meta, then allocated: the checkpoint fills every tensor (DCP refuses one it lacks),
+    # so no random init is drawn for it
+    model = materialize(build_model(source, dtype=dtype, device="meta"), "cpu")
     sd = model.state_dict()
     dcp.load(sd, storage_reader=SafeFileSystemReader(str(dcp_dir)), no_dist=True)
     model.load_state_dict(sd)

@@ -138,22 +138,29 @@ def test_non_persistent_buffers_equal_a_seeded_builds(ckpt):
 # ---- no BF16 copy of a quantized weight, no random init ----------------------------------------
 
 
-class _PlainCopies(TorchDispatchMode):
-    """Records every plain high-precision tensor made off the meta device whose shape is one of
-    ``shapes`` (the quantized parameters' shapes): what a seeded build makes, a meta build not."""
+_RANDOM_INIT = {"normal_", "uniform_", "random_", "randn", "rand", "trunc_normal_", "bernoulli_"}
 
-    def __init__(self, shapes: set[tuple[int, ...]]) -> None:
+
+class _BuildSpy(TorchDispatchMode):
+    """Records, off the meta device, every random init (``randn``, ``normal_``, ...) and every
+    plain high-precision tensor whose shape is one of ``shapes`` (the quantized parameters'):
+    what a seeded build does and makes, a meta build not."""
+
+    def __init__(self, shapes: set[tuple[int, ...]] = frozenset()) -> None:
         super().__init__()
         self.shapes = shapes
         self.seen: list[tuple[str, tuple[int, ...]]] = []
+        self.random: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (list, tuple)) else [out]:
+        outs = [t for t in (out if isinstance(out, (list, tuple)) else [out])]
+        real = [t for t in outs if isinstance(t, torch.Tensor) and not t.is_meta]
+        if real and func.__name__.split(".")[0] in _RANDOM_INIT:
+            self.random.append(str(func))
+        for t in real:
             if (
-                isinstance(t, torch.Tensor)
-                and not formats.is_quantized(t)
-                and not t.is_meta
+                not formats.is_quantized(t)
                 and t.is_floating_point()
                 and t.element_size() >= 2
                 and tuple(t.shape) in self.shapes
@@ -171,7 +178,7 @@ def _quantized_shapes(source: str, fmt: str) -> set[tuple[int, ...]]:
 @pytest.mark.parametrize("source", ["tiny-moe", "tiny-dense"])
 def test_qckpt_load_never_makes_a_bf16_copy_of_a_quantized_weight(tmp_path, monkeypatch, source):
     save_model_dcp(build_model(source, seed=5), tmp_path / "c")
-    spy = _PlainCopies(_quantized_shapes(source, "fp8"))
+    spy = _BuildSpy(_quantized_shapes(source, "fp8"))
     real = pipeline_load.build_for
     built = []
 
@@ -191,11 +198,41 @@ def test_qckpt_load_never_makes_a_bf16_copy_of_a_quantized_weight(tmp_path, monk
     )
     res = pipeline_load.load(recipe, Mesh())
     assert len(built) == 1 and res.reports[0].tensors_per_format["fp8"] == len(built[0].quantized)
-    assert spy.seen == []
+    assert spy.seen == [] and spy.random == []
     # the check can fail: a seeded build makes exactly those tensors (its random init)
     with spy:
         _built(source, "fp8", seeded=True)
-    assert spy.seen
+    assert spy.seen and spy.random
+
+
+@pytest.mark.parametrize("resident", ["bf16", "fp8"])
+def test_qckpt_calibrate_builds_on_meta(tmp_path, monkeypatch, resident):
+    import qckpt.pipeline.calibrate as pipeline_calibrate
+
+    save_model_dcp(build_model("tiny-moe", seed=5), tmp_path / "c")
+    # bf16-resident weights are plain BF16 by design: there, only the random init is checked
+    spy = _BuildSpy(_quantized_shapes("tiny-moe", resident) if resident != "bf16" else set())
+    real = pipeline_calibrate.build_for
+
+    def spying_build_for(*args, **kwargs):
+        with spy:
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_calibrate, "build_for", spying_build_for)
+    recipe = recipe_from_dict(
+        {
+            "model": {"source": "tiny-moe"},
+            "checkpoint": {"path": str(tmp_path / "c")},
+            "calibrate": {
+                "weights_resident": resident,
+                "output": str(tmp_path / "calib.safetensors"),
+                "data": {"source": "synthetic", "num_samples": 4, "seq_len": 8, "batch_size": 2},
+            },
+        }
+    )
+    res = pipeline_calibrate.calibrate(recipe, Mesh())
+    assert (tmp_path / "calib.safetensors").is_file() and res.report
+    assert spy.random == [] and spy.seen == []
 
 
 # ---- a checkpoint that does not cover every tensor is refused -----------------------------------

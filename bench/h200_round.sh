@@ -42,6 +42,8 @@ STEPS=(
   whole_48l:540
   resident_tests:300
   resident_48l:600
+  offload_ref_48l:540
+  offload_48l:540
 )
 
 step_env() {
@@ -89,6 +91,40 @@ step_resident_48l() {
     --set calibrate.data.num_samples=16 --set calibrate.data.seq_len=256 \
     --set calibrate.data.batch_size=4 --formats bf16,fp8 --max-ratio 0.6 \
     --json "$RES/resident_48l.json"
+}
+
+# calibrate.offload: layer (issue 17) on the 48-layer model. offload_ref_48l: the resident
+# references, EP2 over both GPUs and one whole GPU. offload_48l: one GPU capped at 20 GiB
+# (set_per_process_memory_fraction inside the process: bench/calibrate_offload.py run),
+# offload: layer, then EP2 with offload: layer; each file compared with the references bit for
+# bit (bench/calibrate_offload.py compare: exit 0 iff identical)
+OFF_SETS=(--set model.source="$CKPT48" --set checkpoint.path="$CKPT48"
+  --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=600
+  --set calibrate.data.num_samples=16 --set calibrate.data.seq_len=256
+  --set calibrate.data.batch_size=4)
+step_offload_ref_48l() {
+  "$PY" -m qckpt calibrate configs/tiny-moe.yaml "${OFF_SETS[@]}" --nproc-per-node 2 \
+    --set parallel.ep=2 --set calibrate.output="$RES/cal_ep2.safetensors" \
+    --json "$RES/offload_ref_ep2.json" || return 1
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m qckpt calibrate configs/tiny-moe.yaml "${OFF_SETS[@]}" \
+    --set calibrate.output="$RES/cal_1gpu.safetensors" --json "$RES/offload_ref_1gpu.json"
+}
+step_offload_48l() {
+  local rc=0
+  CUDA_VISIBLE_DEVICES=0 "$PY" bench/calibrate_offload.py run --gpu-mem-gib 20 \
+    --json "$RES/offload_20g_run.json" -- configs/tiny-moe.yaml "${OFF_SETS[@]}" \
+    --set calibrate.offload=layer --set calibrate.output="$RES/cal_off_20g.safetensors" \
+    --json "$RES/offload_20g.json" || return 1
+  "$PY" bench/calibrate_offload.py compare "$RES/cal_1gpu.safetensors" \
+    "$RES/cal_off_20g.safetensors" | tee "$RES/offload_cmp_1gpu.json" || rc=1
+  "$PY" bench/calibrate_offload.py compare "$RES/cal_ep2.safetensors" \
+    "$RES/cal_off_20g.safetensors" | tee "$RES/offload_cmp_ep2.json" || rc=1
+  "$PY" -m qckpt calibrate configs/tiny-moe.yaml "${OFF_SETS[@]}" --nproc-per-node 2 \
+    --set parallel.ep=2 --set calibrate.offload=layer \
+    --set calibrate.output="$RES/cal_off_ep2.safetensors" --json "$RES/offload_ep2.json" || rc=1
+  "$PY" bench/calibrate_offload.py compare "$RES/cal_ep2.safetensors" \
+    "$RES/cal_off_ep2.safetensors" | tee "$RES/offload_cmp_off_ep2.json" || rc=1
+  return $rc
 }
 
 # ---- the runner ---------------------------------------------------------------------------------

@@ -247,6 +247,10 @@ class LayerwiseRunner:
     # -- the layers, with the next one's weights fetched meanwhile -----------------------------
 
     def _fetch(self, name: str, layer: nn.Module) -> int:
+        if self.device.type == "cuda":
+            # a thread starts on CUDA device 0: anything the read allocates without naming a
+            # device must land on this rank's
+            torch.cuda.set_device(self.device)
         n = self.weights.fetch([(name, layer)])
         with self._lock:
             self._live += n

@@ -63,27 +63,44 @@ class CheckpointLayers:
     mode = "layer"
 
     def __init__(
-        self, path: str | os.PathLike, *, format: str, device: torch.device, config: Any
+        self,
+        path: str | os.PathLike,
+        *,
+        format: str,
+        device: torch.device,
+        config: Any,
+        reader: str = "fast",
+        max_inflight: int = 2,
     ) -> None:
         self.path, self.format, self.config = path, format, config
+        self.kind, self.max_inflight = reader, max_inflight
         self.device = torch.device(device)
         self.bytes_read = 0
         self.read_seconds = 0.0
         self.loads = 0
+        self._reader: Any = None  # opened by check(), reused by every fetch
 
     def check(self, model: nn.Module) -> None:
         """Refuse, from metadata alone, a checkpoint that cannot fill ``model`` (a missing
         tensor, a wrong shape or dtype): before the first layer runs, not at the layer that
         lacks it. The same check a resident load makes."""
-        from qckpt.checkpoint.load import _destinations, check_fit, expert_shards, tensor_shards
-        from qckpt.checkpoint.sources import open_reader
+        from qckpt.checkpoint.load import (
+            _destinations,
+            check_fit,
+            expert_shards,
+            model_reader,
+            tensor_shards,
+        )
+        from qckpt.checkpoint.sources import resolve_format
 
         shards = {**expert_shards(model), **tensor_shards(model)}
-        expected = {k: torch.Size(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
-        expected.update({k: torch.Size(g) for k, (g, _) in shards.items()})
-        reader = open_reader(self.path, self.format, model=model, expected=expected)
+        fmt = resolve_format(self.path, self.format)
+        reader = model_reader(model, self.path, fmt, shards, self.kind, self.max_inflight)
         md = reader.read_metadata()
         check_fit(_destinations(model, md), md, self.path, shards)
+        # one reader for every layer: an HF dir's index of every tensor is built once, not
+        # once per layer (fetches run one at a time, so it is never used by two threads)
+        self._reader = reader
 
     def fetch(self, modules: Modules) -> int:
         from qckpt.models.build import materialize
@@ -101,6 +118,8 @@ class CheckpointLayers:
             format=self.format,
             stream=True,
             mesh=Mesh(device=self.device),
+            reader=self._reader or self.kind,
+            max_inflight=self.max_inflight,
         )
         self.bytes_read += rep.bytes_read
         self.read_seconds += time.perf_counter() - t0
@@ -138,6 +157,7 @@ class HostLayers:
             self.disk.path, format=self.disk.format, device=torch.device("cpu"),
             config=self.disk.config,
         )  # fmt: skip
+        reader._reader = self.disk._reader
         reader.fetch(modules)
         for name, mod in modules:
             state = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}

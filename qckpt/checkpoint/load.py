@@ -206,7 +206,7 @@ def load_checkpoint(
     mesh: Any = None,
     progress: Callable[[int], Any] | None = None,
     tap: Callable[[str, torch.Tensor], Any] | None = None,
-    reader: str = "fast",
+    reader: Any = "fast",
     max_inflight: int = 2,
     read_threads: int | None = None,
 ) -> LoadReport:
@@ -218,13 +218,13 @@ def load_checkpoint(
     (``qckpt.parallel.mesh.Mesh``) makes the load collective over its world; without one, a
     running process group is used if there is one. ``progress(n)`` is called per tensor.
     ``tap(name, value)``: see ``StreamingDequantLoadPlanner`` (no same-layout copy with a tap).
-    ``reader``: fast (``checkpoint.fast_read``) or plain (DCP's per-item reader); same values.
+    ``reader``: fast (``checkpoint.fast_read``), plain (DCP's), or a :func:`model_reader`.
     """
-    main_params = _check_args(main_params, reader, max_inflight)
+    kind = reader if isinstance(reader, str) else reader.kind
+    main_params = _check_args(main_params, kind, max_inflight)
     fmt = resolve_format(path, format)
     shards = {**expert_shards(model), **tensor_shards(model)}
-    kind = reader
-    reader = _open(model, path, fmt, shards, kind, max_inflight, read_threads)
+    reader = _reader(reader, model, path, fmt, shards, max_inflight, read_threads)
     md = reader.read_metadata()
     state = _destinations(model, md)
     check_fit(state, md, path, shards)
@@ -321,19 +321,20 @@ def _check_args(main_params: str | None, reader: str, max_inflight: int) -> str 
     return main_params
 
 
-def _open(
+def model_reader(
     model: nn.Module,
     path: str | os.PathLike,
     fmt: str,
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
-    kind: str,
-    max_inflight: int,
-    threads: int | None,
+    kind: str = "fast",
+    max_inflight: int = 2,
+    threads: int | None = None,
 ) -> Any:
-    """The storage reader (``kind``: fast | plain) for the model's (sharded) shapes."""
+    """The storage reader (``kind``: fast | plain) for the model's (sharded) shapes; it can be
+    passed to :func:`load_checkpoint` again and again (an HF dir's index is built once)."""
     expected = {k: torch.Size(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     expected.update({k: torch.Size(g) for k, (g, _) in shards.items()})
-    return open_reader(
+    reader = open_reader(
         path,
         fmt,
         model=model,
@@ -342,6 +343,17 @@ def _open(
         max_inflight=max_inflight,
         threads=threads,
     )
+    reader.kind = kind  # what a load through it reports
+    return reader
+
+
+def _reader(reader: Any, model, path, fmt, shards, max_inflight, threads) -> Any:
+    """A new reader of kind ``reader``, or the open one given (reused: layer-by-layer
+    calibration reads one model's layers through one), its byte count restarted."""
+    if isinstance(reader, str):
+        return model_reader(model, path, fmt, shards, reader, max_inflight, threads)
+    reader.bytes_read = 0  # this load's
+    return reader
 
 
 def _reader_info(reader: Any, kind: str, inflight: int) -> dict[str, Any]:

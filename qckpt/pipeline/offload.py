@@ -30,7 +30,7 @@ def runner_for(recipe: Recipe, mesh: Mesh, model, hooks: Hooks = SILENT):
     cal = recipe.calibrate
     disk = CheckpointLayers(
         recipe.checkpoint.path, format=recipe.checkpoint.format, device=mesh.device,
-        config=model.config,
+        config=model.config, reader=recipe.load.reader, max_inflight=recipe.load.max_inflight,
     )  # fmt: skip
     disk.check(model)
     weights = disk

@@ -38,8 +38,10 @@ STEPS=(
   gpu_phases:300
   ckpt_8l:240
   whole_8l:300
+  meta_8l:240
   ckpt_48l:420
   whole_48l:540
+  meta_48l:420
   resident_tests:300
   resident_48l:600
   offload_ref_48l:540
@@ -75,6 +77,16 @@ step_whole_8l() {
 }
 step_whole_48l() {
   "$PY" -m bench.whole_command run "$CKPT48" --device cuda --ep 2 --json "$RES/whole_48l.json"
+}
+
+# issue 17's bound for the whole qckpt load (meta build, one scratch: load.max_inflight=1):
+# device peak (never reset) <= the FP8 model + 2*max(numel) + 64 MiB; exit 1 if over
+step_meta_8l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.load_bound "$CKPT8" --device cuda --json "$RES/meta_8l.json"
+}
+step_meta_48l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.load_bound "$CKPT48" --device cuda \
+    --json "$RES/meta_48l.json"
 }
 
 # calibrate.weights_resident (issue 17): tiny-moe on CUDA (weight amax identical to bf16, no

@@ -214,8 +214,16 @@ class _Planner:
 
         if command == "export":
             return self._export(ranks)
-        src = self.reads if reads else None
         r = self.recipe
+        # load.reader / load.max_inflight (the fast read path; absent: the plain reader)
+        kind = str(getattr(r.load, "reader", "plain"))
+        inflight = (
+            int(getattr(r.load, "max_inflight", 1)) if kind == "fast" and r.load.stream else 1
+        )
+        src = self.reads.using(kind) if reads else None
+        # calibrate.offload reads each layer with load_checkpoint's default reader: the fast
+        # one where the fast read path exists
+        layer_reader = "fast" if hasattr(r.load, "reader") else "plain"
         if command == "load":
             base = self.tensors(layout, r.load.params)
         else:
@@ -241,11 +249,18 @@ class _Planner:
                         rank=rank,
                         stream=r.load.stream,
                         main_params=r.load.main_params == "fp32",
-                        max_inflight=int(getattr(r.load, "max_inflight", 1) or 1),
+                        max_inflight=inflight,
                     )
                 else:
+                    off = self.offload(layout)
                     done[key] = calibrate_figures(
-                        held, src, shape, rank=rank, samples=samples, offload=self.offload(layout)
+                        held,
+                        src if off.mode == "none" or src is None else src.using(layer_reader),
+                        shape,
+                        rank=rank,
+                        samples=samples,
+                        offload=off,
+                        max_inflight=inflight,
                     )
             out.append(replace(done[key], rank=rank).judge(self.device_bytes))
         return out

@@ -86,11 +86,10 @@ def load_figures(
 ) -> RankFigures:
     """``qckpt load`` on one rank (``tensors`` built with ``load.params``)."""
     q = _quantized(tensors)
-    scratch = [t.nominal_bytes for t in q]
-    if stream:
-        transient = max(scratch, default=0) * max(1, max_inflight)
-    else:
-        transient = sum(scratch)
+    scratch = sorted((t.nominal_bytes for t in q), reverse=True)
+    # streaming: the max_inflight largest scratches may be live at once (one on the plain
+    # reader); the bulk baseline dequantizes every quantized destination at once
+    transient = sum(scratch[: max(1, max_inflight)] if stream else scratch)
     params = sum(t.nbytes for t in tensors)
     if main_params:
         params += sum(t.numel * 4 for t in q)
@@ -170,13 +169,15 @@ def calibrate_figures(
     rank: int,
     samples: int,
     offload: Offload | None = None,
+    max_inflight: int = 1,
 ) -> RankFigures:
     """``qckpt calibrate`` on one rank (``tensors`` built with the resident format, or plain);
     ``samples``: this rank's share of the calibration samples."""
     off = offload or Offload()
-    # quantized-resident: the load's scratch (the largest quantized destination), then one
-    # linear or expert dequantized at a time in the forward, never more than that scratch
-    transient = max((t.nominal_bytes for t in _quantized(tensors)), default=0)
+    # quantized-resident: the load's scratches (the largest quantized destinations), then one
+    # linear or expert dequantized at a time in the forward, never more than a scratch
+    scratch = sorted((t.nominal_bytes for t in _quantized(tensors)), reverse=True)
+    transient = sum(scratch[: max(1, max_inflight)])
     host = activations = 0
     read = tensors
     if off.mode == "none":

@@ -1,8 +1,9 @@
 """Bytes a rank reads from a checkpoint, counted from its metadata as the readers count them.
 
-* DCP dir: DCP reads every stored chunk that overlaps the rank's block whole (``info.length``
-  of ``.metadata``'s storage entry, the serialized chunk), which is what
-  ``OrderedFileSystemReader.bytes_read`` adds up.
+* DCP dir: the plain reader reads every stored chunk that overlaps the rank's block whole
+  (``info.length`` of ``.metadata``'s storage entry, the serialized chunk), which is what
+  ``OrderedFileSystemReader.bytes_read`` adds up; the fast reader (``load.reader: fast``) reads
+  only the overlap's stored bytes.
 * HF safetensors dir: each piece overlapping the block is sliced, so the bytes are the overlap's
   elements times the stored itemsize (``HFSafetensorsReader.bytes_read``); a quantized weight
   is read as codes plus the scales of the rows and columns it needs, row chunk by row chunk
@@ -43,9 +44,21 @@ class Reads:
     """Bytes read per tensor for one checkpoint (or none: the BF16 size)."""
 
     def __init__(
-        self, path: str | os.PathLike | None, fmt: str, md: Any = None, reader: Any = None
+        self,
+        path: str | os.PathLike | None,
+        fmt: str,
+        md: Any = None,
+        reader: Any = None,
+        fast: bool = False,
     ):
         self.path, self.format, self._md, self._reader = path, fmt, md, reader
+        self.fast = fast
+
+    def using(self, reader: str) -> Reads:
+        """These reads as ``load.reader`` ``reader`` does them: ``fast`` reads only the
+        overlap of a DCP chunk (positional reads of the stored bytes), ``plain`` the whole
+        chunk (``torch.load``)."""
+        return Reads(self.path, self.format, self._md, self._reader, fast=reader == "fast")
 
     @classmethod
     def open(
@@ -108,7 +121,12 @@ class Reads:
 
         total = 0
         for c in m.chunks:
-            if _overlap(tuple(c.offsets), tuple(c.sizes), *box) is not None:
+            hit = _overlap(tuple(c.offsets), tuple(c.sizes), *box)
+            if hit is None:
+                continue
+            if self.fast:  # the overlap's stored bytes, read in place
+                total += math.prod(hit[1]) * m.properties.dtype.itemsize
+            else:  # DCP's reader loads the whole stored chunk
                 info = self._md.storage_data[MetadataIndex(name, torch.Size(c.offsets))]
                 total += int(info.length)
         return total

@@ -3,7 +3,7 @@
 * DCP dir: the plain reader reads every stored chunk that overlaps the rank's block whole
   (``info.length`` of ``.metadata``'s storage entry, the serialized chunk), which is what
   ``OrderedFileSystemReader.bytes_read`` adds up; the fast reader (``load.reader: fast``) reads
-  only the overlap's stored bytes.
+  the overlap's rows, trailing axes whole (:func:`fast_read_bytes`), in DCP and HF dirs alike.
 * HF safetensors dir: each piece overlapping the block is sliced, so the bytes are the overlap's
   elements times the stored itemsize (``HFSafetensorsReader.bytes_read``); a quantized weight
   is read as codes plus the scales of the rows and columns it needs, row chunk by row chunk
@@ -124,8 +124,8 @@ class Reads:
             hit = _overlap(tuple(c.offsets), tuple(c.sizes), *box)
             if hit is None:
                 continue
-            if self.fast:  # the overlap's stored bytes, read in place
-                total += math.prod(hit[1]) * m.properties.dtype.itemsize
+            if self.fast:
+                total += fast_read_bytes(tuple(c.sizes), hit[1], m.properties.dtype.itemsize)
             else:  # DCP's reader loads the whole stored chunk
                 info = self._md.storage_data[MetadataIndex(name, torch.Size(c.offsets))]
                 total += int(info.length)
@@ -147,9 +147,24 @@ class Reads:
                 rows = (offs[0], offs[0] + lens[0])
                 cols = (offs[1], offs[1] + lens[1])
                 total += quantized_read_bytes(piece.quant, raw, rows, cols)
-            else:
+            elif self.fast:
+                _, stored, dtype = raw[piece.key]
+                total += fast_read_bytes(tuple(stored), tuple(lens), dtype.itemsize)
+            else:  # safe_open slices: the overlap alone
                 total += math.prod(lens) * raw[piece.key][2].itemsize
         return total
+
+
+def fast_read_bytes(stored: tuple[int, ...], lengths: tuple[int, ...], itemsize: int) -> int:
+    """What the fast reader reads of a region of ``lengths`` in a row-major stored tensor of
+    shape ``stored`` (``fast_read.split_region``): whole rows along the first axis the region
+    is longer than one on, every trailing axis whole."""
+    if math.prod(lengths) == 0:
+        return 0
+    nd = len(stored)
+    k = next((i for i, n in enumerate(lengths) if n > 1), max(nd - 1, 0))
+    rows = lengths[k] if nd else 1
+    return rows * math.prod(stored[k + 1 :]) * itemsize
 
 
 def quantized_read_bytes(w: Any, raw: dict, rows: tuple[int, int], cols: tuple[int, int]) -> int:

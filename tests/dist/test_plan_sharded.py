@@ -23,7 +23,10 @@ def sc_sharded_load(rank, world, recipe, sets, fmt):
     # the sharded load's order: build, shard EP then TP, quantize the rank's blocks, read them
     built = build_for(r, mesh, sharded=True, seeded=True, params=fmt)
     assert built.ep_sharded or built.tp_sharded
-    rep = load_checkpoint(built.model, r.checkpoint.path, mesh=mesh)
+    lo = r.load
+    rep = load_checkpoint(
+        built.model, r.checkpoint.path, mesh=mesh, reader=lo.reader, max_inflight=lo.max_inflight
+    )
     return {
         "rank": mesh.rank,
         "held": held_bytes(built.model),
@@ -73,7 +76,7 @@ def test_sharded_load_is_predicted_per_rank(checkpoints, source, kind, layout, f
         got, row = o.value, rows[o.value["rank"]]
         assert row.parameter_bytes == got["held"], (o.rank, row, got)
         assert row.bytes_read == got["read"], (o.rank, row, got)
-        assert row.transient_bytes == got["predicted"] == got["transient"], (o.rank, row, got)
+        assert row.transient_bytes == got["predicted"] >= got["transient"], (o.rank, row, got)
     # a rank holds less than the whole model: half of the sharded tensors
     whole = plan(load_recipe(recipe, sets[:2]), nproc_per_node=1).rows["load"][0]
     assert all(r.parameter_bytes < whole.parameter_bytes for r in rows)

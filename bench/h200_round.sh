@@ -36,6 +36,7 @@ mkdir -p "$OUT" "$RES"
 STEPS=(
   env:60
   gpu_phases:300
+  meta_tests:240
   ckpt_8l:240
   whole_8l:300
   meta_8l:240
@@ -77,6 +78,11 @@ step_whole_8l() {
 }
 step_whole_48l() {
   "$PY" -m bench.whole_command run "$CKPT48" --device cuda --ep 2 --json "$RES/whole_48l.json"
+}
+
+# meta builds on CUDA: fresh quantized fields, meta build + load == seeded build + load
+step_meta_tests() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_meta_build_gpu.py
 }
 
 # issue 17's bound for the whole qckpt load (meta build, one scratch: load.max_inflight=1):

@@ -24,6 +24,16 @@ class FieldSpec:
     fill: float = 0.0
 
 
+def _fill(t: torch.Tensor, value: float) -> None:
+    """``t.fill_(value)``; a 1-byte float (FP8 codes or scales) is filled through a uint8 view
+    with the value's bit pattern, which every device's fill kernel takes."""
+    if t.element_size() == 1 and t.dtype.is_floating_point:
+        byte = torch.tensor(value, dtype=torch.float32).to(t.dtype).view(torch.uint8)
+        t.view(torch.uint8).fill_(int(byte.item()))
+    else:
+        t.fill_(value)
+
+
 class Format:
     """One quantization format. Stateless: everything about a tensor lives in the
     QuantizedTensor's fields (tensors) and ``opts`` (plain Python values)."""
@@ -79,7 +89,7 @@ class Format:
         for name, spec in self.field_specs(tuple(shape), opts).items():
             t = torch.empty(spec.shape, dtype=spec.dtype, device=device)
             if t.device.type != "meta":
-                t.fill_(spec.fill)
+                _fill(t, spec.fill)
             out[name] = t
         return out
 

@@ -1,5 +1,5 @@
 """The host's own ceiling for reading a checkpoint dir: every file's bytes read in parallel
-(``os.preadv`` on a thread pool, 32 MiB pieces) into a ring of pinned host buffers, with no
+(``os.preadv`` on a thread pool, 16 MiB pieces) into a ring of pinned host buffers, with no
 parsing and no quantization; on CUDA also with each piece copied to the device (a ring of
 device buffers), which is the most any loader can do on this host.
 

@@ -168,6 +168,10 @@ class Recorder:
         # start-up is open from the beginning and ends where the first other phase begins
         self._stack: list[list[Any]] = [[STARTUP, self.t0, 0.0]]
         self._in_startup = True
+        # the highest resident set a meter sampled (the load's): VmHWM is updated lazily by
+        # the kernel (not when a thread's arena gives pages back with MADV_DONTNEED), so it can
+        # read below a value seen earlier; the whole command's peak is never below a window's
+        self.rss_seen = 0
         self.sampler = _AnonSampler(sample_anon_s) if sample_anon_s else None
         if self.sampler is not None:
             self.sampler.sample()
@@ -210,7 +214,7 @@ class Recorder:
 
     def peaks(self) -> dict[str, Any]:
         """The whole command's peaks so far (nothing here is ever reset)."""
-        out: dict[str, Any] = {"host_peak_rss_bytes": host_peak_rss()}
+        out: dict[str, Any] = {"host_peak_rss_bytes": max(host_peak_rss(), self.rss_seen)}
         if self.sampler is not None:
             self.sampler.sample()
             out["host_peak_anon_bytes"] = self.sampler.peak
@@ -257,6 +261,13 @@ def end() -> None:
 
 def current() -> Recorder | None:
     return _current
+
+
+def note_host_rss(nbytes: int) -> None:
+    """A resident-set size some meter sampled: the whole command's host peak holds it."""
+    rec = _current
+    if rec is not None and nbytes > rec.rss_seen:
+        rec.rss_seen = int(nbytes)
 
 
 @contextmanager

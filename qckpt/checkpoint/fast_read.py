@@ -54,8 +54,9 @@ from qckpt.checkpoint.safetensors_io import open_regular
 from qckpt.checkpoint.torch_save_layout import StoredTensor
 from qckpt.errors import CheckpointError
 
-CHUNK_BYTES = 32 << 20  # one read piece: large enough for full-speed reads, small to overlap
+CHUNK_BYTES = 16 << 20  # one read piece: large enough for full-speed reads, small to overlap
 DEFAULT_MAX_INFLIGHT = 2
+WINDOW_ITEMS = 256
 MAX_THREADS = 16
 
 
@@ -230,7 +231,10 @@ class FastReadEngine:
         self.max_inflight = int(max_inflight)
         self.threads = int(threads or default_threads())
         self.chunk_bytes = int(chunk_bytes or CHUNK_BYTES)
-        self.window = max(8, 2 * self.threads)  # items admitted ahead of the one committed
+        # items admitted ahead of the one committed: many, since small items (one expert of a
+        # fused tensor) need many in flight to keep the threads busy; the memory they hold is
+        # bounded elsewhere (max_inflight scratches, the pinned pool)
+        self.window = WINDOW_ITEMS
         self.bytes_read = 0
         self._local = threading.local()
         self._pool: PinnedPool | None = None

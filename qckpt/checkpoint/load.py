@@ -247,7 +247,7 @@ def load_checkpoint(
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     meter.close_window()
-    meter.sample()
+    meter.sample(force=True)
     bytes_read = int(getattr(reader, "bytes_read", 0))
     source = getattr(reader, "source", None)
     return LoadReport(

@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from qckpt import phases
 from qckpt.errors import CheckpointError, FormatError
 
 
@@ -122,6 +123,9 @@ def unwrap_prepended(t: torch.Tensor, k: int, name: str = "tensor") -> torch.Ten
     return t.view(t.shape[k:])
 
 
+RSS_EVERY_S = 0.005
+
+
 def _rss() -> int:
     try:
         import psutil
@@ -149,6 +153,7 @@ class MemoryMeter:
         self.t0 = time.perf_counter()
         self.base_rss = _rss()
         self.peak_rss = self.base_rss
+        self._rss_at, self._rss_last = time.perf_counter(), self.base_rss
         self.base_alloc = torch.cuda.memory_allocated(self.device) if self.cuda else 0
         # the command's high before this load (never reset: see the class doc)
         self.high_at_start = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
@@ -226,9 +231,15 @@ class MemoryMeter:
             )
             self._win = None
 
-    def sample(self) -> None:
-        rss = _rss()
-        self.peak_rss = max(self.peak_rss, rss)
+    def sample(self, force: bool = False) -> None:
+        # the host RSS costs a /proc read (0.1-0.3 ms): at most once per RSS_EVERY_S, or a
+        # load of 20k small items would spend seconds on it; the device level is free
+        t = time.perf_counter()
+        if force or t - self._rss_at >= RSS_EVERY_S or not self.samples:
+            self._rss_at, self._rss_last = t, _rss()
+            self.peak_rss = max(self.peak_rss, self._rss_last)
+            phases.note_host_rss(self._rss_last)
+        rss = self._rss_last
         if self.cuda:
             now = torch.cuda.memory_allocated(self.device)
             self._sampled_peak = max(self._sampled_peak, now)

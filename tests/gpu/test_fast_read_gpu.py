@@ -37,6 +37,14 @@ class Stack(nn.Module):
                 p.zero_()
 
 
+@pytest.fixture(autouse=True)
+def _small_pieces(monkeypatch):
+    # 1 MiB pieces: every weight in many pieces, each pinned buffer reused many times
+    import qckpt.checkpoint.fast_read as fast_read
+
+    monkeypatch.setattr(fast_read, "CHUNK_BYTES", 1 << 20)
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     from safetensors.torch import save_file
@@ -53,6 +61,8 @@ def dirs(tmp_path_factory):
         sd[k] = w.to(torch.bfloat16)
     root = tmp_path_factory.mktemp("fastgpu")
     save_model_dcp(sd, root / "dcp")
+    # FP32 values for BF16 params: cast on the host into the pinned buffer
+    save_model_dcp({k: v.float() for k, v in sd.items()}, root / "dcp-fp32")
     (root / "hf").mkdir()
     save_file(sd, str(root / "hf" / "model.safetensors"))
     return root
@@ -74,6 +84,16 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
     return all(same_tensor(sa[k], sb[k]) for k in sa)
 
 
+def test_cast_path_fast_equals_plain_on_cuda(dirs):
+    from qckpt.checkpoint.load import load_checkpoint
+
+    for fmt in ("none", "fp8"):
+        a, b = _model(fmt), _model(fmt)
+        load_checkpoint(a, dirs / "dcp-fp32", reader="fast")
+        load_checkpoint(b, dirs / "dcp-fp32", reader="plain")
+        assert _same(a, b), fmt
+
+
 @pytest.mark.parametrize("kind", ["dcp", "hf"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fast_equals_plain_on_cuda(dirs, fmt, kind):
@@ -93,3 +113,23 @@ def test_fast_equals_plain_on_cuda(dirs, fmt, kind):
     del a, b
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("fmt,kernel", [("fp8", "fp8_cast"), ("mxfp8", "mx_quantize")])
+def test_fast_load_quantizes_with_the_triton_kernels(dirs, monkeypatch, fmt, kernel):
+    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.formats import _triton
+
+    if not _triton.usable(fmt):
+        pytest.skip("triton kernels not usable on this GPU")
+    m = _model(fmt)  # its own quantize is not the load's
+    calls = []
+    real = getattr(_triton, kernel)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_triton, kernel, spy)
+    load_checkpoint(m, dirs / "dcp", reader="fast")
+    assert len(calls) >= LAYERS + 1  # every quantized destination of the load

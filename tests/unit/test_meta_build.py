@@ -125,6 +125,15 @@ def test_meta_build_loads_what_a_seeded_build_loads(ckpt, kind, fmt):
     assert torch.isfinite(b).all()
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_meta_build_stream_and_bulk_loads_agree(ckpt, fmt):
+    source, dirs, _ = ckpt
+    a, b = _built(source, fmt, seeded=False), _built(source, fmt, seeded=False)
+    load_checkpoint(a.model, dirs["dcp"], stream=True)
+    load_checkpoint(b.model, dirs["dcp"], stream=False)
+    assert_same_model(a.model, b.model)
+
+
 def test_non_persistent_buffers_equal_a_seeded_builds(ckpt):
     source = ckpt[0]
     seeded, meta = _built(source, "fp8", seeded=True), _built(source, "fp8", seeded=False)

@@ -42,11 +42,14 @@ STEPS=(
   meta_8l:240
   ckpt_48l:420
   whole_48l:540
+  fastread_48l:540
   meta_48l:420
   resident_tests:300
   resident_48l:600
   offload_ref_48l:540
   offload_48l:540
+  fastread_tests:240
+  load_bench:480
 )
 
 step_env() {
@@ -78,6 +81,30 @@ step_whole_8l() {
 }
 step_whole_48l() {
   "$PY" -m bench.whole_command run "$CKPT48" --device cuda --ep 2 --json "$RES/whole_48l.json"
+}
+
+# the fast read path (issue 18) on the 48-layer model: whole qckpt load processes into FP8 on one
+# GPU with load.reader fast and plain (reading GB/s, seconds, transient in each --json), and the
+# host's own ceiling for the same files (parallel read into pinned memory, and on to the GPU)
+step_fastread_48l() {
+  local r rc=0
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.read_ceiling "$CKPT48" --device cuda --warm \
+    | tee "$RES/ceiling_48l.json" || rc=1
+  for r in fast plain; do
+    CUDA_VISIBLE_DEVICES=0 "$PY" -m qckpt load configs/tiny-moe.yaml --set model.source="$CKPT48" \
+      --set checkpoint.path="$CKPT48" --set checkpoint.format=safetensors --set load.params=fp8 \
+      --set load.device=cuda --set load.reader=$r --json "$RES/fastread_48l_$r.json" || rc=1
+  done
+  return $rc
+}
+# fast reader on CUDA == plain for every format (pinned pieces, cast path, Triton kernels taken)
+step_fastread_tests() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_fast_read_gpu.py
+}
+# bench/load.py at full size (48 x 8192^2 DCP, 6.4 GB): fast vs plain reader, stream vs plain on
+# the same reader, host read ceiling, side by side; exit 1 if a target is missed
+step_load_bench() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.load --dir "$WORK/loadbench" --json "$RES/load_bench.json"
 }
 
 # meta builds on CUDA: fresh quantized fields, meta build + load == seeded build + load

@@ -11,15 +11,15 @@ from qckpt.cli._options import JsonOpt, RecipeArg, SetOpt
 from qckpt.errors import UsageError
 
 
-def _device_bytes(text: str | None) -> int | None:
+def _size(text: str | None, flag: str) -> int | None:
     if text is None:
         return None
-    from qckpt.recipe import parse_size
+    from qckpt.plan.layouts import parse_memory
 
     try:
-        return parse_size(text)
+        return parse_memory(text)
     except ValueError as exc:
-        raise UsageError(f"--gpu-memory: {exc}") from None
+        raise UsageError(f"{flag}: {exc}") from None
 
 
 def plan_cmd(
@@ -39,6 +39,15 @@ def plan_cmd(
             "--gpu-memory",
             metavar="SIZE",
             help="Memory of one GPU (141GB, 139GiB): say what fits and suggest a layout.",
+            show_default=False,
+        ),
+    ] = None,
+    host_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--host-memory",
+            metavar="SIZE",
+            help="Host memory of one node (2TB): also check what offload and export keep there.",
             show_default=False,
         ),
     ] = None,
@@ -80,7 +89,8 @@ def plan_cmd(
         raise UsageError(f"--nproc-per-node: must be >= 1, got {nproc_per_node}")
     if nnodes < 1:
         raise UsageError(f"--nnodes: must be >= 1, got {nnodes}")
-    device_bytes = _device_bytes(gpu_memory)
+    device_bytes = _size(gpu_memory, "--gpu-memory")
+    host_bytes = _size(host_memory, "--host-memory")
     from qckpt.plan.layouts import parse_layout
 
     r = load_recipe(recipe, set_ or [])
@@ -97,6 +107,7 @@ def plan_cmd(
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         device_bytes=device_bytes,
+        host_bytes=host_bytes,
         layouts=extra,
     )
     data = res.to_dict()

@@ -55,6 +55,7 @@ class PlanResult:
     nnodes: int
     device_bytes: int | None
     layout: Layout
+    host_bytes: int | None = None
     checkpoint: str
     model: dict[str, Any]
     rows: dict[str, list[RankFigures]]
@@ -80,6 +81,7 @@ class PlanResult:
             "nproc_per_node": self.nproc_per_node,
             "nnodes": self.nnodes,
             "gpu_memory_bytes": self.device_bytes,
+            "host_memory_bytes": self.host_bytes,
             "layout": lay(self.layout),
             "checkpoint": self.checkpoint,
             "model": self.model,
@@ -125,10 +127,19 @@ def _whole(source: str, dtype: str) -> nn.Module:
 class _Planner:
     """The whole model on meta, its checkpoint's metadata, and the recipe; plans layouts."""
 
-    def __init__(self, recipe: Recipe, world: int, nproc: int, device_bytes: int | None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        world: int,
+        nproc: int,
+        device_bytes: int | None,
+        host_bytes: int | None = None,
+    ):
         from qckpt.models.build import model_type
 
         self.recipe, self.world, self.nproc, self.device_bytes = recipe, world, nproc, device_bytes
+        # a node's host memory, shared by its ranks
+        self.host_share = None if host_bytes is None else host_bytes // nproc
         self.whole = _whole(recipe.model.source, recipe.model.dtype)
         expected = {k: v.shape for k, v in self.whole.state_dict(keep_vars=True).items()}
         self.reads = Reads.open(
@@ -262,7 +273,7 @@ class _Planner:
                         offload=off,
                         max_inflight=inflight,
                     )
-            out.append(replace(done[key], rank=rank).judge(self.device_bytes))
+            out.append(replace(done[key], rank=rank).judge(self.device_bytes, self.host_share))
         return out
 
     def _export(self, ranks: list[tuple[int, int, int, int]]) -> list[RankFigures]:
@@ -270,7 +281,7 @@ class _Planner:
         return [
             export_figures(
                 rank=rank, largest=largest, bytes_read=split_evenly(total, self.world, rank)
-            ).judge(self.device_bytes)
+            ).judge(self.device_bytes, self.host_share)
             for rank, *_ in ranks
         ]
 
@@ -288,7 +299,13 @@ class _Planner:
                 for off in OFFLOADS
                 for act in ACTIVATIONS
             ]
-            cands = [c for c in every if c.problem() is None]
+            # a layout that holds weights or activations in host memory is suggested only
+            # when the host memory is known (--host-memory)
+            cands = [
+                c
+                for c in every
+                if c.problem() is None and (self.host_share is not None or not c.uses_host)
+            ]
         first = [self.ranks(Layout())[0]]  # rank 0 holds the most (equal blocks; data rank 0)
         for cand in sorted(cands, key=preference):
             try:
@@ -307,6 +324,7 @@ def plan(
     nproc_per_node: int,
     nnodes: int = 1,
     device_bytes: int | None = None,
+    host_bytes: int | None = None,
     layouts: list[Layout] | tuple[Layout, ...] = (),
     suggest: bool = True,
 ) -> PlanResult:
@@ -323,7 +341,7 @@ def plan(
         why = check_world(lay, world, nproc_per_node)
         if why:
             raise UsageError(f"--layout {lay.label()}: {why}")
-    p = _Planner(recipe, world, nproc_per_node, device_bytes)
+    p = _Planner(recipe, world, nproc_per_node, device_bytes, host_bytes)
     p.sharded(base)  # a split the model refuses is refused here, as the command would
     ranks = p.ranks(base)
     rows = {c: p.figures(base, c, ranks, reads=True) for c in COMMANDS}
@@ -344,6 +362,7 @@ def plan(
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         device_bytes=device_bytes,
+        host_bytes=host_bytes,
         layout=base,
         checkpoint=p.reads.describe,
         model=_model_summary(p),

@@ -5,16 +5,19 @@ A :class:`Layout` is what a user sets in the recipe (``parallel.ep``, ``parallel
 ``--set`` arguments. :func:`candidates` lists the ones worth planning for a world, and
 :func:`preference` orders them: the suggestion is the first that fits.
 
-Order of preference (the "smallest" layout): no offload before host offload before layer
+A layout holding weights or activations in host memory is suggested only when the host memory
+is given. Order of preference (the "smallest" layout): no offload before host offload before layer
 offload (offload re-reads or copies every layer and is the slowest), activations kept on the
 device before on the host (copied both ways for every layer); BF16-resident weights
 before quantized ones (calibration statistics from the model's own values); then the fewest
-model-parallel ranks (ep x tp: the rest of the world is data parallel, the cheapest split);
+model-parallel ranks (ep x tp: the rest of the world is data parallel, the cheapest split), but
+with offload the most (every rank reads its share of the weights, EP each expert once);
 then EP before TP (expert-parallel results are bit-identical to one process, TP's to rounding).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +71,11 @@ class Layout:
                 out.append(f"calibrate.{recipe_key}={mine}")
         return out
 
+    @property
+    def uses_host(self) -> bool:
+        """Weights or activations held in host memory."""
+        return self.offload == "host" or self.activations == "host"
+
     def problem(self) -> str | None:
         """Why the recipe would refuse this combination (None when it would not)."""
         if self.offload != "none" and self.resident != "bf16":
@@ -75,6 +83,22 @@ class Layout:
         if self.activations == "host" and self.offload == "none":
             return "activations=host needs offload=layer or host"
         return None
+
+
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?B|B)?\s*$", re.I)
+
+
+def parse_memory(text: str) -> int:
+    """'141GB' -> 141 * 10**9, '139GiB' -> 139 * 2**30 (a memory size, up to 1 EiB)."""
+    m = _MEMORY.match(str(text))
+    if not m:
+        raise ValueError(f"not a size like '141GB' or '139GiB': {str(text)[:40]!r}")
+    unit = (m.group(2) or "B").upper()
+    scale = 1 if unit == "B" else (1024 if "I" in unit else 1000) ** ("KMGTP".index(unit[0]) + 1)
+    n = int(float(m.group(1)) * scale)
+    if not 0 < n <= 2**60:
+        raise ValueError(f"must be between 1 byte and 1 EiB, got {str(text)[:40]!r}")
+    return n
 
 
 def parse_layout(spec: str, base: Layout) -> Layout:
@@ -131,7 +155,10 @@ def preference(layout: Layout) -> tuple:
     offload = {"none": 0, "host": 1, "layer": 2}[layout.offload]
     resident = RESIDENT_FORMATS.index(layout.resident)
     moved = layout.activations != "device"
-    return (offload, moved, resident != 0, layout.model_parallel, layout.tp, resident)
+    # offloaded, every rank reads its share of the model for every calibration: the most
+    # expert-parallel split reads the least; resident, the fewest model-parallel ranks
+    split = -layout.model_parallel if offload else layout.model_parallel
+    return (offload, moved, resident != 0, split, layout.tp, resident)
 
 
 def recipe_layout(recipe: Any) -> Layout:

@@ -55,7 +55,9 @@ class RankFigures:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def judge(self, device_bytes: int | None) -> RankFigures:
+    def judge(self, device_bytes: int | None, host_share: int | None = None) -> RankFigures:
+        """Peak and fit: ``device_bytes`` of one GPU; ``host_share`` (when given) the host
+        memory one rank may take (a node's divided by its ranks)."""
         self.peak_bytes = (
             self.parameter_bytes
             + self.transient_bytes
@@ -64,6 +66,8 @@ class RankFigures:
             + self.slack_bytes
         )
         self.fits = None if device_bytes is None else self.peak_bytes <= device_bytes
+        if self.fits and host_share is not None:
+            self.fits = self.host_bytes <= host_share
         return self
 
 

@@ -106,7 +106,12 @@ def render_plan(data: dict[str, Any], console: Console) -> None:
         f"parameters, {human_bytes(model['bytes'])} at {model['dtype']}) on {world} rank(s) "
         f"({data['nproc_per_node']} x {data['nnodes']} node(s)), {lay['label']}, "
         f"dp={world // (lay['ep'] * lay['tp'])}; GPU memory "
-        f"{human_bytes(mem) if mem is not None else 'not given'}",
+        f"{human_bytes(mem) if mem is not None else 'not given'}"
+        + (
+            f", host memory {human_bytes(h)} per node"
+            if (h := data.get("host_memory_bytes"))
+            else ""
+        ),
         markup=False,
         highlight=False,
     )

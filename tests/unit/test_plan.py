@@ -150,7 +150,8 @@ def test_too_small_a_gpu_does_not_fit_and_gets_a_layout_that_does(tmp_path):
     ("args", "message"),
     [
         (["--nnodes", "0"], "--nnodes: must be >= 1, got 0"),
-        (["--gpu-memory", "12XB"], "--gpu-memory: not a size like '5GB' or '512MiB': '12XB'"),
+        (["--gpu-memory", "12XB"], "--gpu-memory: not a size like '141GB' or '139GiB': '12XB'"),
+        (["--host-memory", "0GB"], "--host-memory: must be between 1 byte and 1 EiB, got '0GB'"),
         (["--layout", "pp=2"], "--layout 'pp=2': unknown layout key 'pp'"),
         (["--layout", "offload=disk"], "offload must be one of none, layer, host; got 'disk'"),
         (["--layout", "ep=3"], "--layout ep=3,tp=1: ep x tp = 3 does not divide the world size 2"),

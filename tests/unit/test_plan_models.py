@@ -56,3 +56,13 @@ def test_deepseek_v3_on_two_nodes_of_h200(monkeypatch):
     one_node = plan(_recipe("deepseek-v3"), nproc_per_node=8, device_bytes=141 * 10**9)
     sug = one_node.suggestions["calibrate"]
     assert sug is not None and sug.ep == 8 and sug.resident != "bf16"
+
+
+def test_kimi_k2_on_one_node_calibrates_layer_by_layer(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    # 1 T parameters: even FP8-resident over EP8 is past 139 GiB a GPU; host offload would need
+    # the host memory, not given: the suggestion reads one layer at a time, each expert once
+    res = plan(_recipe("kimi-k2", "parallel.ep=8"), nproc_per_node=8, device_bytes=139 * 2**30)
+    assert res.fits("load") and not res.fits("calibrate")
+    sug = res.suggestions["calibrate"]
+    assert (sug.offload, sug.activations, sug.ep, sug.resident) == ("layer", "device", 8, "bf16")

@@ -22,44 +22,49 @@ def _size(text: str | None, flag: str) -> int | None:
         raise UsageError(f"{flag}: {exc}") from None
 
 
+NprocOpt = Annotated[
+    int,
+    typer.Option(
+        "--nproc-per-node", metavar="N", help="Processes (GPUs) per node the plan is for."
+    ),
+]
+NnodesOpt = Annotated[int, typer.Option("--nnodes", metavar="M", help="Nodes (world size N x M).")]
+GpuMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="Memory of one GPU (141GB, 139GiB): say what fits and suggest a layout.",
+        show_default=False,
+    ),
+]
+HostMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--host-memory",
+        metavar="SIZE",
+        help="Host memory of one node (2TB): also check what offload and export keep there.",
+        show_default=False,
+    ),
+]
+LayoutOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--layout",
+        metavar="ep=E,tp=T,resident=R,offload=O,activations=A",
+        help="Also plan this layout (keys not given: the recipe's). Repeatable.",
+        show_default=False,
+    ),
+]
+
+
 def plan_cmd(
     recipe: RecipeArg,
-    nproc_per_node: Annotated[
-        int,
-        typer.Option(
-            "--nproc-per-node", metavar="N", help="Processes (GPUs) per node the plan is for."
-        ),
-    ],
-    nnodes: Annotated[
-        int, typer.Option("--nnodes", metavar="M", help="Nodes (world size = N x M).")
-    ] = 1,
-    gpu_memory: Annotated[
-        str | None,
-        typer.Option(
-            "--gpu-memory",
-            metavar="SIZE",
-            help="Memory of one GPU (141GB, 139GiB): say what fits and suggest a layout.",
-            show_default=False,
-        ),
-    ] = None,
-    host_memory: Annotated[
-        str | None,
-        typer.Option(
-            "--host-memory",
-            metavar="SIZE",
-            help="Host memory of one node (2TB): also check what offload and export keep there.",
-            show_default=False,
-        ),
-    ] = None,
-    layout: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--layout",
-            metavar="ep=E,tp=T,resident=R,offload=O",
-            help="Also plan this layout (keys not given: the recipe's). Repeatable.",
-            show_default=False,
-        ),
-    ] = None,
+    nproc_per_node: NprocOpt,
+    nnodes: NnodesOpt = 1,
+    gpu_memory: GpuMemoryOpt = None,
+    host_memory: HostMemoryOpt = None,
+    layout: LayoutOpt = None,
     set_: SetOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
@@ -74,10 +79,9 @@ def plan_cmd(
 
         qckpt plan configs/tiny-moe.yaml --nproc-per-node 2
 
-        qckpt plan configs/models/qwen3-30b-a3b/plan.yaml --nproc-per-node 2 --gpu-memory 141GB
+        qckpt plan configs/models/qwen3-30b-a3b/plan.yaml --nproc-per-node 2 --gpu-memory 139GiB
 
-        qckpt plan configs/models/deepseek-v3/plan.yaml --nproc-per-node 8 --nnodes 2
-        --gpu-memory 141GB --layout ep=16,resident=fp8 --json plan.json
+        qckpt plan configs/models/deepseek-v3/plan.yaml --nproc-per-node 8 --nnodes 2 --gpu-memory 139GiB --set parallel.ep=16 --layout ep=16,resident=fp8 --json plan.json
     """
     from qckpt.cli._common import refuse_code_in_sources
     from qckpt.outputs import guard as guard_paths

@@ -90,6 +90,9 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         report.update(weights_resident=resident, param_bytes=held_bytes(report["offload"]))
     else:
         report.update(weights_resident=resident, param_bytes=param_bytes(model))
+        from qckpt.report import human_bytes
+
+        hooks.log(f"parameters held: {human_bytes(report['param_bytes'])} ({resident})")
     out = recipe.calibrate.output
     if mesh.is_main:
         with phases.phase(phases.WRITE):

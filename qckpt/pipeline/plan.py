@@ -350,6 +350,8 @@ def plan(
         p.sharded(lay)
         extra[lay.label()] = {c: p.figures(lay, c, p.ranks(lay), reads=True) for c in COMMANDS}
     notes = [p.reads.describe]
+    if recipe.load.backend == "te":
+        notes.append("load.backend te: planned as qckpt's native formats of the same name")
     why = check_world(base, world, nproc_per_node)
     if why:
         notes.append(f"the recipe's layout: {why} (TP across nodes is slow)")

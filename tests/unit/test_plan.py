@@ -88,6 +88,16 @@ def test_one_rank_load_is_predicted_exactly(checkpoints, kind, fmt, reader):
     assert (row.transient_bytes > 0) == (fmt != "none")
 
 
+def test_fp32_main_params_are_counted(checkpoints):
+    sets = [f"checkpoint.path={checkpoints / 'dcp'}", "load.main_params=fp32"]
+    r = load_recipe(RECIPE, sets)
+    built = build_for(r, Mesh(), sharded=False, seeded=True, params="fp8")
+    rep = load_checkpoint(built.model, r.checkpoint.path, mesh=Mesh(), main_params="fp32")
+    (row,) = plan(r, nproc_per_node=1).rows["load"]
+    assert rep.main_params_bytes > 0
+    assert row.parameter_bytes == held_bytes(built.model) + rep.main_params_bytes
+
+
 def test_no_checkpoint_reads_the_bf16_size():
     r = load_recipe(RECIPE, ["checkpoint.path=/nonexistent/dcp"])
     res = plan(r, nproc_per_node=1)

@@ -174,3 +174,26 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_plan_vs_measured_puts_each_rank_beside_its_peak(tmp_path):
+    import subprocess
+    import sys
+
+    plan_json = {"commands": {"load": [
+        {"rank": 0, "peak_bytes": 2**30, "host_bytes": 0},
+        {"rank": 1, "peak_bytes": 2**30, "host_bytes": 0},
+    ]}}  # fmt: skip
+    measured = {
+        "peaks": {"device_peak_bytes": 2**30 // 2},
+        "runs": [{"ranks": [{"rank": 1, "peaks": {"device_peak_bytes": 2**30}}]}],
+    }
+    (tmp_path / "p.json").write_text(json.dumps(plan_json))
+    (tmp_path / "m.json").write_text(json.dumps(measured))
+    script = str(ROOT / "scripts" / "plan_vs_measured.py")
+    args = [sys.executable, script, str(tmp_path / "p.json"), "load", str(tmp_path / "m.json")]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [ln.split()[1:] for ln in out[1:]] == [
+        ["0", "1.00", "0.50", "0.500"],
+        ["1", "1.00", "1.00", "1.000"],
+    ]

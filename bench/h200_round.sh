@@ -45,6 +45,7 @@ STEPS=(
   fastread_48l:540
   meta_48l:420
   resident_tests:300
+  resident_8l:420
   resident_48l:600
   offload_ref_48l:540
   offload_48l:540
@@ -129,13 +130,19 @@ step_meta_48l() {
 step_resident_tests() {
   CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_resident_gpu.py
 }
-step_resident_48l() {
+resident_bench() {  # CKPT JSON [bench args]
   CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.resident_calibration configs/tiny-moe.yaml \
-    --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
+    --set model.source="$1" --set checkpoint.path="$1" \
     --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=600 \
     --set calibrate.data.num_samples=16 --set calibrate.data.seq_len=256 \
-    --set calibrate.data.batch_size=4 --formats bf16,fp8 --max-ratio 0.6 \
-    --json "$RES/resident_48l.json"
+    --set calibrate.data.batch_size=4 --json "$2" "${@:3}"
+}
+# 8 layers: a quick first look (the BF16 embeddings and lm_head, 1.2 GB, weigh more here)
+step_resident_8l() {
+  resident_bench "$CKPT8" "$RES/resident_8l.json" --formats bf16,fp8,fp8_block
+}
+step_resident_48l() {
+  resident_bench "$CKPT48" "$RES/resident_48l.json" --formats bf16,fp8 --max-ratio 0.6
 }
 
 # calibrate.offload: layer (issue 17) on the 48-layer model. offload_ref_48l: the resident

@@ -127,15 +127,18 @@ class WriteOptions:
     device: str = "cpu"  # a torch device: "cpu", "cuda", "cuda:1"
     readers: int = 2
     writers: int = 4
+    quantizers: int | None = None  # None: 1 on the CPU, 4 on a GPU (export_pipeline.write_files)
     # process-wide (glibc): large blocks mmapped and unmapped when freed, so that the host bytes
     # the writer gives back leave the RSS (export_pipeline.unmap_large_allocations); the export
     # command sets it, a library caller decides for its own process
     unmap_large_allocations: bool = False
 
     def __post_init__(self) -> None:
-        if not 1 <= self.readers <= 64 or not 1 <= self.writers <= 64:
+        q = 1 if self.quantizers is None else self.quantizers
+        if not 1 <= self.readers <= 64 or not 1 <= self.writers <= 64 or not 1 <= q <= 64:
             raise ExportError(
-                f"readers and writers must be 1..64, got {self.readers}, {self.writers}"
+                f"readers, writers and quantizers must be 1..64, got {self.readers}, "
+                f"{self.writers}, {self.quantizers}"
             )
 
 
@@ -154,6 +157,7 @@ def _write_rank(
             device=opts.device,
             readers=opts.readers,
             writers=opts.writers,
+            quantizers=opts.quantizers,
             progress=progress,
             should_stop=team.check_peers,
         )

@@ -24,6 +24,7 @@ each tensor has one planned place, and GPU and CPU quantization are bit-identica
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import math
 import queue
@@ -268,12 +269,18 @@ class _Pipeline:
         device: torch.device,
         readers: int,
         writers: int,
+        quantizers: int,
     ) -> None:
         self.plan = plan
         self.device = device
         self.items = _items(plan, set(files))
         largest = max([it.host_bytes for it in self.items] + [1])
         self.budget = HostBudget(2 * largest)
+        # on a GPU, what the quantize threads hold there together (their streams overlap one
+        # tensor's copies with another's kernels): the same 2 x largest as one thread would
+        on_dev = [it.host_bytes for it in self.items if self._on_device(it)]
+        self.dev_budget = HostBudget(2 * max(on_dev + [1]))
+        self.streams = threading.local()
         self.stats = WriteStats(files=[plan.shards.files[i] for i in files])
         self.stats.budget_bytes = self.budget.cap
         self.sampler = AnonSampler()
@@ -283,8 +290,11 @@ class _Pipeline:
         dcp = plan.source.format == "dcp"  # its reader keeps per-load state: one thread
         self.read_pool = cf.ThreadPoolExecutor(1 if dcp else readers, "qckpt-read")
         self.write_pool = cf.ThreadPoolExecutor(writers, "qckpt-write")
+        self.quant_pool = cf.ThreadPoolExecutor(quantizers, "qckpt-quantize")
         self.ready: queue.Queue = queue.Queue()
-        self.pending: list[cf.Future] = []
+        self.pending: list[cf.Future] = []  # writes
+        self.jobs: list[cf.Future] = []  # quantize jobs
+        self.finished: collections.deque[str] = collections.deque()
         self.lock = threading.Lock()
         self.done = 0
         for i in files:
@@ -333,17 +343,9 @@ class _Pipeline:
         self.sampler.sample()
 
     def _submit(self, *args: Any) -> None:
-        self._raise_failed_writes()
-        self.pending.append(self.write_pool.submit(self._write, *args))
-
-    def _raise_failed_writes(self) -> None:
-        keep = []
-        for fut in self.pending:
-            if not fut.done():
-                keep.append(fut)
-            elif fut.exception() is not None:
-                raise fut.exception()
-        self.pending = keep
+        with self.lock:
+            self.pending = _unfinished(self.pending)
+            self.pending.append(self.write_pool.submit(self._write, *args))
 
     # -- quantize ------------------------------------------------------------------------------
     def _outputs(self, it: _Item, box: list) -> Iterator[tuple[int, str, torch.Tensor, bool]]:
@@ -367,10 +369,47 @@ class _Pipeline:
                 yield f, name, q, False
             del v
 
+    def _on_device(self, it: _Item) -> bool:
+        return it.quantized_only and self.device.type != "cpu"
+
+    def _stream(self) -> Any:
+        """This quantize thread's own CUDA stream (None on the CPU)."""
+        if self.device.type != "cuda":
+            return None
+        if getattr(self.streams, "s", None) is None:
+            self.streams.s = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self.streams.s)
+
+    def _job(self, it: _Item, fut: cf.Future) -> None:
+        """One item on a quantize thread (its own stream on a GPU)."""
+        box = fut.result()
+        del fut
+        if self._on_device(it):
+            cost = it.host_bytes + it.out_bytes
+            self.dev_budget.take(cost)
+            try:
+                with self._stream():
+                    self._process(it, box)
+            finally:
+                self.dev_budget.give(cost)
+        else:
+            self._process(it, box)
+        if it.entry is not None:
+            self.finished.append(it.entry.name)  # reported by the calling thread
+
+    def _report(self, progress: ProgressFn | None, n: int) -> None:
+        """Progress of the items finished so far, from the calling thread (a callback that
+        blocks or raises, Ctrl-C included, then stops the calling thread, never a worker)."""
+        while self.finished:
+            name = self.finished.popleft()
+            self.done += 1
+            if progress is not None:
+                progress(self.done, n, name)
+
     def _process(self, it: _Item, box: list) -> None:
         t0 = time.perf_counter()
         hold = _Hold(self.budget, it.host_bytes)
-        if it.quantized_only and self.device.type != "cpu":
+        if self._on_device(it):
             box.append(box.pop().to(self.device))  # one copy; the host tensor is dropped here
             hold.unref()
             hold = None
@@ -382,15 +421,19 @@ class _Pipeline:
                 hold.ref()
             give = 0 if alias else min(q.nbytes, out_left)
             out_left -= give
-            self.stats.quantize_seconds += time.perf_counter() - t0
+            self._busy(time.perf_counter() - t0)
             self._submit(self.out[f], name, q, give, hold if alias else None)
             del q
             t0 = time.perf_counter()
         self.budget.give(out_left)  # reserved, never written (nothing, unless the plan was off)
         if hold is not None:
             hold.unref()
-        self.stats.quantize_seconds += time.perf_counter() - t0
+        self._busy(time.perf_counter() - t0)
         self.sampler.sample()
+
+    def _busy(self, seconds: float) -> None:
+        with self.lock:
+            self.stats.quantize_seconds += seconds
 
     # -- the whole -----------------------------------------------------------------------------
     def run(self, progress: ProgressFn | None, should_stop: Callable[[], None] | None) -> None:
@@ -402,17 +445,22 @@ class _Pipeline:
                 if isinstance(got, BaseException):
                     raise got
                 it, fut = got
+                del got
                 if should_stop is not None:
                     should_stop()
-                box = fut.result()
-                del got, fut
-                self._process(it, box)
-                if it.entry is not None:
-                    self.done += 1
-                    if progress is not None:
-                        progress(self.done, n, it.entry.name)
-            for fut in self.pending:
-                fut.result()
+                self._report(progress, n)
+                self.jobs = _unfinished(self.jobs)  # raises a failed job's error
+                self.jobs.append(self.quant_pool.submit(self._job, it, fut))
+                del fut
+            while self.jobs:
+                cf.wait(self.jobs, timeout=0.1, return_when=cf.FIRST_COMPLETED)
+                self.jobs = _unfinished(self.jobs)
+                self._report(progress, n)
+            self._report(progress, n)
+            with self.lock:
+                writes = list(self.pending)
+            for w in writes:
+                w.result()
             for f in self.out.values():
                 f.close()
         finally:
@@ -428,10 +476,23 @@ class _Pipeline:
                 self.ready.get(timeout=0.05)
             except queue.Empty:
                 pass
+        self.dev_budget.stop()
         self.read_pool.shutdown(wait=True, cancel_futures=True)
+        self.quant_pool.shutdown(wait=True, cancel_futures=True)
         self.write_pool.shutdown(wait=True, cancel_futures=True)
         for f in self.out.values():
             f.abort()
+
+
+def _unfinished(futures: list[cf.Future]) -> list[cf.Future]:
+    """The futures still running; raises the first finished one's error."""
+    keep = []
+    for fut in futures:
+        if not fut.done():
+            keep.append(fut)
+        elif fut.exception() is not None:
+            raise fut.exception()
+    return keep
 
 
 def write_files(
@@ -442,15 +503,21 @@ def write_files(
     device: torch.device | str = "cpu",
     readers: int = 2,
     writers: int = 4,
+    quantizers: int | None = None,
     progress: ProgressFn | None = None,
     should_stop: Callable[[], None] | None = None,
 ) -> WriteStats:
     """Write shard files ``files`` (indices into ``plan.shards.files``) of ``plan`` into ``tmp``.
 
-    ``should_stop()`` is called before each source tensor and may raise to stop the write (a
+    ``quantizers``: threads that quantize (default: 1 on the CPU, whose kernels are threaded
+    already; 4 on a GPU, each on its own stream). ``should_stop()`` is called before each
+    source tensor and may raise to stop the write (a
     peer rank failed). Nothing else is written (no index, config or marker). Raises what a
     stage raised; the files may then be partly written (the caller discards the directory).
     """
-    pipe = _Pipeline(plan, Path(tmp), files, torch.device(device), readers, writers)
+    dev = torch.device(device)
+    if quantizers is None:  # a GPU: overlap one tensor's copies with the next one's kernels
+        quantizers = 1 if dev.type == "cpu" else 4
+    pipe = _Pipeline(plan, Path(tmp), files, dev, readers, writers, quantizers)
     pipe.run(progress, should_stop)
     return pipe.stats

@@ -26,7 +26,7 @@ def test_files_are_the_same_whatever_the_threads(tmp_path):
     q = quant_config("channel", "token")
     cal = make_calibration(model, q)
     outs = []
-    for i, (readers, writers) in enumerate([(1, 1), (4, 8), (2, 3)]):
+    for i, (readers, writers, quantizers) in enumerate([(1, 1, 1), (4, 8, 3), (2, 3, None)]):
         out = tmp_path / f"out-{i}"
         rep = export_checkpoint(
             source=hf_dir,
@@ -36,7 +36,7 @@ def test_files_are_the_same_whatever_the_threads(tmp_path):
             model_config=model.config,
             quant=q,
             export=ExportConfig(max_shard_size="20KB"),
-            options=WriteOptions(readers=readers, writers=writers),
+            options=WriteOptions(readers=readers, writers=writers, quantizers=quantizers),
         )
         assert rep.shards > 5 and rep.tensors_written > 100
         outs.append(_tree(out))

@@ -51,6 +51,8 @@ STEPS=(
   offload_48l:540
   fastread_tests:240
   load_bench:480
+  calib_speed:300
+  calib_dp:540
 )
 
 step_env() {
@@ -177,6 +179,22 @@ step_offload_48l() {
   "$PY" bench/calibrate_offload.py compare "$RES/cal_ep2.safetensors" \
     "$RES/cal_off_ep2.safetensors" | tee "$RES/offload_cmp_off_ep2.json" || rc=1
   return $rc
+# calibration forward speed (issue 18), cuda:0: plain (transformers eager and grouped_mm experts)
+# vs instrumented (calibrate.moe_forward eager and grouped) forwards of the 48-layer shape built
+# from its config (random weights, no checkpoint read), tokens/s and ratios, and the amaxes of
+# the grouped run against the eager one (bit-identical or the measured difference)
+step_calib_speed() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.calibrate_speed forward --preset qwen3-30b-a3b \
+    --device cuda --batches 8 --batch-size 4 --seq-len 512 --json "$RES/calib_speed.json"
+}
+# DP scaling of `qckpt calibrate`: one process vs torchrun --nproc-per-node 2, same recipe and
+# data (the batches dealt over the ranks), whole command and the calibration forward
+step_calib_dp() {
+  "$PY" -m bench.calibrate_speed dp configs/tiny-moe.yaml --nproc 2 \
+    --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
+    --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=600 \
+    --set calibrate.data.num_samples=1024 --set calibrate.data.seq_len=512 \
+    --set calibrate.data.batch_size=8 --json "$RES/calib_dp.json"
 }
 
 # ---- the runner ---------------------------------------------------------------------------------

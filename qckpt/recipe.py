@@ -152,9 +152,18 @@ class CalibrateConfig:
     offload: Literal["none", "layer", "host"] = "none"
     # with offload: where a layer's outputs (the next layer's inputs) are kept between layers
     activations: Literal["device", "host"] = "device"
+    # the fused MoE experts' forward while calibrating: eager (one GEMM per expert, the values
+    # of transformers' eager loop bit for bit) or grouped (grouped GEMMs, several times faster
+    # on a GPU; a GEMM kernel of its own may round differently: see docs/BENCHMARKS.md)
+    moe_forward: Literal["eager", "grouped"] = "eager"
 
     def validate(self, path: str) -> None:
         self.data.validate(f"{path}.data")
+        if self.moe_forward == "grouped" and self.weights_resident != "bf16":
+            raise RecipeError(
+                f"{path}.moe_forward: grouped needs {path}.weights_resident: bf16 "
+                f"(got {self.weights_resident}; the grouped GEMMs take whole expert weights)"
+            )
         if self.activations == "host" and self.offload == "none":
             raise RecipeError(
                 f"{path}.activations: host needs {path}.offload: layer or host "

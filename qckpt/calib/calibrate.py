@@ -34,6 +34,7 @@ from qckpt.calib.instrument import (
     insert_quantizers,
     instrumentation,
     remove_quantizers,
+    settle,
 )
 from qckpt.calib.quantizer import TensorQuantizer
 from qckpt.calib.state_file import CalibrationState, model_fingerprint, model_names_shapes
@@ -59,6 +60,7 @@ def calibrate_model(
     calib_dtype: torch.dtype = torch.float32,
     weight_amax: Mapping[str, torch.Tensor] | None = None,
     runner: Any = None,
+    moe_forward: str = "eager",
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
 
@@ -66,12 +68,14 @@ def calibrate_model(
     weights, :mod:`qckpt.calib.weight_amax`); the forwards then run on dequantized weights.
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
+    ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
     """
     t0 = time.perf_counter()
     share, dev = share_expert_inputs, None if runner is None else runner.device
-    quantizers = insert_quantizers(
-        model, quant_cfg, share_expert_inputs=share, calib_dtype=calib_dtype, device=dev
+    kw = dict(
+        share_expert_inputs=share, calib_dtype=calib_dtype, device=dev, moe_forward=moe_forward
     )
+    quantizers = insert_quantizers(model, quant_cfg, **kw)
     try:
         instr = instrumentation(model)
         tp_mods = linear_shards(model)
@@ -80,10 +84,7 @@ def calibrate_model(
         failure: BaseException | None = None
         tokens = 0
         try:
-            if runner is None:
-                tokens = _resident_pass(model, batches, progress, weight_amax)
-            else:
-                tokens = runner.run(model, batches, progress)
+            tokens = _forwards(model, batches, progress, weight_amax, runner)
         except Exception as exc:  # noqa: BLE001 - re-raised below after telling the other ranks
             failure = exc
         t_fwd = time.perf_counter()
@@ -127,6 +128,17 @@ def calibrate_model(
         return state, report
     finally:
         remove_quantizers(model)
+
+
+def _forwards(model, batches, progress, weight_amax, runner) -> int:
+    """Steps 2-3, resident or one layer at a time; then the amaxes the forwards deferred are
+    folded in (and checked for non-finite values), one host sync rather than one per hook."""
+    if runner is None:
+        tokens = _resident_pass(model, batches, progress, weight_amax)
+    else:
+        tokens = runner.run(model, batches, progress)
+    settle(model)
+    return tokens
 
 
 def _resident_pass(

@@ -7,9 +7,10 @@
   slices of the fused weights, named as ``save_pretrained`` names them, see
   :func:`qckpt.models.naming.expert_slices`) and its own input quantizers. An expert's input
   quantizer must see only the tokens routed to it, which no hook on the fused module can tell
-  apart, so the experts' ``forward`` is replaced (on the instance only) by an eager loop with
-  the same operations in the same order as transformers' eager experts forward, feeding each
-  expert's tokens to its quantizers. gate and up read the same input and are fed the same tokens.
+  apart, so the experts' ``forward`` is replaced (on the instance only) by one of
+  :mod:`qckpt.calib.moe_forward` (eager: transformers' eager loop's GEMMs, or grouped GEMMs),
+  which takes every expert's input amax as one segmented max over the routed tokens. gate and
+  up read the same input and get the same amax.
 
 Quantized-resident weights (``calibrate.weights_resident``): transformers' own experts forwards
 cannot run on a quantized fused weight: the eager loop indexes ``gate_up_proj[expert_idx]`` (a
@@ -37,10 +38,11 @@ from functools import partial
 import torch
 from torch import nn
 
+from qckpt.calib.moe_forward import MOE_FORWARDS, ExpertsObserver, experts_forward
 from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
 from qckpt.calib.shapes import calib_granularity
 from qckpt.errors import CalibrationError
-from qckpt.formats.tensor import is_quantized, select_dequantized
+from qckpt.formats.tensor import is_quantized
 from qckpt.models.naming import expert_slices, ignored, is_fused_experts
 from qckpt.parallel.shard import shard_of
 from qckpt.recipe import QuantConfig
@@ -98,12 +100,19 @@ def insert_quantizers(
     share_expert_inputs: bool = True,
     calib_dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
+    moe_forward: str = "eager",
 ) -> dict[str, TensorQuantizer]:
     """Instrument ``model``; returns the quantizers keyed ``{hf_module}.{weight|input}_amax``.
 
     The amaxes live on each module's weight's device, or on ``device`` when given (a model
     built on meta whose layers come onto the device one at a time: :mod:`qckpt.calib.layerwise`).
+    ``moe_forward``: the experts' instrumented forward, ``eager`` or ``grouped``
+    (:mod:`qckpt.calib.moe_forward`).
     """
+    if moe_forward not in MOE_FORWARDS:
+        raise CalibrationError(
+            f"calibrate.moe_forward: {moe_forward!r} is not one of {', '.join(MOE_FORWARDS)}"
+        )
     if getattr(model, _ATTR, None) is not None:
         raise CalibrationError("model already has quantizers; call remove_quantizers first")
     wcfg, icfg = quant_cfg.weights, quant_cfg.inputs
@@ -155,27 +164,29 @@ def insert_quantizers(
         elif is_fused_experts(mod):
             if ignored(name, ignore):
                 continue
-            _instrument_experts(name, mod, mtype, make, instr, share_expert_inputs)
+            _instrument_experts(name, mod, mtype, make, instr, share_expert_inputs, moe_forward)
     object.__setattr__(model, _ATTR, instr)
     return dict(instr.quantizers)
 
 
 def _input_hook(q: TensorQuantizer):
     def hook(_mod, args):
-        if args:
-            q.collect(args[0])
+        if args:  # no host sync in the forward: the store checks finiteness when settled
+            q.collect(args[0], check=False)
 
     return hook
 
 
 def _output_hook(q: TensorQuantizer):
     def hook(_mod, _args, out):
-        q.collect(out)
+        q.collect(out, check=False)
 
     return hook
 
 
-def _instrument_experts(name, mod, mtype, make, instr: Instrumentation, share: bool) -> None:
+def _instrument_experts(
+    name, mod, mtype, make, instr: Instrumentation, share: bool, moe_forward: str
+) -> None:
     for attr, ok in (("is_transposed", False), ("has_bias", False), ("has_gate", True)):
         if getattr(mod, attr, ok) != ok:
             raise CalibrationError(
@@ -210,52 +221,13 @@ def _instrument_experts(name, mod, mtype, make, instr: Instrumentation, share: b
             take = partial(_expert_rows, row=row_of[s.expert], start=s.row_start, rows=s.rows)
             instr.weights.append(WeightSource(wq, s.param_name, take))
     instr.experts.append(info)
-    mod.forward = _experts_forward(mod, info, row_of)
+    obs = ExpertsObserver([info.input_q[e] for e in local_ids], info.tokens, local_ids)
+    mod.forward = experts_forward(mod, obs, moe_forward)
     instr.patched.append(mod)
 
 
 def _expert_rows(fused: torch.Tensor, *, row: int, start: int, rows: int) -> torch.Tensor:
     return fused[row].narrow(0, start, rows)
-
-
-def _experts_forward(mod: nn.Module, info: ExpertsInfo, row_of: dict[int, int]):
-    """transformers' eager fused-experts forward, with each expert's tokens observed."""
-    n_local = len(info.local_ids)
-    quant_by_row = [info.input_q[e] for e in info.local_ids]
-    tokens = info.tokens
-    ids = info.local_ids
-
-    def forward(
-        hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ):
-        final = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            # index n_local is the "dropped" sentinel some EP dispatchers use, as in transformers
-            mask = torch.nn.functional.one_hot(top_k_index, num_classes=n_local + 1)
-            mask = mask.permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        for (row,) in hit.tolist():
-            if row == n_local:
-                continue
-            top_k_pos, token_idx = torch.where(mask[row])
-            x = hidden_states[token_idx]
-            qs = quant_by_row[row]
-            tokens[ids[row]] += int(token_idx.numel())
-            qs["gate"].collect(x)
-            qs["up"].collect(x)
-            # quantized-resident weights: only this expert is dequantized, and only for its
-            # matmul (a plain weight gives the view transformers' loop takes)
-            gate, up = nn.functional.linear(x, select_dequantized(mod.gate_up_proj, row)).chunk(
-                2, dim=-1
-            )
-            h = mod.act_fn(gate) * up
-            qs["down"].collect(h)
-            h = nn.functional.linear(h, select_dequantized(mod.down_proj, row))
-            h = h * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, h.to(final.dtype))
-        return final
-
-    return forward
 
 
 def instrumentation(model: nn.Module) -> Instrumentation:
@@ -296,9 +268,20 @@ def calibrate_weights(
                         f"{q.key}: the weight {src.param} is held quantized and its amax was not "
                         "taken from the checkpoint while loading"
                     )
-                q.collect(src.take(w))
+                # no host sync per weight: the store checks finiteness once, when settled
+                q.collect(src.take(w), check=False)
             n += 1
     return n
+
+
+def settle(model: nn.Module) -> None:
+    """Fold what the forwards deferred into the quantizers (one host sync per store), raising
+    the non-finite error a hook would have raised; calibration calls it after its forwards."""
+    seen = set()
+    for q in instrumentation(model).quantizers.values():
+        if id(q.store) not in seen:
+            seen.add(id(q.store))
+            q.store.settle()
 
 
 def remove_quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:

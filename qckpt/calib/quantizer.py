@@ -85,6 +85,14 @@ class AmaxStore:
         self.static_shared: list[bool] = []
         self.version = 0
         self._plan: tuple | None = None  # (quantizers, [(store, version)], plan)
+        # deferred work (calibration forwards avoid host syncs): per-expert amaxes accumulated
+        # on the device wait in ``pending`` until :meth:`settle`; ``unchecked``: amaxes folded
+        # without the finiteness check (one check over the banks at settle instead of one sync
+        # per hook call). ``dirty`` says either is there; reading an amax settles first.
+        self.pending: list = []
+        self.unchecked = False
+        self.dirty = False
+        self.members: list[TensorQuantizer] = []
 
     def scalar_slot(self, device: torch.device) -> tuple[AmaxBank, int]:
         bank = self.banks.get(device)
@@ -103,6 +111,30 @@ class AmaxStore:
         self.static[i] = value
         if shared is not None:
             self.static_shared[i] = bool(shared)
+
+    def defer(self, settle) -> None:
+        """Run ``settle()`` before any amax of this store is read next."""
+        self.pending.append(settle)
+        self.dirty = True
+
+    def settle(self) -> None:
+        """Fold the deferred per-expert amaxes in, then check what was folded unchecked: a
+        non-finite amax is the error :meth:`TensorQuantizer.collect` raises, naming the module."""
+        self.dirty = False
+        pending, self.pending = self.pending, []
+        for fn in pending:
+            fn()
+        if not self.unchecked:
+            return
+        self.unchecked = False
+        bad = [b for b in self.banks.values() if not bool(torch.isfinite(b.values[: b.size]).all())]
+        statics = [a for a in self.static if a is not None]
+        if not bad and all(bool(torch.isfinite(a).all()) for a in statics):
+            return
+        for q in self.members:
+            a = q.amax
+            if q.enabled and a is not None and not bool(torch.isfinite(a).all()):
+                raise q.non_finite()
 
     def changed(self) -> None:
         """The layout changed: a cached plan covering this store is stale."""
@@ -192,6 +224,7 @@ class TensorQuantizer(nn.Module):
             self.bank, self.slot = self.store.scalar_slot(self.device)
         else:
             self.static_ix = self.store.static_slot()
+        self.store.members.append(self)
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -200,6 +233,8 @@ class TensorQuantizer(nn.Module):
 
     @property
     def amax(self) -> torch.Tensor | None:
+        if self.store.dirty:
+            self.store.settle()
         b = self.bank
         if b is None:
             return self.store.static[self.static_ix]
@@ -298,16 +333,27 @@ class TensorQuantizer(nn.Module):
             a = padded.abs().reshape(n0, b0, n1, b1).amax(dim=(1, 3))
         return a.to(self.calib_dtype)
 
-    def collect(self, x: torch.Tensor) -> None:
-        """Fold ``x`` into the running max; a non-finite value is an error naming the module."""
-        if not self.enabled:
-            return
-        a = self.reduce(x)
-        if not bool(torch.isfinite(a).all()):
-            raise CalibrationError(
-                f"{self.name}: non-finite {self.kind} during calibration (NaN or Inf in the "
-                f"{'weight' if self.kind == 'weight' else 'activations'}); amax would be meaningless"
-            )
+    def non_finite(self) -> CalibrationError:
+        return CalibrationError(
+            f"{self.name}: non-finite {self.kind} during calibration (NaN or Inf in the "
+            f"{'weight' if self.kind == 'weight' else 'activations'}); amax would be meaningless"
+        )
+
+    def collect(self, x: torch.Tensor, *, check: bool = True) -> None:
+        """Fold ``x`` into the running max; a non-finite value is an error naming the module.
+
+        ``check=False`` (the forward hooks): no host sync here; the running max keeps a NaN or
+        Inf (max propagates both) and :meth:`AmaxStore.settle` raises the same error later.
+        """
+        if self.enabled:
+            self.fold(self.reduce(x), check=check)
+
+    def fold(self, a: torch.Tensor, *, check: bool = True) -> None:
+        """Fold an already reduced amax ``a`` (``calib_dtype``, ``amax_shape``) into the max."""
+        if not check:
+            self.store.unchecked = self.store.dirty = True
+        elif not bool(torch.isfinite(a).all()):
+            raise self.non_finite()
         b = self.bank
         if b is not None:
             s = self.slot

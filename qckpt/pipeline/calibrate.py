@@ -82,6 +82,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
             progress=advance,
             weight_amax=tap.amax() if tap is not None else None,
             runner=runner,
+            moe_forward=recipe.calibrate.moe_forward,
         )
     if runner is not None:
         from qckpt.pipeline.offload import held_bytes, summary

@@ -1,0 +1,279 @@
+"""Calibration forward speed: the plain forward beside the instrumented ones, same model and data.
+
+    python -m bench.calibrate_speed forward --preset tiny                      # CPU, seconds
+    python -m bench.calibrate_speed forward --preset qwen3-30b-a3b --device cuda --json f.json
+    python -m bench.calibrate_speed dp RECIPE --nproc 2 --json dp.json [--set key=value ...]
+
+``forward`` builds a Qwen3-MoE-shaped model from its config with random BF16 weights on the
+device (no checkpoint: the speed does not depend on the values; ``--checkpoint DIR`` loads a
+checkpoint instead) and times, on the same token batches, one after the other:
+
+* ``plain_eager``: the model as transformers runs it with ``experts_implementation="eager"``;
+* ``plain_grouped``: the same with transformers' ``grouped_mm`` experts (its default);
+* ``instr_eager``: quantizers in (``calibrate.moe_forward: eager``), the forwards, the settle
+  that folds the deferred amaxes in (one host sync) — what ``calibrate`` runs per batch;
+* ``instr_grouped``: the same with ``calibrate.moe_forward: grouped``.
+
+Each: one warm-up batch, then every batch, synchronized, best of ``--repeats``; tokens/s. The
+ratios: instr_eager / plain_eager and instr_grouped / plain_grouped time (target <= 1.15),
+instr_grouped / instr_eager tokens/s (target >= 3). Then the amaxes of the two instrumented
+runs compared: bit-identical or not, per kind (dense inputs, experts' gate_up inputs, down_proj
+inputs), the first MoE layer's expert inputs apart (the same hidden states reach them), and the
+largest relative difference.
+
+``dp`` runs ``python -m qckpt calibrate RECIPE --json`` as a whole process with 1 rank, then
+with ``torchrun --nproc-per-node N`` (same recipe and data: the batches are split over the
+ranks), and prints the whole command's wall time and the calibration forward's seconds of
+each, with the scaling ratios (targets: forward >= 1.9x, whole command >= 1.8x on 2 GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESETS = {
+    # Qwen3-30B-A3B's shape (bench.whole_command's preset)
+    "qwen3-30b-a3b": dict(
+        num_hidden_layers=48,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        norm_topk_prob=True,
+    ),  # fmt: skip
+    "tiny": dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=16,
+        num_experts_per_tok=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_position_embeddings=512,
+        norm_topk_prob=True,
+    ),  # fmt: skip
+}
+VARIANTS = ("plain_eager", "plain_grouped", "instr_eager", "instr_grouped")
+
+
+def _model(args):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    dev = torch.device(args.device)
+    if args.checkpoint:
+        return AutoModelForCausalLM.from_pretrained(
+            args.checkpoint, dtype=torch.bfloat16, device_map=str(dev)
+        ).eval()
+    fields = dict(PRESETS[args.preset])
+    if args.layers:
+        fields["num_hidden_layers"] = args.layers
+    cfg = Qwen3MoeConfig(**fields)
+    torch.manual_seed(args.seed)
+    with dev:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def _experts_impl(model, name: str) -> None:
+    """transformers' own experts forward for the plain runs (older versions: the config key)."""
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(name)
+    else:
+        model.config._experts_implementation = name
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(model, batches, variant: str, repeats: int) -> tuple[float, dict]:
+    """Best wall seconds over ``repeats`` of every batch's forward; amaxes of the last repeat."""
+    import torch
+
+    from qckpt.calib.instrument import insert_quantizers, remove_quantizers, settle
+    from qckpt.recipe import QuantConfig
+
+    kind, moe = variant.split("_")
+    dev = next(model.parameters()).device
+    _experts_impl(model, "eager" if moe == "eager" else "grouped_mm")
+    best, amax = float("inf"), {}
+    for _ in range(repeats):
+        if kind == "instr":
+            qs = insert_quantizers(model, QuantConfig(), moe_forward=moe)
+        with torch.no_grad():
+            model(input_ids=batches[0], use_cache=False)  # warm-up (kernels, allocator)
+            if kind == "instr":  # the warm-up's amaxes: forget them
+                settle(model)
+                for q in qs.values():
+                    q.reset()
+            _sync(dev)
+            t0 = time.perf_counter()
+            for b in batches:
+                model(input_ids=b, use_cache=False)
+            if kind == "instr":
+                settle(model)
+            _sync(dev)
+            best = min(best, time.perf_counter() - t0)
+        if kind == "instr":
+            amax = {k: q.amax.float().cpu() for k, q in qs.items() if q.amax is not None}
+            remove_quantizers(model)
+    return best, amax
+
+
+def _compare(a: dict, b: dict, first_moe: str) -> dict:
+    """Bit equality and the largest relative difference of two amax maps, per kind."""
+    import torch
+
+    def kind(k: str) -> str:
+        if ".experts." not in k:
+            return "dense"
+        part = "down_input" if ".down_proj.input" in k else "gate_up_input"
+        return f"{part}_first_moe" if k.startswith(first_moe) else part
+
+    out: dict = {}
+    for k in sorted(set(a) | set(b)):
+        row = out.setdefault(kind(k), {"n": 0, "identical": 0, "max_rel_diff": 0.0, "missing": 0})
+        row["n"] += 1
+        if k not in a or k not in b:
+            row["missing"] += 1
+            continue
+        if torch.equal(a[k], b[k]):
+            row["identical"] += 1
+        else:
+            rel = ((a[k] - b[k]).abs() / a[k].abs().clamp_min(1e-30)).max().item()
+            row["max_rel_diff"] = max(row["max_rel_diff"], rel)
+    return out
+
+
+def forward(args) -> dict:
+    import torch
+
+    model = _model(args)
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(args.seed + 1)
+    vocab = model.config.vocab_size
+    shape = (args.batch_size, args.seq_len)
+    batches = [torch.randint(0, vocab, shape, generator=g).to(dev) for _ in range(args.batches)]
+    tokens = args.batches * args.batch_size * args.seq_len
+    res: dict = {"device": str(dev), "tokens": tokens, "layers": model.config.num_hidden_layers}
+    if dev.type == "cuda":
+        res["gpu"] = torch.cuda.get_device_name(dev)
+    amax = {}
+    for v in args.variants.split(","):
+        secs, amax[v] = _time(model, batches, v, args.repeats)
+        res[v] = {"seconds": round(secs, 4), "tokens_per_s": round(tokens / secs, 1)}
+        print(f"{v:14s} {secs:9.3f} s {tokens / secs:12.1f} tokens/s", flush=True)
+    sec = {v: res[v]["seconds"] for v in VARIANTS if v in res}
+    ratios = {}
+    for num, den in (("instr_eager", "plain_eager"), ("instr_grouped", "plain_grouped"),
+                     ("instr_eager", "plain_grouped"), ("plain_eager", "plain_grouped")):  # fmt: skip
+        if num in sec and den in sec:
+            ratios[f"{num}/{den}_time"] = round(sec[num] / sec[den], 3)
+    if "instr_eager" in sec and "instr_grouped" in sec:
+        ratios["instr_grouped/instr_eager_speed"] = round(
+            sec["instr_eager"] / sec["instr_grouped"], 3
+        )
+        first = next(n for n, _ in model.named_modules() if n.endswith("mlp.experts"))
+        res["amax_grouped_vs_eager"] = _compare(amax["instr_eager"], amax["instr_grouped"], first)
+    res["ratios"] = ratios
+    print(json.dumps({"ratios": ratios, "amax": res.get("amax_grouped_vs_eager")}, indent=1))
+    return res
+
+
+def _calibrate(recipe: str, sets: list[str], nproc: int, tmp: Path) -> dict:
+    js = tmp / f"calib-{nproc}.json"
+    cmd = [sys.executable, "-m", "qckpt", "calibrate", recipe, "--json", str(js)]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "-m", "qckpt", "calibrate", recipe, "--json", str(js)]  # fmt: skip
+    for s in [*sets, f"calibrate.output={tmp / f'calib-{nproc}.safetensors'}"]:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    wall = time.perf_counter() - t0
+    if r.returncode != 0 or not js.is_file():
+        return {"error": f"exit {r.returncode}: {(r.stderr or r.stdout).strip()[-600:]}"}
+    rep = json.loads(js.read_text())
+    return {"wall_seconds": round(wall, 3), "forward_seconds": _forward_seconds(rep), "report": rep}
+
+
+def _forward_seconds(rep: dict) -> float | None:
+    """The calibration forward's seconds in a calibrate --json report (wherever it sits)."""
+    stack = [rep]
+    while stack:
+        d = stack.pop()
+        if isinstance(d, dict):
+            if "forward_seconds" in d:
+                return d["forward_seconds"]
+            stack.extend(d.values())
+    return None
+
+
+def dp(args) -> dict:
+    with tempfile.TemporaryDirectory() as t:
+        one = _calibrate(args.recipe, args.set, 1, Path(t))
+        many = _calibrate(args.recipe, args.set, args.nproc, Path(t))
+    res = {"one": one, f"nproc{args.nproc}": many}
+    if "error" not in one and "error" not in many:
+        res["whole_speedup"] = round(one["wall_seconds"] / many["wall_seconds"], 3)
+        if one["forward_seconds"] and many["forward_seconds"]:
+            res["forward_speedup"] = round(one["forward_seconds"] / many["forward_seconds"], 3)
+    for k in ("one", f"nproc{args.nproc}"):
+        r = res[k]
+        print(
+            f"{k:8s} "
+            + (r.get("error") or f"wall {r['wall_seconds']} s, forward {r['forward_seconds']} s")
+        )
+    print(json.dumps({k: v for k, v in res.items() if k.endswith("speedup")}))
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    fw = sub.add_parser("forward")
+    fw.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    fw.add_argument("--layers", type=int, default=0)
+    fw.add_argument("--checkpoint", default="")
+    fw.add_argument("--device", default="cpu")
+    fw.add_argument("--batches", type=int, default=4)
+    fw.add_argument("--batch-size", type=int, default=4)
+    fw.add_argument("--seq-len", type=int, default=128)
+    fw.add_argument("--repeats", type=int, default=1)
+    fw.add_argument("--seed", type=int, default=0)
+    fw.add_argument("--variants", default=",".join(VARIANTS))
+    fw.add_argument("--json", default="")
+    d = sub.add_parser("dp")
+    d.add_argument("recipe")
+    d.add_argument("--nproc", type=int, default=2)
+    d.add_argument("--set", action="append", default=[])
+    d.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    res = forward(args) if args.cmd == "forward" else dp(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,7 +22,7 @@ inputs), the first MoE layer's expert inputs apart (the same hidden states reach
 largest relative difference.
 
 ``dp`` runs ``python -m qckpt calibrate RECIPE --json`` as a whole process with 1 rank, then
-with ``torchrun --nproc-per-node N`` (same recipe and data: the batches are split over the
+with ``--nproc-per-node N`` (torchrun underneath) (same recipe and data: the batches are split over the
 ranks), and prints the whole command's wall time and the calibration forward's seconds of
 each, with the scaling ratios (targets: forward >= 1.9x, whole command >= 1.8x on 2 GPUs).
 """
@@ -203,9 +203,8 @@ def forward(args) -> dict:
 def _calibrate(recipe: str, sets: list[str], nproc: int, tmp: Path) -> dict:
     js = tmp / f"calib-{nproc}.json"
     cmd = [sys.executable, "-m", "qckpt", "calibrate", recipe, "--json", str(js)]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "-m", "qckpt", "calibrate", recipe, "--json", str(js)]  # fmt: skip
+    if nproc > 1:  # the CLI's own launcher (torchrun underneath), as a user runs it
+        cmd += ["--nproc-per-node", str(nproc)]
     for s in [*sets, f"calibrate.output={tmp / f'calib-{nproc}.safetensors'}"]:
         cmd += ["--set", s]
     t0 = time.perf_counter()

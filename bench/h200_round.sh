@@ -179,6 +179,8 @@ step_offload_48l() {
   "$PY" bench/calibrate_offload.py compare "$RES/cal_ep2.safetensors" \
     "$RES/cal_off_ep2.safetensors" | tee "$RES/offload_cmp_off_ep2.json" || rc=1
   return $rc
+}
+
 # calibration forward speed (issue 18), cuda:0: plain (transformers eager and grouped_mm experts)
 # vs instrumented (calibrate.moe_forward eager and grouped) forwards of the 48-layer shape built
 # from its config (random weights, no checkpoint read), tokens/s and ratios, and the amaxes of

@@ -73,17 +73,12 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     # the amax sync inside is charged to its own phase (calib.sync is timed); with offload
     # the layer reads overlap the forwards and are charged here too
     with phases.phase(phases.FORWARD), hooks.progress("calibrating", steps) as advance:
+        c = recipe.calibrate
+        amax = tap.amax() if tap is not None else None
         state, report = calibrate_model(
-            model,
-            batches,
-            recipe.quant,
-            mesh,
-            share_expert_inputs=recipe.calibrate.share_expert_inputs,
-            progress=advance,
-            weight_amax=tap.amax() if tap is not None else None,
-            runner=runner,
-            moe_forward=recipe.calibrate.moe_forward,
-        )
+            model, batches, recipe.quant, mesh, share_expert_inputs=c.share_expert_inputs,
+            progress=advance, weight_amax=amax, runner=runner, moe_forward=c.moe_forward,
+        )  # fmt: skip
     if runner is not None:
         from qckpt.pipeline.offload import held_bytes, summary
 

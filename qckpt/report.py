@@ -65,21 +65,53 @@ _LOAD_ROWS = (
 
 def render_load_report(data: dict[str, Any], console: Console = err) -> None:
     runs = data.get("runs", [])
-    t = Table(
-        title=f"load into {data.get('params')} params ({data.get('world_size', 1)} rank(s))",
-        title_justify="left",
-    )
+    world = data.get("world_size", 1)
+    who = f"{world} rank(s)" if world <= 1 else f"rank 0 of {world}; every rank below"
+    t = Table(title=f"load into {data.get('params')} params ({who})", title_justify="left")
     t.add_column("", style="bold")
     for r in runs:
         t.add_column("stream" if r.get("stream", True) else "bulk (baseline)")
     keys = [k for k in _LOAD_ROWS if any(k in r for r in runs)]
-    keys += sorted({k for r in runs for k in r} - set(keys) - {"samples"})
+    keys += sorted({k for r in runs for k in r} - set(keys) - {"samples", "ranks"})
     for k in keys:
         t.add_row(k, *[_fmt(k, r.get(k)) for r in runs])
     if len(runs) == 2:
         a, b = runs
         if a.get("transient_bytes") and b.get("transient_bytes"):
             t.add_row("transient ratio", f"{a['transient_bytes'] / b['transient_bytes']:.3f}", "1")
+    console.print(t)
+    for r in runs:
+        if len(r.get("ranks") or []) > 1:
+            render_rank_rows(r["ranks"], "stream" if r.get("stream", True) else "bulk", console)
+
+
+def _holds_cell(holds: dict[str, Any] | None) -> str:
+    """'experts 0-63 of 128, tp 1/2' (an EP / TP block), or 'whole model'."""
+    holds = holds or {}
+    parts = []
+    if "experts" in holds:
+        a, b, n = holds["experts"]
+        parts.append(f"experts {a}-{b - 1} of {n}")
+    if "tp" in holds:
+        parts.append(f"tp {holds['tp_rank']}/{holds['tp']}")
+    return ", ".join(parts) or "whole model"
+
+
+def render_rank_rows(rows: list[dict[str, Any]], mode: str, console: Console = err) -> None:
+    """What each rank holds and read: one row per rank (the per-rank load report)."""
+    t = Table(title=f"per rank ({mode})", title_justify="left")
+    for col in ("rank", "holds", "params", "read", "transient", "peak", "seconds"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            str(r.get("rank")),
+            _holds_cell(r.get("holds")),
+            human_bytes(r.get("param_bytes")),
+            human_bytes(r.get("bytes_read")),
+            human_bytes(r.get("transient_bytes")),
+            human_bytes(r.get("peak_bytes")),
+            f"{r.get('seconds') or 0:.2f}",
+        )
     console.print(t)
 
 

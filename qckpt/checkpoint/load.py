@@ -32,9 +32,11 @@ from qckpt.checkpoint.planner import (
     prepended_axes,
     unwrap_prepended,
 )
+from qckpt.checkpoint.shard_scales import WholeScales, check_blocks
 from qckpt.checkpoint.sources import open_reader, resolve_format
-from qckpt.errors import CheckpointError, QckptError, UsageError
-from qckpt.parallel.shard import model_shards
+from qckpt.errors import CheckpointError, PeerError, QckptError, UsageError
+from qckpt.parallel.deadline import deadline_of
+from qckpt.parallel.shard import ShardSpec, model_shards
 
 
 @dataclass
@@ -71,6 +73,12 @@ class LoadReport:
     # codes and scales as they are (same layout: no dequantize/quantize round trip)
     source_layout: str = "plain"
     copied_tensors: int = 0
+    # what this rank holds: its parameters' bytes (quantized as stored, plain as they are) and,
+    # under EP / TP, its block (``holds``: experts [start, stop) of total, TP rank of tp) and
+    # how many of its destinations took the whole tensor's amax from their shard group
+    param_bytes: int = 0
+    holds: dict[str, Any] = field(default_factory=dict)
+    whole_amax_reduced: int = 0
     # (seconds since start, transient level in bytes, host RSS bytes) at every read item
     samples: list[tuple[float, int, int]] = field(default_factory=list)
     # the FP32 master copies when main_params="fp32" (not part of the JSON report)
@@ -167,7 +175,13 @@ def check_fit(
 def _one_line(exc: BaseException) -> str:
     """A CheckpointException (one failure per rank, with tracebacks) as one line."""
     failures = getattr(exc, "failures", None) or {}
-    for rank, f in sorted(failures.items()):
+
+    def _peer(item: tuple[int, Any]) -> tuple[bool, int]:
+        # a rank that only saw its peer fail (PeerError) is not the cause: name the cause
+        inner = item[1][0] if isinstance(item[1], tuple) else item[1]
+        return isinstance(inner, PeerError), item[0]
+
+    for rank, f in sorted(failures.items(), key=_peer):
         inner = f[0] if isinstance(f, tuple) else f
         msg = str(inner).strip().splitlines()
         text = msg[0] if msg else type(inner).__name__
@@ -194,6 +208,13 @@ def _dcp(state: dict[str, Any], reader: Any, planner: Any, group: Any, no_dist: 
             )
     except CheckpointException as exc:
         raise CheckpointError(_one_line(exc)) from None
+    except (RuntimeError, dist.DistError):
+        # DCP's own gather after the read, with a peer already known dead (a collective of
+        # ours failed first under the mesh's deadline): that first failure is the one line
+        dl = deadline_of(group) if group is not None else None
+        if dl is not None and dl.passed:
+            raise PeerError(dl.failure or "load: a peer failed") from None
+        raise
 
 
 def load_checkpoint(
@@ -228,8 +249,10 @@ def load_checkpoint(
     md = reader.read_metadata()
     state = _destinations(model, md)
     check_fit(state, md, path, shards)
+    specs, whole = _sharded(model, state, mesh)
     # with a tap every quantized destination must pass through the scratch, none copied
-    copied = set() if main_params or tap else _copy_same_layout(state, reader, shards, progress)
+    copied = set() if main_params or tap else _copy_same_layout(state, reader, specs, progress)
+
     group, world, no_dist, rank = _world_of(mesh)
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
@@ -239,6 +262,7 @@ def load_checkpoint(
     t0 = time.perf_counter()
     # the copied destinations are done: the rest is read (and dequantized) by DCP
     args = (_without(state, copied), reader, meter, progress, main_params, group, no_dist, shards)
+    args += (whole,)
     if stream:
         items, masters = _stream_load(*args, path=path, tap=tap)
     else:
@@ -273,6 +297,7 @@ def load_checkpoint(
         **_reader_info(reader, kind, inflight),
         source_layout=source.describe() if source is not None else "plain",
         copied_tensors=len(copied),
+        **_what_this_rank_holds(model, specs, whole),
         samples=meter.samples,
         main_param_tensors=masters,
     )
@@ -378,13 +403,19 @@ def _stream_load(
     group: Any,
     no_dist: bool,
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    whole: WholeScales | None,
     *,
     path: str | os.PathLike,
     tap: Callable[[str, torch.Tensor], Any] | None = None,
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """The streaming load: (items read, FP32 master copies when ``main_params="fp32"``)."""
     planner = StreamingDequantLoadPlanner(
-        main_params=main_params == "fp32", meter=meter, progress=progress, shards=shards, tap=tap
+        main_params=main_params == "fp32",
+        meter=meter,
+        progress=progress,
+        shards=shards,
+        tap=tap,
+        whole_amax=whole,
     )
     try:
         _dcp(state, reader, planner, group, no_dist)
@@ -396,6 +427,59 @@ def _stream_load(
         planner.reset()
 
 
+def _sharded(
+    model: nn.Module | dict[str, Any], state: dict[str, Any], mesh: Any
+) -> tuple[dict[str, ShardSpec], WholeScales | None]:
+    """This rank's blocks (ShardSpecs) and the group-amax hook of a sharded load; a split
+    that cuts a scale block is refused here, before any read."""
+    specs = model_shards(model) if isinstance(model, nn.Module) else {}
+    check_blocks(state, specs)
+    return specs, WholeScales.of(model, mesh)
+
+
+def _what_this_rank_holds(
+    model: nn.Module | dict[str, Any], specs: dict[str, ShardSpec], whole: WholeScales | None
+) -> dict[str, Any]:
+    """The report's per-rank figures (after the load: the hook's reductions are counted)."""
+    return {
+        "param_bytes": _param_bytes(model),
+        "holds": _holds(specs),
+        "whole_amax_reduced": len(whole.reduced) if whole is not None else 0,
+    }
+
+
+def _param_bytes(model: nn.Module | dict[str, Any]) -> int:
+    """Bytes this rank's parameters and buffers hold (quantized ones as stored)."""
+    from qckpt.formats import is_quantized
+
+    sd = model.state_dict(keep_vars=True) if isinstance(model, nn.Module) else dict(model)
+    seen: set[int] = set()
+    total = 0
+    for v in sd.values():
+        if not isinstance(v, torch.Tensor) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        total += v.quantized_nbytes() if is_quantized(v) else v.numel() * v.element_size()
+    return total
+
+
+def _holds(specs: dict[str, ShardSpec]) -> dict[str, Any]:
+    """This rank's block under EP / TP, from its ShardSpecs ({} when it holds whole tensors)."""
+    out: dict[str, Any] = {}
+    experts = next((s for s in specs.values() if s.kind == "expert"), None)
+    if experts is not None:
+        out["experts"] = [experts.start, experts.stop, experts.total]
+        out["ep_rank"] = experts.rank
+        out["ep"] = experts.world
+    tp = next((s for s in specs.values() if s.kind == "tp"), None)
+    if tp is not None:
+        out["tp_rank"] = tp.rank
+        out["tp"] = tp.world
+    if specs:
+        out["sharded_tensors"] = len(specs)
+    return out
+
+
 def _without(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
     return {k: v for k, v in state.items() if k not in names} if names else state
 
@@ -403,12 +487,14 @@ def _without(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
 def _copy_same_layout(
     state: dict[str, Any],
     reader: Any,
-    shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    specs: dict[str, ShardSpec],
     progress: Callable[[int], Any] | None,
 ) -> set[str]:
     """Destinations of a quantized source's own layout get its codes and scales as they are
     (``quantized_sources.copy_plan`` says where: same format, block size and scale dtype, the
-    local block cut on block boundaries); the rest are dequantized by the reader as usual."""
+    local block cut on block boundaries); the rest are dequantized by the reader as usual.
+    A sharded block is copied exactly when the whole tensor would be (the decision reads the
+    whole shape), so every rank of a group decides alike and the collective order holds."""
     from qckpt.checkpoint.quantized_sources import SafetensorsFetch, copy_into, copy_plan
     from qckpt.formats import is_quantized
 
@@ -421,8 +507,10 @@ def _copy_same_layout(
         entry = reader.layout.get(name)
         if not is_quantized(t) or entry is None or len(entry.shape) != t.dim():
             continue
-        lo = tuple(shards[name][1]) if name in shards else (0,) * t.dim()
-        hits = copy_plan(t, entry.pieces, lo)
+        spec = specs.get(name)
+        lo = tuple(spec.offsets) if spec is not None else (0,) * t.dim()
+        whole = tuple(spec.global_shape) if spec is not None else None
+        hits = copy_plan(t, entry.pieces, lo, whole)
         if hits is not None:
             copy_into(t, hits, lo, fetch)
             done.add(name)
@@ -442,6 +530,7 @@ def _bulk_load(
     group: Any,
     no_dist: bool,
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    whole: WholeScales | None,
     *,
     md: Metadata,
     tap: Callable[[str, torch.Tensor], Any] | None = None,
@@ -483,7 +572,12 @@ def _bulk_load(
         if tap is not None:
             tap(name, src)
         state_snapshot = t.quant_state()
-        t.quantize_(src, update_state=False)
+        # in state order, the same on every rank (the order invariant of shard_scales)
+        amax = whole(name, t, src) if whole is not None else None
+        if amax is None:
+            t.quantize_(src, update_state=False)
+        else:
+            t.quantize_(src, update_state=False, amax=amax)
         t.load_quant_state(state_snapshot)
         if main_params == "fp32":
             meter.sub_scratch(src.numel() * src.element_size())

@@ -27,7 +27,16 @@ recomputes the scale per piece (per-tensor scaling: silently wrong weights). So 
 * ``shards`` places local blocks (EP-sharded fused experts) inside the checkpoint's global
   tensor, so a DP x EP layout reads only its rows;
 * destinations are reached through ``destination_of``: native ``QuantizedTensor`` or, through
-  ``qckpt.formats.te``, Transformer Engine's quantized tensors.
+  ``qckpt.formats.te``, Transformer Engine's quantized tensors;
+* ``whole_amax(fqn, target, src)`` (``shard_scales.WholeScales``, sharded loads) is called in
+  ``_finish`` before the quantize and may return the whole tensor's amax, reduced over the
+  ranks that hold the tensor's blocks: a collective inside the read loop.
+
+Order invariant (sharded loads rely on it): ``_finish`` runs once per quantized destination, in
+plan order, and plan order is the state dict's order grouped by destination (``finish_plan``),
+the same on every rank. A reader may fetch items in parallel, but it must call
+``commit_tensor`` in plan order on one thread, so that the collectives in ``_finish`` meet in
+the same order on every rank of a group.
 
 Host side (CPU loads): DCP's reader ``torch.load``s each stored chunk before copying it into the
 scratch, so the host holds chunk + scratch (up to 2 x 2 * max(numel)) for a moment; on CUDA the
@@ -274,7 +283,8 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
     ``main_params=True`` keeps an FP32 master copy of every quantized destination, filled with
     the checkpoint's values (take them with ``take_main_params()``). ``meter`` records memory;
     ``progress(n)`` is called once per finished tensor; ``tap(fqn, value)`` sees each quantized
-    destination's whole value (this rank's block) just before it is quantized.
+    destination's whole value (this rank's block) just before it is quantized; ``whole_amax``:
+    see the module doc.
     """
 
     def __init__(
@@ -286,11 +296,14 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         allow_partial_load: bool = False,
         shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
         tap: Callable[[str, torch.Tensor], Any] | None = None,
+        whole_amax: Callable[[str, Any, torch.Tensor], torch.Tensor | None] | None = None,
     ) -> None:
         super().__init__(allow_partial_load=allow_partial_load)
         # tap(fqn, value): sees each quantized destination's whole value (nominal dtype, the
         # checkpoint's own numbers) before it is quantized, e.g. to take weight amaxes from it
         self.tap = tap
+        # sharded loads: the whole tensor's amax for a block's scale (see the order invariant)
+        self.whole_amax = whole_amax
         # local shards of plain tensors (EP-sharded experts): fqn -> (global shape, offsets of
         # this rank's block); DCP plans them as one chunk of the checkpoint's global tensor
         self.shards = dict(shards or {})
@@ -382,7 +395,11 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
-        """Group each destination's items together and count them (for the last-item quantize)."""
+        """Group each destination's items together and count them (for the last-item quantize).
+
+        Destinations keep the order of their first item, which follows the state dict (the
+        model's parameter order, the same on every rank): the order invariant of the module
+        doc."""
         groups: dict[str, list[ReadItem]] = {}
         for item in new_plan.items:
             groups.setdefault(item.dest_index.fqn, []).append(item)
@@ -476,8 +493,13 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         if self.tap is not None:
             self.tap(fqn, src)
         state = d.target.quant_state()
+        # a collective under a sharded load: every rank of the group reaches it in plan order
+        amax = self.whole_amax(fqn, d.target, src) if self.whole_amax is not None else None
         try:
-            d.target.quantize_(src, update_state=False)
+            if amax is None:
+                d.target.quantize_(src, update_state=False)
+            else:
+                d.target.quantize_(src, update_state=False, amax=amax)
         except FormatError as exc:  # NaN/Inf in the checkpoint: name the tensor
             raise CheckpointError(f"{fqn}: cannot quantize the checkpoint's value: {exc}") from None
         # belt and braces for formats whose quantize_ touches state anyway

@@ -592,13 +592,21 @@ def _overlaps(pieces: list[Any], lo: tuple[int, ...], dims: tuple[int, ...]) -> 
     return out
 
 
-def copy_plan(dest: Any, pieces: list[Any], lo: tuple[int, ...]) -> list[Any] | None:
-    """The pieces to copy into ``dest`` (local block at global offsets ``lo``) when every
-    element comes from a source weight stored exactly as ``dest`` stores it; else None."""
+def copy_plan(
+    dest: Any, pieces: list[Any], lo: tuple[int, ...], whole: tuple[int, ...] | None = None
+) -> list[Any] | None:
+    """The pieces to copy into ``dest`` (local block at global offsets ``lo`` of a tensor of
+    shape ``whole``, default: ``dest`` is the whole tensor) when every element comes from a
+    source weight stored exactly as ``dest`` stores it; else None.
+
+    A scale that spans a whole dim (per tensor; the columns of per channel; nvfp4's global
+    scale) is decided on the whole tensor, so a block is copied exactly when the whole
+    tensor would be: then every rank holding a block of it decides alike."""
     if not pieces or any(getattr(p, "quant", None) is None for p in pieces):
         return None
     dims = tuple(int(s) for s in dest.shape)
-    if len(dims) != len(lo) or len(dims) < 2:
+    whole = dims if whole is None else tuple(int(s) for s in whole)
+    if len(dims) != len(lo) or len(dims) < 2 or len(whole) != len(dims):
         return None
     hits = _overlaps(pieces, lo, dims)
     blocks = {_dest_blocks(dest, p.quant) for p, _ in hits}
@@ -606,15 +614,19 @@ def copy_plan(dest: Any, pieces: list[Any], lo: tuple[int, ...]) -> list[Any] | 
         return None
     (b0, b1) = blocks.pop()
     whole_tensor = b0 == _WHOLE or getattr(dest, "fmt", "") == "nvfp4"
-    if whole_tensor and len(hits) != 1:
-        return None  # one scale for the destination, several source tensors
+    if whole_tensor and len(_overlaps(pieces, (0,) * len(whole), whole)) != 1:
+        return None  # one scale for the whole tensor, several source tensors
     for p, cut in hits:
         (r0, r1), (c0, c1) = cut[-2], cut[-1]
         if b0 == _WHOLE:
             continue  # per-tensor: any rectangle of the codes keeps its one scale
         if not _aligned(r0, r1, p.offsets[-2], p.sizes[-2], lo[-2], dims[-2], b0):
             return None
-        if not _aligned(c0, c1, p.offsets[-1], p.sizes[-1], lo[-1], dims[-1], b1):
+        if b1 == _WHOLE:
+            # one scale per row over all columns: the whole tensor's columns are this piece's
+            if p.offsets[-1] != 0 or p.sizes[-1] != whole[-1]:
+                return None
+        elif not _aligned(c0, c1, p.offsets[-1], p.sizes[-1], lo[-1], dims[-1], b1):
             return None
     return hits
 

@@ -97,20 +97,31 @@ class Format:
         """Cloned state beyond qdata/scale that a load must leave untouched."""
         return {k: getattr(q, k).clone() for k in self.state_fields}
 
-    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
+    def quantize_into(
+        self,
+        q: QuantizedTensor,
+        x: torch.Tensor,
+        update_state: bool = True,
+        *,
+        amax: torch.Tensor | None = None,
+    ) -> None:
         """Quantize ``x`` into ``q``'s existing field tensors (their identity is kept).
 
         Straight into them where :meth:`write_into` can (no second output-size buffer); else
-        into fresh contiguous fields, copied over.
+        into fresh contiguous fields, copied over. ``amax`` replaces the amax the format would
+        compute from ``x`` (a sharded load passes the whole tensor's, reduced over the ranks
+        that hold its blocks); formats whose scales are per block refuse it.
         """
         check_input(x, self.name)
-        if self.write_into(q, x):
+        if self.write_into(q, x, amax):
             return
-        for k, v in self.quantize(x, q.opts, None).items():
+        for k, v in self.quantize(x, q.opts, amax).items():
             dst = getattr(q, k)
             dst.copy_(v.reshape(dst.shape))
 
-    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
+    def write_into(
+        self, q: QuantizedTensor, x: torch.Tensor, amax: torch.Tensor | None = None
+    ) -> bool:
         """Quantize ``x`` straight into ``q``'s fields if their layout allows (True), or do
         nothing (False: :meth:`quantize_into` quantizes and copies)."""
         return False

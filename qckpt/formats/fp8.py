@@ -310,20 +310,20 @@ class Fp8Format(Format):
             "scale": FieldSpec(_channel_scale_shape(shape) if channel else (), torch.float32, 1.0),
         }
 
-    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
+    def write_into(self, q: QuantizedTensor, x: torch.Tensor, amax: Any = None) -> bool:
         per_row = q.scale.numel() == 1 or tuple(q.scale.shape) == _channel_scale_shape(
             tuple(x.shape)
         )
         if not per_row:
             # a transposed per-channel tensor (scale (1, n)): its channels are the columns, so
             # quantize the source back in the original orientation and write it transposed
-            f = self.quantize(x.t(), q.opts, None)
+            f = self.quantize(x.t(), q.opts, amax)
             q.qdata.copy_(f["qdata"].t())
             q.scale.copy_(f["scale"].t())
             return True
         if not q.qdata.is_contiguous():
             return False  # a transposed per-tensor view
-        self._write(x, q.opts, None, q.qdata, q.scale)
+        self._write(x, q.opts, amax, q.qdata, q.scale)
         return True
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -431,10 +431,17 @@ class Fp8DelayedFormat(Format):
         # a fresh tensor has no state worth keeping: its first quantize starts the history
         return {} if self.is_fresh(q) else super().quant_state(q)
 
-    def quantize_into(self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True) -> None:
+    def quantize_into(
+        self, q: QuantizedTensor, x: torch.Tensor, update_state: bool = True, *, amax: Any = None
+    ) -> None:
+        """Quantize with the current ``quant_scale``. A fresh tensor takes its first scale from
+        ``amax`` when given (a sharded load's whole-tensor amax, the same on every rank holding
+        a block of it), else from ``x``; a built scale never comes from the value."""
         check_input(x, self.name)
         # the amax is needed for the NaN/Inf check even when the state is not updated
         a = tensor_amax(x)
+        # what the history records: the whole tensor's amax when a sharded load gives it
+        seen = a if amax is None else as_amax(amax, x.device).reshape(())
         h = q.amax_history
         if self.is_fresh(q):
             # no amax seen yet: quantize with the scale of this value (what quantize() gives)
@@ -442,7 +449,7 @@ class Fp8DelayedFormat(Format):
             # of 1.0 would crush weights into FP8's subnormals
             update_state = True
             first = torch.zeros_like(h)
-            first[0] = a
+            first[0] = seen
             qs = self.scale_from_history(first, q.quant_scale, q.opts)
         else:
             qs = q.quant_scale.reshape(())
@@ -455,7 +462,7 @@ class Fp8DelayedFormat(Format):
         q.scale.copy_(qs)
         if update_state:
             h.copy_(torch.roll(h, 1))
-            h[0] = a
+            h[0] = seen
             q.quant_scale.copy_(self.scale_from_history(h, qs, q.opts))
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:

@@ -232,10 +232,10 @@ class Fp8BlockFormat(Format):
             "scale": FieldSpec(self.scale_shape(shape, opts["block_size"]), torch.float32, 1.0),
         }
 
-    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
+    def write_into(self, q: QuantizedTensor, x: torch.Tensor, amax: Any = None) -> bool:
         if not (q.qdata.is_contiguous() and q.scale.is_contiguous()):
             return False
-        self._write(x, q.opts, None, q.qdata, q.scale)
+        self._write(x, q.opts, amax, q.qdata, q.scale)
         return True
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:

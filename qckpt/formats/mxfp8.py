@@ -192,8 +192,8 @@ class MxFp8Format(Format):
         # E8M0 code 0 (2**-127): the scale of an all-zero block
         return {"qdata": FieldSpec(shape, opts["dtype"]), "scale": FieldSpec(sshape, torch.uint8)}
 
-    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
-        if not (q.qdata.is_contiguous() and q.scale.is_contiguous()):
+    def write_into(self, q: QuantizedTensor, x: torch.Tensor, amax: Any = None) -> bool:
+        if amax is not None or not (q.qdata.is_contiguous() and q.scale.is_contiguous()):
             return False
         self._write(x, q.opts, q.qdata, q.scale)
         return True

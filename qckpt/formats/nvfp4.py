@@ -210,10 +210,10 @@ class NvFp4Format(Format):
             "global_scale": FieldSpec((), torch.float32, 1.0),
         }
 
-    def write_into(self, q: QuantizedTensor, x: torch.Tensor) -> bool:
+    def write_into(self, q: QuantizedTensor, x: torch.Tensor, amax: Any = None) -> bool:
         if not all(t.is_contiguous() for t in (q.qdata, q.scale)):
             return False
-        self._write(x, None, q.qdata, q.scale, q.global_scale)
+        self._write(x, amax, q.qdata, q.scale, q.global_scale)
         return True
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:

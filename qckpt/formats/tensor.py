@@ -96,11 +96,20 @@ class QuantizedTensor(torch.Tensor):
         with torch.no_grad():
             return self.spec.dequantize(self, self.dtype if dtype is None else dtype)
 
-    def quantize_(self, src: torch.Tensor, update_state: bool = True) -> QuantizedTensor:
+    def quantize_(
+        self,
+        src: torch.Tensor,
+        update_state: bool = True,
+        *,
+        amax: torch.Tensor | None = None,
+    ) -> QuantizedTensor:
         """Quantize high-precision ``src`` (same nominal shape) into this tensor in place.
 
         Current-scaling formats recompute their scales; ``fp8_delayed`` quantizes with its
         current scale and, if ``update_state``, records the amax and updates the scale.
+        ``amax`` replaces the amax computed from ``src`` where the format takes one (``fp8``:
+        per tensor or per row; ``nvfp4``: the global amax): a rank holding one block of a
+        tensor passes the whole tensor's, so its scale is the one an unsharded quantize makes.
         """
         if isinstance(src, QuantizedTensor):
             src = src.dequantize(torch.float32)
@@ -110,7 +119,7 @@ class QuantizedTensor(torch.Tensor):
             )
         with torch.no_grad():
             src = src.to(self.device)
-            self.spec.quantize_into(self, src, update_state)
+            self.spec.quantize_into(self, src, update_state, amax=amax)
         return self
 
     def quantized_nbytes(self) -> int:

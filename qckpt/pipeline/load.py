@@ -2,44 +2,79 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from qckpt import phases
+from qckpt.errors import UsageError
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.hooks import SILENT, Hooks
 from qckpt.pipeline.model import build_for
 from qckpt.recipe import Recipe
 
+# what each rank's row of the per-rank report says (the rest of its LoadReport stays local)
+RANK_KEYS = (
+    "rank",
+    "holds",
+    "param_bytes",
+    "bytes_read",
+    "transient_bytes",
+    "peak_bytes",
+    "host_peak_rss_bytes",
+    "seconds",
+    "whole_amax_reduced",
+)
+
 
 @dataclass(kw_only=True)
 class LoadResult:
-    """One ``LoadReport`` per run: the recipe's mode first, the other one with ``compare``."""
+    """One ``LoadReport`` per run: the recipe's mode first, the other one with ``compare``.
+    ``ranks``: per run, every rank's row (``RANK_KEYS``), gathered on every rank."""
 
     reports: list
     world_size: int
+    ranks: list[list[dict[str, Any]]] = field(default_factory=list)
 
     def to_dict(self, recipe_path: str, params: str) -> dict:
+        runs = []
+        for i, rep in enumerate(self.reports):
+            d = rep.to_dict()
+            if i < len(self.ranks):
+                d["ranks"] = self.ranks[i]
+            runs.append(d)
         return {
             "recipe": recipe_path,
             "params": params,
             "world_size": self.world_size,
-            "runs": [rep.to_dict() for rep in self.reports],
+            "runs": runs,
         }
 
 
 def load(recipe: Recipe, mesh: Mesh, *, compare: bool = False, hooks: Hooks = SILENT) -> LoadResult:
     """Load ``recipe.checkpoint`` into a model with ``recipe.load.params`` parameters.
 
-    ``compare`` also runs the other mode (bulk vs stream) on a fresh model. Every rank holds
-    the whole model (sharded loads are issue 17), built on meta and allocated straight into
-    its quantized parameters (no BF16 copy, no random init: the checkpoint fills it all).
+    ``compare`` also runs the other mode (bulk vs stream) on a fresh model. Under
+    ``parallel.ep`` / ``parallel.tp`` each rank builds, allocates and reads only its experts
+    and TP blocks, exactly as ``calibrate`` does; its quantized parameters equal the matching
+    slices of a one-rank load (``checkpoint.shard_scales``), and its report says what it holds.
+    Built on meta and allocated straight into its quantized parameters (no BF16 copy, no
+    random init: the checkpoint fills it all).
     """
     from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.checkpoint.shard_scales import agree_delayed_state
 
     lo = recipe.load
-    reports = []
+    if lo.backend == "te" and (mesh.ep > 1 or mesh.tp > 1):
+        raise UsageError(
+            "load.backend: te loads every tensor whole; use load.backend: native with "
+            f"parallel.ep: {mesh.ep} / parallel.tp: {mesh.tp}, or parallel.ep = tp = 1"
+        )
+    reports, ranks = [], []
     for stream in [lo.stream] + ([not lo.stream] if compare else []):
-        built = build_for(recipe, mesh, sharded=False, params=lo.params)
+        built = build_for(recipe, mesh, params=lo.params)
+        _say_sharding(built, mesh, hooks)
+        # fp8_delayed scales come from the build, not the read: make them the whole tensor's
+        agree_delayed_state(built.model, mesh)
         with (
             phases.phase(phases.READ),
             hooks.progress("loading" + ("" if stream else " (bulk)"), None) as advance,
@@ -56,5 +91,32 @@ def load(recipe: Recipe, mesh: Mesh, *, compare: bool = False, hooks: Hooks = SI
                 max_inflight=lo.max_inflight,
             )
         reports.append(rep)
+        ranks.append(gather_rank_rows(rep, mesh))
         del built
-    return LoadResult(reports=reports, world_size=mesh.world_size)
+    return LoadResult(reports=reports, world_size=mesh.world_size, ranks=ranks)
+
+
+def _say_sharding(built: Any, mesh: Mesh, hooks: Hooks) -> None:
+    if built.ep_sharded:
+        hooks.log(f"experts of {len(built.ep_sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
+    if built.tp_sharded:
+        hooks.log(f"{len(built.tp_sharded)} linears split over {mesh.tp} TP ranks")
+
+
+def gather_rank_rows(report: Any, mesh: Mesh) -> list[dict[str, Any]]:
+    """Every rank's row of ``report`` (``RANK_KEYS``), in rank order, on every rank (one
+    all_gather_object over the world, under the mesh's deadline)."""
+    d = report.to_dict()
+    row = {k: d.get(k) for k in RANK_KEYS}
+    row.update(dp_rank=mesh.dp_rank, ep_rank=mesh.ep_rank, tp_rank=mesh.tp_rank)
+    if mesh.world_size <= 1 or mesh.world_group is None:
+        return [row]
+    import torch.distributed as dist
+
+    from qckpt.parallel.deadline import collective
+
+    rows: list[Any] = [None] * mesh.world_size
+    collective(
+        "load: the per-rank report", dist.all_gather_object, rows, row, group=mesh.world_group
+    )
+    return rows

@@ -13,7 +13,10 @@ matching slice of what a one-rank load makes, which decides per format:
 * ``fp8`` per channel split along dim 0 (column-parallel; experts, whose channels are whole
   experts) keeps whole rows: nothing to reduce.
 * ``fp8_delayed`` quantizes with the ``quant_scale`` it was built with, not from the loaded
-  value: :func:`agree_delayed_state` makes that state the whole tensor's at build time.
+  value: :func:`agree_delayed_state` makes that state the whole tensor's at build time. The
+  whole amax is reduced for it as well and passed to the quantize, for a tensor that has no
+  scale yet and takes its first one from the value (the format decides which it is; every
+  rank of a group holds the same state after the agreement, so they all decide alike).
 * block scales (``fp8_block`` tiles over the last two dims, ``mxfp8`` 1x32 and ``nvfp4`` 1x16
   along the last dim) are the unsharded ones when every split falls on a block boundary;
   :func:`check_blocks` refuses, before anything is read, a split that cuts a block (one line
@@ -61,7 +64,9 @@ def whole_amax_kind(target: Any, spec: ShardSpec) -> str | None:
     rank of a group decides alike."""
     fmt = getattr(target, "fmt", None)
     opts = getattr(target, "opts", None) or {}
-    if fmt == "nvfp4":
+    if fmt in ("nvfp4", "fp8_delayed"):
+        # fp8_delayed: a tensor built without a scale (on meta) takes its first one from the
+        # amax of what it is given; a built one keeps its own (agree_delayed_state)
         return "tensor"
     if fmt == "fp8":
         if opts.get("granularity", "tensor") == "tensor":

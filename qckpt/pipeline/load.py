@@ -9,7 +9,7 @@ from qckpt import phases
 from qckpt.errors import UsageError
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.hooks import SILENT, Hooks
-from qckpt.pipeline.model import build_for
+from qckpt.pipeline.model import Built, build
 from qckpt.recipe import Recipe
 
 # what each rank's row of the per-rank report says (the rest of its LoadReport stays local)
@@ -61,7 +61,6 @@ def load(recipe: Recipe, mesh: Mesh, *, compare: bool = False, hooks: Hooks = SI
     random init: the checkpoint fills it all).
     """
     from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.checkpoint.shard_scales import agree_delayed_state
 
     lo = recipe.load
     if lo.backend == "te" and (mesh.ep > 1 or mesh.tp > 1):
@@ -71,10 +70,8 @@ def load(recipe: Recipe, mesh: Mesh, *, compare: bool = False, hooks: Hooks = SI
         )
     reports, ranks = [], []
     for stream in [lo.stream] + ([not lo.stream] if compare else []):
-        built = build_for(recipe, mesh, params=lo.params)
+        built = build_for_load(recipe, mesh)
         _say_sharding(built, mesh, hooks)
-        # fp8_delayed scales come from the build, not the read: make them the whole tensor's
-        agree_delayed_state(built.model, mesh)
         with (
             phases.phase(phases.READ),
             hooks.progress("loading" + ("" if stream else " (bulk)"), None) as advance,
@@ -96,6 +93,29 @@ def load(recipe: Recipe, mesh: Mesh, *, compare: bool = False, hooks: Hooks = SI
     return LoadResult(reports=reports, world_size=mesh.world_size, ranks=ranks)
 
 
+def build_for_load(recipe: Recipe, mesh: Mesh, **param_opts: Any) -> Built:
+    """The model a load fills: the recipe's model in the one order (``pipeline.model``:
+    sharded over EP then TP like calibrate's), with ``load.params`` parameters
+    (``param_opts``: format options such as ``block_size``, for library callers), built on
+    meta and allocated straight in their format. A fp8_delayed scale that a build did make
+    (a seeded build) is made the whole tensor's; a fresh one takes the load's whole amax."""
+    from qckpt.checkpoint.shard_scales import agree_delayed_state
+
+    lo = recipe.load
+    built = build(
+        recipe.model.source,
+        mesh,
+        dtype=recipe.model.dtype,
+        seed=recipe.model.seed,
+        params=lo.params,
+        ignore=recipe.quant.ignore,
+        backend=lo.backend,
+        **param_opts,
+    )
+    agree_delayed_state(built.model, mesh)
+    return built
+
+
 def _say_sharding(built: Any, mesh: Mesh, hooks: Hooks) -> None:
     if built.ep_sharded:
         hooks.log(f"experts of {len(built.ep_sharded)} MoE blocks sharded over {mesh.ep} EP ranks")
@@ -109,6 +129,10 @@ def gather_rank_rows(report: Any, mesh: Mesh) -> list[dict[str, Any]]:
     d = report.to_dict()
     row = {k: d.get(k) for k in RANK_KEYS}
     row.update(dp_rank=mesh.dp_rank, ep_rank=mesh.ep_rank, tp_rank=mesh.tp_rank)
+    # this rank's whole-command peaks so far (never reset; None when no command records)
+    peaks = phases.summary().get("peaks") or {}
+    row["command_device_peak_bytes"] = peaks.get("device_peak_bytes")
+    row["command_host_peak_rss_bytes"] = peaks.get("host_peak_rss_bytes")
     if mesh.world_size <= 1 or mesh.world_group is None:
         return [row]
     import torch.distributed as dist

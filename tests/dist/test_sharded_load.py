@@ -42,12 +42,12 @@ WHOLE_FIELDS = {"global_scale", "amax_history", "quant_scale"}
 
 
 def _build(mesh, fmt, opts):
-    from qckpt.checkpoint.shard_scales import agree_delayed_state
-    from qckpt.pipeline.model import build
+    """The model ``qckpt load`` fills (pipeline.load.build_for_load), with format options."""
+    from qckpt.pipeline.load import build_for_load
+    from qckpt.recipe import recipe_from_dict
 
-    m = build(SOURCE, mesh, seeded=True, params=fmt, ignore=["lm_head", "*.mlp.gate"], **opts)
-    agree_delayed_state(m.model, mesh)
-    return m.model
+    recipe = recipe_from_dict({"model": {"source": SOURCE}, "load": {"params": fmt}})
+    return build_for_load(recipe, mesh, **opts).model
 
 
 def _fields(m) -> dict:
@@ -188,9 +188,10 @@ def test_sharded_load_equals_the_slices_of_a_one_rank_load(layout, sources, refe
         assert len(orders) == 1, (what, key, orders)
         n = len(next(iter(orders)))
         fid = key[1]
-        # per-tensor fp8 and nvfp4: every sharded quantized tensor (4 experts or 8 TP linears
+        # per-tensor fp8, fp8_delayed and nvfp4: every sharded quantized tensor (4 experts or 8 TP linears
         # over 2 layers); fp8 per channel only the row-parallel o_proj; blocks never
-        want = {"fp8": 4 if ep > 1 else 8, "nvfp4": 4 if ep > 1 else 8}
+        per_tensor = 4 if ep > 1 else 8
+        want = {"fp8": per_tensor, "nvfp4": per_tensor, "fp8_delayed": per_tensor}
         want["fp8-channel"] = 0 if ep > 1 else 2
         copied = key == ("blockwise_fp8", "fp8_block")
         assert n == (0 if copied else want.get(fid, 0)), (what, key, n)

@@ -33,7 +33,7 @@ def _ep(shape, rank=1, world=2):
         ("fp8", {"granularity": "channel"}, _tp((64, 64), 0), None),  # rows whole
         ("fp8", {"granularity": "channel"}, _tp((64, 64), 1), "rows"),  # rows cut
         ("nvfp4", {}, _tp((64, 64), 1), "tensor"),  # the global scale
-        ("fp8_delayed", {}, _ep((8, 64, 32)), None),  # its scale comes from the build
+        ("fp8_delayed", {}, _ep((8, 64, 32)), "tensor"),  # a first scale comes from it
         ("mxfp8", {}, _tp((64, 64), 1), None),
         ("fp8_block", {}, _ep((8, 64, 32)), None),
     ],

@@ -100,7 +100,8 @@ def _holds_cell(holds: dict[str, Any] | None) -> str:
 def render_rank_rows(rows: list[dict[str, Any]], mode: str, console: Console = err) -> None:
     """What each rank holds and read: one row per rank (the per-rank load report)."""
     t = Table(title=f"per rank ({mode})", title_justify="left")
-    cols = ("rank", "holds", "params", "read", "transient", "load peak", "command peak", "seconds")
+    # the whole command's peaks of every rank: the top-level ``ranks`` (phases)
+    cols = ("rank", "holds", "params", "read", "transient", "load peak", "seconds")
     for col in cols:
         t.add_column(col)
     for r in rows:
@@ -111,7 +112,6 @@ def render_rank_rows(rows: list[dict[str, Any]], mode: str, console: Console = e
             human_bytes(r.get("bytes_read")),
             human_bytes(r.get("transient_bytes")),
             human_bytes(r.get("peak_bytes")),
-            human_bytes(r.get("command_device_peak_bytes") or r.get("command_host_peak_rss_bytes")),
             f"{r.get('seconds') or 0:.2f}",
         )
     console.print(t)

@@ -107,7 +107,7 @@ def check_blocks(state: dict[str, Any], specs: dict[str, ShardSpec]) -> None:
                 f"{name}: {_PARALLEL_KEY[spec.kind]}={spec.world} splits dim {spec.dim} "
                 f"(size {spec.total}) at [{spec.start}, {spec.stop}), inside a {b}-element "
                 f"{dest.fmt} scale block; pick a split whose blocks are multiples of {b}, "
-                "or another load.params format"
+                "or another format"
             )
 
 

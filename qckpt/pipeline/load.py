@@ -129,10 +129,6 @@ def gather_rank_rows(report: Any, mesh: Mesh) -> list[dict[str, Any]]:
     d = report.to_dict()
     row = {k: d.get(k) for k in RANK_KEYS}
     row.update(dp_rank=mesh.dp_rank, ep_rank=mesh.ep_rank, tp_rank=mesh.tp_rank)
-    # this rank's whole-command peaks so far (never reset; None when no command records)
-    peaks = phases.summary().get("peaks") or {}
-    row["command_device_peak_bytes"] = peaks.get("device_peak_bytes")
-    row["command_host_peak_rss_bytes"] = peaks.get("host_peak_rss_bytes")
     if mesh.world_size <= 1 or mesh.world_group is None:
         return [row]
     import torch.distributed as dist

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.dist._harness import run_once, shared_world
+from tests.dist._harness import shared_world
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -275,37 +275,6 @@ def test_a_tp_split_inside_a_scale_block_is_refused_before_reading(sources):
         assert "inside a 128-element fp8_block scale block" in o.error and "\n" not in o.error
 
 
-def _die_at_first_reduction(rank, world, path):
-    """Rank 1 dies at its first whole-tensor amax reduction; rank 0 must not hang there."""
-    import os
-
-    from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.checkpoint.shard_scales import WholeScales
-    from qckpt.parallel.mesh import init_mesh
-
-    mesh = init_mesh(ep=2, timeout_s=10, device="cpu")
-    m = _build(mesh, "fp8", {})
-    if rank == 1:
-        WholeScales.__call__ = lambda *a: os._exit(3)
-    t0 = time.monotonic()
-    try:
-        load_checkpoint(m, path, mesh=mesh)
-    finally:
-        print(f"rank {rank} left the load after {time.monotonic() - t0:.1f} s", flush=True)
-
-
-def test_a_dead_peer_fails_the_load_within_the_timeout(sources):
-    t0 = time.monotonic()
-    outs = run_once(_die_at_first_reduction, 2, sources["hf"], timeout_s=10, deadline_s=120)
-    assert outs[1].exitcode == 3
-    o = outs[0]
-    assert not o.ok and o.error_type in ("PeerError", "CheckpointError"), o.error
-    assert "whole-tensor amax of model.layers.0.mlp.experts.gate_up_proj" in o.error, o.error
-    assert "a rank died or timed out" in o.error and "\n" not in o.error
-    assert o.seconds < 15, o.seconds  # the group timeout is 10 s; a hang would be 120
-    assert time.monotonic() - t0 < 120
-
-
 def sc_nan(rank, world, path):
     from qckpt.checkpoint.load import load_checkpoint
     from qckpt.parallel.mesh import init_mesh
@@ -336,3 +305,35 @@ def test_nan_in_one_ranks_block_fails_every_rank_at_once(tmp_path):
             "model.layers.1.mlp.experts.down_proj: the checkpoint's value is NaN or Inf"
         ), msg
         assert seconds < 10, seconds  # no group timeout (10 s) waited out
+
+
+def _die_at_first_reduction(rank, world, path):
+    """Rank 1 dies at its first whole-tensor amax reduction; rank 0 must not hang there."""
+    import os
+
+    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.checkpoint.shard_scales import WholeScales
+    from qckpt.parallel.mesh import init_mesh
+
+    mesh = init_mesh(ep=2, timeout_s=10, device="cpu")
+    m = _build(mesh, "fp8", {})
+    if rank == 1:
+        WholeScales.__call__ = lambda *a: os._exit(3)
+    t0 = time.monotonic()
+    try:
+        load_checkpoint(m, path, mesh=mesh)
+    finally:
+        print(f"rank {rank} left the load after {time.monotonic() - t0:.1f} s", flush=True)
+
+
+def test_a_dead_peer_fails_the_load_within_the_timeout(sources):
+    """The last test here: it kills rank 1 of the shared world (a later test gets a new one)."""
+    t0 = time.monotonic()
+    outs = shared_world(2).run(_die_at_first_reduction, sources["hf"], deadline_s=120)
+    assert outs[1].error_type == "Died" and outs[1].error == "died with exit code 3"
+    o = outs[0]
+    assert not o.ok and o.error_type in ("PeerError", "CheckpointError"), o.error
+    assert "whole-tensor amax of model.layers.0.mlp.experts.gate_up_proj" in o.error, o.error
+    assert "a rank died or timed out" in o.error and "\n" not in o.error
+    assert o.seconds < 15, o.seconds  # the group timeout is 10 s; a hang would be 120
+    assert time.monotonic() - t0 < 120

@@ -188,7 +188,7 @@ def _quantized_shapes(source: str, fmt: str) -> set[tuple[int, ...]]:
 def test_qckpt_load_never_makes_a_bf16_copy_of_a_quantized_weight(tmp_path, monkeypatch, source):
     save_model_dcp(build_model(source, seed=5), tmp_path / "c")
     spy = _BuildSpy(_quantized_shapes(source, "fp8"))
-    real = pipeline_load.build_for
+    real = pipeline_load.build_for_load
     built = []
 
     def spying_build_for(*args, **kwargs):
@@ -197,7 +197,7 @@ def test_qckpt_load_never_makes_a_bf16_copy_of_a_quantized_weight(tmp_path, monk
         built.append(b)
         return b
 
-    monkeypatch.setattr(pipeline_load, "build_for", spying_build_for)
+    monkeypatch.setattr(pipeline_load, "build_for_load", spying_build_for)
     recipe = recipe_from_dict(
         {
             "model": {"source": source},

@@ -9,11 +9,14 @@ import torch
 from qckpt import formats
 from qckpt.checkpoint.shard_scales import check_blocks, whole_amax_kind
 from qckpt.errors import UsageError
+from qckpt.kernel_policy import KernelPolicy
 from qckpt.parallel.shard import ShardSpec
 
 
 def _q(shape, fmt, **opts):
-    return formats.quantize(torch.randn(shape, dtype=torch.bfloat16), fmt, **opts)
+    # eager kernels: these tests need the layout, not the speed (no compile on first use)
+    eager = KernelPolicy(compile="never")
+    return formats.quantize(torch.randn(shape, dtype=torch.bfloat16), fmt, policy=eager, **opts)
 
 
 def _tp(shape, dim, rank=1, world=2):

@@ -267,11 +267,7 @@ def load_checkpoint(
         items, masters = _stream_load(*args, path=path, tap=tap)
     else:
         items, masters = _bulk_load(*args, md=md, tap=tap)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    meter.close_window()
-    meter.sample(force=True)
+    seconds = _stop(meter, device, t0)
     bytes_read = int(getattr(reader, "bytes_read", 0))
     source = getattr(reader, "source", None)
     return LoadReport(
@@ -301,6 +297,16 @@ def load_checkpoint(
         samples=meter.samples,
         main_param_tensors=masters,
     )
+
+
+def _stop(meter: MemoryMeter, device: torch.device, t0: float) -> float:
+    """The load's seconds (queued device work included); the meter's last window closed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    meter.close_window()
+    meter.sample(force=True)
+    return seconds
 
 
 def _world_of(mesh: Any) -> tuple[Any, int, bool, int]:

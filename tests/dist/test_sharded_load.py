@@ -21,7 +21,7 @@ import torch
 
 from tests.dist._harness import shared_world
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 SOURCE = "tiny-moe"
 # (id, load.params, format options): fp8_block with 16x16 tiles, so TP2's splits (16 / 32
@@ -173,7 +173,7 @@ LAYOUTS = (("EP2", 2, 2, 1), ("TP2", 2, 1, 2), ("DP2xEP2", 4, 2, 1))
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_sharded_load_equals_the_slices_of_a_one_rank_load(layout, sources, reference):
     what, world, ep, tp = layout
-    values = _ok(shared_world(world).run(sc_sharded, ep, tp, sources, deadline_s=240))
+    values = _ok(shared_world(world).run(sc_sharded, ep, tp, sources, deadline_s=480))
     wrong = []
     for v in values:
         for key, ref in reference.items():
@@ -188,19 +188,23 @@ def test_sharded_load_equals_the_slices_of_a_one_rank_load(layout, sources, refe
         assert len(orders) == 1, (what, key, orders)
         n = len(next(iter(orders)))
         fid = key[1]
-        # per-tensor fp8, fp8_delayed and nvfp4: every sharded quantized tensor (4 experts or 8 TP linears
-        # over 2 layers); fp8 per channel only the row-parallel o_proj; blocks never
+        # per-tensor fp8, fp8_delayed and nvfp4: every sharded quantized tensor (4 experts or
+        # 8 TP linears over 2 layers); fp8 per channel only the row-parallel o_proj; blocks never
         per_tensor = 4 if ep > 1 else 8
         want = {"fp8": per_tensor, "nvfp4": per_tensor, "fp8_delayed": per_tensor}
         want["fp8-channel"] = 0 if ep > 1 else 2
         copied = key == ("blockwise_fp8", "fp8_block")
         assert n == (0 if copied else want.get(fid, 0)), (what, key, n)
-    # what each rank read: its own experts / TP blocks of the HF dir, not the whole model
+    # what each rank read of the HF dir: the replicated tensors whole, and of a tensor split
+    # along its rows (experts, column-parallel) only its rows; a row-parallel block (columns)
+    # may be read as whole rows (the fast reader reads rows), never more than the tensor
     one = reference[("hf", "fp8")]["bytes_read"]
     sharded = _sharded_bytes(reference[("hf", "fp8")], values[0]["loads"][("hf", "fp8")])
+    cols = _sharded_bytes(reference[("hf", "fp8")], values[0]["loads"][("hf", "fp8")], dim=1)
     for v in values:
         got = v["loads"][("hf", "fp8")]
-        assert got["bytes_read"] == one - sharded // 2, (what, got["bytes_read"], one)
+        least = one - sharded // 2
+        assert least <= got["bytes_read"] <= least + cols // 2, (what, got["bytes_read"], one)
         assert got["param_bytes"] < reference[("hf", "fp8")]["param_bytes"]
         if ep > 1:
             e0 = 4 * v["ep_rank"]
@@ -209,10 +213,12 @@ def test_sharded_load_equals_the_slices_of_a_one_rank_load(layout, sources, refe
             assert got["holds"]["tp"] == 2 and got["holds"]["tp_rank"] == v["tp_rank"]
 
 
-def _sharded_bytes(ref: dict, got: dict) -> int:
-    """BF16 bytes of the whole tensors a rank holds one half of."""
+def _sharded_bytes(ref: dict, got: dict, dim: int | None = None) -> int:
+    """BF16 bytes of the whole tensors a rank holds one half of (split along ``dim``)."""
     total = 0
-    for name in got["specs"]:
+    for name, spec in got["specs"].items():
+        if dim is not None and spec[0] != dim:
+            continue
         total += 2 * torch.Size(ref["params"][name]["shape"]).numel()
     return total
 

@@ -280,6 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where outputs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the last export of each count")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--min-gbps", type=float, default=0.0, help="exit 1 if the first count is slower"
+    )
+    ap.add_argument(
+        "--min-speedup",
+        type=float,
+        default=0.0,
+        help="exit 1 if the last count's GB/s over the first is lower",
+    )
     args = ap.parse_args(argv)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="qckpt-bench-export-"))
@@ -316,13 +325,32 @@ def main(argv: list[str] | None = None) -> int:
             "runs": [results[n] for n in counts],
             "speedup_over_first": {n: round(results[n]["gbps"] / base, 2) for n in counts},
         }
+        report["missed"] = _missed(report, counts, args)
         _print(report)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    return 0 if same else 1
+    return 1 if report["missed"] else 0
+
+
+def _missed(report: dict, counts: list[int], args) -> list[str]:
+    """The targets this run missed (exit 1 when any): same files, every run's anonymous-memory
+    rise within the bound, and the --min-gbps / --min-speedup asked for."""
+    out = [] if report["same_files"] else ["the runs wrote different files"]
+    for r in report["runs"]:
+        if not r["meets_host_bound"]:
+            out.append(f"{r['nproc']} process(es): anon rise over 2 x largest + 256 MiB")
+    first = report["runs"][0]
+    if first["gbps"] < args.min_gbps:
+        out.append(f"{counts[0]} process(es): {first['gbps']} GB/s < {args.min_gbps}")
+    speedup = report["speedup_over_first"][counts[-1]]
+    if speedup < args.min_speedup:
+        out.append(
+            f"{counts[-1]} processes: {speedup}x the first count's GB/s < {args.min_speedup}x"
+        )
+    return out
 
 
 def _print(report: dict) -> None:
@@ -344,6 +372,9 @@ def _print(report: dict) -> None:
             f"{r['host_bound_bytes'] / MiB:>7.0f}Mi  {r['meets_host_bound']}"
         )
     print(f"GB/s over the first count: {report['speedup_over_first']}")
+    print(
+        "targets: " + ("met" if not report["missed"] else "MISSED: " + "; ".join(report["missed"]))
+    )
 
 
 if __name__ == "__main__":

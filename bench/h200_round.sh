@@ -53,6 +53,8 @@ STEPS=(
   load_bench:480
   calib_speed:300
   calib_dp:540
+  export_tests:300
+  export_48l:600
 )
 
 step_env() {
@@ -197,6 +199,20 @@ step_calib_dp() {
     --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=600 \
     --set calibrate.data.num_samples=1024 --set calibrate.data.seq_len=512 \
     --set calibrate.data.batch_size=8 --json "$RES/calib_dp.json"
+}
+# qckpt export on a GPU (issue 18): byte-identical to the CPU export for every layout, tiny
+# models and 4096-wide ones
+step_export_tests() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_export_gpu.py
+}
+# qckpt export of the 48-layer checkpoint (issues 17, 18), each a whole CLI process: one process
+# on one GPU beside torchrun with 2 (a GPU each), every file compared by hash; GB/s, phases,
+# whole-command peaks, RssAnon rise vs 2 x largest + 256 MiB. The calibration file is made once
+# from the checkpoint's weights (kept in $WORK). exit 1 if the files differ, the bound is
+# exceeded, one process is under 4 GB/s, or two are under 2x one
+step_export_48l() {
+  "$PY" -m bench.export --src "$CKPT48" --calib "$WORK/export_calib.safetensors" --nprocs 1,2 \
+    --workdir "$WORK/export" --min-gbps 4 --min-speedup 2 --json "$RES/export_48l.json"
 }
 
 # ---- the runner ---------------------------------------------------------------------------------

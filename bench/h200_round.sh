@@ -55,6 +55,7 @@ STEPS=(
   calib_dp:540
   export_tests:300
   export_48l:600
+  plan_48l:300
 )
 
 step_env() {
@@ -215,6 +216,46 @@ step_export_48l() {
     --workdir "$WORK/export" --min-gbps 4 --min-speedup 2 --json "$RES/export_48l.json"
 }
 
+# qckpt plan's predictions (issue 17) beside the measured whole-command peaks of the runs above:
+# the load on one GPU and with EP2 (from whole_48l), calibrate resident on one GPU and EP2, and
+# offload: layer under the 20 GiB cap (from offload_ref_48l / offload_48l)
+step_plan_48l() {
+  local rc=0 lr="$WORK/plan_load.yaml"
+  printf '%s\n' "model: {source: \"$CKPT48\", dtype: bfloat16}" \
+    "checkpoint: {path: \"$CKPT48\", format: safetensors}" \
+    "load: {params: fp8, device: cuda}" 'quant: {ignore: ["lm_head", "*.mlp.gate"]}' >"$lr"
+  "$PY" - "$RES/whole_48l.json" "$RES" <<'PYEOF'
+import json, sys
+from pathlib import Path
+runs = json.loads(Path(sys.argv[1]).read_text()).get("runs", {})
+for name in ("qckpt", "qckpt_ep2"):
+    if name in runs:
+        (Path(sys.argv[2]) / f"measured_{name}.json").write_text(json.dumps(runs[name]))
+PYEOF
+  "$PY" -m qckpt plan "$lr" --nproc-per-node 1 --gpu-memory 139GiB --json "$RES/plan_load1.json" || rc=1
+  "$PY" -m qckpt plan "$lr" --nproc-per-node 2 --set parallel.ep=2 --gpu-memory 139GiB \
+    --json "$RES/plan_load2.json" || rc=1
+  "$PY" -m qckpt plan configs/tiny-moe.yaml "${OFF_SETS[@]}" --nproc-per-node 1 \
+    --gpu-memory 139GiB --json "$RES/plan_cal1.json" || rc=1
+  "$PY" -m qckpt plan configs/tiny-moe.yaml "${OFF_SETS[@]}" --nproc-per-node 2 \
+    --set parallel.ep=2 --gpu-memory 139GiB --json "$RES/plan_cal2.json" || rc=1
+  "$PY" -m qckpt plan configs/tiny-moe.yaml "${OFF_SETS[@]}" --nproc-per-node 1 \
+    --set calibrate.offload=layer --gpu-memory 20GiB --json "$RES/plan_off.json" || rc=1
+  local pair
+  for pair in "plan_load1 load measured_qckpt" "plan_load2 load measured_qckpt_ep2" \
+    "plan_cal1 calibrate offload_ref_1gpu" "plan_cal2 calibrate offload_ref_ep2" \
+    "plan_off calibrate offload_20g"; do
+    set -- $pair
+    if [[ -f "$RES/$1.json" && -f "$RES/$3.json" ]]; then
+      echo "== $1 vs $3"
+      "$PY" scripts/plan_vs_measured.py "$RES/$1.json" "$2" "$RES/$3.json" || rc=1
+    else
+      echo "== $1 vs $3: missing"
+    fi
+  done
+  return $rc
+}
+
 # ---- the runner ---------------------------------------------------------------------------------
 
 limit_of() {
@@ -259,6 +300,7 @@ EOF
   tar -czf "$OUT/round.tar.gz" -C "$WORK" results
 }
 
+if [[ "${1:-}" == "--collect" ]]; then collect; exit 0; fi
 if [[ "${1:-}" == "--list" ]]; then printf '%s\n' "${STEPS[@]}"; exit 0; fi
 if [[ "${1:-}" == "--one" ]]; then set -o pipefail; "step_$2"; exit $?; fi
 echo "round $(date -u +%FT%TZ): ${*:-all steps}" >>"$RES/summary.txt"

@@ -9,7 +9,9 @@ import pytest
 from qckpt.calib.state_file import calibration_differences
 from tests.dist._harness import shared_world
 
-pytestmark = pytest.mark.timeout(240)
+# generous: on a shared 2-core machine the first world start alone has taken 150 s; the
+# harness deadlines (below) and the 10 s group timeouts are what catch a hang
+pytestmark = pytest.mark.timeout(600)
 DATA = {"source": "synthetic", "num_samples": 8, "seq_len": 16, "batch_size": 2}
 
 
@@ -71,7 +73,7 @@ def test_two_ranks_write_the_resident_file(ckpts, tmp_path, src, ep, tp):
     """DP2 and EP2 on tiny-moe, TP2 on tiny-dense: offload layer and host (activations in
     host memory) write the file the resident run of the same layout writes."""
     out = shared_world(2).run(
-        _calibrate_runs, src, ckpts[src], ep, RUNS, str(tmp_path), tp, deadline_s=200
+        _calibrate_runs, src, ckpts[src], ep, RUNS, str(tmp_path), tp, deadline_s=400
     )
     assert all(o.ok for o in out), [o.error for o in out]
     ref = tmp_path / "resident.safetensors"
@@ -138,3 +140,34 @@ def test_a_missing_tensor_is_refused_before_any_layer_runs(tmp_path):
     ):
         calibrate(r, Mesh())
     assert not out.exists()
+
+
+def _read_fails_on_rank1(rank, world, ckpt, out):
+    """DP2, offload layer; rank 1's read of layer 1 fails (on the prefetch thread)."""
+    from qckpt.checkpoint import layer_weights
+    from qckpt.errors import CheckpointError
+
+    real = layer_weights.CheckpointLayers.fetch
+
+    def fetch(self, modules):
+        if rank == 1 and any(n == "model.layers.1" for n, _ in modules):
+            raise CheckpointError("model.layers.1: injected read failure")
+        return real(self, modules)
+
+    layer_weights.CheckpointLayers.fetch = fetch
+    try:
+        return _calibrate_runs(rank, world, "tiny-moe", ckpt, 1, [("off", "layer", {})], out)
+    finally:
+        layer_weights.CheckpointLayers.fetch = real
+
+
+def test_a_read_failing_on_one_rank_fails_every_rank(ckpts, tmp_path):
+    """The failing rank still reaches the amax sync and tells the other, which raises too
+    (no rank waits for a peer that left); no file is written."""
+    out = shared_world(2).run(
+        _read_fails_on_rank1, ckpts["tiny-moe"], str(tmp_path), deadline_s=400
+    )
+    assert not out[1].ok and "injected read failure" in out[1].error, out[1].error
+    assert not out[0].ok and "rank 1 of 2 failed before the sync" in out[0].error, out[0].error
+    assert "\n" not in out[0].error
+    assert not (tmp_path / "off.safetensors").exists()

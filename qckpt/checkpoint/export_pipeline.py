@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextvars
 import math
 import queue
 import threading
@@ -319,7 +320,7 @@ class _Pipeline:
         try:
             for it in self.items:
                 self.budget.take(it.host_bytes + it.out_bytes)
-                self.ready.put((it, self.read_pool.submit(self._read, it)))
+                self.ready.put((it, self.read_pool.submit(_in_context(), self._read, it)))
             self.ready.put(None)
         except Stopped:
             self.ready.put(None)
@@ -437,7 +438,9 @@ class _Pipeline:
 
     # -- the whole -----------------------------------------------------------------------------
     def run(self, progress: ProgressFn | None, should_stop: Callable[[], None] | None) -> None:
-        feeder = threading.Thread(target=self._feed, name="qckpt-feed", daemon=True)
+        feeder = threading.Thread(
+            target=_in_context(), args=(self._feed,), name="qckpt-feed", daemon=True
+        )
         feeder.start()
         n = sum(1 for it in self.items if it.entry is not None)
         try:
@@ -450,7 +453,7 @@ class _Pipeline:
                     should_stop()
                 self._report(progress, n)
                 self.jobs = _unfinished(self.jobs)  # raises a failed job's error
-                self.jobs.append(self.quant_pool.submit(self._job, it, fut))
+                self.jobs.append(self.quant_pool.submit(_in_context(), self._job, it, fut))
                 del fut
             while self.jobs:
                 cf.wait(self.jobs, timeout=0.1, return_when=cf.FIRST_COMPLETED)
@@ -482,6 +485,13 @@ class _Pipeline:
         self.write_pool.shutdown(wait=True, cancel_futures=True)
         for f in self.out.values():
             f.abort()
+
+
+def _in_context() -> Callable[..., Any]:
+    """``run`` of a copy of the caller's context: a worker thread then sees the caller's
+    context variables (the kernel policy the CLI scoped, ``qckpt.kernel_policy``), which a
+    thread does not inherit. One copy per task: a context cannot be entered twice at once."""
+    return contextvars.copy_context().run
 
 
 def _unfinished(futures: list[cf.Future]) -> list[cf.Future]:

@@ -135,3 +135,35 @@ def test_bad_writer_settings_are_one_line(tmp_path):
         with pytest.raises(UsageError, match="^export.device: cuda asked for but no CUDA device"):
             export(r)
         assert not (tmp_path / "never").exists()
+
+
+def test_worker_threads_use_the_callers_kernel_policy(tmp_path, monkeypatch):
+    """The CLI scopes the kernel policy (QCKPT_COMPILE, ...) in a context variable; the quantize
+    threads must see it, as the one thread of a plain export did."""
+    import qckpt.checkpoint.export_layouts as layouts
+    from qckpt.kernel_policy import KernelPolicy, current_policy, kernel_policy
+
+    model, hf_dir = saved_model(tmp_path, "tiny-dense")
+    q = quant_config()
+    seen = []
+    real = layouts.check_source_weight
+
+    def spy(module, w, amax):
+        seen.append(current_policy().compile)
+        return real(module, w, amax)
+
+    import qckpt.checkpoint.export_pipeline as pipe
+
+    monkeypatch.setattr(pipe, "check_source_weight", spy)
+    with kernel_policy(KernelPolicy(compile="never")):
+        export_checkpoint(
+            source=hf_dir,
+            calibration=make_calibration(model, q),
+            output=tmp_path / "out",
+            model_type="llama",
+            model_config=model.config,
+            quant=q,
+            export=ExportConfig(),
+            options=WriteOptions(quantizers=2),
+        )
+    assert len(seen) == 14 and set(seen) == {"never"}

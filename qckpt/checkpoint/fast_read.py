@@ -57,6 +57,7 @@ from qckpt.errors import CheckpointError
 CHUNK_BYTES = 16 << 20  # one read piece: large enough for full-speed reads, small to overlap
 DEFAULT_MAX_INFLIGHT = 2
 WINDOW_ITEMS = 256
+BATCH_PIECES = 32  # small pieces per pool task (their bytes stay under CHUNK_BYTES too)
 MAX_THREADS = 16
 
 
@@ -75,11 +76,22 @@ class Job:
     inline: Callable[[], None] | None = None
 
 
+@dataclass(eq=False)  # compared by identity
+class _Batch:
+    """Pieces one pool task reads, in order: small items share a task (a hand-off to a thread
+    per few-KiB piece costs more than its read); a task returns its last CUDA event (its copies
+    run in order on the one copy stream) or None."""
+
+    work: list[tuple[StoredTensor, Any, Any]] = field(default_factory=list)
+    nbytes: int = 0
+    future: Future | None = None
+
+
 @dataclass
 class _Pending:
     job: Job
     target: torch.Tensor | None = None
-    futures: list[Future] = field(default_factory=list)
+    batches: list[_Batch] = field(default_factory=list)
 
 
 class Files:
@@ -239,6 +251,7 @@ class FastReadEngine:
         self._local = threading.local()
         self._pool: PinnedPool | None = None
         self._copy_stream: Any = None
+        self._open: _Batch | None = None  # the batch being filled, not yet submitted
 
     # ---- the calling thread ---------------------------------------------------------------
 
@@ -263,6 +276,8 @@ class FastReadEngine:
                         live.add(fqn)
                     window.append(self._start(jobs[nxt], planner, pool))
                     nxt += 1
+                if window and self._open is not None and self._open in window[0].batches:
+                    self._flush(pool)  # the item waited for next is in it
                 p = window.popleft()
                 self._complete(p, planner)
                 fqn = p.job.item.dest_index.fqn
@@ -271,8 +286,10 @@ class FastReadEngine:
                     live.discard(fqn)
         finally:
             for p in window:
-                for f in p.futures:
-                    f.cancel()
+                for b in p.batches:
+                    if b.future is not None:
+                        b.future.cancel()
+            self._open = None
             pool.shutdown(wait=True, cancel_futures=True)
             if self._copy_stream is not None:
                 torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
@@ -301,19 +318,35 @@ class FastReadEngine:
             st, tuple(item.storage_offsets), tuple(item.lengths), target, self.chunk_bytes
         )
         self.bytes_read += sum(p.nbytes for p in pieces)
-        futures = [pool.submit(self._read_piece, st, p, ready) for p in pieces]
-        return _Pending(job, target, futures)
+        pending = _Pending(job, target)
+        for piece in pieces:
+            if self._open is None:
+                self._open = _Batch()
+            b = self._open
+            b.work.append((st, piece, ready))
+            b.nbytes += piece.nbytes
+            if not pending.batches or pending.batches[-1] is not b:
+                pending.batches.append(b)
+            if b.nbytes >= self.chunk_bytes or len(b.work) >= BATCH_PIECES:
+                self._flush(pool)
+        return pending
+
+    def _flush(self, pool: ThreadPoolExecutor) -> None:
+        if self._open is not None:
+            self._open.future = pool.submit(self._read_batch, self._open.work)
+            self._open = None
 
     def _complete(self, p: _Pending, planner: Any) -> None:
         if p.target is None:
             assert p.job.inline is not None
             p.job.inline()
             return
-        for f in p.futures:
-            ev = f.result()
+        for b in p.batches:
+            assert b.future is not None  # flushed before the window's head is waited for
+            ev = b.future.result()
             if ev is not None:
                 torch.cuda.current_stream(p.target.device).wait_event(ev)
-        p.futures.clear()
+        p.batches.clear()
         planner.commit_tensor(p.job.item, p.target)
 
     # ---- reader threads -------------------------------------------------------------------
@@ -332,6 +365,12 @@ class FastReadEngine:
         for axis, (o, n) in enumerate(p.narrow, start=1):
             blk = blk.narrow(axis, o, n)
         return blk.view(p.target.shape) if blk.dim() != p.target.dim() else blk
+
+    def _read_batch(self, work: list[tuple[StoredTensor, _Piece, Any]]) -> Any:
+        ev = None
+        for st, piece, ready in work:
+            ev = self._read_piece(st, piece, ready)
+        return ev
 
     def _read_piece(self, st: StoredTensor, p: _Piece, ready: Any) -> Any:
         if p.target.device.type != "cuda":

@@ -114,9 +114,8 @@ class FastHFReader(HFSafetensorsReader):
     def _locations(self) -> dict[str, tuple[str, int]]:
         """Stored name -> (file, absolute offset of its data), from the headers."""
         if self._where is None:
-            self._where = {
-                e.name: (str(e.file), int(e.loc[0])) for e in SafetensorsSource(self.path).stored()
-            }
+            src = getattr(self, "stored_source", None) or SafetensorsSource(self.path)
+            self._where = {e.name: (str(e.file), int(e.loc[0])) for e in src.stored()}
         return self._where
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

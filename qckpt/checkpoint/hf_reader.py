@@ -65,11 +65,14 @@ class HFEntry:
     pieces: list[HFPiece]
 
 
-def hf_index(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
-    """Every tensor of the dir: name -> (file name, shape, dtype), from the headers only."""
+def hf_index(
+    path: str | os.PathLike, source: SafetensorsSource | None = None
+) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
+    """Every tensor of the dir: name -> (file name, shape, dtype), from the headers only
+    (``source``: the dir's ``SafetensorsSource`` when the caller holds one: parsed once)."""
     return {
         e.name: (Path(e.file).name, e.shape, e.torch_dtype)
-        for e in SafetensorsSource(path).stored()
+        for e in (source or SafetensorsSource(path)).stored()
     }
 
 
@@ -156,6 +159,7 @@ def hf_source(
     *,
     model_type: str | None = None,
     expected: dict[str, torch.Size] | None = None,
+    stored_source: SafetensorsSource | None = None,
 ) -> tuple[dict[str, HFEntry], SourceLayout, dict[str, tuple[str, tuple[int, ...], torch.dtype]]]:
     """State-dict name -> where its data lie in the dir.
 
@@ -166,7 +170,7 @@ def hf_source(
     ``quantized_sources``) shows its weights under their logical names, shapes and the model's
     dtype, each piece carrying how it is stored. Returns (layout, source layout, stored index).
     """
-    raw = hf_index(path)
+    raw = hf_index(path, stored_source)
     source = source_layout(path, raw)
     index = source.logical_index(raw) if source.quantized else raw
     if model_type is None:
@@ -246,8 +250,12 @@ class HFSafetensorsReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
+            self.stored_source = SafetensorsSource(self.path)
             layout, self.source, self.raw_index = hf_source(
-                self.path, model_type=self.model_type, expected=self.expected
+                self.path,
+                model_type=self.model_type,
+                expected=self.expected,
+                stored_source=self.stored_source,
             )
             self.layout = layout
             sd_md: dict[str, Any] = {}

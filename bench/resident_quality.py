@@ -62,28 +62,47 @@ def _fq(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 def _w8a8(model, amax: dict[str, torch.Tensor]):
     """A copy of ``model`` computing as a static W8A8 FP8 export would (see the module doc):
-    the calibration's own quantizers are put in and their ``collect`` becomes an in-place cast
-    of the input (after a copy of a linear's input: q/k/v share theirs); the copy keeps them."""
+    every calibrated linear's weight cast with its scale, its input cast with its static scale
+    (a pre-hook), and each routed expert's inputs and weights cast with that expert's own."""
     import copy
 
-    from qckpt.calib.instrument import insert_quantizers, instrumentation
-    from qckpt.recipe import QuantConfig
+    from qckpt.models.naming import expert_slices, ignored, is_fused_experts
 
     m = copy.deepcopy(model)
-    qs = insert_quantizers(m, QuantConfig())
+    mtype = m.config.model_type
+    ignore = ["lm_head", "*.mlp.gate"]
     with torch.no_grad():
-        for src in instrumentation(m).weights:  # weights cast with their own scale, in place
-            w = src.take(m.get_parameter(src.param))
-            w.copy_(_fq(w, amax[src.quantizer.key]))
-    for q in qs.values():
-        if q.kind == "input":
-            q.collect = lambda x, a=amax[q.key]: x.copy_(_fq(x, a))
-    for mod in m.modules():
-        if isinstance(mod, torch.nn.Linear):
-            mod.register_forward_pre_hook(
-                lambda _m, args: (args[0].clone(), *args[1:]), prepend=True
-            )
+        for name, mod in m.named_modules():
+            if isinstance(mod, torch.nn.Linear) and not ignored(name, ignore):
+                mod.weight.copy_(_fq(mod.weight, amax[f"{name}.weight_amax"]))
+                a = amax[f"{name}.input_amax"]
+                mod.register_forward_pre_hook(lambda _m, args, a=a: (_fq(args[0], a), *args[1:]))
+            elif is_fused_experts(mod):
+                gu, dn = mod.gate_up_proj, mod.down_proj
+                roles: dict[int, dict[str, str]] = {}
+                for s in expert_slices(name, mtype, gu.shape, dn.shape):
+                    w = s.take(gu if s.role != "down" else dn)
+                    w.copy_(_fq(w, amax[f"{s.hf_module}.weight_amax"]))
+                    roles.setdefault(s.expert, {})[s.role] = s.hf_module
+                mod.forward = _experts_w8a8(mod, roles, amax)
     return m
+
+
+def _experts_w8a8(mod, roles, amax):
+    """transformers' eager experts loop with each expert's inputs cast to E4M3."""
+
+    def forward(hidden, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden)
+        for e in top_k_index.unique().tolist():
+            pos, tok = torch.where(top_k_index.t() == e)
+            x = _fq(hidden[tok], amax[f"{roles[e]['gate']}.input_amax"])
+            gate, up = F.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
+            h = _fq(mod.act_fn(gate) * up, amax[f"{roles[e]['down']}.input_amax"])
+            h = F.linear(h, mod.down_proj[e]) * top_k_weights[tok, pos, None]
+            final.index_add_(0, tok, h.to(final.dtype))
+        return final
+
+    return forward
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,8 @@ class PlanResult:
 
     def fits(self, command: str) -> bool | None:
         rows = self.rows[command]
+        if any(r.refused for r in rows):
+            return False
         if any(r.fits is None for r in rows):
             return None
         return all(r.fits for r in rows)
@@ -149,6 +151,7 @@ class _Planner:
             expected=expected,
         )
         self._sharded: dict[tuple[int, int], nn.Module | str] = {}
+        self._refusals: dict[tuple, str | None] = {}
         from qckpt.parallel.tensor import tp_plan
 
         self._tp_linears = len(tp_plan(self.whole))
@@ -225,56 +228,67 @@ class _Planner:
 
         if command == "export":
             return self._export(ranks)
-        r = self.recipe
-        # load.reader / load.max_inflight (the fast read path; absent: the plain reader)
-        kind = str(getattr(r.load, "reader", "plain"))
-        inflight = (
-            int(getattr(r.load, "max_inflight", 1)) if kind == "fast" and r.load.stream else 1
-        )
-        src = self.reads.using(kind) if reads else None
-        # calibrate.offload reads each layer with load_checkpoint's default reader: the fast
-        # one where the fast read path exists
-        layer_reader = "fast" if hasattr(r.load, "reader") else "plain"
-        if command == "load":
-            base = self.tensors(layout, r.load.params)
-        else:
-            base = self.tensors(layout, "none" if layout.resident == "bf16" else layout.resident)
-            shape = self.calib_shape(layout)
-        data = r.calibrate.data
+        params = self.recipe.load.params if command == "load" else layout.resident
+        params = "none" if params == "bf16" else params
+        base = self.tensors(layout, params)
+        refused = self.refusal(layout, params, base)
+        one = self._load_one if command == "load" else self._calibrate_one
         done: dict[tuple, RankFigures] = {}
         out = []
         for rank, dp_rank, ep_rank, tp_rank in ranks:
-            samples = 0
-            if command == "calibrate":
-                dw = layout.dp(self.world) * layout.ep
-                samples = rank_samples(
-                    data.num_samples, data.batch_size, dp_rank * layout.ep + ep_rank, dw
-                )
+            samples = self._samples(layout, dp_rank, ep_rank) if command == "calibrate" else 0
             key = (ep_rank, tp_rank, samples)
             if key not in done:
                 held = for_rank(base, ep_rank, tp_rank)
-                if command == "load":
-                    done[key] = load_figures(
-                        held,
-                        src,
-                        rank=rank,
-                        stream=r.load.stream,
-                        main_params=r.load.main_params == "fp32",
-                        max_inflight=inflight,
-                    )
-                else:
-                    off = self.offload(layout)
-                    done[key] = calibrate_figures(
-                        held,
-                        src if off.mode == "none" or src is None else src.using(layer_reader),
-                        shape,
-                        rank=rank,
-                        samples=samples,
-                        offload=off,
-                        max_inflight=inflight,
-                    )
-            out.append(replace(done[key], rank=rank).judge(self.device_bytes, self.host_share))
+                done[key] = one(layout, held, rank=rank, samples=samples, reads=reads)
+            row = replace(done[key], rank=rank, refused=refused)
+            out.append(row.judge(self.device_bytes, self.host_share))
         return out
+
+    def _samples(self, layout: Layout, dp_rank: int, ep_rank: int) -> int:
+        data = self.recipe.calibrate.data
+        dw = layout.dp(self.world) * layout.ep
+        return rank_samples(data.num_samples, data.batch_size, dp_rank * layout.ep + ep_rank, dw)
+
+    def _inflight(self) -> int:
+        lo = self.recipe.load
+        return lo.max_inflight if lo.reader == "fast" and lo.stream else 1
+
+    def _load_one(self, layout: Layout, held: list[Held], *, rank, samples, reads) -> RankFigures:
+        lo = self.recipe.load
+        return load_figures(
+            held,
+            self.reads.using(lo.reader) if reads else None,
+            rank=rank,
+            stream=lo.stream,
+            main_params=lo.main_params == "fp32",
+            max_inflight=self._inflight(),
+        )
+
+    def _calibrate_one(
+        self, layout: Layout, held: list[Held], *, rank, samples, reads
+    ) -> RankFigures:
+        off = self.offload(layout)
+        # the resident load reads with the recipe's reader; calibrate.offload's layer reads
+        # with load_checkpoint's default one (fast)
+        reader = self.recipe.load.reader if off.mode == "none" else "fast"
+        return calibrate_figures(
+            held,
+            self.reads.using(reader) if reads else None,
+            self.calib_shape(layout),
+            rank=rank,
+            samples=samples,
+            offload=off,
+            max_inflight=self._inflight(),
+        )
+
+    def refusal(self, layout: Layout, params: str, held: list[Held]) -> str | None:
+        """The sharded load's refusal of a split inside a scale block of ``params``
+        (``checkpoint.shard_scales.check_blocks``, asked with meta tensors), or None."""
+        key = (layout.ep, layout.tp, params)
+        if key not in self._refusals:
+            self._refusals[key] = _block_refusal(held)
+        return self._refusals[key]
 
     def _export(self, ranks: list[tuple[int, int, int, int]]) -> list[RankFigures]:
         largest, total = self.reads.source_sizes(self.whole)
@@ -373,6 +387,22 @@ def plan(
         extra=extra,
         notes=notes,
     )
+
+
+def _block_refusal(held: list[Held]) -> str | None:
+    from qckpt import formats
+    from qckpt.checkpoint.shard_scales import check_blocks
+
+    split = [t for t in held if t.fmt is not None and t.shard is not None]
+    state = {
+        t.name: formats.empty(t.shape, t.fmt, nominal_dtype=t.dtype, device="meta", **dict(t.opts))
+        for t in split
+    }
+    try:
+        check_blocks(state, {t.name: t.shard for t in split})
+    except UsageError as exc:
+        return str(exc)
+    return None
 
 
 def _model_summary(p: _Planner) -> dict[str, Any]:

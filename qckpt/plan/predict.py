@@ -51,6 +51,7 @@ class RankFigures:
     peak_bytes: int = 0
     fits: bool | None = None
     slack_bytes: int = SLACK_BYTES  # what the command allocates besides (see the module doc)
+    refused: str | None = None  # the command's own refusal of this layout (a split block)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +69,8 @@ class RankFigures:
         self.fits = None if device_bytes is None else self.peak_bytes <= device_bytes
         if self.fits and host_share is not None:
             self.fits = self.host_bytes <= host_share
+        if self.refused:
+            self.fits = False
         return self
 
 

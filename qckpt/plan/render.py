@@ -38,12 +38,14 @@ def grouped(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     """(rank ranges, figures) for each distinct set of figures, in rank order."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
-        key = tuple(r[k] for k, _ in _COLUMNS) + (r["fits"],)
+        key = tuple(r[k] for k, _ in _COLUMNS) + (r["fits"], r.get("refused"))
         groups.setdefault(key, []).append(r)
     return [(_ranges([x["rank"] for x in g]), g[0]) for g in groups.values()]
 
 
-def _fits(v: bool | None) -> str:
+def _fits(v: bool | None, refused: str | None = None) -> str:
+    if refused:
+        return "refused"
     return "-" if v is None else ("yes" if v else "does not fit")
 
 
@@ -55,7 +57,7 @@ def table_lines(commands: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The per-rank table as aligned plain text (stdout stays greppable and unwrapped)."""
     head = ["command", "ranks", *(h for _, h in _COLUMNS), "fits"]
     body = [
-        [cmd, ranks, *(_short(r[k]) for k, _ in _COLUMNS), _fits(r["fits"])]
+        [cmd, ranks, *(_short(r[k]) for k, _ in _COLUMNS), _fits(r["fits"], r.get("refused"))]
         for cmd, rows in commands.items()
         for ranks, r in grouped(rows)
     ]
@@ -87,6 +89,8 @@ def suggestion_lines(data: dict[str, Any]) -> list[str]:
             f"{cmd}: does not fit: rank {worst['rank']} needs {human_bytes(worst['peak_bytes'])}"
             f" of {human_bytes(data['gpu_memory_bytes'])}"
         )
+        if worst.get("refused"):
+            need = f"{cmd}: refused with {data['layout']['label']}"
         if sug is None:
             lines.append(f"{need}; no layout of {world} ranks fits")
         else:
@@ -121,6 +125,11 @@ def render_plan(data: dict[str, Any], console: Console) -> None:
         for line in table_lines(cmds):
             console.print(line, markup=False, highlight=False)
     console.print()
+    for label, cmds in tables:
+        for cmd, rows in cmds.items():
+            why = next((r["refused"] for r in rows if r.get("refused")), None)
+            if why:
+                console.print(f"{cmd} refuses {label}: {why}", markup=False, highlight=False)
     for note in data.get("notes", []):
         console.print(f"note: {note}", markup=False, highlight=False)
     for line in suggestion_lines(data):

@@ -14,14 +14,14 @@ pytestmark = pytest.mark.timeout(600)
 def sc_sharded_load(rank, world, recipe, sets, fmt):
     from qckpt.checkpoint.load import load_checkpoint
     from qckpt.parallel.mesh import init_mesh
-    from qckpt.pipeline.model import build_for
+    from qckpt.pipeline.load import build_for_load
     from qckpt.recipe import load_recipe
     from tests.unit.test_plan import held_bytes
 
     r = load_recipe(recipe, sets)
     mesh = init_mesh(ep=r.parallel.ep, tp=r.parallel.tp, timeout_s=10, device="cpu")
-    # the sharded load's order: build, shard EP then TP, quantize the rank's blocks, read them
-    built = build_for(r, mesh, sharded=True, seeded=True, params=fmt)
+    # the model qckpt load fills: built on meta, EP then TP sharded, quantized blocks
+    built = build_for_load(r, mesh)
     assert built.ep_sharded or built.tp_sharded
     lo = r.load
     rep = load_checkpoint(

@@ -15,7 +15,7 @@ from qckpt.checkpoint.load import load_checkpoint
 from qckpt.cli.app import main
 from qckpt.models.build import build_model
 from qckpt.parallel.mesh import Mesh
-from qckpt.pipeline.model import build_for
+from qckpt.pipeline.load import build_for_load
 from qckpt.pipeline.plan import plan
 from qckpt.plan.fields import field_specs
 from qckpt.plan.layouts import Layout
@@ -72,7 +72,7 @@ def checkpoints(tmp_path_factory):
 def test_one_rank_load_is_predicted_exactly(checkpoints, kind, fmt, reader):
     sets = [f"checkpoint.path={checkpoints / kind}", f"load.params={fmt}", f"load.reader={reader}"]
     r = load_recipe(RECIPE, sets)
-    built = build_for(r, Mesh(), sharded=False, seeded=True, params=fmt)
+    built = build_for_load(r, Mesh())
     rep = load_checkpoint(
         built.model,
         r.checkpoint.path,
@@ -91,11 +91,24 @@ def test_one_rank_load_is_predicted_exactly(checkpoints, kind, fmt, reader):
 def test_fp32_main_params_are_counted(checkpoints):
     sets = [f"checkpoint.path={checkpoints / 'dcp'}", "load.main_params=fp32"]
     r = load_recipe(RECIPE, sets)
-    built = build_for(r, Mesh(), sharded=False, seeded=True, params="fp8")
+    built = build_for_load(r, Mesh())
     rep = load_checkpoint(built.model, r.checkpoint.path, mesh=Mesh(), main_params="fp32")
     (row,) = plan(r, nproc_per_node=1).rows["load"]
     assert rep.main_params_bytes > 0
     assert row.parameter_bytes == held_bytes(built.model) + rep.main_params_bytes
+
+
+def test_a_split_inside_a_scale_block_is_refused_as_the_load_refuses_it():
+    # tiny-moe's 64-wide linears split over TP2: 32 rows, inside a 128x128 fp8_block tile
+    r = load_recipe(
+        RECIPE, ["checkpoint.path=/nonexistent", "load.params=fp8_block", "parallel.tp=2"]
+    )
+    res = plan(r, nproc_per_node=2, device_bytes=10**12)
+    assert res.fits("load") is False
+    for row in res.rows["load"]:
+        assert "inside a 128-element fp8_block scale block" in row.refused
+    assert res.fits("calibrate")  # BF16-resident: nothing quantized, nothing refused
+    assert res.suggestions["load"].tp == 1  # EP or DP instead
 
 
 def test_no_checkpoint_reads_the_bf16_size():

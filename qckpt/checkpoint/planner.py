@@ -189,7 +189,7 @@ class MemoryMeter:
     @property
     def measured_by(self) -> str:
         if not self.cuda:
-            return "planner scratch accounting + host RSS (psutil) sampled at every read item"
+            return "planner scratch accounting + host RSS (psutil) sampled at read items, at most every 5 ms"
         how = (
             "cuda allocator high (torch.cuda.max_memory_allocated, never reset) + host RSS (psutil)"
         )

@@ -23,7 +23,12 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     from qckpt.parallel.mesh import pick_device
 
     # first: a device that is not there is refused before any work
-    device = pick_device(recipe.export.device, key="export.device")
+    want = recipe.export.device
+    if want == "auto" and recipe.quant.weights.format == "nvfp4":
+        # on the H200 (2026-11-30) a GPU NVFP4 export of 4096-wide weights differed from the CPU
+        # export in a few bytes; until that is found, auto keeps NVFP4 on the CPU (cuda: as asked)
+        want = "cpu"
+    device = pick_device(want, key="export.device")
     with phases.phase(phases.PLAN):
         calibration = load_calibration(recipe.calibrate.output)
         source = recipe.model.source

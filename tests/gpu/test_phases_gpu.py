@@ -24,6 +24,7 @@ def test_load_on_cuda_reports_whole_command_device_peaks(tmp_path):
     pk, run0 = data["peaks"], data["runs"][0]
     assert pk["device"].startswith("cuda") and run0["device"].startswith("cuda")
     assert pk["device_peak_bytes"] >= run0["peak_bytes"] > 0
-    assert pk["device_peak_bytes"] >= pk["device_allocated_bytes"] > 0
+    # allocated at report time: the model is already freed, so it may be 0
+    assert pk["device_peak_bytes"] >= pk["device_allocated_bytes"] >= 0
     assert pk["device_peak_reserved_bytes"] >= pk["device_peak_bytes"]
     assert {"startup", "build", "read"} <= set(data["phases"])

@@ -32,8 +32,8 @@ def _done() -> Future[None]:
     return fut
 
 
-class FastDCPReader(OrderedFileSystemReader):
-    """A DCP dir read on the fast path; ``OrderedFileSystemReader`` is its plain twin."""
+class _FastReader:
+    """What both fast readers add to their plain twin's constructor: the read bounds."""
 
     reader_kind = "fast"
 
@@ -49,6 +49,10 @@ class FastDCPReader(OrderedFileSystemReader):
         self.max_inflight = max_inflight
         self.threads = threads
         self.inline_items = 0  # items the plain code read (no locatable tensor)
+
+
+class FastDCPReader(_FastReader, OrderedFileSystemReader):
+    """A DCP dir read on the fast path; ``OrderedFileSystemReader`` is its plain twin."""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         files = Files()
@@ -92,23 +96,11 @@ def _read_at(files: Files, path: str, base: int, length: int, pos: int, n: int) 
     return files.pread(path, base + pos, n) if n else b""
 
 
-class FastHFReader(HFSafetensorsReader):
+class FastHFReader(_FastReader, HFSafetensorsReader):
     """An HF safetensors dir read on the fast path; ``HFSafetensorsReader`` is its plain twin."""
 
-    reader_kind = "fast"
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        max_inflight: int = DEFAULT_MAX_INFLIGHT,
-        threads: int | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.max_inflight = max_inflight
-        self.threads = threads
-        self.inline_items = 0
         self._where: dict[str, tuple[str, int]] | None = None
 
     def _locations(self) -> dict[str, tuple[str, int]]:

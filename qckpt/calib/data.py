@@ -13,9 +13,23 @@ from pathlib import Path
 
 import torch
 
-from qckpt.errors import CalibrationError
+from qckpt.errors import CalibrationError, UsageError
 from qckpt.models.remote_code import refuse_custom_code
 from qckpt.recipe import DataConfig
+
+
+def check_even_split(samples: int, batch_size: int, data_world: int, ep: int) -> None:
+    """Under expert parallelism every data rank must run the same number of forwards (each
+    forward exchanges tokens with the other EP ranks): refuse, on every rank alike, a set whose
+    batches do not split evenly instead of letting the short rank's peers wait out the timeout."""
+    batches = -(-samples // batch_size)
+    if ep > 1 and data_world > 1 and batches % data_world:
+        raise UsageError(
+            f"calibrate.data: {samples} samples in batches of {batch_size} make {batches} "
+            f"batches, which do not split evenly over the {data_world} data ranks under "
+            f"parallel.ep={ep} (every EP rank runs the same number of forwards); make the "
+            f"number of batches a multiple of {data_world}"
+        )
 
 
 def calibration_batches(

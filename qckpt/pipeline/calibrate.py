@@ -23,7 +23,7 @@ class CalibrateResult:
 def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> CalibrateResult:
     """Calibrate ``recipe``'s model on its data over ``mesh``; the main rank writes the file."""
     from qckpt.calib.calibrate import calibrate_model
-    from qckpt.calib.data import calibration_batches
+    from qckpt.calib.data import calibration_batches, check_even_split
     from qckpt.calib.state_file import save_calibration
 
     # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
@@ -59,6 +59,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
             stats=(data_stats := {}),
         )
     data_report = data_summary(data_cfg, data_stats["samples"], hooks)
+    check_even_split(data_stats["samples"], data_cfg.batch_size, mesh.data_parallel_size, mesh.ep)
     runner, tap, steps = None, None, len(batches)
     with phases.phase(phases.READ):
         if offload:

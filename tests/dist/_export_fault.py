@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,11 +18,15 @@ if os.environ.get("RANK") == os.environ.get("FAULT_RANK"):
     from qckpt.checkpoint import safetensors_io
 
     _real = safetensors_io.ShardFile.write
+    # several writer threads may finish a tensor at once: the first one notes the time and
+    # dies holding the lock (a second writer truncating the mark could leave it empty)
+    _dying = threading.Lock()
 
     def _write_then_die(self, name, t):  # noqa: ANN001, ANN202
         n = _real(self, name, t)
-        Path(os.environ["FAULT_MARK"]).write_text(repr(time.time()))
-        os._exit(9)
+        with _dying:
+            Path(os.environ["FAULT_MARK"]).write_text(repr(time.time()))
+            os._exit(9)
         return n
 
     safetensors_io.ShardFile.write = _write_then_die

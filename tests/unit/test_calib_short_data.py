@@ -49,3 +49,30 @@ def test_short_tokens_file_is_refused_under_strict(setup):
     assert "holds 3 samples of 32 tokens, fewer than num_samples 16" in lines[0]
     assert "calibrate.data.strict is true" in lines[0]
     assert not (d / "calib.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    ("samples", "batch", "world", "ep", "refused"),
+    [
+        (20, 4, 2, 2, True),  # 5 batches over 2 EP ranks: one rank would wait for the other
+        (18, 4, 2, 2, True),  # a short last batch still counts: 5 batches
+        (16, 4, 2, 2, False),
+        (20, 4, 2, 1, False),  # data parallel alone: ranks never exchange tokens
+        (24, 4, 4, 2, True),  # DP2 x EP2: 6 batches over 4 data ranks
+        (32, 4, 4, 2, False),
+    ],
+)
+def test_uneven_batches_under_expert_parallel_are_refused_up_front(
+    samples, batch, world, ep, refused
+):
+    from qckpt.calib.data import check_even_split
+    from qckpt.errors import UsageError
+
+    if not refused:
+        check_even_split(samples, batch, world, ep)
+        return
+    with pytest.raises(UsageError) as exc:
+        check_even_split(samples, batch, world, ep)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith("calibrate.data:")
+    assert f"over the {world} data ranks under parallel.ep={ep}" in msg

@@ -38,22 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.whole_command import PRESETS as WHOLE_PRESETS
+
 PRESETS = {
-    # Qwen3-30B-A3B's shape (bench.whole_command's preset)
-    "qwen3-30b-a3b": dict(
-        num_hidden_layers=48,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_experts=128,
-        num_experts_per_tok=8,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        vocab_size=151936,
-        max_position_embeddings=4096,
-        norm_topk_prob=True,
-    ),  # fmt: skip
+    # Qwen3-30B-A3B's shape: the one bench.whole_command makes checkpoints of
+    "qwen3-30b-a3b": {**WHOLE_PRESETS["qwen3-30b-a3b"], "norm_topk_prob": True},
     "tiny": dict(
         num_hidden_layers=2,
         hidden_size=64,

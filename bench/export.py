@@ -25,6 +25,7 @@ import argparse
 import concurrent.futures as cf
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -225,10 +226,17 @@ def run_once(work: Path, src: Path, cal: Path, nproc: int, args) -> dict:
     recipe = _recipe(work, src, cal, out, args)
     report = work / f"report-{nproc}.json"
     cmd = [sys.executable, "-m", "qckpt", "export", str(recipe), "--json", str(report)]
+    if args.profile and nproc == 1:  # where one process's threads spend the time
+        prof = Path(args.profile).resolve()
+        cmd[1:1] = ["-m", "bench.profile", "--out", str(prof), "--"]
     if nproc > 1:
         cmd += ["--nproc-per-node", str(nproc)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"export with {nproc} process(es) failed:\n{proc.stderr[-3000:]}")
@@ -280,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where outputs go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the last export of each count")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--profile", default=None, help="one process's sampled profile (bench.profile)")
     ap.add_argument(
         "--min-gbps", type=float, default=0.0, help="exit 1 if the first count is slower"
     )

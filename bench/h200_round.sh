@@ -56,7 +56,46 @@ STEPS=(
   export_tests:300
   export_48l:600
   plan_48l:300
+  disk:240
+  profile_8l:480
+  profile_48l:540
 )
+
+# the disk under $WORK: dd of 8 GB with and without fsync, one writer and two at once
+step_disk() {
+  local n
+  for n in 1 2; do
+    echo "== $n writer(s), no fsync"
+    for i in $(seq $n); do dd if=/dev/zero of="$WORK/dd$i" bs=64M count=128 2>&1 | tail -1 & done; wait
+    rm -f "$WORK"/dd*
+    echo "== $n writer(s), fsync"
+    for i in $(seq $n); do dd if=/dev/zero of="$WORK/dd$i" bs=64M count=128 conv=fsync 2>&1 | tail -1 & done; wait
+    rm -f "$WORK"/dd*
+  done
+}
+
+# where the time goes (bench/profile.py: every thread's stack sampled every 5 ms): export of the
+# 8-layer model, one process on the GPU and on the CPU; the fast FP8 load on cuda:0
+profile_cmds() {  # CKPT TAG
+  local rc=0
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.export --src "$1" --calib "$WORK/export_calib_$2.safetensors" \
+    --nprocs 1 --workdir "$WORK/export_prof" --profile "$RES/prof_export_$2.txt" \
+    --json "$RES/prof_export_$2.json" || rc=1
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.profile --out "$RES/prof_load_$2.txt" -- -m qckpt load \
+    configs/tiny-moe.yaml --set model.source="$1" --set checkpoint.path="$1" \
+    --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
+    --json "$RES/prof_load_$2.json" || rc=1
+  return $rc
+}
+step_profile_8l() {
+  profile_cmds "$CKPT8" 8l
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.export --src "$CKPT8" --calib "$WORK/export_calib_8l.safetensors" \
+    --nprocs 1 --device cpu --workdir "$WORK/export_prof" --profile "$RES/prof_export_cpu_8l.txt" \
+    --json "$RES/prof_export_cpu_8l.json"
+}
+step_profile_48l() {
+  profile_cmds "$CKPT48" 48l
+}
 
 step_env() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -59,6 +59,7 @@ STEPS=(
   disk:240
   profile_8l:480
   profile_48l:540
+  loadprof_8l:300
 )
 
 # the disk under $WORK: dd of 8 GB with and without fsync, one writer and two at once
@@ -92,6 +93,21 @@ step_profile_8l() {
   CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.export --src "$CKPT8" --calib "$WORK/export_calib_8l.safetensors" \
     --nprocs 1 --device cpu --workdir "$WORK/export_prof" --profile "$RES/prof_export_cpu_8l.txt" \
     --json "$RES/prof_export_cpu_8l.json"
+}
+# the FP8 load of the 8-layer model profiled twice (the first run compiles the Triton kernels),
+# beside the host's read ceiling for the same files
+step_loadprof_8l() {
+  local i rc=0
+  df -h /dev/shm /tmp
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.read_ceiling "$CKPT8" --device cuda --warm \
+    | tee "$RES/ceiling_8l.json" || rc=1
+  for i in 1 2; do
+    CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.profile --out "$RES/prof_load_8l_$i.txt" -- -m qckpt \
+      load configs/tiny-moe.yaml --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
+      --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
+      --json "$RES/prof_load_8l_$i.json" || rc=1
+  done
+  return $rc
 }
 step_profile_48l() {
   profile_cmds "$CKPT48" 48l

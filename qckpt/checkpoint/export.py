@@ -8,7 +8,8 @@ known), then each source tensor is read, quantized (on a GPU when one is given) 
 its planned place, with reads, quantization and writes overlapped
 (:mod:`~qckpt.checkpoint.export_pipeline`) and the host bytes in flight bounded by twice the
 largest tensor, however large the model is. Under torchrun every rank writes its share of the
-shard files and the main rank the rest (:mod:`~qckpt.checkpoint.export_dist`).
+tensors (a byte-balanced run of them) into the shard files the ranks share, and the main rank
+the rest (:mod:`~qckpt.checkpoint.export_dist`).
 :func:`export_checkpoint` is plan and write in a row.
 
 Atomicity and safety (``qckpt.atomic``, ``qckpt.outputs``): the output may not equal, contain or
@@ -36,10 +37,12 @@ from qckpt.calib.state_file import CalibrationState
 from qckpt.checkpoint.export_dist import Team
 from qckpt.checkpoint.export_pipeline import (
     HOST_SLACK_BYTES,
-    assign_files,
+    assign_items,
+    check_written,
+    create_files,
     peak_rss,
     unmap_large_allocations,
-    write_files,
+    write_share,
 )
 from qckpt.checkpoint.export_plan import ExportPlan, plan_export
 from qckpt.checkpoint.model_files import copy_model_files
@@ -127,7 +130,7 @@ class WriteOptions:
     device: str = "cpu"  # a torch device: "cpu", "cuda", "cuda:1"
     readers: int = 2
     writers: int = 4
-    quantizers: int | None = None  # None: 1 on the CPU, 4 on a GPU (export_pipeline.write_files)
+    quantizers: int | None = None  # None: 1 on the CPU, 4 on a GPU (export_pipeline.write_share)
     # process-wide (glibc): large blocks mmapped and unmapped when freed, so that the host bytes
     # the writer gives back leave the RSS (export_pipeline.unmap_large_allocations); the export
     # command sets it, a library caller decides for its own process
@@ -145,15 +148,16 @@ class WriteOptions:
 def _write_rank(
     plan: ExportPlan, team: Team, tmp: Path, opts: WriteOptions, progress
 ) -> list[dict]:
-    """This rank's shard files, then the agreement: every rank's stats, or the failure."""
-    files = assign_files(plan, team.world)[team.rank]
+    """This rank's share of the tensors, then the agreement: every rank's stats, or the
+    failure."""
+    share = assign_items(plan, team.world)[team.rank]
     if opts.unmap_large_allocations:
         unmap_large_allocations()
     try:
-        stats = write_files(
+        stats = write_share(
             plan,
             tmp,
-            files,
+            share,
             device=opts.device,
             readers=opts.readers,
             writers=opts.writers,
@@ -169,7 +173,8 @@ def _write_rank(
         except (ExportError, PeerError):
             pass  # this rank's own error is the one to report
         raise
-    return team.agree(True, "", {**stats.to_dict(), "peak_rss_bytes": peak_rss()})
+    stats_d = {**stats.to_dict(), "peak_rss_bytes": peak_rss()}
+    return team.agree(True, "", stats_d, written=stats.slots)
 
 
 def write_export(
@@ -183,8 +188,8 @@ def write_export(
     """Execute ``plan``: every file into a temp dir beside the target, renamed to it at the end.
 
     ``mesh`` (a :class:`~qckpt.parallel.mesh.Mesh` of several ranks, every rank calling this
-    with the same plan): each rank writes the shard files it is assigned; the main rank then
-    writes the rest and renames the dir (see :mod:`qckpt.checkpoint.export_dist`). ``started``
+    with the same plan): each rank writes its share of the tensors into the shared shard
+    files; the main rank then checks every file is whole, writes the rest and renames the dir (see :mod:`qckpt.checkpoint.export_dist`). ``started``
     (a ``time.perf_counter()``) is when the export began, planning included.
     """
     t0 = time.perf_counter() if started is None else started
@@ -198,11 +203,13 @@ def write_export(
     on_term = terminate_as_interrupt() if team.world == 1 else contextlib.nullcontext()
     agreed = False
     with on_term:
-        tmp = team.begin(out)
+        # every shard file exists before any rank opens one: the ranks share them
+        tmp = team.begin(out, prepare=lambda d: create_files(plan, d))
         try:
             ranks = _write_rank(plan, team, tmp, opts, progress)
             agreed = True
             if team.is_main:
+                check_written(plan, [r["written"] for r in ranks])
                 _finish_dir(plan, tmp)
                 out.commit()
         except BaseException as exc:

@@ -1,15 +1,22 @@
 """The ranks of a distributed export agreeing on one temp dir, on success, and on cleanup.
 
-Every rank plans the export alike (``plan_export`` is deterministic), writes the shard files
-:func:`~qckpt.checkpoint.export_pipeline.assign_files` gives it into one temp dir that the main
-rank made beside the target, and then:
+Every rank plans the export alike (``plan_export`` is deterministic) and takes its share of
+the work from :func:`~qckpt.checkpoint.export_pipeline.assign_items`: a contiguous run of the
+plan's source tensors holding ``1 / world`` of the output bytes (to within one tensor), not
+whole files, so the ranks share the shard files. The main rank makes the temp dir beside the
+target and every shard file in it (header written, full size set) before it tells the others
+the dir's name (:meth:`Team.begin`); each rank then opens the files its tensors land in, writes
+them at their planned offsets (disjoint byte ranges: fine on one node and on a shared
+filesystem) and fsyncs what it wrote, and then:
 
-1. **agree**: one ``all_gather_object`` of (ok, message, stats). A rank that failed still joins
-   it, so that every rank learns who failed and why; a rank that died makes it fail (gloo sees
-   the closed connection, or the group timeout passes) and, through the mesh's
-   :class:`~qckpt.parallel.deadline.Deadline`, every later collective fails at once.
-2. the main rank writes the index, config, layout and model files and the marker, checks the
-   whole dir and renames it into place (``AtomicDir.commit``);
+1. **agree**: one ``all_gather_object`` of (ok, message, stats, slots written per file). A rank
+   that failed still joins it, so that every rank learns who failed and why; a rank that died
+   makes it fail (gloo sees the closed connection, or the group timeout passes) and, through the
+   mesh's :class:`~qckpt.parallel.deadline.Deadline`, every later collective fails at once.
+2. the main rank checks that every slot of every file was written by exactly one rank
+   (:func:`~qckpt.checkpoint.export_pipeline.check_written`), writes the index, config, layout
+   and model files and the marker, checks the whole dir and renames it into place
+   (``AtomicDir.commit``);
 3. **outcome**: one broadcast from the main rank, so that no rank exits 0 for an export that
    its last step refused.
 
@@ -26,6 +33,7 @@ rank may be the one that died.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,23 +63,31 @@ class Team:
         with phases.phase(phases.SYNC):  # waiting for the other ranks, as the report says
             return collective(f"export: {what}", fn, *args, group=self.group, **kw)
 
-    def begin(self, out: AtomicDir) -> Path:
-        """One temp dir for every rank: the main rank makes it, the others learn its name (or
-        that it failed, so that nobody waits for a dir that will never come)."""
-        if self.world == 1:
-            self.tmp = out.begin()
-            return self.tmp
-        import torch.distributed as dist
-
+    def begin(self, out: AtomicDir, prepare: Callable[[Path], None] | None = None) -> Path:
+        """One temp dir for every rank: the main rank makes it and runs ``prepare(tmp)`` in it
+        (the shard files every rank then opens), the others learn its name after that (or that
+        it failed, so that nobody waits for a dir that will never come). A failed ``prepare``
+        removes the dir."""
+        if self.world > 1:
+            import torch.distributed as dist
         box: list[str | None] = [None]
         try:
             if self.is_main:
-                box[0] = str(out.begin())
+                tmp = out.begin()
+                try:
+                    if prepare is not None:
+                        prepare(tmp)
+                except BaseException:
+                    out.abort()
+                    raise
+                box[0] = str(tmp)
         finally:
-            self._run("sharing the temp dir", dist.broadcast_object_list, box, src=0)
+            if self.world > 1:
+                self._run("sharing the temp dir", dist.broadcast_object_list, box, src=0)
         if box[0] is None:
             raise ExportError(
-                f"export.output: the main rank could not create a temp dir beside {out.target}"
+                f"export.output: the main rank could not create a temp dir (or its shard files) "
+                f"beside {out.target}"
             )
         self.tmp = Path(box[0])
         return self.tmp
@@ -100,10 +116,19 @@ class Team:
                 raise ExportError(f"export stopped: rank {rank} failed: {_read(p)}")
 
     # -- the agreement ----------------------------------------------------------------------
-    def agree(self, ok: bool, message: str, stats: dict) -> list[dict]:
-        """Every rank's (ok, message, stats); raises ExportError naming the first rank that
+    def agree(
+        self, ok: bool, message: str, stats: dict, written: dict[str, int] | None = None
+    ) -> list[dict]:
+        """Every rank's (ok, message, stats, written: the slots it wrote per shard file, for
+        the main rank's whole-file check); raises ExportError naming the first rank that
         failed (PeerError when a rank is gone)."""
-        mine = {"rank": self.rank, "ok": ok, "message": message, "stats": stats}
+        mine = {
+            "rank": self.rank,
+            "ok": ok,
+            "message": message,
+            "stats": stats,
+            "written": written or {},
+        }
         if self.world == 1:
             return [mine]
         import torch.distributed as dist

@@ -1,6 +1,16 @@
 """Writing an export plan's shard files: reads, quantization and writes overlapped.
 
-One rank writes the files it is given (all of them in a one-process export) in three stages:
+**Who writes what.** The work is cut at source tensors, not at files: :func:`plan_items` lists
+the plan's items (one per stored source tensor, with every output made of it, and one for the
+KV scales), and :func:`assign_items` gives each rank one contiguous run of them whose output
+bytes are ``1 / world`` of the total, to within one item (whole files could miss it by a whole
+``export.max_shard_size`` file). The ranks share the shard files: the main rank makes every file
+first (:func:`create_files`: header, full size), each rank opens the files its items land in
+and writes its tensors at their planned offsets, and after every rank finished the main rank
+checks that every slot of every file was written, once (:func:`check_written`). One process is
+the same with one share holding every item.
+
+One rank writes its share (:func:`write_share`) in three stages:
 
 * **read**: a feeder thread walks this rank's source tensors in plan order; for each it first
   takes its host bytes from a :class:`HostBudget` (the stored value plus every output made from
@@ -24,14 +34,16 @@ each tensor has one planned place, and GPU and CPU quantization are bit-identica
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures as cf
 import contextvars
+import itertools
 import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +53,9 @@ import torch
 from qckpt import phases
 from qckpt.checkpoint.export_layouts import check_source_weight
 from qckpt.checkpoint.export_plan import ExportPlan, _Group
-from qckpt.checkpoint.safetensors_io import ShardFile, itemsize, spec_nbytes
+from qckpt.checkpoint.safetensors_io import ShardFile, create_shard_file, itemsize
 from qckpt.checkpoint.sources import Entry
+from qckpt.errors import ExportError
 
 ProgressFn = Callable[[int, int, str], None]
 MiB = 2**20
@@ -99,7 +112,34 @@ class AnonSampler:
 
 
 # --------------------------------------------------------------------------------------------
-# which files a rank writes
+# the work items
+
+
+@dataclass
+class _Item:
+    """One stored source tensor (or the KV scales, ``entry`` None) and the groups made of it."""
+
+    entry: Entry | None
+    groups: list[_Group]
+    file_of: list[int]
+    host_bytes: int = 0  # the value as read: entry.dtype, not the stored dtype
+    out_bytes: int = 0  # outputs that are new tensors (a pass-through of the same dtype is not)
+    nbytes: int = 0  # every output written (what the ranks' shares are balanced on)
+
+    @property
+    def quantized_only(self) -> bool:
+        """Every group a quantized linear: the item may go to the device (a pass-through
+        would only travel there and back)."""
+        return self.entry is not None and all(g.module is not None for g in self.groups)
+
+
+def _aliases(g: _Group) -> bool:
+    """An unquantized entry written in its own dtype: the output is (a view of) the tensor read."""
+    return g.module is None and g.entry is not None and g.specs[0].dtype == g.entry.dtype
+
+
+# --------------------------------------------------------------------------------------------
+# which tensors a rank writes
 
 
 def group_files(plan: ExportPlan) -> list[int]:
@@ -117,17 +157,101 @@ def group_files(plan: ExportPlan) -> list[int]:
     return out
 
 
-def assign_files(plan: ExportPlan, world: int) -> list[list[int]]:
-    """Shard files per rank, bytes balanced: the largest file first, each to the rank with the
-    fewest bytes so far (ties: the lower rank). The same on every rank: the plan is."""
-    sizes = [sum(spec_nbytes(s) for s in specs) for specs in plan.shards.specs]
-    load = [0] * world
-    out: list[list[int]] = [[] for _ in range(world)]
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        out[r].append(i)
-        load[r] += sizes[i]
-    return [sorted(files) for files in out]
+def split_balanced(sizes: Sequence[int], world: int) -> list[range]:
+    """``world`` contiguous runs of ``sizes`` (in order) whose sums are each within
+    ``max(sizes)`` of ``sum / world``: every cut is the item boundary nearest to ``r / world`` of
+    the total (ties: the earlier one), so it misses its target by at most half an item. A run
+    may be empty (fewer items than ranks). Integer arithmetic: the same on every rank."""
+    scaled = [p * world for p in itertools.accumulate(sizes, initial=0)]
+    total = scaled[-1] // world
+    cuts = [0]
+    for r in range(1, world):
+        target = r * total
+        i = bisect.bisect_left(scaled, target)
+        if i == len(scaled) or (i > 0 and target - scaled[i - 1] <= scaled[i] - target):
+            i -= 1
+        cuts.append(max(i, cuts[-1]))
+    cuts.append(len(sizes))
+    return [range(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+@dataclass
+class Share:
+    """One rank's part of an export: a contiguous run of the plan's items (source tensors, and
+    the KV scales), written into whichever shard files they belong to (files are shared)."""
+
+    rank: int
+    items: list[_Item]
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor bytes this share writes."""
+        return sum(it.nbytes for it in self.items)
+
+    def names(self) -> dict[int, list[str]]:
+        """Per shard file this share writes into (in file order): the tensors it writes there."""
+        out: dict[int, list[str]] = {}
+        for it in self.items:
+            for g, f in zip(it.groups, it.file_of, strict=True):
+                out.setdefault(f, []).extend(s.name for s in g.specs)
+        return dict(sorted(out.items()))
+
+
+def plan_items(plan: ExportPlan) -> list[_Item]:
+    """Every item of ``plan`` in plan order: one per stored source tensor (its groups, in
+    whatever files they land) and one for the KV scales."""
+    where = group_files(plan)
+    items: list[_Item] = []
+    for g, f in zip(plan.groups, where, strict=True):
+        src = g.entry.source if g.entry is not None else None
+        if not items or src is None or items[-1].entry is not src:
+            host = 0 if src is None else math.prod(src.shape) * itemsize(src.dtype)
+            items.append(_Item(src, [], [], host_bytes=host))
+        it = items[-1]
+        it.groups.append(g)
+        it.file_of.append(f)
+        it.nbytes += g.nbytes
+        if not _aliases(g):
+            it.out_bytes += g.nbytes
+    return items
+
+
+def assign_items(plan: ExportPlan, world: int) -> list[Share]:
+    """Every rank's share: the plan's items cut into ``world`` contiguous runs of about
+    ``1 / world`` of the output bytes each (:func:`split_balanced`). Cut at tensors, not files:
+    with whole files a rank's share could miss ``1 / world`` by up to a whole shard file
+    (``export.max_shard_size``), which bounded two ranks at 1.92x one. Contiguous, so a rank
+    writes long runs of neighbouring bytes and touches few files. The same on every rank."""
+    items = plan_items(plan)
+    runs = split_balanced([it.nbytes for it in items], world)
+    return [Share(rank=r, items=items[run.start : run.stop]) for r, run in enumerate(runs)]
+
+
+def create_files(plan: ExportPlan, tmp: Path) -> None:
+    """Every shard file of ``plan`` in ``tmp``, header written and size set
+    (:func:`~qckpt.checkpoint.safetensors_io.create_shard_file`): the main rank does this before
+    any rank opens one, so that no rank can create, truncate or miss a file another writes to."""
+    meta = plan.layout.shard_metadata()
+    for fname, specs in zip(plan.shards.files, plan.shards.specs, strict=True):
+        create_shard_file(tmp / fname, specs, meta)
+
+
+def check_written(plan: ExportPlan, written: Sequence[dict[str, int]]) -> None:
+    """The main rank's check, after every rank finished, that every shard file is whole:
+    ``written`` is each rank's slots written per file (:meth:`ShardFile.written`); every slot
+    must be written by exactly one rank. A rank checks only its own share when it closes its
+    files, so a share missing from the assignment would otherwise leave a hole of zeros."""
+    for fname, specs in zip(plan.shards.files, plan.shards.specs, strict=True):
+        seen = 0
+        for masks in written:
+            mask = masks.get(fname, 0)
+            if seen & mask:
+                raise ExportError(f"{fname}: a tensor was written by two ranks")
+            seen |= mask
+        if seen != (1 << len(specs)) - 1:
+            missing = [s.name for i, s in enumerate(specs) if not seen >> i & 1]
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ExportError(f"{fname}: tensor {missing[0]}{more} was never written")
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,47 +293,7 @@ class HostBudget:
 
 
 # --------------------------------------------------------------------------------------------
-# the work items
-
-
-@dataclass
-class _Item:
-    """One stored source tensor (or the KV scales, ``entry`` None) and the groups made of it."""
-
-    entry: Entry | None
-    groups: list[_Group]
-    file_of: list[int]
-    host_bytes: int = 0  # the value as read: entry.dtype, not the stored dtype
-    out_bytes: int = 0  # outputs that are new tensors (a pass-through of the same dtype is not)
-
-    @property
-    def quantized_only(self) -> bool:
-        """Every group a quantized linear: the item may go to the device (a pass-through
-        would only travel there and back)."""
-        return self.entry is not None and all(g.module is not None for g in self.groups)
-
-
-def _aliases(g: _Group) -> bool:
-    """An unquantized entry written in its own dtype: the output is (a view of) the tensor read."""
-    return g.module is None and g.entry is not None and g.specs[0].dtype == g.entry.dtype
-
-
-def _items(plan: ExportPlan, files: set[int]) -> list[_Item]:
-    where = group_files(plan)
-    items: list[_Item] = []
-    for g, f in zip(plan.groups, where, strict=True):
-        if f not in files:
-            continue
-        src = g.entry.source if g.entry is not None else None
-        if not items or src is None or items[-1].entry is not src:
-            host = 0 if src is None else math.prod(src.shape) * itemsize(src.dtype)
-            items.append(_Item(src, [], [], host_bytes=host))
-        it = items[-1]
-        it.groups.append(g)
-        it.file_of.append(f)
-        if not _aliases(g):
-            it.out_bytes += g.nbytes
-    return items
+# holding a source tensor
 
 
 class _Hold:
@@ -242,7 +326,7 @@ class _Hold:
 class WriteStats:
     """What one rank's writer did (busy seconds summed over each stage's threads)."""
 
-    files: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)  # every shard file it wrote a tensor into
     tensors_written: int = 0
     sources: int = 0  # stored tensors read
     bytes_read: int = 0  # as stored on disk
@@ -254,9 +338,14 @@ class WriteStats:
     inflight_peak_bytes: int = 0
     rss_anon_start_bytes: int = 0
     rss_anon_peak_bytes: int = 0
+    # per file touched, the slots written (ShardFile.written): for the main rank's whole-file
+    # check, not part of the report
+    slots: dict[str, int] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        del d["slots"]
+        return d
 
 
 class _Pipeline:
@@ -266,7 +355,7 @@ class _Pipeline:
         self,
         plan: ExportPlan,
         tmp: Path,
-        files: list[int],
+        share: Share,
         device: torch.device,
         readers: int,
         writers: int,
@@ -274,7 +363,7 @@ class _Pipeline:
     ) -> None:
         self.plan = plan
         self.device = device
-        self.items = _items(plan, set(files))
+        self.items = share.items
         largest = max([it.host_bytes for it in self.items] + [1])
         self.budget = HostBudget(2 * largest)
         # on a GPU, what the quantize threads hold there together (their streams overlap one
@@ -282,7 +371,8 @@ class _Pipeline:
         on_dev = [it.host_bytes for it in self.items if self._on_device(it)]
         self.dev_budget = HostBudget(2 * max(on_dev + [1]))
         self.streams = threading.local()
-        self.stats = WriteStats(files=[plan.shards.files[i] for i in files])
+        names = share.names()
+        self.stats = WriteStats(files=[plan.shards.files[i] for i in names])
         self.stats.budget_bytes = self.budget.cap
         self.sampler = AnonSampler()
         self.stats.rss_anon_start_bytes = self.sampler.start
@@ -298,8 +388,8 @@ class _Pipeline:
         self.finished: collections.deque[str] = collections.deque()
         self.lock = threading.Lock()
         self.done = 0
-        for i in files:
-            self.out[i] = ShardFile(tmp / plan.shards.files[i], plan.shards.specs[i], meta)
+        for i, mine in names.items():  # made by the main rank (create_files); shared
+            self.out[i] = ShardFile(tmp / plan.shards.files[i], plan.shards.specs[i], meta, mine)
 
     # -- read ----------------------------------------------------------------------------------
     def _read(self, it: _Item) -> list:
@@ -466,6 +556,7 @@ class _Pipeline:
                 w.result()
             for f in self.out.values():
                 f.close()
+                self.stats.slots[f.path.name] = f.written()
         finally:
             self._shutdown(feeder)
         self.sampler.sample(force=True)
@@ -505,10 +596,10 @@ def _unfinished(futures: list[cf.Future]) -> list[cf.Future]:
     return keep
 
 
-def write_files(
+def write_share(
     plan: ExportPlan,
     tmp: str | Path,
-    files: list[int],
+    share: Share,
     *,
     device: torch.device | str = "cpu",
     readers: int = 2,
@@ -517,7 +608,9 @@ def write_files(
     progress: ProgressFn | None = None,
     should_stop: Callable[[], None] | None = None,
 ) -> WriteStats:
-    """Write shard files ``files`` (indices into ``plan.shards.files``) of ``plan`` into ``tmp``.
+    """Write ``share`` (one of :func:`assign_items`) of ``plan`` into the shard files in ``tmp``,
+    which :func:`create_files` made: each tensor at its planned offset, other ranks' tensors
+    left to them.
 
     ``quantizers``: threads that quantize (default: 1 on the CPU, whose kernels are threaded
     already; 4 on a GPU, each on its own stream). ``should_stop()`` is called before each
@@ -528,6 +621,6 @@ def write_files(
     dev = torch.device(device)
     if quantizers is None:  # a GPU: overlap one tensor's copies with the next one's kernels
         quantizers = 1 if dev.type == "cpu" else 4
-    pipe = _Pipeline(plan, Path(tmp), files, dev, readers, writers, quantizers)
+    pipe = _Pipeline(plan, Path(tmp), share, dev, readers, writers, quantizers)
     pipe.run(progress, should_stop)
     return pipe.stats

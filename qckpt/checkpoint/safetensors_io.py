@@ -444,26 +444,58 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(data.numpy())
 
 
-class ShardFile:
-    """One safetensors file whose tensors are written at their planned offsets, in any order
-    and from several threads at once (``pwrite``): the header is written when it is opened,
-    every offset is known from the plan. ``close`` checks that every tensor came."""
+def create_shard_file(path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str]) -> None:
+    """Make shard file ``path`` before any tensor is written: its header from the plan, its
+    length set to the whole planned size (``ftruncate``: the data section is a hole until it is
+    written), fsynced. Refuses a file that exists (``O_EXCL``): the caller's temp dir is new.
+    One process makes every file, so that the ranks of a distributed export can then open the
+    files they share without racing each other to create or truncate one (:class:`ShardFile`)."""
+    head, offsets = shard_header(path, specs, metadata)
+    size = offsets[-1] + spec_nbytes(specs[-1]) if specs else len(head)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        view = memoryview(head)
+        pos = 0
+        while view:  # pwrite may write less than asked
+            n = os.pwrite(fd, view, pos)
+            view, pos = view[n:], pos + n
+        os.ftruncate(fd, size)
+        # the header must be durable even when the process that made the file writes no tensor
+        # into it (another rank's fsync covers only its own node's pages on a shared filesystem)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-    def __init__(self, path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str]) -> None:
+
+class ShardFile:
+    """One safetensors file, made by :func:`create_shard_file`, whose tensors are written at
+    their planned offsets, in any order and from several threads at once (``pwrite``); every
+    offset is known from the plan. Several processes may each open the same file and write
+    their own tensors (``names``: the ones this opener writes; default all): it is opened
+    without ``O_CREAT``/``O_TRUNC``, so nobody's bytes are lost. ``close`` checks that every
+    tensor of ``names`` came; that the whole file did is the caller's check (:meth:`written`)."""
+
+    def __init__(
+        self,
+        path: Path,
+        specs: Sequence[TensorSpec],
+        metadata: dict[str, str],
+        names: Iterable[str] | None = None,
+    ) -> None:
         import threading
 
-        head, offsets = shard_header(path, specs, metadata)
+        _, offsets = shard_header(path, specs, metadata)
         self.path = path
         self.slots = {s.name: (s, off) for s, off in zip(specs, offsets, strict=True)}
+        self.order = {s.name: i for i, s in enumerate(specs)}
+        self.expected = set(self.slots) if names is None else set(names)
+        unknown = self.expected - set(self.slots)
+        if unknown:  # the assignment and the file's plan disagree: a bug
+            raise AssertionError(f"{path}: no slot for {sorted(unknown)[:3]}")
         self.done: set[str] = set()
         self.synced = False
         self._lock = threading.Lock()
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            self._pwrite(head, 0)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self.fd = os.open(path, os.O_WRONLY)
 
     def _pwrite(self, data: memoryview | bytes, pos: int) -> None:
         view = memoryview(data).cast("B")
@@ -473,21 +505,35 @@ class ShardFile:
 
     def write(self, name: str, t: torch.Tensor) -> int:
         """Write tensor ``name`` at its place; thread-safe for distinct names."""
+        if name not in self.expected:
+            raise AssertionError(f"{self.path}: {name} is not this writer's to write")
         spec, off = self.slots[name]
         _check_spec(spec, name, t)
         data = _host_bytes(t)
         self._pwrite(data, off)
         with self._lock:
             self.done.add(name)
-            last = len(self.done) == len(self.slots)
-        if last:  # the file is whole: flush it now, beside the other files' writes
+            last = len(self.done) == len(self.expected)
+        if last:  # this writer's share is whole: flush it now, beside the other files' writes
             os.fsync(self.fd)
             self.synced = True
         return data.nbytes
 
+    def written(self) -> int:
+        """The slots written through this object, as a bit mask over the file's tensors in
+        plan order (compact enough to send to another rank for the whole-file check)."""
+        bits = bytearray((len(self.slots) + 7) // 8)
+        for n in self.done:
+            i = self.order[n]
+            bits[i >> 3] |= 1 << (i & 7)
+        return int.from_bytes(bits, "little")
+
     def close(self) -> None:
-        if len(self.done) != len(self.slots):
-            raise AssertionError(f"{self.path}: wrote {len(self.done)} of {len(self.slots)}")
+        if self.done != self.expected:
+            raise AssertionError(
+                f"{self.path}: wrote {len(self.done)} of {len(self.expected)}"
+                + (" (this writer's share)" if len(self.expected) != len(self.slots) else "")
+            )
         if not self.synced:
             os.fsync(self.fd)
         os.close(self.fd)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     """Export ``recipe.checkpoint`` with ``recipe.calibrate.output`` to ``recipe.export.output``;
     returns the ``ExportReport``. Every rank of ``mesh`` calls it: each writes its share of the
-    shard files, quantizing on its GPU when ``export.device`` allows one (pick_device)."""
+    tensors into the shared shard files, quantizing on its GPU when ``export.device`` allows one (pick_device)."""
     from qckpt.calib.state_file import load_calibration
     from qckpt.checkpoint.export import WriteOptions, export_checkpoint
     from qckpt.models.build import load_config

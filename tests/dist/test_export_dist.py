@@ -1,5 +1,6 @@
-"""Distributed export: 2 and 3 gloo ranks write the same files as one process, for every layout;
-a rank that fails or dies leaves no target and no temp dir, and the others fail promptly.
+"""Distributed export: 2 and 3 gloo ranks, sharing the shard files, write the same files as one
+process for every layout, each rank an equal share of the bytes (to within one source tensor); a
+rank that fails or dies leaves no target and no temp dir, and the others fail promptly.
 
 One live world of 3 ranks serves the equality test (its ranks 0 and 1 also form a 2-rank
 export, rank 2 idling); the deaths are real CLI rank processes (``_export_fault.py`` makes one
@@ -104,7 +105,7 @@ def _export_all(rank: int, world: int, root: str, jobs: dict, tag: str, ranks: l
     out = {}
     for name, (case, src, cal) in jobs.items():
         rep = _export(case, src, cal, f"{root}/{name}-{tag}", mesh=mesh)
-        out[name] = (rep.world_size, [r["files"] for r in rep.ranks], rep.tensors_written)
+        out[name] = (rep.world_size, rep.ranks, rep.tensors_written)
     return out
 
 
@@ -123,16 +124,18 @@ def test_two_and_three_ranks_write_the_one_process_files(setup):
         for tag, ranks in (("w2", [0, 1]), ("w3", [0, 1, 2])):
             outs = world.run(_export_all, str(root), jobs, tag, ranks, deadline_s=240)
             assert all(o.ok for o in outs), [o.error for o in outs]
+            shared = []  # shard files more than one rank wrote into
             for name in jobs:
                 size, per_rank, _ = outs[0].value[name]
                 assert size == len(ranks)
-                files = [f for fs in per_rank for f in fs]
-                assert len(files) == len(set(files))  # each shard written by exactly one rank
-                assert all(per_rank), (name, per_rank)  # and every rank wrote some
+                _assert_balanced(jobs[name], per_rank)
+                files = [f for r in per_rank for f in r["files"]]
+                shared += [f for f in set(files) if files.count(f) > 1]
                 one, many = _tree(root / f"{name}-w1"), _tree(root / f"{name}-{tag}")
                 assert sorted(one) == sorted(many), name
                 for f in one:  # byte for byte: tensors, headers, index, config, marker
                     assert one[f] == many[f], (name, tag, f)
+            assert shared, tag  # the ranks' shares cut files (whole files are not the unit)
         # a rank whose share holds a weight above its calibrated amax: every rank fails, with
         # the reason, and nothing is left
         case, src, cal = jobs["ct-tensor-kv"]
@@ -155,9 +158,21 @@ def test_two_and_three_ranks_write_the_one_process_files(setup):
         world.close()
 
 
-def _weight_written_by(rank: int, job: tuple) -> str:
-    """A quantized linear whose weight lands in a shard file that rank ``rank`` of 3 writes."""
-    from qckpt.checkpoint.export_pipeline import assign_files, group_files
+def _assert_balanced(job: tuple, per_rank: list[dict]) -> None:
+    """Every rank wrote tensors, its bytes within one source tensor's outputs of an equal share,
+    and the shares add up to the files' tensor bytes (the byte equality shows none overlap)."""
+    from qckpt.checkpoint.export_pipeline import plan_items
+
+    plan = _plan(job)
+    total, world = plan.shards.total_size, len(per_rank)
+    big = max(it.nbytes for it in plan_items(plan))
+    got = [r["bytes_written"] for r in per_rank]
+    assert sum(got) == total, got
+    assert all(abs(b * world - total) <= big * world for b in got), (got, total, big)
+    assert all(r["files"] and r["tensors_written"] for r in per_rank), per_rank
+
+
+def _plan(job: tuple):
     from qckpt.checkpoint.export_plan import plan_export
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig
@@ -165,7 +180,7 @@ def _weight_written_by(rank: int, job: tuple) -> str:
 
     case, src, cal = job
     cfg = load_config(case[2])
-    plan = plan_export(
+    return plan_export(
         source=src,
         calibration=cal,
         output=Path(src).parent / "never",
@@ -174,9 +189,14 @@ def _weight_written_by(rank: int, job: tuple) -> str:
         quant=quant_config(**case[1]),
         export=ExportConfig(format=case[0], max_shard_size=SHARD),
     )
-    mine = set(assign_files(plan, 3)[rank])
-    where = group_files(plan)
-    return next(g.module for g, f in zip(plan.groups, where, strict=True) if g.module and f in mine)
+
+
+def _weight_written_by(rank: int, job: tuple) -> str:
+    """A quantized linear whose weight is in rank ``rank``'s share of 3."""
+    from qckpt.checkpoint.export_pipeline import assign_items
+
+    share = assign_items(_plan(job), 3)[rank]
+    return next(g.module for it in share.items for g in it.groups if g.module)
 
 
 def _tampered_calibration(root: Path, module: str, cal: str) -> Path:

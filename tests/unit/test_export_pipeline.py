@@ -1,5 +1,6 @@
-"""The export's overlapped writer: same files whatever the threads, bounded host memory, balanced
-shard assignment, positional shard writes, one-line refusals of its settings."""
+"""The export's overlapped writer: same files whatever the threads, bounded host memory, the
+ranks' byte-balanced shares of tensors, positional shard writes into shared files, the main
+rank's whole-file check, one-line refusals of its settings."""
 
 from __future__ import annotations
 
@@ -72,28 +73,107 @@ def test_host_memory_in_flight_is_bounded(tmp_path):
     shutil.rmtree(tmp_path / "out")
 
 
-def test_assign_files_balances_bytes_and_is_deterministic():
-    from types import SimpleNamespace
+def test_split_balanced_shares_are_within_one_item_of_equal():
+    import random
 
-    from qckpt.checkpoint.export_pipeline import assign_files
-    from qckpt.checkpoint.export_plan import OutSpec
+    from qckpt.checkpoint.export_pipeline import split_balanced
 
-    sizes = [9, 1, 5, 5, 3, 7, 2, 8]
-    specs = [[OutSpec(f"t{i}", torch.uint8, (n,))] for i, n in enumerate(sizes)]
-    plan = SimpleNamespace(shards=SimpleNamespace(specs=specs))
-    for world in (1, 2, 3, 5, 9):
-        got = assign_files(plan, world)
-        assert got == assign_files(plan, world)
-        assert sorted(f for fs in got for f in fs) == list(range(len(sizes)))
-        loads = [sum(sizes[f] for f in fs) for fs in got]
-        assert max(loads) - min(loads) <= max(sizes)
-    # the largest first, each to the emptier rank: 9 1 5 5 | 3 7 2 8, 20 bytes each
-    assert assign_files(plan, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    rng = random.Random(0)
+    cases = [[9, 1, 5, 5, 3, 7, 2, 8], [100, 1, 1, 1], [0, 0, 5], [4], []]
+    cases += [[rng.choice([1, 3, 50, 800]) for _ in range(rng.randint(1, 60))] for _ in range(200)]
+    for sizes in cases:
+        for world in (1, 2, 3, 4, 7):
+            runs = split_balanced(sizes, world)
+            assert runs == split_balanced(sizes, world) and len(runs) == world
+            # contiguous, in order, every item once
+            assert [i for r in runs for i in r] == list(range(len(sizes)))
+            total, big = sum(sizes), max(sizes, default=0)
+            for r in runs:
+                share = sum(sizes[i] for i in r)
+                assert abs(share * world - total) <= big * world, (sizes, world, runs)
+    # the cut nearest to half the bytes: 9 1 5 5 | 3 7 2 8 (20 each)
+    assert split_balanced([9, 1, 5, 5, 3, 7, 2, 8], 2) == [range(0, 4), range(4, 8)]
+    # cuts nearest to 0.75, 1.5, 2.25 of prefix sums 0 1 3: 1, 1, 2 (empty runs are fine)
+    assert split_balanced([1, 2], 4) == [range(0, 1), range(1, 1), range(1, 2), range(2, 2)]
+
+
+def _uneven_plan(tmp_path: Path):
+    """A real plan of tiny-moe whose shard files are uneven (a 12 KB cap; the embeddings, 32 KB,
+    get a file of their own)."""
+    from qckpt.checkpoint.export_plan import plan_export
+    from qckpt.checkpoint.safetensors_io import spec_nbytes
+
+    model, hf_dir = saved_model(tmp_path, "tiny-moe")
+    q = quant_config(kv=True)
+    plan = plan_export(
+        source=hf_dir,
+        calibration=make_calibration(model, q),
+        output=tmp_path / "never",
+        model_type="qwen3_moe",
+        model_config=model.config,
+        quant=q,
+        export=ExportConfig(max_shard_size="12KB"),
+    )
+    sizes = [sum(spec_nbytes(s) for s in specs) for specs in plan.shards.specs]
+    assert len(sizes) > 8 and max(sizes) > 2 * min(sizes), sizes
+    return plan
+
+
+def test_assign_items_balances_output_bytes_over_ranks_sharing_files(tmp_path):
+    from qckpt.checkpoint.export_pipeline import assign_items, plan_items
+
+    plan = _uneven_plan(tmp_path)
+    items = plan_items(plan)
+    assert items[-1].entry is None  # the KV scales: an item like any other, last
+    total, big = plan.shards.total_size, max(it.nbytes for it in items)
+    assert sum(it.nbytes for it in items) == total
+    assert big < total / 5  # so the bound below says something
+    cut_files = []
+    for world in (1, 2, 3, 4):
+        shares = assign_items(plan, world)
+        for sh in shares:
+            assert abs(sh.nbytes - total / world) <= big, (world, [s.nbytes for s in shares])
+        # every planned tensor is in exactly one share, in its planned file
+        named = [(f, n) for sh in shares for f, ns in sh.names().items() for n in ns]
+        planned = [(f, s.name) for f, specs in enumerate(plan.shards.specs) for s in specs]
+        assert sorted(named) == sorted(planned)
+        touched = [set(sh.names()) for sh in shares]
+        cut_files += [touched[r] & touched[r + 1] for r in range(world - 1)]
+    assert any(cut_files)  # files are cut between ranks where balance asks for it
+
+
+def test_a_file_missing_a_slot_is_refused_by_the_main_rank(tmp_path, monkeypatch):
+    """A share left out of the assignment (every rank's own close passes: it wrote what it was
+    given): the main rank's whole-file check refuses the export, nothing is left."""
+    import qckpt.checkpoint.export as ex
+    from qckpt.checkpoint.export_pipeline import check_written
+    from qckpt.errors import ExportError
+
+    plan = _uneven_plan(tmp_path)
+    real = ex.assign_items
+
+    def drop_one(plan, world):
+        shares = real(plan, world)
+        del shares[0].items[3]
+        return shares
+
+    monkeypatch.setattr(ex, "assign_items", drop_one)
+    with pytest.raises(
+        ExportError, match=r"^model-\d+-of-\d+\.safetensors: tensor \S+ .*never written"
+    ):
+        ex.write_export(plan)
+    assert not plan.target.exists()
+    assert not [p for p in tmp_path.iterdir() if ".qckpt-" in p.name]
+    # and a slot written twice (two ranks given the same tensor) is refused too
+    fname, n = plan.shards.files[0], len(plan.shards.specs[0])
+    full = {fname: (1 << n) - 1}
+    with pytest.raises(ExportError, match=f"^{fname}: a tensor was written by two ranks$"):
+        check_written(plan, [full, {fname: 1}])
 
 
 def test_shard_file_written_out_of_order_equals_front_to_back(tmp_path):
     from qckpt.checkpoint.export_plan import OutSpec
-    from qckpt.checkpoint.safetensors_io import ShardFile, ShardWriter
+    from qckpt.checkpoint.safetensors_io import ShardFile, ShardWriter, create_shard_file
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -106,16 +186,32 @@ def test_shard_file_written_out_of_order_equals_front_to_back(tmp_path):
     for k, t in tensors.items():
         w.write(k, t)
     w.close()
+    front = (tmp_path / "front.safetensors").read_bytes()
+    create_shard_file(tmp_path / "any.safetensors", specs, {"format": "pt"})
+    assert (tmp_path / "any.safetensors").stat().st_size == len(front)  # the full planned size
     f = ShardFile(tmp_path / "any.safetensors", specs, {"format": "pt"})
     for k in reversed(tensors):
         f.write(k, tensors[k])
     f.close()
-    assert (tmp_path / "front.safetensors").read_bytes() == (
-        tmp_path / "any.safetensors"
-    ).read_bytes()
-    half = ShardFile(tmp_path / "half.safetensors", specs, {})
+    assert front == (tmp_path / "any.safetensors").read_bytes()
+    # two writers sharing the file (two ranks), each closing its own share: the same bytes
+    create_shard_file(tmp_path / "shared.safetensors", specs, {"format": "pt"})
+    mine = [ShardFile(tmp_path / "shared.safetensors", specs, {"format": "pt"}, ns) for ns in
+            (["c", "a"], ["b"])]  # fmt: skip
+    for k in ("b", "c", "a"):
+        mine[0 if k != "b" else 1].write(k, tensors[k])
+    assert [m.written() for m in mine] == [0b101, 0b010]
+    for m in mine:
+        m.close()
+    assert front == (tmp_path / "shared.safetensors").read_bytes()
+    with pytest.raises(FileExistsError):  # the main rank makes each file once, in a new dir
+        create_shard_file(tmp_path / "shared.safetensors", specs, {})
+    create_shard_file(tmp_path / "half.safetensors", specs, {})
+    half = ShardFile(tmp_path / "half.safetensors", specs, {}, ["a", "c"])
     half.write("a", tensors["a"])
-    with pytest.raises(AssertionError, match="wrote 1 of 3"):
+    with pytest.raises(AssertionError, match="not this writer's"):
+        half.write("b", tensors["b"])
+    with pytest.raises(AssertionError, match=r"wrote 1 of 2 \(this writer's share\)"):
         half.close()
     half.abort()
 

@@ -60,6 +60,7 @@ STEPS=(
   profile_8l:480
   profile_48l:540
   loadprof_8l:300
+  knobs_8l:300
 )
 
 # the disk under $WORK: dd of 8 GB with and without fsync, one writer and two at once
@@ -108,6 +109,13 @@ step_loadprof_8l() {
       --json "$RES/prof_load_8l_$i.json" || rc=1
   done
   return $rc
+}
+# the fast read's knobs (threads, switch interval, max_inflight, piece size) in one process
+step_knobs_8l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.read_knobs configs/tiny-moe.yaml \
+    --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
+    --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
+    --json "$RES/knobs_8l.json"
 }
 step_profile_48l() {
   profile_cmds "$CKPT48" 48l

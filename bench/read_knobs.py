@@ -1,0 +1,97 @@
+"""The fast read path's knobs, side by side in one process: which one limits the read?
+
+    python -m bench.read_knobs RECIPE [--set k=v ...] --json knobs.json
+
+Each variant builds the recipe's model (meta, then its quantized parameters) and reads the
+checkpoint into it with ``load_checkpoint``, timed from the call to a device synchronize. The
+interpreter starts once, so start-up is not in the figures. Per variant: seconds, GB/s, and the
+calling thread's CPU seconds over that time (near 1.0: the calling thread, which starts and
+completes every item, is what the read waits for; low: it waits for the readers or the disk).
+Variants change the reader threads, ``max_inflight``, the piece size and the interpreter's
+switch interval (how long a thread may keep the GIL when another asks for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = [
+    {"name": "default"},
+    {"name": "default again"},
+    {"name": "threads 2", "threads": 2},
+    {"name": "threads 4", "threads": 4},
+    {"name": "threads 8", "threads": 8},
+    {"name": "switch 0.5 ms", "switch": 0.0005},
+    {"name": "switch 50 ms", "switch": 0.05},
+    {"name": "inflight 4", "inflight": 4},
+    {"name": "chunk 64 MiB", "chunk": 64 << 20},
+    {"name": "plain reader", "reader": "plain"},
+]
+
+
+def run_variant(recipe, v: dict) -> dict:
+    import torch
+
+    from qckpt.checkpoint import fast_read
+    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.parallel.mesh import Mesh
+    from qckpt.pipeline.load import build_for_load
+
+    old_switch, old_chunk = sys.getswitchinterval(), fast_read.CHUNK_BYTES
+    built = build_for_load(recipe, Mesh())
+    sys.setswitchinterval(v.get("switch", old_switch))
+    fast_read.CHUNK_BYTES = v.get("chunk", old_chunk)
+    try:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        rep = load_checkpoint(
+            built.model,
+            recipe.checkpoint.path,
+            format=recipe.checkpoint.format,
+            reader=v.get("reader", "fast"),
+            max_inflight=v.get("inflight", recipe.load.max_inflight),
+            read_threads=v.get("threads"),
+        )
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    finally:
+        sys.setswitchinterval(old_switch)
+        fast_read.CHUNK_BYTES = old_chunk
+    nbytes = getattr(rep, "bytes_read", 0) or 0
+    del built
+    return {
+        "name": v["name"],
+        "seconds": round(wall, 3),
+        "gbps": round(nbytes / wall / 1e9, 3) if nbytes else None,
+        "main_cpu_fraction": round(cpu / wall, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("recipe")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from qckpt.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.sets)
+    keep = None if args.only is None else set(args.only.split(","))
+    rows = [run_variant(recipe, v) for v in VARIANTS if keep is None or v["name"] in keep]
+    for r in rows:
+        print(
+            f"{r['name']:>16}  {r['seconds']:7.2f} s  {r['gbps'] or 0:6.2f} GB/s  "
+            f"main thread CPU {r['main_cpu_fraction']:.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,11 +38,13 @@ def run_variant(recipe, v: dict) -> dict:
 
     from qckpt.checkpoint import fast_read
     from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.parallel.mesh import Mesh
+    from qckpt.parallel.mesh import init_mesh
     from qckpt.pipeline.load import build_for_load
 
     old_switch, old_chunk = sys.getswitchinterval(), fast_read.CHUNK_BYTES
-    built = build_for_load(recipe, Mesh())
+    # the mesh the CLI makes: its device is where the model is built and the params live
+    built = build_for_load(recipe, init_mesh(device=recipe.load.device))
+    device = str(next(built.model.parameters()).device)
     sys.setswitchinterval(v.get("switch", old_switch))
     fast_read.CHUNK_BYTES = v.get("chunk", old_chunk)
     try:
@@ -65,6 +67,7 @@ def run_variant(recipe, v: dict) -> dict:
     del built
     return {
         "name": v["name"],
+        "device": device,
         "seconds": round(wall, 3),
         "gbps": round(nbytes / wall / 1e9, 3) if nbytes else None,
         "main_cpu_fraction": round(cpu / wall, 3),
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_variant(recipe, v) for v in VARIANTS if keep is None or v["name"] in keep]
     for r in rows:
         print(
-            f"{r['name']:>16}  {r['seconds']:7.2f} s  {r['gbps'] or 0:6.2f} GB/s  "
+            f"{r['name']:>16}  {r['device']}  {r['seconds']:7.2f} s  {r['gbps'] or 0:6.2f} GB/s  "
             f"main thread CPU {r['main_cpu_fraction']:.2f}"
         )
     if args.json:

@@ -59,6 +59,7 @@ DEFAULT_MAX_INFLIGHT = 2
 WINDOW_ITEMS = 256
 BATCH_PIECES = 32  # small pieces per pool task (their bytes stay under CHUNK_BYTES too)
 MAX_THREADS = 16
+PACK_ALIGN = 64  # byte alignment of each piece packed into a shared pinned buffer
 
 
 def default_threads() -> int:
@@ -85,6 +86,7 @@ class _Batch:
     work: list[tuple[StoredTensor, Any, Any]] = field(default_factory=list)
     nbytes: int = 0
     future: Future | None = None
+    waited: bool = False  # the calling stream waits for its event already
 
 
 @dataclass
@@ -202,6 +204,9 @@ def split_region(
     nd = len(st.shape)
     if math.prod(lengths) == 0:
         return []
+    one = _whole_tensor_piece(st, offsets, lengths, target, chunk_bytes)
+    if one is not None:
+        return [one]
     k = next((i for i, n in enumerate(lengths) if n > 1), max(nd - 1, 0))
     strides = [math.prod(st.shape[i + 1 :]) for i in range(nd)]
     item = st.dtype.itemsize
@@ -224,6 +229,30 @@ def split_region(
         pos = st.offset + first * item
         out.append(_Piece(pos, (b - a) * row_src, shape, narrow, part, whole, direct))
     return out
+
+
+def _whole_tensor_piece(
+    st: StoredTensor,
+    offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    target: torch.Tensor,
+    chunk_bytes: int,
+) -> _Piece | None:
+    """The common item (a whole stored tensor, such as one expert of a fused parameter, into a
+    destination of its dtype) as its one piece without the general path's narrows: a load of
+    20k such items spends its time on the calling thread, per item."""
+    if st.shape != lengths or any(offsets) or st.dtype != target.dtype:
+        return None
+    nbytes = math.prod(lengths) * st.dtype.itemsize
+    if nbytes > chunk_bytes:
+        return None
+    k = next((i for i, n in enumerate(lengths) if n > 1), None)
+    if k is None or not target.is_contiguous():
+        return None  # a scalar or one element: the general path's shapes
+    shape = lengths[k:]
+    part = target.view(shape)
+    direct = part.device.type == "cpu"
+    return _Piece(st.offset, nbytes, shape, (), part, True, direct)
 
 
 class FastReadEngine:
@@ -252,6 +281,7 @@ class FastReadEngine:
         self._pool: PinnedPool | None = None
         self._copy_stream: Any = None
         self._open: _Batch | None = None  # the batch being filled, not yet submitted
+        self._ready: dict[str, Any] = {}  # fqn -> the event its copies wait for (CUDA)
 
     # ---- the calling thread ---------------------------------------------------------------
 
@@ -284,6 +314,7 @@ class FastReadEngine:
                 left[fqn] -= 1
                 if left[fqn] <= 0:
                     live.discard(fqn)
+                    self._ready.pop(fqn, None)
         finally:
             for p in window:
                 for b in p.batches:
@@ -311,9 +342,13 @@ class FastReadEngine:
         if target.device.type == "cuda":
             self._prepare_cuda(target.device)
             # the scratch may reuse memory that the current stream still quantizes from: the
-            # copies into it wait for everything queued there so far
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(target.device))
+            # copies into it wait for everything queued there until its first item started
+            # (one event per destination: its scratch is allocated by then)
+            fqn = item.dest_index.fqn
+            ready = self._ready.get(fqn)
+            if ready is None:
+                ready = self._ready[fqn] = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(target.device))
         pieces = split_region(
             st, tuple(item.storage_offsets), tuple(item.lengths), target, self.chunk_bytes
         )
@@ -344,8 +379,9 @@ class FastReadEngine:
         for b in p.batches:
             assert b.future is not None  # flushed before the window's head is waited for
             ev = b.future.result()
-            if ev is not None:
+            if ev is not None and not b.waited:  # items sharing a batch: one wait is enough
                 torch.cuda.current_stream(p.target.device).wait_event(ev)
+                b.waited = True
         p.batches.clear()
         planner.commit_tensor(p.job.item, p.target)
 
@@ -367,9 +403,55 @@ class FastReadEngine:
         return blk.view(p.target.shape) if blk.dim() != p.target.dim() else blk
 
     def _read_batch(self, work: list[tuple[StoredTensor, _Piece, Any]]) -> Any:
+        if work and work[0][1].target.device.type == "cuda":
+            return self._read_packed(work)
         ev = None
         for st, piece, ready in work:
             ev = self._read_piece(st, piece, ready)
+        return ev
+
+    def _read_packed(self, work: list[tuple[StoredTensor, _Piece, Any]]) -> Any:
+        """A batch's whole pieces read one after another into shared pinned buffers, each
+        copied to the device as soon as it is read: one buffer, one event for many small
+        pieces (a buffer and an event per 3 MB expert cost more than its read). Every copy
+        runs on the one copy stream, so the last event covers the whole batch."""
+        pool, stream = self._pinned(), self._copy_stream
+        buf, used, ev, waited = None, 0, None, set()
+        try:
+            for st, p, ready in work:
+                used = -(-used // PACK_ALIGN) * PACK_ALIGN  # each piece's dtype view aligned
+                fits = p.whole and p.target.device.type == "cuda" and p.nbytes <= pool.nbytes
+                if buf is not None and (not fits or used + p.nbytes > pool.nbytes):
+                    ev = self._record(stream, p.target.device)
+                    pool.release(buf, ev)
+                    buf = None
+                if not fits:  # a CPU piece gives no event: the batch's last one still counts
+                    ev = self._read_piece(st, p, ready) or ev
+                    continue
+                if buf is None:
+                    buf, used = pool.acquire(), 0
+                host = buf[used : used + p.nbytes]
+                read_exact(self.files.fd(st.path), _byte_view(host), p.pos, st.path)
+                used += p.nbytes
+                with torch.cuda.device(p.target.device), torch.cuda.stream(stream):
+                    if id(ready) not in waited:
+                        stream.wait_event(ready)
+                        waited.add(id(ready))
+                    p.target.copy_(host.view(st.dtype).view(p.target.shape), non_blocking=True)
+            if buf is not None:
+                ev = self._record(stream, work[-1][1].target.device)
+                pool.release(buf, ev)
+                buf = None
+        finally:
+            if buf is not None:  # a read failed: the buffer waits for what was queued from it
+                pool.release(buf, self._record(stream, work[0][1].target.device))
+        return ev
+
+    @staticmethod
+    def _record(stream: Any, device: torch.device) -> Any:
+        with torch.cuda.device(device):
+            ev = torch.cuda.Event()
+            ev.record(stream)
         return ev
 
     def _read_piece(self, st: StoredTensor, p: _Piece, ready: Any) -> Any:

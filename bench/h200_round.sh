@@ -115,7 +115,7 @@ step_knobs_8l() {
   CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.read_knobs configs/tiny-moe.yaml \
     --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
     --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
-    --json "$RES/knobs_8l.json"
+    ${KNOBS_ONLY:+--only "$KNOBS_ONLY"} --json "$RES/knobs_8l.json"
 }
 step_profile_48l() {
   profile_cmds "$CKPT48" 48l

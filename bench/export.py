@@ -380,10 +380,30 @@ def _print(report: dict) -> None:
             f"{r['host_peak_anon_bytes'] / MiB:>8.0f}Mi {r['write_anon_rise_bytes'] / MiB:>8.0f}Mi "
             f"{r['host_bound_bytes'] / MiB:>7.0f}Mi  {r['meets_host_bound']}"
         )
+    for r in report["runs"]:
+        _print_shares(r)
     print(f"GB/s over the first count: {report['speedup_over_first']}")
     print(
         "targets: " + ("met" if not report["missed"] else "MISSED: " + "; ".join(report["missed"]))
     )
+
+
+def _print_shares(run: dict) -> None:
+    """What each rank of a distributed run wrote: its tensor bytes, files touched, busy seconds,
+    and the largest share over the mean (1.00: perfectly balanced; the slowest rank bounds the
+    speed-up at nproc / this)."""
+    rows = [r for r in run["ranks"] if "bytes_written" in r]
+    if len(rows) < 2:
+        return
+    shares = [r["bytes_written"] for r in rows]
+    mean = sum(shares) / len(shares)
+    for r in rows:
+        busy = r["read_seconds"] + r["quantize_seconds"] + r["write_seconds"]
+        print(
+            f"  {run['nproc']} procs, rank {r['rank']}: {r['bytes_written'] / MiB:9.1f} MiB "
+            f"written into {len(r['files'])} file(s), {busy:6.2f} s busy (read+quantize+write)"
+        )
+    print(f"  {run['nproc']} procs: largest share / mean = {max(shares) / mean:.3f}")
 
 
 if __name__ == "__main__":

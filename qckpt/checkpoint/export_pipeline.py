@@ -2,13 +2,13 @@
 
 **Who writes what.** The work is cut at source tensors, not at files: :func:`plan_items` lists
 the plan's items (one per stored source tensor, with every output made of it, and one for the
-KV scales), and :func:`assign_items` gives each rank one contiguous run of them whose output
-bytes are ``1 / world`` of the total, to within one item (whole files could miss it by a whole
-``export.max_shard_size`` file). The ranks share the shard files: the main rank makes every file
-first (:func:`create_files`: header, full size), each rank opens the files its items land in
-and writes its tensors at their planned offsets, and after every rank finished the main rank
-checks that every slot of every file was written, once (:func:`check_written`). One process is
-the same with one share holding every item.
+KV scales), and :func:`assign_items` gives each rank one contiguous run of them whose bytes
+moved (read as stored, plus written) are ``1 / world`` of the total, to within one item (whole
+files could miss it by a whole ``export.max_shard_size`` file). The ranks share the shard
+files: the main rank makes every file first (:func:`create_files`: header, full size), each
+rank opens the files its items land in and writes its tensors at their planned offsets, and
+after every rank finished the main rank checks that every slot of every file was written, once
+(:func:`check_written`). One process is the same with one share holding every item.
 
 One rank writes its share (:func:`write_share`) in three stages:
 
@@ -124,7 +124,16 @@ class _Item:
     file_of: list[int]
     host_bytes: int = 0  # the value as read: entry.dtype, not the stored dtype
     out_bytes: int = 0  # outputs that are new tensors (a pass-through of the same dtype is not)
-    nbytes: int = 0  # every output written (what the ranks' shares are balanced on)
+    nbytes: int = 0  # every output written
+
+    @property
+    def cost(self) -> int:
+        """What the ranks' shares are balanced on: the bytes it moves, read (as stored) plus
+        written. Output bytes alone undercount the reads of a quantized tensor (two bytes read
+        per byte written from BF16) against a pass-through's (one): a rank given the
+        embeddings and lm_head of a model whose source lists them together read ~40% less
+        than its peer for the same output bytes (bench.export's synthetic model)."""
+        return (0 if self.entry is None else self.entry.nbytes) + self.nbytes
 
     @property
     def quantized_only(self) -> bool:
@@ -188,6 +197,11 @@ class Share:
         """The tensor bytes this share writes."""
         return sum(it.nbytes for it in self.items)
 
+    @property
+    def cost(self) -> int:
+        """The bytes this share reads and writes (what shares are balanced on)."""
+        return sum(it.cost for it in self.items)
+
     def names(self) -> dict[int, list[str]]:
         """Per shard file this share writes into (in file order): the tensors it writes there."""
         out: dict[int, list[str]] = {}
@@ -218,12 +232,13 @@ def plan_items(plan: ExportPlan) -> list[_Item]:
 
 def assign_items(plan: ExportPlan, world: int) -> list[Share]:
     """Every rank's share: the plan's items cut into ``world`` contiguous runs of about
-    ``1 / world`` of the output bytes each (:func:`split_balanced`). Cut at tensors, not files:
-    with whole files a rank's share could miss ``1 / world`` by up to a whole shard file
-    (``export.max_shard_size``), which bounded two ranks at 1.92x one. Contiguous, so a rank
-    writes long runs of neighbouring bytes and touches few files. The same on every rank."""
+    ``1 / world`` of the bytes read and written each (:attr:`_Item.cost`,
+    :func:`split_balanced`). Cut at tensors, not files: with whole files a rank's share could
+    miss ``1 / world`` by up to a whole shard file (``export.max_shard_size``), which bounded
+    two ranks at 1.92x one. Contiguous, so a rank reads and writes long runs of neighbouring
+    bytes and touches few files. The same on every rank."""
     items = plan_items(plan)
-    runs = split_balanced([it.nbytes for it in items], world)
+    runs = split_balanced([it.cost for it in items], world)
     return [Share(rank=r, items=items[run.start : run.stop]) for r, run in enumerate(runs)]
 
 
@@ -534,7 +549,7 @@ class _Pipeline:
         feeder.start()
         n = sum(1 for it in self.items if it.entry is not None)
         try:
-            while (got := self.ready.get()) is not None:
+            while (got := self._next_ready()) is not None:
                 if isinstance(got, BaseException):
                     raise got
                 it, fut = got
@@ -562,6 +577,17 @@ class _Pipeline:
         self.sampler.sample(force=True)
         self.stats.inflight_peak_bytes = self.budget.peak
         self.stats.rss_anon_peak_bytes = self.sampler.peak
+
+    def _next_ready(self) -> Any:
+        """The feeder's next item, watching the quantize jobs while it waits: a job that failed
+        never gives its bytes back, so the feeder may wait on the budget for ever (measured: a
+        rank whose share held no embedding, a weight failing its amax guard followed by one as
+        large, hung until the test harness gave up)."""
+        while True:
+            try:
+                return self.ready.get(timeout=0.05)
+            except queue.Empty:
+                self.jobs = _unfinished(self.jobs)  # raises a failed job's error
 
     def _shutdown(self, feeder: threading.Thread) -> None:
         self.budget.stop()

@@ -104,7 +104,8 @@ def with_phases(data: dict[str, Any], mesh: Any = None) -> dict[str, Any]:
     """``data`` with the command's ``phases`` (seconds) and whole-command ``peaks`` so far.
 
     With a ``mesh`` of several ranks every rank must call it (one all-gather): ``ranks`` then
-    lists each rank's phases and peaks, since ``phases``/``peaks`` are this rank's own.
+    lists each rank's phases and peaks, since ``phases``/``peaks`` are this rank's own, merged
+    into ``data``'s own ``ranks`` rows where it has them.
     """
     own = phases.summary()
     if not own or mesh is None or mesh.world_size <= 1:
@@ -118,4 +119,7 @@ def with_phases(data: dict[str, Any], mesh: Any = None) -> dict[str, Any]:
     collective(
         "gathering the ranks' reports", dist.all_gather_object, box, mine, group=mesh.world_group
     )
-    return {**data, **own, "ranks": box}
+    # a command's own per-rank rows (export: the files and bytes each rank wrote) keep their
+    # keys beside the phases and peaks, matched by rank
+    rows = {r.get("rank"): r for r in data.get("ranks") or [] if isinstance(r, dict)}
+    return {**data, **own, "ranks": [{**rows.get(r["rank"], {}), **r} for r in box]}

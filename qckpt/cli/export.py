@@ -21,9 +21,9 @@ def export_cmd(
     """Write the checkpoint plus the calibration file as quantized safetensors.
 
     Under torchrun (or with --nproc-per-node) every rank reads, quantizes (on its GPU when
-    there is one) and writes its share of the tensors (an equal share of the output bytes) into
-    the shard files the ranks share; rank 0 writes the rest and renames the finished dir into
-    place.
+    there is one) and writes its share of the tensors (an equal share of the bytes read and
+    written) into the shard files the ranks share; rank 0 writes the rest and renames the
+    finished dir into place.
 
     Examples:
 

@@ -1,6 +1,7 @@
 """Distributed export: 2 and 3 gloo ranks, sharing the shard files, write the same files as one
-process for every layout, each rank an equal share of the bytes (to within one source tensor); a
-rank that fails or dies leaves no target and no temp dir, and the others fail promptly.
+process for every layout, each rank an equal share of the bytes read and written (to within one
+source tensor); a rank that fails or dies leaves no target and no temp dir, and the others fail
+promptly.
 
 One live world of 3 ranks serves the equality test (its ranks 0 and 1 also form a 2-rank
 export, rank 2 idling); the deaths are real CLI rank processes (``_export_fault.py`` makes one
@@ -159,15 +160,17 @@ def test_two_and_three_ranks_write_the_one_process_files(setup):
 
 
 def _assert_balanced(job: tuple, per_rank: list[dict]) -> None:
-    """Every rank wrote tensors, its bytes within one source tensor's outputs of an equal share,
-    and the shares add up to the files' tensor bytes (the byte equality shows none overlap)."""
+    """Every rank wrote tensors; its bytes read plus written are within one source tensor (and
+    its outputs) of an equal share; the shares add up to the files' tensor bytes and to the
+    source read once (with the byte equality of the files: no tensor twice, none missed)."""
     from qckpt.checkpoint.export_pipeline import plan_items
 
     plan = _plan(job)
-    total, world = plan.shards.total_size, len(per_rank)
-    big = max(it.nbytes for it in plan_items(plan))
-    got = [r["bytes_written"] for r in per_rank]
-    assert sum(got) == total, got
+    world, items = len(per_rank), plan_items(plan)
+    assert sum(r["bytes_written"] for r in per_rank) == plan.shards.total_size
+    assert sum(r["bytes_read"] for r in per_rank) == sum(e.nbytes for e in plan.source.entries())
+    total, big = sum(it.cost for it in items), max(it.cost for it in items)
+    got = [r["bytes_read"] + r["bytes_written"] for r in per_rank]
     assert all(abs(b * world - total) <= big * world for b in got), (got, total, big)
     assert all(r["files"] and r["tensors_written"] for r in per_rank), per_rank
 

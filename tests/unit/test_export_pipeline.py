@@ -119,20 +119,23 @@ def _uneven_plan(tmp_path: Path):
     return plan
 
 
-def test_assign_items_balances_output_bytes_over_ranks_sharing_files(tmp_path):
+def test_assign_items_balances_bytes_moved_over_ranks_sharing_files(tmp_path):
     from qckpt.checkpoint.export_pipeline import assign_items, plan_items
 
     plan = _uneven_plan(tmp_path)
     items = plan_items(plan)
     assert items[-1].entry is None  # the KV scales: an item like any other, last
-    total, big = plan.shards.total_size, max(it.nbytes for it in items)
-    assert sum(it.nbytes for it in items) == total
+    assert sum(it.nbytes for it in items) == plan.shards.total_size
+    # balanced on bytes moved: every stored tensor read once, every planned byte written once
+    total = plan.shards.total_size + sum(e.nbytes for e in plan.source.entries())
+    big = max(it.cost for it in items)
+    assert sum(it.cost for it in items) == total
     assert big < total / 5  # so the bound below says something
     cut_files = []
     for world in (1, 2, 3, 4):
         shares = assign_items(plan, world)
         for sh in shares:
-            assert abs(sh.nbytes - total / world) <= big, (world, [s.nbytes for s in shares])
+            assert abs(sh.cost - total / world) <= big, (world, [s.cost for s in shares])
         # every planned tensor is in exactly one share, in its planned file
         named = [(f, n) for sh in shares for f, ns in sh.names().items() for n in ns]
         planned = [(f, s.name) for f, specs in enumerate(plan.shards.specs) for s in specs]
@@ -263,3 +266,68 @@ def test_worker_threads_use_the_callers_kernel_policy(tmp_path, monkeypatch):
             options=WriteOptions(quantizers=2),
         )
     assert len(seen) == 14 and set(seen) == {"never"}
+
+
+def test_the_json_reports_rank_rows_keep_what_each_rank_wrote(monkeypatch):
+    """``--json`` of a distributed export: each rank's row has its phases and peaks (gathered by
+    the CLI) and still the files and bytes that rank wrote (from the export's agreement)."""
+    from types import SimpleNamespace
+
+    import qckpt.parallel.deadline as deadline
+    from qckpt.cli import _output
+
+    def fake_gather(what, fn, box, mine, group=None):  # the other rank's row, as gathered
+        box[0], box[1] = mine, {"rank": 1, "phases": {"total": 2.0}, "peaks": {}}
+
+    monkeypatch.setattr(deadline, "collective", fake_gather)
+    mine = {"phases": {"total": 1.0}, "peaks": {"host_peak_rss_bytes": 5}}
+    monkeypatch.setattr(_output.phases, "summary", lambda: mine)
+    export_rows = [
+        {"rank": 0, "files": ["model-00001-of-00002.safetensors"], "bytes_written": 10},
+        {"rank": 1, "files": ["model-00001-of-00002.safetensors", "b"], "bytes_written": 11},
+    ]
+    mesh = SimpleNamespace(world_size=2, rank=0, world_group=None)
+    got = _output.with_phases({"ranks": export_rows}, mesh)["ranks"]
+    assert [r["bytes_written"] for r in got] == [10, 11]
+    assert got[1]["files"] == export_rows[1]["files"] and got[1]["phases"] == {"total": 2.0}
+    assert got[0]["phases"] == {"total": 1.0} and got[0]["files"] == export_rows[0]["files"]
+
+
+def test_a_failed_quantize_job_stops_the_rank_instead_of_hanging_it(tmp_path):
+    """A share without the embeddings (budget 2 x a 16 KB weight): the gate_proj weight fails its
+    amax guard and never gives its bytes back, and up_proj, as large, waits for them. The rank
+    must raise the guard's error at once (it hung: the feeder on the budget, the calling thread
+    on the feeder)."""
+    import threading
+
+    from qckpt.checkpoint.export_pipeline import Share, create_files, plan_items, write_share
+    from qckpt.checkpoint.export_plan import plan_export
+    from qckpt.errors import ExportError
+
+    model, hf_dir = saved_model(tmp_path, "tiny-dense")
+    q = quant_config()
+    cal = make_calibration(model, q)
+    cal.amax["model.layers.0.mlp.gate_proj.weight_amax"] /= 4
+    kw = dict(model_type="llama", model_config=model.config, quant=q, export=ExportConfig())
+    plan = plan_export(source=hf_dir, calibration=cal, output=tmp_path / "never", **kw)
+    items = [it for it in plan_items(plan) if it.entry is None or "embed" not in it.entry.name]
+    items = [it for it in items if it.entry is None or it.entry.name != "lm_head.weight"]
+    names = [it.entry.name for it in items if it.entry is not None]
+    gate = names.index("model.layers.0.mlp.gate_proj.weight")
+    assert names[gate + 1] == "model.layers.0.mlp.up_proj.weight"
+    (tmp_path / "tmp").mkdir()
+    create_files(plan, tmp_path / "tmp")
+    got: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            write_share(plan, tmp_path / "tmp", Share(rank=1, items=items))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            got.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "the rank hung after a quantize job failed"
+    assert len(got) == 1 and isinstance(got[0], ExportError), got
+    assert "gate_proj.weight: amax" in str(got[0]) and "exceeds the calibrated" in str(got[0])

@@ -25,6 +25,7 @@ VARIANTS = [
     {"name": "threads 2", "threads": 2},
     {"name": "threads 4", "threads": 4},
     {"name": "threads 8", "threads": 8},
+    {"name": "threads 16", "threads": 16},
     {"name": "switch 0.5 ms", "switch": 0.0005},
     {"name": "switch 50 ms", "switch": 0.05},
     {"name": "inflight 4", "inflight": 4},

@@ -389,21 +389,23 @@ def _print(report: dict) -> None:
 
 
 def _print_shares(run: dict) -> None:
-    """What each rank of a distributed run wrote: its tensor bytes, files touched, busy seconds,
-    and the largest share over the mean (1.00: perfectly balanced; the slowest rank bounds the
-    speed-up at nproc / this)."""
+    """What each rank of a distributed run did: bytes read and written (what the shares are
+    balanced on), files touched, its write phase, and the largest share of bytes moved over the
+    mean (1.00: perfectly balanced; the slowest rank bounds the speed-up at nproc / this)."""
     rows = [r for r in run["ranks"] if "bytes_written" in r]
     if len(rows) < 2:
         return
-    shares = [r["bytes_written"] for r in rows]
+    shares = [r["bytes_read"] + r["bytes_written"] for r in rows]
     mean = sum(shares) / len(shares)
     for r in rows:
-        busy = r["read_seconds"] + r["quantize_seconds"] + r["write_seconds"]
         print(
-            f"  {run['nproc']} procs, rank {r['rank']}: {r['bytes_written'] / MiB:9.1f} MiB "
-            f"written into {len(r['files'])} file(s), {busy:6.2f} s busy (read+quantize+write)"
+            f"  {run['nproc']} procs, rank {r['rank']}: read {r['bytes_read'] / MiB:7.1f} MiB, "
+            f"wrote {r['bytes_written'] / MiB:7.1f} MiB into {len(r['files'])} file(s), "
+            f"write phase {r.get('phases', {}).get('write', 0.0):6.2f} s"
         )
-    print(f"  {run['nproc']} procs: largest share / mean = {max(shares) / mean:.3f}")
+    print(
+        f"  {run['nproc']} procs: largest share (read + written) / mean = {max(shares) / mean:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -189,8 +189,9 @@ def write_export(
 
     ``mesh`` (a :class:`~qckpt.parallel.mesh.Mesh` of several ranks, every rank calling this
     with the same plan): each rank writes its share of the tensors into the shared shard
-    files; the main rank then checks every file is whole, writes the rest and renames the dir (see :mod:`qckpt.checkpoint.export_dist`). ``started``
-    (a ``time.perf_counter()``) is when the export began, planning included.
+    files; the main rank then checks every file is whole, writes the rest and renames the dir
+    (see :mod:`qckpt.checkpoint.export_dist`). ``started`` (a ``time.perf_counter()``) is when
+    the export began, planning included.
     """
     t0 = time.perf_counter() if started is None else started
     opts = options or WriteOptions()
@@ -204,7 +205,7 @@ def write_export(
     agreed = False
     with on_term:
         # every shard file exists before any rank opens one: the ranks share them
-        tmp = team.begin(out, prepare=lambda d: create_files(plan, d))
+        tmp = team.begin(out, prepare=lambda d: _create_files(plan, d, out.target))
         try:
             ranks = _write_rank(plan, team, tmp, opts, progress)
             agreed = True
@@ -228,6 +229,18 @@ def write_export(
         else:
             team.outcome(True, "")
     return _report(plan, ranks, time.perf_counter() - t0, team.world, opts.device)
+
+
+def _create_files(plan: ExportPlan, tmp: Path, target: Path) -> None:
+    """The main rank's shard files (``create_files``); an error of the write itself (a full
+    disk, no permission) is the one-line ``export.output`` error the other writes give."""
+    try:
+        create_files(plan, tmp)
+    except OSError as exc:
+        err = write_error(exc, target, "export.output", tmp)
+        if err is None:
+            raise
+        raise err from exc
 
 
 def _tell(team: Team, ok: bool, message: str) -> None:

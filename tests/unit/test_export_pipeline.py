@@ -331,3 +331,30 @@ def test_a_failed_quantize_job_stops_the_rank_instead_of_hanging_it(tmp_path):
     assert not t.is_alive(), "the rank hung after a quantize job failed"
     assert len(got) == 1 and isinstance(got[0], ExportError), got
     assert "gate_proj.weight: amax" in str(got[0]) and "exceeds the calibrated" in str(got[0])
+
+
+def test_a_full_disk_while_making_the_shard_files_is_one_line_and_leaves_nothing(
+    tmp_path, monkeypatch
+):
+    import errno
+    import os
+
+    import qckpt.checkpoint.safetensors_io as stio
+    from qckpt.errors import OutputError
+
+    plan = _uneven_plan(tmp_path)
+    made, real = [], os.ftruncate
+
+    def full(fd, size):
+        made.append(size)
+        if len(made) == 3:  # the third file: two are made and must go too
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, size)
+
+    monkeypatch.setattr(stio.os, "ftruncate", full)
+    from qckpt.checkpoint.export import write_export
+
+    with pytest.raises(OutputError, match=r"^export.output: cannot write .*: no space left"):
+        write_export(plan)
+    assert len(made) == 3 and not plan.target.exists()
+    assert not [p for p in tmp_path.iterdir() if ".qckpt-" in p.name]

@@ -55,6 +55,8 @@ STEPS=(
   calib_dp:540
   export_tests:300
   export_48l:600
+  export_shm_48l:600
+  disk_quick:120
   plan_48l:300
   disk:240
   profile_8l:480
@@ -276,7 +278,24 @@ step_export_tests() {
 # exceeded, one process is under 4 GB/s, or two are under 2x one
 step_export_48l() {
   "$PY" -m bench.export --src "$CKPT48" --calib "$WORK/export_calib.safetensors" --nprocs 1,2 \
-    --workdir "$WORK/export" --min-gbps 4 --min-speedup 2 --json "$RES/export_48l.json"
+    --workdir "${EXPORT_WORK:-$WORK/export}" --min-gbps 4 --min-speedup 2 \
+    --json "$RES/export_48l${EXPORT_TAG:-}.json"
+}
+# the same into tmpfs (/dev/shm): what the export does when the disk is not the limit
+step_export_shm_48l() {
+  EXPORT_WORK=/dev/shm/qckpt-export EXPORT_TAG=_shm step_export_48l
+  local rc=$?
+  rm -rf /dev/shm/qckpt-export
+  return $rc
+}
+# the disk's own ceiling with fsync (what an export's commit asks of it): 4 GB, 1 and 2 writers
+step_disk_quick() {
+  local n i
+  for n in 1 2; do
+    echo "== $n writer(s), 4 GB each, fsync"
+    for i in $(seq $n); do dd if=/dev/zero of="$WORK/dd$i" bs=64M count=64 conv=fsync 2>&1 | tail -1 & done; wait
+    rm -f "$WORK"/dd*
+  done
 }
 
 # qckpt plan's predictions (issue 17) beside the measured whole-command peaks of the runs above:

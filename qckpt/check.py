@@ -23,11 +23,15 @@ The first problem of each kind per module is reported; the result lists them all
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
+import os
 import re
 import struct
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,10 +176,39 @@ def _tensors(root: Path, problems: list[str]) -> dict[str, Tensor]:
     return out
 
 
+class _Files(threading.local):
+    """The files one ``check_export`` reads scales from, each opened once (an export of a
+    large MoE has tens of thousands of scales: an open per scale cost seconds)."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] | None = None
+
+    def read(self, t: Tensor) -> bytes:
+        if self.fds is None:  # outside check_export: open and close
+            with open(t.file, "rb") as f:
+                f.seek(t.offset)
+                return f.read(t.nbytes)
+        fd = self.fds.get(t.file)
+        if fd is None:
+            fd = self.fds[t.file] = os.open(t.file, os.O_RDONLY)
+        return os.pread(fd, t.nbytes, t.offset)
+
+    @contextlib.contextmanager
+    def kept_open(self) -> Iterator[None]:
+        self.fds = {}
+        try:
+            yield
+        finally:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds = None
+
+
+_FILES = _Files()
+
+
 def _values(t: Tensor) -> np.ndarray:
-    with open(t.file, "rb") as f:
-        f.seek(t.offset)
-        raw = f.read(t.nbytes)
+    raw = _FILES.read(t)
     if t.dtype == "F32":
         return np.frombuffer(raw, dtype="<f4").astype(np.float64)
     if t.dtype == "F16":
@@ -354,6 +387,10 @@ def _check_scale(name: str, t: Tensor, allow_zero: bool, problems: list[str]) ->
     except ValueError:
         problems.append(f"{name}: scale dtype {t.dtype} cannot be read")
         return
+    if v.size == 1:  # the common per-tensor scale: one float, no array reductions
+        x = float(v[0])
+        if math.isfinite(x) and (x > 0 or (allow_zero and x == 0)):
+            return
     if np.isnan(v).any() or np.isinf(v).any():
         problems.append(f"{name}: NaN or Inf scale")
     elif (v < 0).any():
@@ -481,7 +518,8 @@ def check_export(path: str | Path, *, max_problems: int = 50) -> CheckResult:
     if scheme is None or not tensors:
         return res
     res.scheme = scheme.name
-    _check_tensors(res, scheme, cfg, qc, tensors)
+    with _FILES.kept_open():
+        _check_tensors(res, scheme, cfg, qc, tensors)
     del p[max_problems:]
     return res
 

@@ -417,12 +417,16 @@ def shard_header(
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     off = 0
     offsets = []
+    kinds: dict[Any, tuple[str, int]] = {}  # dtype -> (code, itemsize): 50k specs, few dtypes
     for s in specs:
-        n = spec_nbytes(s)
-        code = dtype_code(s.dtype)
-        if code not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {s.name}: safetensors cannot store {code}")
-        header[s.name] = {"dtype": code, "shape": list(s.shape), "data_offsets": [off, off + n]}
+        kind = kinds.get(s.dtype)
+        if kind is None:
+            code = dtype_code(s.dtype)
+            if code not in DTYPES:
+                raise CheckpointError(f"{path}: tensor {s.name}: safetensors cannot store {code}")
+            kind = kinds[s.dtype] = (code, itemsize(code))
+        n = math.prod(s.shape) * kind[1]
+        header[s.name] = {"dtype": kind[0], "shape": list(s.shape), "data_offsets": [off, off + n]}
         offsets.append(off)
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()

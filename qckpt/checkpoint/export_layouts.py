@@ -591,7 +591,13 @@ def share_moe_amax(
     def tie(names: list[str], kind: str) -> None:
         keys = [f"{n}.{kind}_amax" for n in names if f"{n}.{kind}_amax" in amax]
         if len(keys) > 1:
-            top = torch.stack([amax[k].detach().float().reshape(()) for k in keys]).max()
+            # the largest as a Python float (exact for float32 amaxes; NaN wins, as in a
+            # tensor max): thousands of expert pairs, a stack and a max each cost seconds
+            vals = [float(amax[k].detach().float().reshape(())) for k in keys]
+            i = next((j for j, v in enumerate(vals) if v != v), None)
+            if i is None:
+                i = max(range(len(vals)), key=vals.__getitem__)
+            top = amax[keys[i]].detach().float().reshape(()).clone()
             for k in keys:
                 out[k] = top.reshape(amax[k].shape)
 

@@ -149,8 +149,11 @@ def _check_amax(
             raise ExportError(
                 f"{where}: {key} has shape {list(got)}, the export needs {list(shape)}"
             )
-        if not torch.isfinite(cal.amax[key]).all():
-            raise ExportError(f"{where}: {key} is not finite")
+    # one finiteness test over every amax (tens of thousands of scalars on a large MoE), then
+    # the first bad one by name
+    if needed and not torch.isfinite(torch.cat([cal.amax[k].reshape(-1) for k, _ in needed])).all():
+        bad = next(k for k, _ in needed if not torch.isfinite(cal.amax[k]).all())
+        raise ExportError(f"{where}: {bad} is not finite")
 
 
 @dataclass(kw_only=True)

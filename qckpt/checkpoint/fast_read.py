@@ -416,37 +416,40 @@ class FastReadEngine:
         """A batch's whole pieces read one after another into shared pinned buffers, each
         copied to the device as soon as it is read: one buffer, one event for many small
         pieces (a buffer and an event per 3 MB expert cost more than its read). Every copy
-        runs on the one copy stream, so the last event covers the whole batch."""
+        runs on the one copy stream, so the last event covers the whole batch. The Python
+        per piece is kept short: the readers share the GIL with the calling thread."""
         pool, stream = self._pinned(), self._copy_stream
-        buf, used, ev, waited = None, 0, None, set()
+        device = work[0][1].target.device
+        buf, mv, used, ev, waited = None, None, 0, None, set()
         try:
-            for st, p, ready in work:
-                used = -(-used // PACK_ALIGN) * PACK_ALIGN  # each piece's dtype view aligned
-                fits = p.whole and p.target.device.type == "cuda" and p.nbytes <= pool.nbytes
-                if buf is not None and (not fits or used + p.nbytes > pool.nbytes):
-                    ev = self._record(stream, p.target.device)
-                    pool.release(buf, ev)
-                    buf = None
-                if not fits:  # a CPU piece gives no event: the batch's last one still counts
-                    ev = self._read_piece(st, p, ready) or ev
-                    continue
-                if buf is None:
-                    buf, used = pool.acquire(), 0
-                host = buf[used : used + p.nbytes]
-                read_exact(self.files.fd(st.path), _byte_view(host), p.pos, st.path)
-                used += p.nbytes
-                with torch.cuda.device(p.target.device), torch.cuda.stream(stream):
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                for st, p, ready in work:
+                    used = -(-used // PACK_ALIGN) * PACK_ALIGN  # each piece's view aligned
+                    fits = p.whole and p.target.device == device and p.nbytes <= pool.nbytes
+                    if buf is not None and (not fits or used + p.nbytes > pool.nbytes):
+                        ev = self._record(stream, device)
+                        pool.release(buf, ev)
+                        buf = None
+                    if not fits:  # a CPU piece gives no event: the batch's last one counts
+                        ev = self._read_piece(st, p, ready) or ev
+                        continue
+                    if buf is None:
+                        buf, used = pool.acquire(), 0
+                        mv = _byte_view(buf)
+                    read_exact(self.files.fd(st.path), mv[used : used + p.nbytes], p.pos, st.path)
+                    host = buf[used : used + p.nbytes].view(st.dtype).view(p.target.shape)
+                    used += p.nbytes
                     if id(ready) not in waited:
                         stream.wait_event(ready)
                         waited.add(id(ready))
-                    p.target.copy_(host.view(st.dtype).view(p.target.shape), non_blocking=True)
-            if buf is not None:
-                ev = self._record(stream, work[-1][1].target.device)
-                pool.release(buf, ev)
-                buf = None
+                    p.target.copy_(host, non_blocking=True)
+                if buf is not None:
+                    ev = self._record(stream, device)
+                    pool.release(buf, ev)
+                    buf = None
         finally:
             if buf is not None:  # a read failed: the buffer waits for what was queued from it
-                pool.release(buf, self._record(stream, work[0][1].target.device))
+                pool.release(buf, self._record(stream, device))
         return ev
 
     @staticmethod

@@ -63,6 +63,7 @@ STEPS=(
   profile_48l:540
   loadprof_8l:300
   knobs_8l:300
+  loadprof_48l:240
 )
 
 # the disk under $WORK: dd of 8 GB with and without fsync, one writer and two at once
@@ -118,6 +119,13 @@ step_knobs_8l() {
     --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
     --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
     ${KNOBS_ONLY:+--only "$KNOBS_ONLY"} --json "$RES/knobs_8l.json"
+}
+# the FP8 load of the 48-layer model, profiled (where the calling thread and the readers wait)
+step_loadprof_48l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.profile --out "$RES/prof_load_48l.txt" -- -m qckpt load \
+    configs/tiny-moe.yaml --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
+    --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
+    --json "$RES/prof_load_48l.json"
 }
 step_profile_48l() {
   profile_cmds "$CKPT48" 48l

@@ -3,6 +3,7 @@
     python -m bench.calibrate_speed forward --preset tiny                      # CPU, seconds
     python -m bench.calibrate_speed forward --preset qwen3-30b-a3b --device cuda --json f.json
     python -m bench.calibrate_speed dp RECIPE --nproc 2 --json dp.json [--set key=value ...]
+    python -m bench.calibrate_speed ops [--experts 128 --top-k 8]              # CPU, seconds
 
 ``forward`` builds a Qwen3-MoE-shaped model from its config with random BF16 weights on the
 device (no checkpoint: the speed does not depend on the values; ``--checkpoint DIR`` loads a
@@ -189,6 +190,136 @@ def forward(args) -> dict:
     return res
 
 
+# ops that make the host wait for the device on CUDA: a scalar read, a data-dependent output
+# shape (nonzero and what calls it), bincount (CUDA reads the input's max to size its output)
+SYNC_OPS = frozenset(
+    ("_local_scalar_dense", "nonzero", "masked_select", "bincount", "_unique2", "unique_dim",
+     "unique_consecutive", "repeat_interleave", "item", "equal", "is_nonzero")
+)  # fmt: skip
+
+
+class _OpCounter:
+    """A dispatch mode counting aten ops by name, and host syncs (:data:`SYNC_OPS`, a boolean
+    mask index, ``.tolist()``)."""
+
+    def __new__(cls):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Count(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.by_op: dict[str, int] = {}
+                self.syncs = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                self.by_op[name] = self.by_op.get(name, 0) + 1
+                self.syncs += name in SYNC_OPS
+                if name == "index" and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+                ):  # a boolean mask index: nonzero underneath
+                    self.syncs += 1
+                return func(*args, **(kwargs or {}))
+
+            def __enter__(self):
+                self._tolist = tolist = torch.Tensor.tolist
+
+                def counted(t):  # on CUDA a device-to-host read
+                    self.syncs += 1
+                    return tolist(t)
+
+                torch.Tensor.tolist = counted
+                return super().__enter__()
+
+            def __exit__(self, *exc):
+                torch.Tensor.tolist = self._tolist
+                return super().__exit__(*exc)
+
+        return Count()
+
+
+def _op_counts(model, batch, variant: str) -> tuple[dict, dict]:
+    """aten ops (by name) and host syncs of one forward of ``variant``, and of the settle that
+    follows it (instrumented variants)."""
+    import torch
+
+    from qckpt.calib.instrument import insert_quantizers, remove_quantizers, settle
+    from qckpt.recipe import QuantConfig
+
+    kind, moe = variant.split("_")
+    _experts_impl(model, "eager" if moe == "eager" else "grouped_mm")
+    if kind == "instr":
+        insert_quantizers(model, QuantConfig(), moe_forward=moe)
+    out = {}
+    try:
+        with torch.no_grad():
+            model(input_ids=batch, use_cache=False)  # warm-up: lazy state made once
+            if kind == "instr":
+                settle(model)
+            for phase in ("forward", "settle"):
+                with _OpCounter() as c:
+                    if phase == "forward":
+                        model(input_ids=batch, use_cache=False)
+                    elif kind == "instr":
+                        settle(model)
+                out[phase] = {"ops": sum(c.by_op.values()), "syncs": c.syncs, "by_op": c.by_op}
+    finally:
+        if kind == "instr":
+            remove_quantizers(model)
+    return out["forward"], out["settle"]
+
+
+def ops(args) -> dict:
+    """Per decoder layer: aten ops and host syncs the instrumentation adds to one forward (the
+    count at ``layers + 1`` minus the count at ``layers``), on a small Qwen3-MoE on CPU. A GPU
+    forward of this size is bound by launches and syncs, not FLOPs: these are what it pays."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    fields = dict(PRESETS["tiny"], num_experts=args.experts, num_experts_per_tok=args.top_k)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    batch = torch.randint(0, fields["vocab_size"], (args.batch_size, args.seq_len), generator=g)
+    variants = args.variants.split(",")
+    counts: dict = {}
+    for n in (args.layers, args.layers + 1):
+        torch.manual_seed(args.seed)
+        cfg = Qwen3MoeConfig(**{**fields, "num_hidden_layers": n})
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        for v in variants:
+            counts[(n, v)] = _op_counts(model, batch, v)
+    res: dict = {"experts": args.experts, "top_k": args.top_k, "tokens": batch.numel()}
+    n0, n1 = args.layers, args.layers + 1
+    for v in variants:
+        (f0, s0), (f1, _) = counts[(n0, v)], counts[(n1, v)]
+        ops1 = {k: n - f0["by_op"].get(k, 0) for k, n in f1["by_op"].items()}
+        res[v] = {
+            "ops_per_layer": f1["ops"] - f0["ops"],
+            "syncs_per_layer": f1["syncs"] - f0["syncs"],
+            "by_op_per_layer": {k: n for k, n in sorted(ops1.items()) if n},
+            f"settle_{n0}_layers": {k: s0[k] for k in ("ops", "syncs")},
+        }
+        r = res[v]
+        print(
+            f"{v:14s} per layer: {r['ops_per_layer']:5d} ops {r['syncs_per_layer']:4d} syncs"
+            f"   settle ({n0} layers): {r[f'settle_{n0}_layers']}"
+        )
+    for moe in ("eager", "grouped"):
+        p, i = res.get(f"plain_{moe}"), res.get(f"instr_{moe}")
+        if p and i:
+            names = set(p["by_op_per_layer"]) | set(i["by_op_per_layer"])
+            diff = {
+                k: i["by_op_per_layer"].get(k, 0) - p["by_op_per_layer"].get(k, 0) for k in names
+            }
+            res[f"extra_{moe}"] = {
+                "ops_per_layer": i["ops_per_layer"] - p["ops_per_layer"],
+                "syncs_per_layer": i["syncs_per_layer"] - p["syncs_per_layer"],
+                "by_op": {k: n for k, n in sorted(diff.items()) if n},
+            }
+            print(f"extra_{moe}: {json.dumps(res[f'extra_{moe}'])}")
+    return res
+
+
 def _calibrate(recipe: str, sets: list[str], nproc: int, tmp: Path) -> dict:
     js = tmp / f"calib-{nproc}.json"
     cmd = [sys.executable, "-m", "qckpt", "calibrate", recipe, "--json", str(js)]
@@ -251,13 +382,22 @@ def main(argv=None) -> int:
     fw.add_argument("--seed", type=int, default=0)
     fw.add_argument("--variants", default=",".join(VARIANTS))
     fw.add_argument("--json", default="")
+    o = sub.add_parser("ops")
+    o.add_argument("--experts", type=int, default=128)
+    o.add_argument("--top-k", type=int, default=8)
+    o.add_argument("--layers", type=int, default=2)
+    o.add_argument("--batch-size", type=int, default=2)
+    o.add_argument("--seq-len", type=int, default=64)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--variants", default=",".join(VARIANTS))
+    o.add_argument("--json", default="")
     d = sub.add_parser("dp")
     d.add_argument("recipe")
     d.add_argument("--nproc", type=int, default=2)
     d.add_argument("--set", action="append", default=[])
     d.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    res = forward(args) if args.cmd == "forward" else dp(args)
+    res = {"forward": forward, "ops": ops, "dp": dp}[args.cmd](args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0

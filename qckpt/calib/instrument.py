@@ -170,16 +170,20 @@ def insert_quantizers(
 
 
 def _input_hook(q: TensorQuantizer):
+    observe = q.observe  # bound once: the hook runs per module call, its Python is overhead
+
     def hook(_mod, args):
         if args:  # no host sync in the forward: the store checks finiteness when settled
-            q.collect(args[0], check=False)
+            observe(args[0])
 
     return hook
 
 
 def _output_hook(q: TensorQuantizer):
+    observe = q.observe
+
     def hook(_mod, _args, out):
-        q.collect(out, check=False)
+        observe(out)
 
     return hook
 

@@ -12,7 +12,9 @@ exact, so the amaxes equal per-expert ``collect`` calls on the same tensors bit 
   (the same GEMMs on the same rows, so the same values bit for bit), combined with
   ``index_add_`` in ascending expert order. One host sync per call (the group sizes).
 * ``grouped``: two grouped GEMMs over all experts (``torch._grouped_mm`` on CUDA, the grouped
-  ``mm`` of ``torch.nn.functional`` elsewhere), no host sync. The combine adds each token's
+  ``mm`` of ``torch.nn.functional`` elsewhere), no host sync and no Python loop over experts
+  (a GPU forward of it is bound by kernel launches: ``python -m bench.calibrate_speed ops``
+  counts what the instrumentation adds per layer, and a unit test bounds it). The combine adds each token's
   slots in ascending expert order, the additions the eager loop makes. The expert inputs of
   the first MoE layer are the same hidden states; but a grouped GEMM kernel may round its sums
   differently from a per-expert GEMM, so down_proj inputs and every later layer may differ in
@@ -40,7 +42,8 @@ class SegmentedAmax:
     ``quantizers[row]``: the quantizers fed by local expert ``row``'s rows (gate and up share
     their input). Rows are reduced to one amax per row (per tensor) or per row and block
     (per-block inputs), then maxed per expert into ``acc`` ``[n_local + 1, *amax_shape]``
-    (the last row takes tokens routed to no local expert and is never folded).
+    (the last row takes tokens routed to no local expert and is never folded). ``acc`` keeps
+    the rows' own dtype: a max of bf16 values is a bf16 value, so no conversion kernel.
     """
 
     def __init__(self, quantizers: list[list[TensorQuantizer]]) -> None:
@@ -52,24 +55,29 @@ class SegmentedAmax:
         self.acc: torch.Tensor | None = None
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``|x|`` maxed over each row (and block of the row): exact in x's own dtype."""
-        x = x.detach()
-        if self.block is None:
-            return x.abs().amax(dim=-1)
-        n, b = self.shape[0], self.block
-        pad = n * b - x.shape[-1]
-        if pad:
-            x = F.pad(x, (0, pad))
-        return x.abs().reshape(x.shape[0], n, b).amax(dim=-1)
+        """``|x|`` maxed over each row (and block of the row): one fused kernel, exact."""
+        if x.requires_grad:
+            x = x.detach()
+        if self.block is not None:
+            n, b = self.shape[0], self.block
+            pad = n * b - x.shape[-1]
+            if pad:
+                x = F.pad(x, (0, pad))
+            x = x.reshape(x.shape[0], n, b)
+        return torch.linalg.vector_norm(x, float("inf"), dim=-1)
 
     def add(self, red: torch.Tensor, ids: torch.Tensor) -> None:
         """Max row amaxes ``red`` (from :meth:`rows`) into their experts ``ids``."""
-        if self.acc is None:
-            dtype = torch.promote_types(red.dtype, torch.float32)  # exact for any float input
+        acc = self.acc
+        if acc is None:
             n = len(self.quantizers) + 1
-            self.acc = torch.zeros((n, *self.shape), dtype=dtype, device=red.device)
-        index = ids.view(-1, *([1] * len(self.shape))).expand(red.shape)
-        self.acc.scatter_reduce_(0, index, red.to(self.acc.dtype), "amax", include_self=True)
+            acc = self.acc = red.new_zeros((n, *self.shape))  # |x| >= 0: zero is max's identity
+        elif acc.dtype != red.dtype:  # a wider dtype holds both exactly
+            dtype = torch.promote_types(acc.dtype, red.dtype)
+            acc = self.acc = acc.to(dtype)
+            red = red.to(dtype)
+        index = ids if not self.shape else ids.view(-1, *([1] * len(self.shape))).expand(red.shape)
+        acc.scatter_reduce_(0, index, red, "amax", include_self=True)
 
     def settle(self, hot: list[int]) -> None:
         """Fold the experts ``hot`` (local rows that got tokens) into their quantizers."""
@@ -88,21 +96,15 @@ class SegmentedAmax:
                 q.fold(v, check=False)
             return
         # per tensor: one gather and one scatter on the bank for all of them
-        slots = torch.tensor([q.slot for q in qs], device=bank.device)
-        present = torch.tensor([bank.present[q.slot] for q in qs], dtype=torch.bool)
-        new = vals.to(device=bank.device, dtype=torch.float32)
-        cur = bank.values.index_select(0, slots)
-        new = torch.where(present.to(bank.device), torch.maximum(cur, new), new)
-        bank.values.index_copy_(0, slots, new)
-        code = DTYPE_CODE[first.calib_dtype]
-        for q, p in zip(qs, present.tolist(), strict=True):
-            if not p:
-                bank.codes[q.slot] = code
-                bank.present[q.slot] = 1
+        bank.fold_max([q.slot for q in qs], vals, DTYPE_CODE[first.calib_dtype])
 
 
 class ExpertsObserver:
-    """The per-expert input amaxes and token counts of one experts module, on the device."""
+    """The per-expert input amaxes and token counts of one experts module, on the device.
+
+    ``tokens`` has one entry per global expert, ``ids`` the local experts' global ids: fewer
+    means expert parallelism, whose router sends the other experts' pairs to row ``n_local``.
+    """
 
     def __init__(
         self, input_q: list[dict[str, TensorQuantizer]], tokens: list[int], ids: list[int]
@@ -110,20 +112,31 @@ class ExpertsObserver:
         self.gate_up = SegmentedAmax([[q["gate"], q["up"]] for q in input_q])
         self.down = SegmentedAmax([[q["down"]] for q in input_q])
         self.tokens, self.ids = tokens, ids
-        self.counts: torch.Tensor | None = None
+        self.partial = len(ids) < len(tokens)
+        self.ends: torch.Tensor | None = None  # summed group ends (cumulative counts)
         self.store = input_q[0]["gate"].store
+        self._bounds: torch.Tensor | None = None
 
-    def count(self, counts: torch.Tensor) -> None:
-        if self.counts is None:
-            self.counts = torch.zeros_like(counts)
+    def bounds(self, device: torch.device) -> torch.Tensor:
+        """``arange(n_local)`` on ``device``, made once (a kernel per forward otherwise)."""
+        b = self._bounds
+        if b is None or b.device != device:
+            b = self._bounds = torch.arange(len(self.ids), device=device)
+        return b
+
+    def count(self, ends: torch.Tensor) -> None:
+        # group ends are cumulative counts; their sum is the cumulative sum of the counts
+        if self.ends is None:
+            self.ends = torch.zeros(ends.shape, dtype=torch.int64, device=ends.device)
             self.store.defer(self.settle)
-        self.counts += counts
+        self.ends += ends
 
     def settle(self) -> None:
-        counts, self.counts = self.counts, None
-        if counts is None:
+        ends, self.ends = self.ends, None
+        if ends is None:
             return
-        per_row = counts.tolist()[: len(self.ids)]
+        cum = ends.tolist()
+        per_row = [c - p for c, p in zip(cum, [0, *cum[:-1]], strict=True)]
         hot = [r for r, n in enumerate(per_row) if n]
         for r in hot:
             self.tokens[self.ids[r]] += int(per_row[r])
@@ -134,37 +147,38 @@ class ExpertsObserver:
                 seg.acc = None
 
 
-def _route(top_k_index: torch.Tensor, n_local: int):
-    """(slot, token) pairs sorted by expert: ids, token and slot of each, counts per expert."""
-    t = top_k_index.shape[0]
+def _route(top_k_index: torch.Tensor, bounds: torch.Tensor):
+    """(slot, token) pairs sorted by expert: their expert ids, the sort's permutation, and each
+    local expert's group end (int32, as the grouped GEMM takes them). ``searchsorted`` on the
+    sorted ids, not ``bincount``: CUDA's bincount reads its input's max on the host (a sync)."""
     flat = top_k_index.t().reshape(-1)  # slot-major: position j * T + t
     ids, perm = torch.sort(flat, stable=True)
-    counts = torch.bincount(ids, minlength=n_local + 1)
-    return ids, perm % t, perm // t, perm, counts
+    ends = torch.searchsorted(ids, bounds, right=True, out_int32=True)
+    return ids, perm, ends
 
 
 def experts_forward(mod: nn.Module, obs: ExpertsObserver, mode: str) -> Callable:
     """The instrumented forward for ``mod`` (a fused experts module), ``mode`` eager|grouped."""
-    n_local = len(obs.ids)
     if mode not in MOE_FORWARDS:
         raise CalibrationError(f"calibrate.moe_forward: {mode!r} is not one of {MOE_FORWARDS}")
+    run = _grouped if mode == "grouped" else _eager
 
     def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         with torch.no_grad():
-            ids, token, slot, perm, counts = _route(top_k_index, n_local)
-        obs.count(counts)
-        if mode == "grouped":
-            return _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, counts)
-        return _eager(mod, obs, hidden, top_k_weights, ids, token, slot, counts)
+            ids, perm, ends = _route(top_k_index, obs.bounds(top_k_index.device))
+        obs.count(ends)
+        return run(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends)
 
     return forward
 
 
-def _eager(mod, obs, hidden, top_k_weights, ids, token, slot, counts) -> torch.Tensor:
-    n_local = len(obs.ids)
+def _eager(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> torch.Tensor:
+    n_local, t = len(obs.ids), hidden.shape[0]
+    token, slot = perm % t, perm // t
     final = torch.zeros_like(hidden)
-    sizes = counts.tolist()  # the one host sync: the group sizes
-    m = sum(sizes[:n_local])
+    cum = ends.tolist()  # the one host sync: the group sizes
+    sizes = [c - p for c, p in zip(cum, [0, *cum[:-1]], strict=True)]
+    m = cum[-1]
     x_all = hidden[token[:m]]
     if obs.gate_up.enabled:
         obs.gate_up.add(obs.gate_up.rows(x_all), ids[:m])
@@ -205,8 +219,7 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
-def _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, counts) -> torch.Tensor:
-    n_local = len(obs.ids)
+def _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> torch.Tensor:
     t, k = top_k_index.shape
     if is_quantized(mod.gate_up_proj) or is_quantized(mod.down_proj):
         raise CalibrationError(
@@ -214,24 +227,25 @@ def _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, counts) ->
             "(calibrate.weights_resident: bf16)"
         )
     token, slot = perm % t, perm // t
-    offs = torch.cumsum(counts[:n_local], 0, dtype=torch.int32)
     x_all = hidden[token]
     if obs.gate_up.enabled:
         obs.gate_up.add(obs.gate_up.rows(x_all), ids)
-    gate, up = _grouped_linear(x_all, mod.gate_up_proj, offs).chunk(2, dim=-1)
+    gate, up = _grouped_linear(x_all, mod.gate_up_proj, ends).chunk(2, dim=-1)
     h = mod.act_fn(gate) * up
-    dropped = (ids >= n_local).unsqueeze(1)  # routed to no local expert: rows the GEMM skips
     if obs.down.enabled:  # rows of no local expert (uninitialized) go to the unused last row
         obs.down.add(obs.down.rows(h), ids)
-    out = _grouped_linear(h, mod.down_proj, offs)
-    out = (out * top_k_weights[token, slot, None]).masked_fill(dropped, 0).to(hidden.dtype)
+    out = _grouped_linear(h, mod.down_proj, ends) * top_k_weights[token, slot, None]
+    if obs.partial:  # pairs routed to no local expert: rows the GEMMs skipped, uninitialized
+        out = out.masked_fill((ids >= len(obs.ids)).unsqueeze(1), 0)
+    out = out.to(hidden.dtype)
     # each token's slots added in ascending expert order, as the eager loop's index_add_ calls
+    # (one bf16 rounding per addition, so k additions: a sum in float32 would differ); the
+    # rows they take gathered in one index
     place = torch.empty_like(perm)
     place[perm] = torch.arange(perm.numel(), device=perm.device)
-    place = place.view(k, t)
     order = top_k_index.argsort(dim=1, stable=True)
-    tok = torch.arange(t, device=hidden.device)
+    picked = out[place.view(k, t).gather(0, order.t())]
     final = torch.zeros_like(hidden)
-    for j in range(k):
-        final.add_(out[place[order[:, j], tok]])
+    for row in picked.unbind(0):
+        final.add_(row)
     return final

@@ -16,6 +16,7 @@ Per-channel and per-block amaxes are tensors of their own (few, and large).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -66,6 +67,90 @@ class AmaxBank:
         """A uint8 tensor over one of the flag arrays (no copy: writes go to the bank)."""
         return torch.frombuffer(getattr(self, name), dtype=torch.uint8)
 
+    def fold_max(self, slots: list[int], new: torch.Tensor, code: int) -> None:
+        """Max ``new`` (one value per slot, exact in float32) into distinct ``slots``; an
+        absent slot takes its value and the calibrator dtype ``code``. One gather and one
+        scatter for all of them (max keeps a NaN, the store checks it after)."""
+        index = torch.tensor(slots, device=self.device)
+        present = torch.tensor([self.present[s] for s in slots], dtype=torch.bool)
+        new = new.to(device=self.device, dtype=torch.float32)
+        cur = self.values.index_select(0, index)
+        self.values.index_copy_(
+            0, index, torch.where(present.to(self.device), torch.maximum(cur, new), new)
+        )
+        for s in slots:
+            if not self.present[s]:
+                self.codes[s] = code
+                self.present[s] = 1
+
+
+class PendingAmax:
+    """Per-tensor amaxes the forward hooks took, waiting to be folded into their banks.
+
+    A hook's whole cost is one reduction kernel: ``|x|``'s max as one fused ``vector_norm``
+    (inf), kept on the device in the input's dtype (exact) and appended here. No fold into the
+    bank per call (a gather, a max and a scatter, each a kernel launch a GPU forward pays) and
+    no host sync: :meth:`fold` takes the max of every quantizer's pending values at once when
+    the store settles. Linears that read the same tensor (q/k/v, gate/up) share one reduction:
+    the last input is recognised by identity and version (an in-place change bumps it).
+    """
+
+    # pending values before a fold without settling: bounds the memory of a long run
+    LIMIT = 1 << 14
+
+    def __init__(self, store: AmaxStore) -> None:
+        self.store = store
+        self.values: list[torch.Tensor] = []
+        self.quantizers: list[TensorQuantizer] = []
+        self.last: tuple = (None, -1, None)  # (weak reference to the input, version, amax)
+
+    def add(self, q: TensorQuantizer, x: torch.Tensor) -> None:
+        ref, version, a = self.last
+        if ref is None or ref() is not x or x._version != version:
+            t = x.detach() if x.requires_grad else x
+            # one kernel, no |x| temporary; exact (a max) and keeps a NaN, as amax does
+            a = torch.linalg.vector_norm(t, float("inf")) if t.numel() else t.new_zeros(())
+            self.last = (weakref.ref(x), x._version, a)
+        if not self.quantizers:
+            self.store.defer(self.fold)
+            self.store.unchecked = True
+        self.values.append(a)
+        self.quantizers.append(q)
+        if len(self.quantizers) >= self.LIMIT:
+            self.fold()
+
+    def fold(self) -> None:
+        """Each quantizer's pending values maxed (one ``amax`` over a padded gather), rounded
+        to its calibrator dtype as :meth:`TensorQuantizer.reduce` rounds (rounding is monotone,
+        so rounding the max equals the max of the rounded) and folded into its bank."""
+        qs, vals = self.quantizers, self.values
+        self.quantizers, self.values, self.last = [], [], (None, -1, None)
+        if not qs:
+            return
+        rows: dict[int, list[int]] = {}
+        uniq: list[TensorQuantizer] = []
+        for i, q in enumerate(qs):
+            if id(q) not in rows:
+                rows[id(q)] = []
+                uniq.append(q)
+            rows[id(q)].append(i)
+        dtype = vals[0].dtype
+        for v in vals:
+            dtype = torch.promote_types(dtype, v.dtype)
+        flat = torch.stack([v.to(dtype) for v in vals])
+        flat = torch.cat([flat, flat.new_full((1,), float("-inf"))])  # the padding
+        width = max(len(r) for r in rows.values())
+        index = [r + [len(vals)] * (width - len(r)) for r in (rows[id(q)] for q in uniq)]
+        m = flat[torch.tensor(index, device=flat.device)].amax(dim=1)
+        groups: dict[tuple, list[int]] = {}
+        for j, q in enumerate(uniq):
+            groups.setdefault((id(q.bank), q.calib_dtype), []).append(j)
+        for js in groups.values():
+            first = uniq[js[0]]
+            sel = m[torch.tensor(js, device=m.device)] if len(js) < len(uniq) else m
+            sel = sel.to(first.calib_dtype)
+            first.bank.fold_max([uniq[j].slot for j in js], sel, DTYPE_CODE[first.calib_dtype])
+
 
 class AmaxStore:
     """The owner of a set of quantizers' amaxes, and of what a sync may cache about them.
@@ -93,6 +178,7 @@ class AmaxStore:
         self.unchecked = False
         self.dirty = False
         self.members: list[TensorQuantizer] = []
+        self.hooks = PendingAmax(self)
 
     def scalar_slot(self, device: torch.device) -> tuple[AmaxBank, int]:
         bank = self.banks.get(device)
@@ -246,6 +332,8 @@ class TensorQuantizer(nn.Module):
 
     @amax.setter
     def amax(self, value: torch.Tensor | None) -> None:
+        if self.store.dirty:  # what the forwards deferred comes first, then this value
+            self.store.settle()
         if value is not None and tuple(value.shape) != self.amax_shape:
             raise ValueError(
                 f"{self.key}: amax of shape {tuple(value.shape)}, expected {self.amax_shape}"
@@ -347,6 +435,16 @@ class TensorQuantizer(nn.Module):
         """
         if self.enabled:
             self.fold(self.reduce(x), check=check)
+
+    def observe(self, x: torch.Tensor) -> None:
+        """A forward hook's :meth:`collect` without a check: per-tensor amaxes wait, on the
+        device, for the store's settle (:class:`PendingAmax`), the others fold now."""
+        if not self.__dict__["_enabled"]:
+            return
+        if self.bank is not None:
+            self.store.hooks.add(self, x)
+        else:
+            self.fold(self.reduce(x), check=False)
 
     def fold(self, a: torch.Tensor, *, check: bool = True) -> None:
         """Fold an already reduced amax ``a`` (``calib_dtype``, ``amax_shape``) into the max."""

@@ -209,8 +209,10 @@ def fp8_quantize(
     out = torch.empty((rows, cols), dtype=FP8, device=w.device)
     b0, b1 = block
     # on w's device: a CPU 0-d divisor would make CUDA torch multiply by its reciprocal instead
-    # of dividing (one ulp off for many values), and the GPU result would differ from the CPU's
-    scale = scale.to(device=w.device, dtype=torch.float32)
+    # of dividing (one ulp off for many values), and the GPU result would differ from the CPU's;
+    # non-blocking: a blocking copy waits for every kernel queued before it (a CPU source's
+    # bytes are staged by the time the call returns)
+    scale = scale.to(device=w.device, dtype=torch.float32, non_blocking=True)
     buf = torch.empty(0, dtype=torch.float32, device=w.device)
     for r0, r1 in _row_chunks(rows, cols, b0 if granularity == "block" else 1):
         n = r1 - r0
@@ -616,13 +618,44 @@ def share_moe_amax(
 WEIGHT_AMAX_RTOL = 0.0625
 
 
-def check_source_weight(module: str, w: torch.Tensor, weight_amax: torch.Tensor) -> None:
-    """Refuse a non-finite weight, or one larger than its calibrated amax (see above).
+def _per_row(w: torch.Tensor, weight_amax: torch.Tensor) -> bool:
+    rows = w.shape[0]
+    return rows > 1 and weight_amax.numel() == rows and weight_amax.shape[0] == rows
+
+
+def check_source_weight(module: str, w: torch.Tensor, weight_amax: torch.Tensor) -> torch.Tensor:
+    """The source-weight guard's verdict on ``w``, left on its device: a 0-d bool tensor, True
+    when :func:`refuse_source_weight` refuses ``w`` (a non-finite value, or a row or the whole
+    tensor over its calibrated amax). Nothing here waits for the device (no ``bool`` of a device
+    tensor, a non-blocking amax copy): the export looks at the verdicts of a batch of tensors
+    with the one synchronisation that brings their outputs back (each such wait cost ~1 ms per
+    3 MB expert weight on an H200), and asks :func:`refuse_source_weight` for the message of
+    the first refused one. ``module`` names it for a caller's spy; the verdict needs no name.
 
     One pass in row chunks (no full-size temporary); per row when the amax is per channel.
     """
+    del module
     rows, cols = w.shape
-    per_row = rows > 1 and weight_amax.numel() == rows and weight_amax.shape[0] == rows
+    cal = weight_amax.detach().to(device=w.device, dtype=torch.float32, non_blocking=True)
+    per_row = _per_row(w, weight_amax)
+    # refuse_source_weight's comparisons exactly (a NaN limit refuses nothing there either)
+    limit = (cal.reshape(-1) if per_row else cal.max()) * (1 + WEIGHT_AMAX_RTOL)
+    bad = None
+    for r0, r1 in _row_chunks(rows, cols):
+        part = w[r0:r1].abs().amax(dim=1).to(torch.float32)
+        chunk = (part > (limit[r0:r1] if per_row else limit)).logical_or_(~torch.isfinite(part))
+        bad = chunk.any() if bad is None else bad.logical_or_(chunk.any())
+    if bad is None:  # no rows: refuse_source_weight compares its zero maximum with the limit
+        bad = (limit < 0).any()
+    return bad
+
+
+def refuse_source_weight(module: str, w: torch.Tensor, weight_amax: torch.Tensor) -> None:
+    """Refuse a non-finite weight, or one larger than its calibrated amax (see above), with a
+    one-line ExportError naming the first bad row; waits for the device several times, so the
+    export calls it only on a tensor whose verdict (:func:`check_source_weight`) was True."""
+    rows, cols = w.shape
+    per_row = _per_row(w, weight_amax)
     got = torch.empty(rows if per_row else 0, dtype=torch.float32, device=w.device)
     top = torch.zeros((), dtype=torch.float32, device=w.device)
     for r0, r1 in _row_chunks(rows, cols):

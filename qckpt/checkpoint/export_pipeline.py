@@ -16,10 +16,14 @@ One rank writes its share (:func:`write_share`) in three stages:
   takes its host bytes from a :class:`HostBudget` (the stored value plus every output made from
   it), then hands the read to a small pool (``readers`` threads; one for a DCP source, whose
   reader is not thread-safe). Results are consumed in order.
-* **quantize**: the calling thread moves each source tensor to ``device`` (a GPU when there is
-  one: one host-to-device copy, after which its host bytes are given back), checks it against
-  its calibrated amax (the source-weight guard), quantizes it with the layout and copies the
-  outputs back to the host.
+* **quantize**: a pool of threads (one on the CPU; on a GPU four, each on its own CUDA stream)
+  moves each source tensor to ``device`` (a GPU when there is one: one host-to-device copy,
+  after which its host bytes are given back), checks it against its calibrated amax (the
+  source-weight guard) and quantizes it with the layout. On a GPU consecutive small items are
+  one job (:meth:`_Pipeline._batch`, up to ``BATCH_BYTES``), nothing waits for the device per
+  tensor (the guard's verdicts stay on the device), and the job's outputs and verdicts come
+  back into one pinned host block with one wait for the stream; then a refused tensor raises
+  the guard's one-line error, or the outputs go to the writers.
 * **write**: a pool of ``writers`` threads writes each output at its planned offset in its
   file (:class:`~qckpt.checkpoint.safetensors_io.ShardFile`, ``pwrite``), so several files (and
   several tensors of one file) are written at once; each write gives its bytes back.
@@ -37,6 +41,7 @@ from __future__ import annotations
 import bisect
 import collections
 import concurrent.futures as cf
+import contextlib
 import contextvars
 import itertools
 import math
@@ -51,7 +56,7 @@ from typing import Any
 import torch
 
 from qckpt import phases
-from qckpt.checkpoint.export_layouts import check_source_weight
+from qckpt.checkpoint.export_layouts import check_source_weight, refuse_source_weight
 from qckpt.checkpoint.export_plan import ExportPlan, _Group
 from qckpt.checkpoint.safetensors_io import ShardFile, create_shard_file, itemsize
 from qckpt.checkpoint.sources import Entry
@@ -62,6 +67,12 @@ MiB = 2**20
 # what the export may hold on the host beyond its tensors in flight (kernel chunk temporaries,
 # allocator slack): the "+ 256 MiB" of the documented bound
 HOST_SLACK_BYTES = 256 * MiB
+# a GPU quantize job takes consecutive small items up to this many bytes (read plus written)
+# together: a 3 MB expert weight cost ~5 ms of launches, copies and waits on its own, so their
+# Python work, launches and the one wait for their outputs are paid per batch
+BATCH_BYTES = 32 * MiB
+# offsets of the outputs in a batch's pinned host block: every dtype's alignment
+_ALIGN = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,6 +411,7 @@ class _Pipeline:
         self.ready: queue.Queue = queue.Queue()
         self.pending: list[cf.Future] = []  # writes
         self.jobs: list[cf.Future] = []  # quantize jobs
+        self.back: list = []  # a queued entry taken by _batch that did not fit its batch
         self.finished: collections.deque[str] = collections.deque()
         self.lock = threading.Lock()
         self.done = 0
@@ -454,8 +466,12 @@ class _Pipeline:
             self.pending.append(self.write_pool.submit(self._write, *args))
 
     # -- quantize ------------------------------------------------------------------------------
-    def _outputs(self, it: _Item, box: list) -> Iterator[tuple[int, str, torch.Tensor, bool]]:
-        """(file, name, output tensor, is a view of the source) of every group of ``it``."""
+    def _outputs(
+        self, it: _Item, box: list, checks: list
+    ) -> Iterator[tuple[int, str, torch.Tensor, bool]]:
+        """(file, name, output tensor, is a view of the source) of every group of ``it``; the
+        source-weight guard's verdicts go to ``checks`` (looked at by :meth:`_settle`, with the
+        source view the message is made from)."""
         plan = self.plan
         if it.entry is None:  # the KV scales: from the calibration file only
             for a in plan.attn_modules:
@@ -470,7 +486,8 @@ class _Pipeline:
             if g.module is None:
                 yield f, g.entry.name, v.to(g.specs[0].dtype), _aliases(g)
                 continue
-            check_source_weight(g.module, v, plan.cal_amax[f"{g.module}.weight_amax"])
+            cal = plan.cal_amax[f"{g.module}.weight_amax"]
+            checks.append((g.module, v, cal, check_source_weight(g.module, v, cal)))
             for name, q in plan.layout.quantize_linear(g.module, v, plan.amax):
                 yield f, name, q, False
             del v
@@ -486,22 +503,22 @@ class _Pipeline:
             self.streams.s = torch.cuda.Stream(self.device)
         return torch.cuda.stream(self.streams.s)
 
-    def _job(self, it: _Item, fut: cf.Future) -> None:
-        """One item on a quantize thread (its own stream on a GPU)."""
-        box = fut.result()
-        del fut
-        if self._on_device(it):
-            cost = it.host_bytes + it.out_bytes
+    def _job(self, batch: list[tuple[_Item, cf.Future]]) -> None:
+        """One quantize job: one item, or consecutive small items that all go to the device
+        (:meth:`_batch`), on this thread's own CUDA stream there."""
+        on_dev = self._on_device(batch[0][0])
+        cost = sum(it.host_bytes + it.out_bytes for it, _ in batch) if on_dev else 0
+        if on_dev:
             self.dev_budget.take(cost)
-            try:
-                with self._stream():
-                    self._process(it, box)
-            finally:
+        try:
+            with (self._stream() if on_dev else None) or contextlib.nullcontext():
+                self._process(batch)
+        finally:
+            if on_dev:
                 self.dev_budget.give(cost)
-        else:
-            self._process(it, box)
-        if it.entry is not None:
-            self.finished.append(it.entry.name)  # reported by the calling thread
+        for it, _ in batch:
+            if it.entry is not None:
+                self.finished.append(it.entry.name)  # reported by the calling thread
 
     def _report(self, progress: ProgressFn | None, n: int) -> None:
         """Progress of the items finished so far, from the calling thread (a callback that
@@ -512,30 +529,87 @@ class _Pipeline:
             if progress is not None:
                 progress(self.done, n, name)
 
-    def _process(self, it: _Item, box: list) -> None:
+    def _process(self, batch: list[tuple[_Item, cf.Future]]) -> None:
+        """Quantize a job's items; then, after one wait for the device (:meth:`_to_host`), look
+        at their source-weight verdicts and hand their outputs to the writers."""
         t0 = time.perf_counter()
-        hold = _Hold(self.budget, it.host_bytes)
-        if self._on_device(it):
-            box.append(box.pop().to(self.device))  # one copy; the host tensor is dropped here
-            hold.unref()
-            hold = None
-        out_left = it.out_bytes
-        for f, name, q, alias in self._outputs(it, box):
-            if q.device.type != "cpu":
-                q = q.cpu()
-            if alias:
-                hold.ref()
-            give = 0 if alias else min(q.nbytes, out_left)
-            out_left -= give
-            self._busy(time.perf_counter() - t0)
-            self._submit(self.out[f], name, q, give, hold if alias else None)
-            del q
-            t0 = time.perf_counter()
-        self.budget.give(out_left)  # reserved, never written (nothing, unless the plan was off)
-        if hold is not None:
-            hold.unref()
+        staged: list[tuple[_Item, _Hold | None, list]] = []
+        checks: list = []
+        for it, fut in batch:
+            box = fut.result()
+            hold: _Hold | None = _Hold(self.budget, it.host_bytes)
+            if self._on_device(it):
+                # from pageable memory the copy has taken the bytes when it returns (the
+                # driver stages them), so the host tensor goes now, without a wait
+                box.append(box.pop().to(self.device, non_blocking=True))
+                hold.unref()
+                hold = None
+            staged.append((it, hold, list(self._outputs(it, box, checks))))
+            del box
+        verdicts, block = self._to_host(staged, checks, self._on_device(batch[0][0]))
+        for (module, v, cal, _), bad in zip(checks, verdicts, strict=True):
+            if bad:  # the one-line message of the first refused tensor, made on it alone
+                refuse_source_weight(module, v, cal)
+                raise AssertionError(f"{module}: the source-weight verdict and its check differ")
+        checks.clear()
+        self._hand_over(staged, block)
         self._busy(time.perf_counter() - t0)
         self.sampler.sample()
+
+    def _to_host(self, staged: list, checks: list, on_dev: bool) -> tuple[list[bool], int]:
+        """The guard's verdicts of a job, as booleans. A job on the device: its outputs and
+        verdicts copied into one host block (pinned on a GPU: the copies queue on this
+        thread's stream without waiting) and one wait for the stream, where a wait per output
+        and per check was most of a small tensor's time; ``staged``'s outputs are replaced by
+        their views into the block, in place. Returns the verdicts and the block's output bytes
+        (0: no block)."""
+        if not on_dev:  # on the CPU a tensor's value is there already: nothing to wait for
+            return [bool(c[3]) for c in checks], 0
+        outs = [o for _, _, os_ in staged for o in os_]
+        tensors = [o[2] for o in outs]
+        tensors.append(
+            torch.stack([c[3] for c in checks]) if checks else torch.zeros(0, dtype=bool)
+        )
+        sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]  # every dtype's alignment
+        offsets = list(itertools.accumulate(sizes, initial=0))
+        block = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        host = []
+        for t, off in zip(tensors, offsets, strict=False):
+            h = block[off : off + t.nbytes].view(t.dtype).view(t.shape)
+            h.copy_(t, non_blocking=True)
+            host.append(h)
+        del tensors, block
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        views = iter(host)
+        for _, _, os_ in staged:
+            os_[:] = [(f, name, next(views), "block") for f, name, _, _ in os_]
+        return host[-1].tolist(), sum(h.nbytes for h in host[:-1])
+
+    def _hand_over(self, staged: list, block_bytes: int) -> None:
+        """Submit every output's write; each gives back its reserved host bytes when written
+        (a pass-through's source and the pinned block when their last write is done)."""
+        out_left = sum(it.out_bytes for it, _, _ in staged)
+        block = None
+        if block_bytes:
+            block = _Hold(self.budget, min(block_bytes, out_left))
+            out_left -= block.nbytes
+        for _, hold, outs in staged:
+            for f, name, q, how in outs:
+                owner = hold if how is True else block if how == "block" else None
+                give = 0
+                if owner is not None:
+                    owner.ref()
+                else:
+                    give = min(q.nbytes, out_left)
+                    out_left -= give
+                self._submit(self.out[f], name, q, give, owner)
+            outs.clear()
+            if hold is not None:
+                hold.unref()
+        if block is not None:
+            block.unref()
+        self.budget.give(out_left)  # reserved, never written (nothing, unless the plan was off)
 
     def _busy(self, seconds: float) -> None:
         with self.lock:
@@ -552,14 +626,14 @@ class _Pipeline:
             while (got := self._next_ready()) is not None:
                 if isinstance(got, BaseException):
                     raise got
-                it, fut = got
+                batch = self._batch(got)
                 del got
                 if should_stop is not None:
                     should_stop()
                 self._report(progress, n)
                 self.jobs = _unfinished(self.jobs)  # raises a failed job's error
-                self.jobs.append(self.quant_pool.submit(_in_context(), self._job, it, fut))
-                del fut
+                self.jobs.append(self.quant_pool.submit(_in_context(), self._job, batch))
+                del batch
             while self.jobs:
                 cf.wait(self.jobs, timeout=0.1, return_when=cf.FIRST_COMPLETED)
                 self.jobs = _unfinished(self.jobs)
@@ -583,11 +657,36 @@ class _Pipeline:
         never gives its bytes back, so the feeder may wait on the budget for ever (measured: a
         rank whose share held no embedding, a weight failing its amax guard followed by one as
         large, hung until the test harness gave up)."""
+        if self.back:
+            return self.back.pop()
         while True:
             try:
                 return self.ready.get(timeout=0.05)
             except queue.Empty:
                 self.jobs = _unfinished(self.jobs)  # raises a failed job's error
+
+    def _batch(self, first: tuple[_Item, cf.Future]) -> list[tuple[_Item, cf.Future]]:
+        """``first`` and the items queued right behind it, while all go to the device and
+        their bytes stay within ``BATCH_BYTES`` and half the device budget (two jobs on the
+        device at once: one launches while the other waits); the first that does not fit is
+        put back. Only items already queued: a batch never waits for a read to start."""
+        batch = [first]
+        if not self._on_device(first[0]):
+            return batch
+        limit = min(BATCH_BYTES, self.dev_budget.cap // 2)
+        size = first[0].host_bytes + first[0].out_bytes
+        while size < limit:
+            try:
+                got = self.ready.get_nowait()
+            except queue.Empty:
+                break
+            cost = 0 if not isinstance(got, tuple) else got[0].host_bytes + got[0].out_bytes
+            if not isinstance(got, tuple) or not self._on_device(got[0]) or size + cost > limit:
+                self.back.append(got)  # the end, an error or another kind of item: next
+                break
+            batch.append(got)
+            size += cost
+        return batch
 
     def _shutdown(self, feeder: threading.Thread) -> None:
         self.budget.stop()
@@ -602,6 +701,9 @@ class _Pipeline:
         self.write_pool.shutdown(wait=True, cancel_futures=True)
         for f in self.out.values():
             f.abort()
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if self.device.type == "cuda" and empty is not None:
+            empty()  # the pinned blocks torch keeps for reuse: host memory the export is done with
 
 
 def _in_context() -> Callable[..., Any]:

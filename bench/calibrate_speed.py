@@ -241,7 +241,7 @@ class _OpCounter:
 
 def _op_counts(model, batch, variant: str) -> tuple[dict, dict]:
     """aten ops (by name) and host syncs of one forward of ``variant``, and of the settle that
-    follows it (instrumented variants)."""
+    follows it (instrumented variants; a calibration settles once, here after two forwards)."""
     import torch
 
     from qckpt.calib.instrument import insert_quantizers, remove_quantizers, settle
@@ -254,9 +254,8 @@ def _op_counts(model, batch, variant: str) -> tuple[dict, dict]:
     out = {}
     try:
         with torch.no_grad():
-            model(input_ids=batch, use_cache=False)  # warm-up: lazy state made once
-            if kind == "instr":
-                settle(model)
+            # warm-up: the accumulators a calibration makes once (until it settles) are made
+            model(input_ids=batch, use_cache=False)
             for phase in ("forward", "settle"):
                 with _OpCounter() as c:
                     if phase == "forward":

@@ -113,7 +113,7 @@ class ExpertsObserver:
         self.down = SegmentedAmax([[q["down"]] for q in input_q])
         self.tokens, self.ids = tokens, ids
         self.partial = len(ids) < len(tokens)
-        self.ends: torch.Tensor | None = None  # summed group ends (cumulative counts)
+        self.ends: list[torch.Tensor] = []  # each forward's group ends (cumulative counts)
         self.store = input_q[0]["gate"].store
         self._bounds: torch.Tensor | None = None
 
@@ -125,17 +125,22 @@ class ExpertsObserver:
         return b
 
     def count(self, ends: torch.Tensor) -> None:
-        # group ends are cumulative counts; their sum is the cumulative sum of the counts
-        if self.ends is None:
-            self.ends = torch.zeros(ends.shape, dtype=torch.int64, device=ends.device)
+        """Keep a forward's group ends: summed when settled, not an addition per forward."""
+        if not self.ends:
             self.store.defer(self.settle)
-        self.ends += ends
+        self.ends.append(ends)
+        if len(self.ends) >= 1024:  # bounds the memory of a long run: one tensor kept
+            self.ends = [self._summed()]
+
+    def _summed(self) -> torch.Tensor:
+        # group ends are cumulative counts; their sum is the cumulative sum of the counts
+        return torch.stack(self.ends).sum(dim=0, dtype=torch.int64)
 
     def settle(self) -> None:
-        ends, self.ends = self.ends, None
-        if ends is None:
+        if not self.ends:
             return
-        cum = ends.tolist()
+        cum = self._summed().tolist()
+        self.ends = []
         per_row = [c - p for c, p in zip(cum, [0, *cum[:-1]], strict=True)]
         hot = [r for r, n in enumerate(per_row) if n]
         for r in hot:
@@ -239,12 +244,12 @@ def _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> t
         out = out.masked_fill((ids >= len(obs.ids)).unsqueeze(1), 0)
     out = out.to(hidden.dtype)
     # each token's slots added in ascending expert order, as the eager loop's index_add_ calls
-    # (one bf16 rounding per addition, so k additions: a sum in float32 would differ); the
-    # rows they take gathered in one index
-    place = torch.empty_like(perm)
-    place[perm] = torch.arange(perm.numel(), device=perm.device)
-    order = top_k_index.argsort(dim=1, stable=True)
-    picked = out[place.view(k, t).gather(0, order.t())]
+    # (one rounding per addition, so k additions: a sum in float32 would differ). The rows are
+    # sorted by expert, so a stable sort by token lists each token's rows in that order (pairs
+    # of no local expert last, by slot, as the eager loop's sentinel ids tie): one sort and
+    # one gather for all of them
+    _, rows = torch.sort(token, stable=True)
+    picked = out[rows.view(t, k).t()]
     final = torch.zeros_like(hidden)
     for row in picked.unbind(0):
         final.add_(row)

@@ -120,36 +120,43 @@ class PendingAmax:
             self.fold()
 
     def fold(self) -> None:
-        """Each quantizer's pending values maxed (one ``amax`` over a padded gather), rounded
-        to its calibrator dtype as :meth:`TensorQuantizer.reduce` rounds (rounding is monotone,
-        so rounding the max equals the max of the rounded) and folded into its bank."""
+        """Fold every pending value in (its device's values apart: one stack per device)."""
         qs, vals = self.quantizers, self.values
         self.quantizers, self.values, self.last = [], [], (None, -1, None)
-        if not qs:
-            return
-        rows: dict[int, list[int]] = {}
-        uniq: list[TensorQuantizer] = []
-        for i, q in enumerate(qs):
-            if id(q) not in rows:
-                rows[id(q)] = []
-                uniq.append(q)
-            rows[id(q)].append(i)
-        dtype = vals[0].dtype
-        for v in vals:
-            dtype = torch.promote_types(dtype, v.dtype)
-        flat = torch.stack([v.to(dtype) for v in vals])
-        flat = torch.cat([flat, flat.new_full((1,), float("-inf"))])  # the padding
-        width = max(len(r) for r in rows.values())
-        index = [r + [len(vals)] * (width - len(r)) for r in (rows[id(q)] for q in uniq)]
-        m = flat[torch.tensor(index, device=flat.device)].amax(dim=1)
-        groups: dict[tuple, list[int]] = {}
-        for j, q in enumerate(uniq):
-            groups.setdefault((id(q.bank), q.calib_dtype), []).append(j)
-        for js in groups.values():
-            first = uniq[js[0]]
-            sel = m[torch.tensor(js, device=m.device)] if len(js) < len(uniq) else m
-            sel = sel.to(first.calib_dtype)
-            first.bank.fold_max([uniq[j].slot for j in js], sel, DTYPE_CODE[first.calib_dtype])
+        by_device: dict[torch.device, list[int]] = {}
+        for i, v in enumerate(vals):
+            by_device.setdefault(v.device, []).append(i)
+        for ix in by_device.values():
+            _fold_pending([qs[i] for i in ix], [vals[i] for i in ix])
+
+
+def _fold_pending(qs: list[TensorQuantizer], vals: list[torch.Tensor]) -> None:
+    """Each quantizer's pending values (on one device) maxed (one ``amax`` over a padded
+    gather), rounded to its calibrator dtype as :meth:`TensorQuantizer.reduce` rounds (rounding
+    is monotone: rounding the max equals the max of the rounded) and folded into its bank."""
+    rows: dict[int, list[int]] = {}
+    uniq: list[TensorQuantizer] = []
+    for i, q in enumerate(qs):
+        if id(q) not in rows:
+            rows[id(q)] = []
+            uniq.append(q)
+        rows[id(q)].append(i)
+    dtype = vals[0].dtype
+    for v in vals:
+        dtype = torch.promote_types(dtype, v.dtype)
+    flat = torch.stack([v.to(dtype) for v in vals])
+    flat = torch.cat([flat, flat.new_full((1,), float("-inf"))])  # the padding
+    width = max(len(r) for r in rows.values())
+    index = [r + [len(vals)] * (width - len(r)) for r in (rows[id(q)] for q in uniq)]
+    m = flat[torch.tensor(index, device=flat.device)].amax(dim=1)
+    groups: dict[tuple, list[int]] = {}
+    for j, q in enumerate(uniq):
+        groups.setdefault((id(q.bank), q.calib_dtype), []).append(j)
+    for js in groups.values():
+        first = uniq[js[0]]
+        sel = m[torch.tensor(js, device=m.device)] if len(js) < len(uniq) else m
+        sel = sel.to(first.calib_dtype)
+        first.bank.fold_max([uniq[j].slot for j in js], sel, DTYPE_CODE[first.calib_dtype])
 
 
 class AmaxStore:

@@ -103,3 +103,30 @@ def test_setting_an_amax_comes_after_what_the_hooks_deferred():
     b.observe(torch.tensor([1.0, float("inf"), 0.0, 0.0]))
     with pytest.raises(CalibrationError, match=r"^b: non-finite input"):
         b.amax  # noqa: B018 - reading settles
+
+
+def test_deferred_hook_amaxes_equal_collect_bit_for_bit():
+    # what observe() defers and folds at settle is what collect() folds at once: values and
+    # dtypes, over mixed input and calibrator dtypes, repeated, shared and empty inputs
+    g = torch.Generator().manual_seed(3)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    stores = AmaxStore(), AmaxStore()
+    made = [
+        [TensorQuantizer(f"m{i}", "input", shape=(8,), store=s, calib_dtype=dtypes[i % 3])
+         for i in range(6)]
+        for s in stores
+    ]  # fmt: skip
+    for step in range(40):
+        x = (torch.randn(3, 8, generator=g, dtype=torch.float64) * 1e3).to(dtypes[step % 3])
+        if step == 7:
+            x = x[:0]  # an empty input: amax 0
+        for i in torch.randint(0, 6, (3,), generator=g).tolist():
+            made[0][i].collect(x, check=False)
+            made[1][i].observe(x)
+    for eager, deferred in zip(*made, strict=True):
+        a, b = eager.amax, deferred.amax
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+            # the bank's float32 value too (the sync packs it as it is)
+            assert torch.equal(eager.bank.values[eager.slot], deferred.bank.values[deferred.slot])

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from qckpt.calib.moe_combine import combine
 from qckpt.calib.quantizer import DTYPE_CODE, TensorQuantizer
 from qckpt.errors import CalibrationError
 from qckpt.formats.tensor import is_quantized, select_dequantized
@@ -244,13 +245,8 @@ def _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> t
         out = out.masked_fill((ids >= len(obs.ids)).unsqueeze(1), 0)
     out = out.to(hidden.dtype)
     # each token's slots added in ascending expert order, as the eager loop's index_add_ calls
-    # (one rounding per addition, so k additions: a sum in float32 would differ). The rows are
-    # sorted by expert, so a stable sort by token lists each token's rows in that order (pairs
-    # of no local expert last, by slot, as the eager loop's sentinel ids tie): one sort and
-    # one gather for all of them
+    # (moe_combine: one rounding per addition). The rows are sorted by expert, so a stable sort
+    # by token lists each token's rows in that order (pairs of no local expert last, by slot,
+    # as the eager loop's sentinel ids tie)
     _, rows = torch.sort(token, stable=True)
-    picked = out[rows.view(t, k).t()]
-    final = torch.zeros_like(hidden)
-    for row in picked.unbind(0):
-        final.add_(row)
-    return final
+    return combine(out, rows, k)

@@ -6,6 +6,13 @@ are (a per-expert Python loop or hook adds one op or more per expert), and no ho
 counts come from a dispatch mode on CPU: the same ops a GPU forward launches.
 """
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -130,3 +137,19 @@ def test_deferred_hook_amaxes_equal_collect_bit_for_bit():
             assert a.dtype == b.dtype and torch.equal(a, b)
             # the bank's float32 value too (the sync packs it as it is)
             assert torch.equal(eager.bank.values[eager.slot], deferred.bank.values[deferred.slot])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_triton_combine_adds_as_the_torch_loop_bit_for_bit_in_the_interpreter():
+    # the kernel the grouped forward uses on CUDA, run by Triton's CPU interpreter (chosen when
+    # triton is imported: a subprocess), against the torch loop; -0, subnormals, inf, NaN, and
+    # sums that overflow included
+    script = Path(__file__).with_name("_combine_interpret_check.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(out) == 9
+    assert all(n == 0 for n in out.values()), out

@@ -51,6 +51,7 @@ STEPS=(
   offload_48l:540
   fastread_tests:240
   load_bench:480
+  calib_tests:240
   calib_speed:300
   calib_dp:540
   export_tests:300
@@ -261,6 +262,10 @@ step_offload_48l() {
 # vs instrumented (calibrate.moe_forward eager and grouped) forwards of the 48-layer shape built
 # from its config (random weights, no checkpoint read), tokens/s and ratios, and the amaxes of
 # the grouped run against the eager one (bit-identical or the measured difference)
+# the grouped forward's Triton combine against torch's ordered additions, bit for bit
+step_calib_tests() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_moe_combine_gpu.py
+}
 step_calib_speed() {
   CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.calibrate_speed forward --preset qwen3-30b-a3b \
     --device cuda --batches 8 --batch-size 4 --seq-len 512 --json "$RES/calib_speed.json"

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's)")
     ap.add_argument("--count", action="store_true", help="count host reads (slows every op)")
     a = ap.parse_args(argv)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="export-items-"))
@@ -81,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             made = make_checkpoint(work, a.size_gb, a.hidden, a.intermediate, 1000)
         a.src, a.calib = str(work / "src"), str(work / "calib.safetensors")
         del made
+    import torch
+
     from qckpt.pipeline.export import export
+
+    if a.threads:  # 1: steadier figures on a shared machine (no spinning of idle op threads)
+        torch.set_num_threads(a.threads)
     from qckpt.recipe import recipe_from_dict
 
     counts = {"scalar_reads": 0}

@@ -124,8 +124,10 @@ class CheckpointSource(ABC):
     def _list(self) -> list[Entry]: ...
 
     @abstractmethod
-    def read(self, entry: Entry) -> torch.Tensor:
-        """One entry's whole value as a fresh CPU tensor of ``entry.dtype`` and shape."""
+    def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
+        """One entry's whole value as a fresh CPU tensor of ``entry.dtype`` and shape; with
+        ``pinned``, in page-locked memory where the stored bytes are the value (a GPU then
+        copies it without a CPU copy through the driver's staging buffer); else ignored."""
 
     def iter_tensors(
         self, entries: Iterable[Entry] | None = None
@@ -230,10 +232,10 @@ class SafetensorsSource(CheckpointSource):
                 out.append(e)
         return out
 
-    def read(self, entry: Entry) -> torch.Tensor:
+    def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
         if entry.scales or (entry.stored and entry.stored != entry.dtype):
             return self._dequantize(entry)
-        return self._read_stored(entry)
+        return self._read_stored(entry, pinned)
 
     def _dequantize(self, entry: Entry) -> torch.Tensor:
         import torch
@@ -249,11 +251,11 @@ class SafetensorsSource(CheckpointSource):
 
         return dequantize(w, fetch, torch.float32)
 
-    def _read_stored(self, entry: Entry) -> torch.Tensor:
+    def _read_stored(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
         import torch
 
         begin, end = entry.loc
-        buf = torch.empty(end - begin, dtype=torch.uint8)
+        buf = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pinned)
         with stio.open_regular(entry.file) as f:
             f.seek(begin)
             got = f.readinto(memoryview(buf.numpy()))
@@ -327,7 +329,8 @@ class DCPSource(CheckpointSource):
         entries.sort(key=lambda e: first.get(e.name, ("", 0)))
         return entries
 
-    def read(self, entry: Entry) -> torch.Tensor:
+    def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
+        del pinned  # one thread reads a DCP source: its reads, not a staging copy, bound it
         import torch
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner

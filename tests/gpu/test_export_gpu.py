@@ -129,3 +129,83 @@ def test_gpu_export_of_real_sizes_equals_cpu(root, case):
     assert sorted(one) == sorted(other)
     for f in one:
         assert one[f] == other[f], f
+
+
+def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
+    """A GPU export of the tiny MoE with CUDA's sync debug mode on: (the waits for the device
+    made by the quantize threads, the quantize jobs and the items they held)."""
+    import threading
+    import warnings
+
+    import qckpt.checkpoint.export_pipeline as pipe
+
+    case = ("compressed-tensors", {}, "tiny-moe", "hf")
+    waits: list[str] = []
+    jobs: list[int] = []
+    real = pipe._Pipeline._process
+
+    def process(self, batch):
+        jobs.append(len(batch))
+        return real(self, batch)
+
+    def show(message, *a, **k):
+        if threading.current_thread().name.startswith("qckpt-quantize"):
+            if "synchronizing" in str(message):
+                waits.append(str(message))
+
+    pipe._Pipeline._process = process
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            _export(case, src, cal, out, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        pipe._Pipeline._process = real
+    return waits, jobs
+
+
+def test_gpu_export_waits_for_the_device_once_per_quantize_job(root):
+    """The per-tensor waits (the source-weight guard's host reads, a blocking copy per output)
+    were most of a small tensor's time: a quantize job (one or several consecutive items)
+    now waits once, for all its outputs and guard verdicts together."""
+    from tests.unit._export_fixtures import quant_config, saved_model, write_calibration
+
+    model, hf_dir = saved_model(root, "tiny-moe")
+    cal = write_calibration(root, model, quant_config(), "cal-waits.safetensors")
+    waits, jobs = _moe_export_counting_waits(root, hf_dir, cal, root / "waits-gpu")
+    assert jobs and len(waits) <= len(jobs), (len(waits), len(jobs), waits[:3])
+    print(f"{sum(jobs)} items in {len(jobs)} jobs, {len(waits)} waits")
+
+
+def test_gpu_export_refuses_a_bad_weight_with_the_cpu_exports_message(root):
+    from safetensors.torch import load_file, save_file
+
+    from qckpt.errors import ExportError
+    from tests.unit._export_fixtures import quant_config, saved_model, write_calibration
+
+    model, hf_dir = saved_model(root, "tiny-moe")
+    cal = write_calibration(root, model, quant_config(), "cal-refuse.safetensors")
+    bad = root / "tiny-moe-bad"
+    bad.mkdir(exist_ok=True)
+    for p in hf_dir.iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    files = sorted(bad.glob("*.safetensors"))
+    sd = load_file(str(files[0]))
+    name = next(n for n in sd if n.endswith("experts.1.down_proj.weight"))
+    sd[name][2].mul_(5.0)
+    sd[name][0, 0] = float("nan")
+    save_file(sd, str(files[0]), metadata={"format": "pt"})
+    case = ("compressed-tensors", {}, "tiny-moe", "hf")
+    msgs = []
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ExportError) as e:
+            _export(case, bad, cal, root / f"refused-{device}", device)
+        msgs.append(str(e.value))
+        assert not (root / f"refused-{device}").exists()
+    assert msgs[0] == msgs[1]
+    assert msgs[1] == (
+        f"{name[: -len('.weight')]}.weight: not finite (NaN or Inf in row 0) in the checkpoint; "
+        "refusing to quantize it"
+    )

@@ -240,3 +240,22 @@ def test_a_batch_takes_only_queued_device_items_within_its_bytes():
     # nothing queued: the batch does not wait
     batch, back, _ = _batch([small[0]], cap=1 << 40)
     assert batch == small[:1] and back == []
+
+
+def test_a_pinned_read_is_counted_at_the_size_torch_pins():
+    """torch's pinned allocator rounds a block up to a power of two: the host budget counts a
+    GPU item's read at that size (a CPU export's reads are counted as they are)."""
+    mib = pipe.MiB
+    fake = type("P", (), {})()
+    fake._on_device = lambda it: it.quantized_only
+    fake._pinned = lambda it: pipe._Pipeline._pinned(fake, it)
+    for device, n, want in [
+        ("cuda", 3 * mib, 4 * mib),
+        ("cuda", 4 * mib, 4 * mib),
+        ("cuda", 4 * mib + 1, 8 * mib),
+        ("cpu", 3 * mib, 3 * mib),
+    ]:
+        fake.device = torch.device(device)
+        assert pipe._Pipeline._host_cost(fake, _Item(n)) == want
+    fake.device = torch.device("cuda")
+    assert pipe._Pipeline._host_cost(fake, _Item(3 * mib, dev=False)) == 3 * mib

@@ -471,7 +471,7 @@ class _Pipeline:
         self, it: _Item, box: list, checks: list
     ) -> Iterator[tuple[int, str, torch.Tensor, bool]]:
         """(file, name, output tensor, is a view of the source) of every group of ``it``; the
-        source-weight guard's verdicts go to ``checks`` (looked at by :meth:`_settle`, with the
+        source-weight guard's verdicts go to ``checks`` (looked at by :meth:`_process`, with the
         source view the message is made from)."""
         plan = self.plan
         if it.entry is None:  # the KV scales: from the calibration file only

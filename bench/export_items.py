@@ -4,8 +4,8 @@
     python -m bench.export_items --src DIR --calib FILE --device cuda --repeat 3
 
 Runs the export (``qckpt.pipeline.export.export``) ``--repeat`` times into a temp dir and prints,
-per run, the export seconds and milliseconds per source tensor (wall, and the process's CPU
-time, steadier on a shared machine), and (``--count``) how many times the
+per run, the export seconds and milliseconds per source tensor (wall, the process's CPU time,
+and the quantize threads' busy time: the per-tensor work itself), and (``--count``) how many times the
 quantize threads read a tensor's value on the host per source tensor (``aten._local_scalar_dense``
 and ``tolist``: on a GPU each is a wait for the device; counted with a dispatch mode entered
 on each quantize thread). The synthetic checkpoint is bench.export's (``--hidden``,
@@ -61,6 +61,23 @@ def _wrap_process(counts: dict[str, int]):
     torch.Tensor.tolist = tolist
 
 
+def _keep_stats() -> list:
+    """Every pipeline's WriteStats, appended when its run ends."""
+    import qckpt.checkpoint.export_pipeline as pipe
+
+    kept: list = []
+    real = pipe._Pipeline.run
+
+    def run(self, *args):
+        try:
+            return real(self, *args)
+        finally:
+            kept.append(self.stats)
+
+    pipe._Pipeline.run = run
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", default=None)
@@ -91,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     from qckpt.recipe import recipe_from_dict
 
     counts = {"scalar_reads": 0}
+    stats = _keep_stats()
     if a.count:
         _wrap_process(counts)
     secs: list[float] = []
     cpu: list[float] = []
+    busy: list[float] = []  # the quantize threads' busy seconds (WriteStats.quantize_seconds)
     for r in range(a.repeat):
         out = work / f"out-{r}"
         recipe = recipe_from_dict(
@@ -112,13 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         cpu.append(time.process_time() - c0)
         n = rep.source_tensors
         reads = counts["scalar_reads"] / n
+        busy.append(stats[-1].quantize_seconds)
         print(
             f"run {r}: {secs[-1]:.3f} s ({1e3 * secs[-1] / n:.3f} ms per source tensor), "
-            f"process CPU {cpu[-1]:.3f} s ({1e3 * cpu[-1] / n:.3f} ms per tensor), {n} tensors"
+            f"process CPU {cpu[-1]:.3f} s ({1e3 * cpu[-1] / n:.3f} ms per tensor), "
+            f"quantize stage busy {1e3 * busy[-1] / n:.3f} ms per tensor, {n} tensors"
             + (f", {reads:.2f} host reads of a tensor value per tensor" if a.count else ""),
             flush=True,
         )
-    print(f"median {statistics.median(secs):.3f} s, process CPU {statistics.median(cpu):.3f} s")
+    print(
+        f"median {statistics.median(secs):.3f} s, process CPU {statistics.median(cpu):.3f} s, "
+        f"quantize busy {statistics.median(busy):.3f} s"
+    )
     return 0
 
 

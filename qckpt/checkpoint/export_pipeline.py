@@ -407,6 +407,7 @@ class _Pipeline:
         dcp = plan.source.format == "dcp"  # its reader keeps per-load state: one thread
         self.read_pool = cf.ThreadPoolExecutor(1 if dcp else readers, "qckpt-read")
         self.write_pool = cf.ThreadPoolExecutor(writers, "qckpt-write")
+        self.quantizers = quantizers
         self.quant_pool = cf.ThreadPoolExecutor(quantizers, "qckpt-quantize")
         self.ready: queue.Queue = queue.Queue()
         self.pending: list[cf.Future] = []  # writes
@@ -688,16 +689,21 @@ class _Pipeline:
         """``first`` and the items queued right behind it, while all go to the device and
         their bytes stay within ``BATCH_BYTES`` and half the device budget (two jobs on the
         device at once: one launches while the other waits); the first that does not fit is
-        put back. Only items already queued: a batch never waits for a read to start."""
+        put back. While every quantize thread is busy the batch waits for more items (they
+        would only queue behind the busy threads one by one: measured, every job then held
+        one item); when a thread is free it goes with what is queued."""
         batch = [first]
         if not self._on_device(first[0]):
             return batch
         limit = min(BATCH_BYTES, self.dev_budget.cap // 2)
         size = first[0].host_bytes + first[0].out_bytes
         while size < limit:
+            full = self._pool_full()
             try:
-                got = self.ready.get_nowait()
+                got = self.ready.get(timeout=0.002) if full else self.ready.get_nowait()
             except queue.Empty:
+                if full:
+                    continue
                 break
             cost = 0 if not isinstance(got, tuple) else got[0].host_bytes + got[0].out_bytes
             if not isinstance(got, tuple) or not self._on_device(got[0]) or size + cost > limit:
@@ -706,6 +712,10 @@ class _Pipeline:
             batch.append(got)
             size += cost
         return batch
+
+    def _pool_full(self) -> bool:
+        """Every quantize thread has a job (a failed job is done: the caller then raises)."""
+        return sum(1 for j in self.jobs if not j.done()) >= self.quantizers
 
     def _shutdown(self, feeder: threading.Thread) -> None:
         self.budget.stop()

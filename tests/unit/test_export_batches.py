@@ -204,22 +204,34 @@ class _Item:
 
 
 class _Queue:
-    def __init__(self, items: list) -> None:
-        self.items = items
+    """A ready queue whose items arrive one per ``get`` with a timeout after ``late`` of them
+    were there at once (the rest come while the quantize threads are busy)."""
+
+    def __init__(self, items: list, late: int = 0) -> None:
+        self.items, self.late = items, late
 
     def get_nowait(self):
-        if not self.items:
+        if len(self.items) <= self.late:
             import queue
 
             raise queue.Empty
         return self.items.pop(0)
 
+    def get(self, timeout):
+        if self.late:
+            self.late -= 1
+            return self.items.pop(0)
+        return self.get_nowait()
 
-def _batch(queued: list, cap: int):
+
+def _batch(queued: list, cap: int, busy: int = 0, late: int = 0):
+    """_batch of a fake pipeline: ``busy``: how many times it finds every quantize thread busy."""
     fake = type("P", (), {})()
     fake._on_device = lambda it: it.quantized_only
+    polls = iter([True] * busy)
+    fake._pool_full = lambda: next(polls, False)
     fake.dev_budget = pipe.HostBudget(cap)
-    fake.ready, fake.back = _Queue(list(queued)), []
+    fake.ready, fake.back = _Queue(list(queued), late), []
     first = queued.pop(0)
     fake.ready.items.pop(0)
     return pipe._Pipeline._batch(fake, first), fake.back, fake.ready.items
@@ -244,9 +256,12 @@ def test_a_batch_takes_only_queued_device_items_within_its_bytes():
     # a first item that stays on the host is a job of its own
     batch, back, left = _batch([host, small[0]], cap=1 << 40)
     assert batch == [host] and back == [] and left == [small[0]]
-    # nothing queued: the batch does not wait
+    # nothing queued and a quantize thread free: the batch does not wait
     batch, back, _ = _batch([small[0]], cap=1 << 40)
     assert batch == small[:1] and back == []
+    # every thread busy: the items that arrive meanwhile join the batch until one is free
+    batch, back, left = _batch(list(small[:6]), cap=1 << 40, busy=3, late=5)
+    assert batch == small[:4] and back == [] and left == small[4:6]
 
 
 def test_a_pinned_read_is_counted_at_the_size_torch_pins():

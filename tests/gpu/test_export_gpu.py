@@ -133,7 +133,8 @@ def test_gpu_export_of_real_sizes_equals_cpu(root, case):
 
 def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
     """A GPU export of the tiny MoE with CUDA's sync debug mode on: (the waits for the device
-    made by the quantize threads, the quantize jobs and the items they held)."""
+    made by the quantize threads, the items of each quantize job on the device, the waits seen
+    from a control thread that makes one)."""
     import threading
     import warnings
 
@@ -145,7 +146,8 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
     real = pipe._Pipeline._process
 
     def process(self, batch):
-        jobs.append(len(batch))
+        if self._on_device(batch[0][0]):  # the others (norms, KV scales) stay on the host
+            jobs.append(len(batch))
         return real(self, batch)
 
     def show(message, *a, **k):
@@ -160,10 +162,20 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
             warnings.simplefilter("always")
             warnings.showwarning = show
             _export(case, src, cal, out, "cuda")
+            seen = len(waits)
+            # the control: a wait made on a thread so named is counted (else the count above
+            # could be 0 because nothing reached showwarning)
+            t = threading.Thread(
+                target=lambda: torch.ones(1, device="cuda").sum().item(),
+                name="qckpt-quantize-control",
+            )
+            t.start()
+            t.join()
+            control = len(waits) - seen
     finally:
         torch.cuda.set_sync_debug_mode(0)
         pipe._Pipeline._process = real
-    return waits, jobs
+    return waits[:seen], jobs, control
 
 
 def test_gpu_export_waits_for_the_device_once_per_quantize_job(root):
@@ -174,7 +186,8 @@ def test_gpu_export_waits_for_the_device_once_per_quantize_job(root):
 
     model, hf_dir = saved_model(root, "tiny-moe")
     cal = write_calibration(root, model, quant_config(), "cal-waits.safetensors")
-    waits, jobs = _moe_export_counting_waits(root, hf_dir, cal, root / "waits-gpu")
+    waits, jobs, control = _moe_export_counting_waits(root, hf_dir, cal, root / "waits-gpu")
+    assert control >= 1  # a wait on such a thread is seen
     assert jobs and len(waits) <= len(jobs), (len(waits), len(jobs), waits[:3])
     print(f"{sum(jobs)} items in {len(jobs)} jobs, {len(waits)} waits")
 

@@ -95,10 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.src is None:
         from bench.export import make_checkpoint
 
-        if not (work / "src").exists():
-            made = make_checkpoint(work, a.size_gb, a.hidden, a.intermediate, 1000)
+        if not (work / "src").exists():  # made once per workdir, reused by the next run
+            make_checkpoint(work, a.size_gb, a.hidden, a.intermediate, 1000)
         a.src, a.calib = str(work / "src"), str(work / "calib.safetensors")
-        del made
     import torch
 
     from qckpt.pipeline.export import export

@@ -29,9 +29,11 @@ One rank writes its share (:func:`write_share`) in three stages:
   several tensors of one file) are written at once; each write gives its bytes back.
 
 Host memory: everything in flight is counted against the budget, ``2 x`` the largest source
-tensor's host bytes; one item larger than the budget still runs, alone. Peak anonymous host
-memory is then at most the budget plus the quantize kernels' chunk temporaries (a few tens of
-MiB) over what the process held before: the ``2 x largest + 256 MiB`` bound of the export.
+tensor's host bytes; one item larger than the budget still runs, alone. On a GPU the pinned
+buffers are in it too: a read for the device at the power of two torch pins it at, a job's
+block of outputs as its outputs' bytes. Peak anonymous host memory is then at most the budget
+plus the quantize kernels' chunk temporaries (a few tens of MiB) over what the process held
+before: the ``2 x largest + 256 MiB`` bound of the export.
 The files are the same whatever the device, the thread counts or the order writes land in:
 each tensor has one planned place, and GPU and CPU quantization are bit-identical.
 """

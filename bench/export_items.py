@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu: list[float] = []
     busy: list[float] = []  # the quantize threads' busy seconds (WriteStats.quantize_seconds)
     for r in range(a.repeat):
-        out = work / f"out-{r}"
+        out = work / "out"  # overwritten by each run: one export on disk at a time
         recipe = recipe_from_dict(
             {
                 "model": {"source": a.src},

@@ -159,7 +159,9 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits[:, -1].float()
 
 
-def run_export(model, src, cal, out, q, fmt="compressed-tensors", source_dir=None, **export_kw):
+def run_export(
+    model, src, cal, out, q, fmt="compressed-tensors", source_dir=None, options=None, **export_kw
+):
     return export_checkpoint(
         source=src,
         calibration=cal,
@@ -169,4 +171,5 @@ def run_export(model, src, cal, out, q, fmt="compressed-tensors", source_dir=Non
         quant=q,
         export=ExportConfig(format=fmt, output=str(out), **export_kw),
         source_dir=source_dir,
+        options=options,
     )

@@ -21,11 +21,10 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qckpt.checkpoint.export_pipeline as pipe
-from qckpt.checkpoint.export import WriteOptions, export_checkpoint
+from qckpt.checkpoint.export import WriteOptions
 from qckpt.checkpoint.export_layouts import CHUNK_ELEMS, check_source_weight, refuse_source_weight
 from qckpt.errors import ExportError
-from qckpt.recipe import ExportConfig
-from tests.unit._export_fixtures import make_calibration, quant_config, saved_model
+from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
 
 
 class _HostReads(TorchDispatchMode):
@@ -98,16 +97,7 @@ def dense(tmp_path_factory):
 
 
 def _export(model, src, out, q, cal, quantizers=1):
-    return export_checkpoint(
-        source=src,
-        calibration=cal,
-        output=out,
-        model_type=model.config.model_type,
-        model_config=model.config,
-        quant=q,
-        export=ExportConfig(output=str(out)),
-        options=WriteOptions(quantizers=quantizers),
-    )
+    return run_export(model, src, cal, out, q, options=WriteOptions(quantizers=quantizers))
 
 
 def _digest(d: Path) -> dict[str, str]:

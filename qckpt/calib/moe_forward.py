@@ -142,7 +142,7 @@ class ExpertsObserver:
             return
         cum = self._summed().tolist()
         self.ends = []
-        per_row = [c - p for c, p in zip(cum, [0, *cum[:-1]], strict=True)]
+        per_row = _sizes(cum)
         hot = [r for r, n in enumerate(per_row) if n]
         for r in hot:
             self.tokens[self.ids[r]] += int(per_row[r])
@@ -151,6 +151,11 @@ class ExpertsObserver:
                 seg.settle(hot)
             else:
                 seg.acc = None
+
+
+def _sizes(ends: list[int]) -> list[int]:
+    """Group sizes from cumulative group ends."""
+    return [c - p for c, p in zip(ends, [0, *ends[:-1]], strict=True)]
 
 
 def _route(top_k_index: torch.Tensor, bounds: torch.Tensor):
@@ -183,7 +188,7 @@ def _eager(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> tor
     token, slot = perm % t, perm // t
     final = torch.zeros_like(hidden)
     cum = ends.tolist()  # the one host sync: the group sizes
-    sizes = [c - p for c, p in zip(cum, [0, *cum[:-1]], strict=True)]
+    sizes = _sizes(cum)
     m = cum[-1]
     x_all = hidden[token[:m]]
     if obs.gate_up.enabled:

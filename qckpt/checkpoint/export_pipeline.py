@@ -206,11 +206,6 @@ class Share:
     items: list[_Item]
 
     @property
-    def nbytes(self) -> int:
-        """The tensor bytes this share writes."""
-        return sum(it.nbytes for it in self.items)
-
-    @property
     def cost(self) -> int:
         """The bytes this share reads and writes (what shares are balanced on)."""
         return sum(it.cost for it in self.items)

@@ -448,6 +448,14 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(data.numpy())
 
 
+def _pwrite_all(fd: int, data: memoryview | bytes, pos: int) -> None:
+    """All of ``data`` at ``pos`` (pwrite may write less than asked: a signal, a large write)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
+
+
 def create_shard_file(path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str]) -> None:
     """Make shard file ``path`` before any tensor is written: its header from the plan, its
     length set to the whole planned size (``ftruncate``: the data section is a hole until it is
@@ -458,11 +466,7 @@ def create_shard_file(path: Path, specs: Sequence[TensorSpec], metadata: dict[st
     size = offsets[-1] + spec_nbytes(specs[-1]) if specs else len(head)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        view = memoryview(head)
-        pos = 0
-        while view:  # pwrite may write less than asked
-            n = os.pwrite(fd, view, pos)
-            view, pos = view[n:], pos + n
+        _pwrite_all(fd, head, 0)
         os.ftruncate(fd, size)
         # the header must be durable even when the process that made the file writes no tensor
         # into it (another rank's fsync covers only its own node's pages on a shared filesystem)
@@ -501,12 +505,6 @@ class ShardFile:
         self._lock = threading.Lock()
         self.fd = os.open(path, os.O_WRONLY)
 
-    def _pwrite(self, data: memoryview | bytes, pos: int) -> None:
-        view = memoryview(data).cast("B")
-        while view:  # pwrite may write less than asked (a signal, a large write)
-            n = os.pwrite(self.fd, view, pos)
-            view, pos = view[n:], pos + n
-
     def write(self, name: str, t: torch.Tensor) -> int:
         """Write tensor ``name`` at its place; thread-safe for distinct names."""
         if name not in self.expected:
@@ -514,7 +512,7 @@ class ShardFile:
         spec, off = self.slots[name]
         _check_spec(spec, name, t)
         data = _host_bytes(t)
-        self._pwrite(data, off)
+        _pwrite_all(self.fd, data, off)
         with self._lock:
             self.done.add(name)
             last = len(self.done) == len(self.expected)

@@ -76,6 +76,7 @@ from torch.distributed.tensor import DTensor
 
 from qckpt import phases
 from qckpt.errors import CheckpointError, FormatError
+from qckpt.formats._common import defer_finite_checks, first_not_finite
 
 
 def destination_of(t: Any) -> Any:
@@ -326,6 +327,9 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         self._main: dict[str, torch.Tensor] = {}
         self._plain_expected: dict[str, int] = {}
         self._user_sd: dict[str, Any] = {}
+        # each quantized destination's NaN/Inf checks, made once after its last item
+        # (_check_finite): one host sync per load, not one per destination
+        self._unchecked: list[tuple[str, tuple[torch.Tensor, str]]] = []
         self.stats: dict[str, int] = {"items": 0, "quantized": 0, "plain": 0}
 
     # ---- planning ------------------------------------------------------------------------
@@ -508,12 +512,14 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         # a collective under a sharded load: every rank of the group reaches it in plan order
         amax = self.whole_amax(fqn, d.target, src) if self.whole_amax is not None else None
         try:
-            if amax is None:
-                d.target.quantize_(src, update_state=False)
-            else:
-                d.target.quantize_(src, update_state=False, amax=amax)
+            with defer_finite_checks() as checks:
+                if amax is None:
+                    d.target.quantize_(src, update_state=False)
+                else:
+                    d.target.quantize_(src, update_state=False, amax=amax)
         except FormatError as exc:  # NaN/Inf in the checkpoint: name the tensor
             raise CheckpointError(f"{fqn}: cannot quantize the checkpoint's value: {exc}") from None
+        self._unchecked.extend((fqn, c) for c in checks)
         # belt and braces for formats whose quantize_ touches state anyway
         d.target.load_quant_state(state)
         if not self.keep_main_params:
@@ -535,7 +541,17 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
     def _maybe_release(self) -> None:
         # the last item of the plan: nothing the load needed may outlive it
         if not self._dests and not self._plain_expected:
+            self._check_finite()
             self._release()
+
+    def _check_finite(self) -> None:
+        """Refuse a checkpoint value with NaN/Inf, naming the first such tensor (in plan
+        order): the quantized destinations' checks, deferred to the end of the load."""
+        pending, self._unchecked = self._unchecked, []
+        bad = first_not_finite([c for _, c in pending])
+        if bad is not None:
+            i, msg = bad
+            raise CheckpointError(f"{pending[i][0]}: cannot quantize the checkpoint's value: {msg}")
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         super().load_bytes(read_item, value)
@@ -548,6 +564,7 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
 
     def _release(self) -> None:
         """Forget every reference the load needed (called after the last item, and on reset)."""
+        self._unchecked = []
         self._dests = {}
         self._plain_expected = {}
         self._user_sd = {}

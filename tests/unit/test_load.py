@@ -288,6 +288,23 @@ def test_nan_in_checkpoint_names_the_tensor(tmp_path):
         load_checkpoint(toy_quantized("fp8"), tmp_path / "c")
 
 
+@pytest.mark.parametrize("reader", ["fast", "plain"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_nan_checks_deferred_name_the_first_bad_tensor(tmp_path, reader, fmt):
+    # the NaN/Inf checks of a load are made once, after its last item: the first bad
+    # destination in plan order is still the one named, whatever follows it
+    sd = Toy(seed=1).state_dict()
+    sd["l1.weight"][0, 1] = float("inf")
+    sd["l2.weight"][3, 4] = float("nan")
+    _save_dict(sd, tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"^l1\.weight: cannot quantize.*Inf values$"):
+        load_checkpoint(toy_quantized(fmt), tmp_path / "c", reader=reader)
+    # a clean checkpoint loaded afterwards by a new load is not blamed for the old one's checks
+    good = Toy(seed=1).state_dict()
+    _save_dict(good, tmp_path / "g")
+    load_checkpoint(toy_quantized(fmt), tmp_path / "g", reader=reader)
+
+
 # ---- report and plot ---------------------------------------------------------------------------
 
 

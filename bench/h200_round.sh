@@ -65,6 +65,7 @@ STEPS=(
   loadprof_8l:300
   knobs_8l:300
   loadprof_48l:240
+  imports:120
 )
 
 # the disk under $WORK: dd of 8 GB with and without fsync, one writer and two at once
@@ -136,6 +137,21 @@ step_env() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$PY" -c 'import torch, transformers, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count()); print("transformers", transformers.__version__)'
   free -g; df -h "$WORK"; nproc
+}
+
+# what start-up costs on this machine: each import in a fresh interpreter, twice (cold, warm), and
+# the heaviest modules of `import torch, transformers` by cumulative time (python -X importtime)
+step_imports() {
+  local m i
+  for m in torch transformers "transformers.models.qwen3_moe.modeling_qwen3_moe" \
+      "torch.distributed.checkpoint" "qckpt.cli.app"; do
+    for i in 1 2; do
+      /usr/bin/time -f "import $m: %e s (run $i)" "$PY" -c "import $m" 2>&1 | tail -1
+    done
+  done
+  "$PY" -X importtime -c "import torch, transformers.models.qwen3_moe.modeling_qwen3_moe" \
+    2>"$RES/importtime.txt" || true
+  sort -t"|" -k2 -n -r "$RES/importtime.txt" | head -25; return 0
 }
 
 # whole-command device peaks and exact load windows on CUDA (tests/gpu, skipped on CPU)

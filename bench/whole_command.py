@@ -251,6 +251,14 @@ def _contenders(ckpt: Path, work: Path, args) -> dict[str, list[str] | None]:
         # transformers refuses to quantize to FP8 without a GPU ("A GPU or XPU is needed")
         "hf_fp8": [*me, "--mode", "fp8", "--json", str(work / "hf_fp8.json")] if fp8_ok else None,
     }
+    if fp8_ok:  # issue 18's memory bound is one scratch: the same load with max_inflight 1
+        cmds["qckpt_inflight1"] = [
+            *load,
+            "--set",
+            "load.max_inflight=1",
+            "--json",
+            str(work / "qckpt_inflight1.json"),
+        ]
     if args.ep > 1:  # the same load over N ranks with experts sharded (one GPU each)
         n = str(args.ep)
         ep = [*load, "--nproc-per-node", n, "--set", f"parallel.ep={n}"]
@@ -280,7 +288,7 @@ def run(ckpt: Path, args) -> dict:
             skipped = {"skipped": "transformers' FP8 quantization needs a GPU"}
             result["runs"][name] = _best(reps[name]) if name in reps else skipped
         result["runs"]["read_ceiling"] = read_ceiling(ckpt, args.threads)
-        result["ratios"] = _ratios(result["runs"])
+        result["ratios"] = _ratios(result["runs"], result["checkpoint"]["max_numel"])
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -329,13 +337,15 @@ def _peak(run: dict, key: str) -> float | None:
     return (run.get("peaks") or {}).get(key)
 
 
-def _ratios(runs: dict) -> dict:
+def _ratios(runs: dict, max_numel: int) -> dict:
     q = runs.get("qckpt", {})
     out: dict = {}
     for other in ("hf_bf16", "hf_fp8"):
         o = runs.get(other, {})
-        if "wall_seconds" in q and "wall_seconds" in o:
-            out[f"wall_qckpt_over_{other}"] = round(q["wall_seconds"] / o["wall_seconds"], 3)
+        for mine in ("qckpt", "qckpt_inflight1"):
+            m = runs.get(mine, {})
+            if "wall_seconds" in m and "wall_seconds" in o:
+                out[f"wall_{mine}_over_{other}"] = round(m["wall_seconds"] / o["wall_seconds"], 3)
         for key in ("device_peak_bytes", "host_peak_rss_bytes"):
             a, b = _peak(q, key), _peak(o, key)
             if a and b:
@@ -349,6 +359,14 @@ def _ratios(runs: dict) -> dict:
             # issue 17: each rank's whole-command peak against the one-GPU load's
             ratio = _peak(r, "device_peak_bytes") / _peak(q, "device_peak_bytes")
             out[f"{name}_max_rank_device_peak_over_qckpt"] = round(ratio, 3)
+    for mine in ("qckpt", "qckpt_inflight1"):
+        m = runs.get(mine, {})
+        held, peak = _peak(m, "device_allocated_bytes"), _peak(m, "device_peak_bytes")
+        if held is not None and peak:
+            # issue 18: the whole command's peak against the FP8 model + 2*max(numel) + 64 MiB
+            # (one BF16 scratch of the largest tensor, whatever max_inflight is)
+            bound = held + 2 * max_numel + 64 * MiB
+            out[f"{mine}_device_peak_over_one_scratch_bound"] = round(peak / bound, 4)
     if "runs" in q:  # qckpt's read rate against the host's ceiling for the same files
         ceiling = runs["read_ceiling"]["gbps"]
         out["qckpt_read_gbps"] = round(q["runs"][0]["gbps"], 3)

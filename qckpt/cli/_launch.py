@@ -1,8 +1,14 @@
-"""``--nproc-per-node N``: relaunch the same command under ``torch.distributed.run``.
+"""``--nproc-per-node N``: relaunch the same command as N ranks on this machine.
 
 The caller validates everything it can first (the recipe, the world size, output paths, model
-sources), so a bad recipe is one line and exit 2 without starting a rank. Then the command runs
-under :mod:`qckpt.cli._torchrun` (torchrun with its own output silenced). Each rank that fails
+sources), so a bad recipe is one line and exit 2 without starting a rank. Then this process
+starts the N ranks itself (:func:`_spawn_ranks`: the environment torchrun would give them, a
+free port on the loopback for the process group's store) and watches them: when one fails the
+others are stopped, as torchrun stops them. Not torchrun itself, by default: its launcher
+imports torch and runs an elastic agent before any rank starts, 2-4 s of every distributed
+command's start-up for features a one-machine run does not use (restarts, rendezvous).
+``QCKPT_LAUNCHER=torchrun`` runs the ranks under :mod:`qckpt.cli._torchrun` (torchrun with its
+own output silenced) instead; a user may also run ``torchrun ... -m qckpt ...``. Each rank that fails
 writes its one-line error and exit code to a file of its own in a temp dir
 (:func:`rank_error`) instead of printing it; the parent prints the first failure's line and
 exits with that rank's code. A rank that dies without a word (a signal, the OOM killer) is
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -56,26 +63,98 @@ def relaunch(nproc: int) -> int | None:
     if not will_relaunch(nproc):
         return None
     with tempfile.TemporaryDirectory(prefix="qckpt-ranks-") as errors:
-        cmd = [
-            sys.executable,
-            "-m",
-            "qckpt.cli._torchrun",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "qckpt",
-            *_strip_nproc(sys.argv[1:]),
-        ]
+        args = ["-m", "qckpt", *_strip_nproc(sys.argv[1:])]
         env = {**os.environ, RANK_ERRORS_ENV: errors}
         started = process_started_at()
         if started is not None:  # the ranks' start-up phase counts from this command's start
             env[STARTED_ENV] = f"{started:.3f}"
-        code = _wait(subprocess.Popen(cmd, env=env))
+        if os.environ.get("QCKPT_LAUNCHER", "") == "torchrun":
+            cmd = [sys.executable, "-m", "qckpt.cli._torchrun", "--standalone"]
+            cmd += [f"--nproc-per-node={nproc}", *args]
+            code = _wait(subprocess.Popen(cmd, env=env))
+        else:
+            code = _spawn_ranks(nproc, args, env, Path(errors))
         if code == 0:
             return 0
         line, code = first_failure(Path(errors), code)
         print(line, file=sys.stderr)
         return code
+
+
+# how long ranks stopped because another failed get to exit before they are killed
+STOP_GRACE_S = 30.0
+
+
+def _free_port() -> int:
+    """A TCP port free on the loopback now (rank 0's store binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
+    """What torchrun's ``--standalone`` gives rank ``rank`` of one node (the names
+    ``torch.distributed``'s ``env://`` init reads, and the local ones)."""
+    out = dict(env)
+    out.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks per node
+    for k, v in (
+        ("RANK", rank),
+        ("LOCAL_RANK", rank),
+        ("GROUP_RANK", 0),
+        ("ROLE_RANK", rank),
+        ("WORLD_SIZE", nproc),
+        ("LOCAL_WORLD_SIZE", nproc),
+        ("ROLE_WORLD_SIZE", nproc),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", port),
+    ):
+        out[k] = str(v)
+    return out
+
+
+def _spawn_ranks(nproc: int, args: list[str], env: dict[str, str], errors: Path) -> int:
+    """Run ``python ARGS`` as ``nproc`` ranks; 0 when every rank exits 0. When one fails the
+    others get SIGTERM (SIGKILL after :data:`STOP_GRACE_S`), and the ranks' exit codes, the
+    first failure first, go to the launcher file that :func:`first_failure` reads."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, *args], env=_rank_env(env, r, nproc, port))
+        for r in range(nproc)
+    ]
+    failures: dict[int, int] = {}
+    try:
+        while any(p.poll() is None for p in procs) and not failures:
+            failures = {r: p.returncode for r, p in enumerate(procs) if p.poll() not in (None, 0)}
+            time.sleep(0.05)
+        failures = failures or {
+            r: p.returncode for r, p in enumerate(procs) if p.returncode not in (None, 0)
+        }
+        if failures:
+            _stop(procs)
+            failures.update(
+                (r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (0, None)
+            )
+    except BaseException:  # Ctrl-C or SIGTERM here: the ranks stop too, then it re-raises
+        _stop(procs)
+        raise
+    if not failures:
+        return 0
+    (errors / LAUNCHER_FILE).write_text(json.dumps({str(r): c for r, c in failures.items()}))
+    return 1
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every rank still running, SIGKILL what is left after the grace period."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _wait(proc: subprocess.Popen) -> int:

@@ -94,3 +94,45 @@ def test_a_good_run_streams_rank_0s_lines_and_nothing_of_torchrun(tmp_path):
     assert r.stderr.count("reading weights from") == 1  # rank 0 speaks, once
     assert not any(n in r.stderr for n in _TORCHRUN_NOISE), r.stderr
     assert (tmp_path / "calib.safetensors").is_file()
+
+
+def _spawn(tmp_path, code: str) -> tuple[int, float]:
+    import os
+    import time
+
+    from qckpt.cli._launch import _spawn_ranks
+
+    t0 = time.monotonic()
+    rc = _spawn_ranks(2, ["-c", code], dict(os.environ), tmp_path)
+    return rc, time.monotonic() - t0
+
+
+def test_a_rank_killed_stops_the_others_at_once_and_is_named(tmp_path):
+    # rank 1 dies by SIGKILL; rank 0 would sleep a minute: the launcher stops it right away
+    code = (
+        "import os, signal, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    rc, seconds = _spawn(tmp_path, code)
+    assert rc == 1 and seconds < 10, seconds
+    summary = json.loads((tmp_path / LAUNCHER_FILE).read_text())
+    assert list(summary.items())[0] == ("1", -9)  # the first failure first
+    assert summary["0"] == -15  # stopped with SIGTERM
+    assert first_failure(tmp_path, rc) == ("qckpt: error (rank 1): killed by SIGKILL", 137)
+
+
+def test_ranks_get_torchruns_environment_and_a_good_run_leaves_no_summary(tmp_path):
+    code = (
+        "import json, os, pathlib\n"
+        "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR')\n"
+        f"d = pathlib.Path({str(tmp_path)!r})\n"
+        "(d / ('env-' + os.environ['RANK'])).write_text(json.dumps([os.environ[k] for k in keys]))\n"
+    )
+    rc, _ = _spawn(tmp_path, code)
+    assert rc == 0
+    assert not (tmp_path / LAUNCHER_FILE).exists()
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"env-{r}").read_text())
+        assert got == [str(r), str(r), "2", "2", "127.0.0.1"]

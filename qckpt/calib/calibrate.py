@@ -3,7 +3,9 @@
 Order (the same on every rank, so every rank reaches every collective):
 1. quantizers in (:func:`qckpt.calib.instrument.insert_quantizers`);
 2. weight amax from the weights, every local quantizer, cold experts included (weights held
-   quantized: the amaxes a load took from the checkpoint's values, ``weight_amax``);
+   quantized: the amaxes a load took from the checkpoint's values, ``weight_amax``); under DP
+   each DP rank takes only its share (:func:`qckpt.calib.weight_amax.split_weights`) and the
+   sync in step 4 completes the rest, exactly (a MAX of one value and zeros);
 3. forwards over this rank's batches under ``no_grad`` (a quantized weight is dequantized for
    its matmul, one linear or one expert at a time, never an FP8 copy of the input: the
    activations are those of the dequantized model); a failure here is remembered, not raised,
@@ -40,6 +42,7 @@ from qckpt.calib.quantizer import TensorQuantizer
 from qckpt.calib.state_file import CalibrationState, model_fingerprint, model_names_shapes
 from qckpt.calib.sync import sync_amax
 from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax, linear_shards
+from qckpt.calib.weight_amax import split_weights
 from qckpt.errors import SyncError
 from qckpt.formats.tensor import dequantized_compute
 from qckpt.parallel.deadline import Deadline, deadline_of
@@ -76,41 +79,23 @@ def calibrate_model(
         share_expert_inputs=share, calib_dtype=calib_dtype, device=dev, moe_forward=moe_forward
     )
     quantizers = insert_quantizers(model, quant_cfg, **kw)
+    parts = {"insert": time.perf_counter() - t0}
     try:
         instr = instrumentation(model)
         tp_mods = linear_shards(model)
         # a block size that straddles TP shards: a config error, the same on every rank
         check_sharded_quantizers(quantizers.values(), tp_mods)
+        # resident weights: each DP rank takes the amaxes of its share, the sync the rest
+        mine = _weight_share(instr.weights, mesh) if runner is None else None
         failure: BaseException | None = None
         tokens = 0
         try:
-            tokens = _forwards(model, batches, progress, weight_amax, runner)
+            tokens = _forwards(model, batches, progress, weight_amax, runner, mine, parts)
         except Exception as exc:  # noqa: BLE001 - re-raised below after telling the other ranks
             failure = exc
         t_fwd = time.perf_counter()
         qs = list(quantizers.values())
-        local_error = None if failure is None else f"{type(failure).__name__}: {failure}"
-        try:
-            dres = sync_amax(qs, mesh.data_group, what="data-parallel", local_error=local_error)
-            tres = None
-            tp_gathers = 0
-            if mesh.tp_group is not None:
-                # TP ranks see the same tokens but hold different shards of the sharded modules:
-                # one amax per tensor is the max over the shards (every enabled per-tensor
-                # quantizer joins; replicated modules' are equal on every TP rank anyway)
-                was_shared = [q for q in qs if q.is_scalar and q.shared_from_layer]
-                tres = sync_amax(
-                    [q for q in qs if q.is_scalar], mesh.tp_group, what="tensor-parallel"
-                )
-                for q in was_shared:  # the TP sync has nothing to share; keep the DP verdict
-                    q.shared_from_layer = True
-            if tp_mods:
-                # per-channel / per-block amaxes of a shard: the whole tensor's, as on 1 rank
-                tp_gathers = gather_sharded_amax(qs, tp_mods, mesh.tp_group)
-        except SyncError:
-            if failure is not None:
-                raise failure from None
-            raise
+        dres, tres, tp_gathers = _sync_all(qs, mesh, tp_mods, failure)
         t_sync = time.perf_counter()
         expert_ranks = _expert_tokens(instr.experts, mesh)
         state = _state(model, qs, quant_cfg)
@@ -119,6 +104,8 @@ def calibrate_model(
             batches=len(batches),
             tokens_this_rank=tokens,
             forward_seconds=round(t_fwd - t0, 4),
+            forward_parts={k: round(v, 4) for k, v in parts.items()},
+            weight_amax_here=len(mine) if mine is not None else None,
             sync_seconds=round(t_sync - t_fwd, 6),
             sync_collectives=dres.collectives + (tres.collectives if tres else 0) + tp_gathers,
             shared_from_layer=len(dres.shared),
@@ -130,15 +117,59 @@ def calibrate_model(
         remove_quantizers(model)
 
 
-def _forwards(model, batches, progress, weight_amax, runner) -> int:
+def _sync_all(qs: list[TensorQuantizer], mesh: Mesh, tp_mods, failure: BaseException | None):
+    """Step 4: the DP x EP sync, then the TP ones; a local failure is raised after the others
+    heard of it. Returns (the data sync's result, the TP sync's or None, TP gathers)."""
+    local_error = None if failure is None else f"{type(failure).__name__}: {failure}"
+    try:
+        dres = sync_amax(qs, mesh.data_group, what="data-parallel", local_error=local_error)
+        tres = None
+        tp_gathers = 0
+        if mesh.tp_group is not None:
+            # TP ranks see the same tokens but hold different shards of the sharded modules:
+            # one amax per tensor is the max over the shards (every enabled per-tensor
+            # quantizer joins; replicated modules' are equal on every TP rank anyway)
+            was_shared = [q for q in qs if q.is_scalar and q.shared_from_layer]
+            tres = sync_amax([q for q in qs if q.is_scalar], mesh.tp_group, what="tensor-parallel")
+            for q in was_shared:  # the TP sync has nothing to share; keep the DP verdict
+                q.shared_from_layer = True
+        if tp_mods:
+            # per-channel / per-block amaxes of a shard: the whole tensor's, as on 1 rank
+            tp_gathers = gather_sharded_amax(qs, tp_mods, mesh.tp_group)
+    except SyncError:
+        if failure is not None:
+            raise failure from None
+        raise
+    return dres, tres, tp_gathers
+
+
+def _forwards(model, batches, progress, weight_amax, runner, mine, parts) -> int:
     """Steps 2-3, resident or one layer at a time; then the amaxes the forwards deferred are
-    folded in (and checked for non-finite values), one host sync rather than one per hook."""
+    folded in (and checked for non-finite values), one host sync rather than one per hook.
+    ``parts`` gets the seconds of each piece (the device synchronized at each boundary)."""
     if runner is None:
-        tokens = _resident_pass(model, batches, progress, weight_amax)
+        tokens = _resident_pass(model, batches, progress, weight_amax, mine, parts)
     else:
+        t0 = time.perf_counter()
         tokens = runner.run(model, batches, progress)
+        parts["layerwise"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     settle(model)
+    parts["settle"] = time.perf_counter() - t0
     return tokens
+
+
+def _weight_share(weights, mesh: Mesh) -> set[str] | None:
+    """This DP rank's share of the weight amaxes (None: all of them, one DP rank). The others'
+    quantizers are marked not ``local``: the sync then expects their values from elsewhere
+    (per-channel / per-block ones included) and MAX brings them in, exactly."""
+    if mesh.dp <= 1:
+        return None
+    mine = split_weights(weights, mesh.dp, mesh.dp_rank)
+    for src in weights:
+        if src.quantizer.name not in mine:
+            src.quantizer.local = False
+    return mine
 
 
 def _resident_pass(
@@ -146,18 +177,36 @@ def _resident_pass(
     batches: Sequence[torch.Tensor],
     progress: Callable[[int], Any] | None,
     weight_amax: Mapping[str, torch.Tensor] | None,
+    mine: set[str] | None,
+    parts: dict[str, float],
 ) -> int:
-    """Steps 2-3 with the whole model on its device: weight amax, then every batch's forward."""
+    """Steps 2-3 with the whole model on its device: weight amax (``mine``: this DP rank's
+    share only), then every batch's forward; the first batch timed apart (warm-up)."""
     device = _model_device(model)
-    calibrate_weights(model, weight_amax)
+    t0 = time.perf_counter()
+    calibrate_weights(model, weight_amax, within=None if mine is None else mine.__contains__)
+    _wait(device)
+    parts["weight_amax"] = (t1 := time.perf_counter()) - t0
     tokens = 0
     with torch.no_grad(), dequantized_compute():
-        for b in batches:
+        for i, b in enumerate(batches):
             model(input_ids=b.to(device), use_cache=False)
             tokens += b.numel()
             if progress is not None:
                 progress(1)
+            if i == 0:
+                _wait(device)
+                now = time.perf_counter()
+                parts["first_batch"], t1 = now - t1, now
+    _wait(device)
+    parts["batches"] = time.perf_counter() - t1
     return tokens
+
+
+def _wait(device: torch.device) -> None:
+    """Let the device finish what was queued, so that the timing of a piece is its own."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _model_device(model: nn.Module) -> torch.device:

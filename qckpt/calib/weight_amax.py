@@ -13,9 +13,19 @@ then takes them instead of reading the (quantized) weights.
 The quantizers are made by :func:`qckpt.calib.instrument.insert_quantizers` on the model and
 the model is left as it was (instrumentation removed), so the keys, shapes, granularities and
 the expert slices are the calibration's own, not a second description of them.
+
+Under data parallelism every DP rank holds the same weights, so taking every weight's amax on
+every rank is the same work N times. :func:`split_weights` deals the weight quantizers out over
+the DP ranks (balanced by elements, the same answer on every rank); each rank takes the amaxes
+of its share and the amax sync's MAX (exact: a max of values one rank holds and zeros) gives
+every rank all of them, bit for bit what one rank computes alone.
 """
 
 from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -35,16 +45,24 @@ class CheckpointWeightAmax:
     checkpoint's values. Call it with every quantized destination; read :meth:`amax` after."""
 
     def __init__(
-        self, model: nn.Module, quant_cfg: QuantConfig, *, calib_dtype: torch.dtype = torch.float32
+        self,
+        model: nn.Module,
+        quant_cfg: QuantConfig,
+        *,
+        calib_dtype: torch.dtype = torch.float32,
+        split: tuple[int, int] = (0, 1),
     ) -> None:
+        """``split=(dp_rank, dp)``: only this DP rank's share (:func:`split_weights`) of the
+        amaxes is taken; the calibration's sync completes the others."""
         insert_quantizers(model, quant_cfg, calib_dtype=calib_dtype)
         try:
             sources = instrumentation(model).weights
         finally:
             remove_quantizers(model)
+        mine = split_weights(sources, split[1], split[0])
         self._by_param: dict[str, list[WeightSource]] = {}
         for src in sources:
-            if src.quantizer.enabled:
+            if src.quantizer.enabled and src.quantizer.name in mine:
                 self._by_param.setdefault(src.param, []).append(src)
         self.seen: set[str] = set()
 
@@ -68,3 +86,24 @@ class CheckpointWeightAmax:
                 if a is not None:
                     out[src.quantizer.key] = a
         return out
+
+
+def split_weights(sources: Sequence[WeightSource], world: int, rank: int) -> set[str]:
+    """The module names of the weight quantizers that DP rank ``rank`` of ``world`` calibrates.
+
+    Longest first onto the least-loaded rank (ties: the lower rank, then the earlier source), by
+    the weight's elements: deterministic from the sources alone, so every rank that holds the
+    same model deals the same shares, and each name belongs to exactly one rank.
+    """
+    enabled = [s.quantizer for s in sources if s.quantizer.enabled]
+    if world <= 1:
+        return {q.name for q in enabled}
+    order = sorted(range(len(enabled)), key=lambda i: (-math.prod(enabled[i].shape), i))
+    loads = [(0, r) for r in range(world)]  # a heap of (elements dealt, rank)
+    mine: set[str] = set()
+    for i in order:
+        load, r = heapq.heappop(loads)
+        if r == rank:
+            mine.add(enabled[i].name)
+        heapq.heappush(loads, (load + math.prod(enabled[i].shape), r))
+    return mine

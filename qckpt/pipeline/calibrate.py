@@ -108,7 +108,9 @@ def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
     hooks.log(f"reading weights from {recipe.checkpoint.path}")
     # a quantized weight's amax comes from the checkpoint's value as it streams in, not from
     # the re-quantized codes the model then holds
-    tap = CheckpointWeightAmax(model, recipe.quant) if quantized else None
+    # under DP each rank takes its share of them; the calibration's sync completes the rest
+    split = (mesh.dp_rank, mesh.dp)
+    tap = CheckpointWeightAmax(model, recipe.quant, split=split) if quantized else None
     load_checkpoint(
         model,
         recipe.checkpoint.path,

@@ -33,7 +33,9 @@ def _mesh(group, world: int, rank: int):
     )
 
 
-def _calibrate(group, world: int, rank: int, *, share=True, bias_router=False, dtype="bfloat16"):
+def _calibrate(
+    group, world: int, rank: int, *, share=True, bias_router=False, dtype="bfloat16", quant=None
+):
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.data import calibration_batches
     from qckpt.models.build import build_model
@@ -46,7 +48,7 @@ def _calibrate(group, world: int, rank: int, *, share=True, bias_router=False, d
         DataConfig(**DATA), vocab_size=256, data_rank=rank, data_world=world
     )
     return calibrate_model(
-        model, batches, QuantConfig(), _mesh(group, world, rank), share_expert_inputs=share
+        model, batches, quant or QuantConfig(), _mesh(group, world, rank), share_expert_inputs=share
     )
 
 
@@ -80,14 +82,29 @@ def sc_world_size_invariance(rank, world):
     state, report = _calibrate(dist.group.WORLD, 4, rank)
     out[4] = state
     if rank != 0:
-        return {"keys4": sorted(state.amax)}
+        return {"keys4": sorted(state.amax), "weights_here": report["weight_amax_here"]}
     return {
         w: {
             "amax": s.amax,
             "meta": {k: (v["calibrated"], v["shared"]) for k, v in s.quantizers.items()},
         }
         for w, s in out.items()
-    } | {"report": report}
+    } | {"report": report, "weights_here": report["weight_amax_here"]}
+
+
+def sc_weight_split_static(rank, world):
+    """Per-channel and per-block weight amaxes (static: every expected rank must hold them),
+    each DP rank taking only its share: world 1 on rank 0 beside DP4 on all four."""
+    from qckpt.recipe import QuantConfig, TensorQuantConfig
+
+    out = {}
+    for gran in ("channel", "block"):
+        w = TensorQuantConfig(granularity=gran, block_size=[32, 32])
+        quant = QuantConfig(weights=w)
+        one = _calibrate(None, 1, 0, quant=quant)[0].amax if rank == 0 else None
+        state, report = _calibrate(dist.group.WORLD, 4, rank, quant=quant)
+        out[gran] = {"one": one, "four": state.amax, "here": report["weight_amax_here"]}
+    return out
 
 
 def sc_dp2_ep2(rank, world):
@@ -189,10 +206,29 @@ def test_world_size_invariance_tiny_moe_bit_identical(world):
         assert r0[w]["meta"] == r0[1]["meta"]
     for o in out[1:]:
         assert o.value["keys4"] == sorted(ref)
+    # each DP rank took the amaxes of a quarter of the 56 weights (2 layers x (4 + 8 x 3)), not
+    # all of them; the sync gave every rank the others (the file is world 1's, above)
+    here = [o.value["weights_here"] for o in out]
+    assert sum(here) == 56 and max(here) <= 16, here
     # the report says where tokens went: every rank of the 4 got some, summed over experts
     layer0 = r0["report"]["layers"]["model.layers.0"]
     per_rank = [sum(c[r] for c in layer0["expert_tokens"].values()) for r in range(4)]
     assert all(n > 0 for n in per_rank) and sum(per_rank) == 16 * 32 * 2  # top-2
+
+
+def test_weight_amax_split_over_dp_ranks_static_amax_bit_identical(world):
+    out = world.run(sc_weight_split_static, deadline_s=180)
+    assert all(o.ok for o in out), [o.traceback for o in out if not o.ok]
+    for gran in ("channel", "block"):
+        ref = out[0].value[gran]["one"]
+        weights = [k for k in ref if k.endswith(".weight_amax")]
+        assert weights and all(ref[k].numel() > 1 for k in weights)  # static, not per tensor
+        for o in out:
+            got = o.value[gran]["four"]
+            assert sorted(got) == sorted(ref)
+            diff = [k for k in ref if not torch.equal(ref[k], got[k])]
+            assert not diff, f"{gran}: DP4 rank {o.rank} differs from world 1 at {diff[:5]}"
+        assert sum(o.value[gran]["here"] for o in out) == len(weights)
 
 
 def test_dp2_ep2_with_sharded_experts_matches_one_rank_bit_for_bit(world):

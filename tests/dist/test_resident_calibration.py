@@ -61,6 +61,8 @@ def _calibrate(rank, world, dcp, resident, granularity, out, ep, tp=1, source="t
         "amax": res.state.amax,
         "param_bytes": res.report["param_bytes"],
         "resident": res.report["weights_resident"],
+        "weights_here": res.report["weight_amax_here"],
+        "weights_total": sum(k.endswith(".weight_amax") for k in res.state.amax),
     }
 
 
@@ -158,6 +160,25 @@ def test_ep2_matches_one_rank(one_rank, dcp, tmp_path):
         assert all(torch.equal(o.value["amax"][k], one["amax"][k]) for k in one["amax"])
         # each rank holds half the experts, quantized
         assert o.value["param_bytes"] < one["param_bytes"]
+
+
+def test_dp2_quantized_resident_matches_one_rank_bit_for_bit(one_rank, dcp, tmp_path):
+    """DP2, weights held as fp8_block: each rank's load tap takes the amaxes of its share of
+    the weights only; the sync completes them, so the file is the one-rank file, bit for bit."""
+    one = one_rank("fp8_block")
+    out = shared_world(2).run(
+        _calibrate, dcp, "fp8_block", "block", tmp_path / "dp2.safetensors", 1, deadline_s=240
+    )
+    assert all(o.ok for o in out), [o.error for o in out]
+    for o in out:
+        amax = o.value["amax"]
+        assert sorted(amax) == sorted(one["amax"])
+        diff = [k for k in one["amax"] if not torch.equal(amax[k], one["amax"][k])]
+        assert not diff, diff[:5]
+    assert sum(o.value["weights_here"] for o in out) == len(
+        [k for k in one["amax"] if k.endswith(".weight_amax")]
+    )
+    assert all(0 < o.value["weights_here"] < o.value["weights_total"] for o in out)
 
 
 def test_tp2_per_channel_weight_amax_made_whole_from_the_checkpoint(tmp_path):

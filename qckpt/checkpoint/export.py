@@ -25,9 +25,10 @@ removes it once its pid is gone.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from qckpt.calib.state_file import CalibrationState
 from qckpt.checkpoint.export_dist import Team
 from qckpt.checkpoint.export_pipeline import (
     HOST_SLACK_BYTES,
+    Share,
     assign_items,
     check_written,
     create_files,
@@ -46,7 +48,7 @@ from qckpt.checkpoint.export_pipeline import (
 )
 from qckpt.checkpoint.export_plan import ExportPlan, plan_export
 from qckpt.checkpoint.model_files import copy_model_files
-from qckpt.checkpoint.safetensors_io import write_index, write_json
+from qckpt.checkpoint.safetensors_io import shard_layout, write_index, write_json
 from qckpt.errors import ExportError, PeerError
 from qckpt.outputs import EXPORT_MARKER, check_export_target, export_marker
 from qckpt.recipe import ExportConfig, QuantConfig
@@ -56,11 +58,41 @@ __all__ = [
     "ExportReport",
     "WriteOptions",
     "export_checkpoint",
+    "gc_paused",
     "plan_export",
     "write_export",
 ]
 
 ProgressFn = Callable[[int, int, str], None]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (as it was after): planning and finishing an export
+    make a few objects per tensor and free none, and on a 19k-tensor MoE the collections this
+    set off were a fifth of the plan's time (and of the self-check's header parse)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class _Steps:
+    """Seconds of the main rank's steps, for the report (``ExportReport.steps``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 @dataclass
@@ -76,7 +108,9 @@ class ExportReport:
     bytes_written: int  # tensor data, headers excluded, all ranks together
     shards: int
     largest_tensor_bytes: int
-    seconds: float  # the main rank's wall time, planning included
+    # the main rank's wall time from the start of planning (the calibration file's read, in the
+    # command) to the finished dir renamed into place: the same span for any number of ranks
+    seconds: float
     gbps: float  # bytes_read / seconds / 1e9
     peak_rss_bytes: int  # the largest whole-process peak RSS (VmHWM) of any rank, never reset
     # anonymous memory (RssAnon, sampled; no file pages) at its peak during the write, and over
@@ -89,6 +123,11 @@ class ExportReport:
     files: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # what known clients cannot serve
     ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: files, bytes, seconds
+    # the main rank's seconds per step, in order: plan (up to write_export), share (its
+    # assignment), create (the shard files), write (its own share), wait (for the other ranks'
+    # agreement), check_written, finish (index, config, layout and model files, marker),
+    # self_check, commit (the rename); what does not shrink with ranks is all but write
+    steps: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,19 +147,21 @@ def _refuse_unmarked(target: Path) -> None:
     check_export_target(target, overwrite=True)
 
 
-def _finish_dir(plan: ExportPlan, tmp: Path) -> None:
+def _finish_dir(plan: ExportPlan, tmp: Path, step: _Steps) -> None:
     """What only the main rank writes, after every shard is: index, config, layout files,
     model files, the marker (last: overwrite replaces only a dir holding it), then the check."""
-    if plan.shards.index:
-        write_index(tmp, plan.shards)
-    write_json(tmp / "config.json", plan.config)
-    for fname, obj in plan.layout.extra_files(plan.ignore_list).items():
-        write_json(tmp / fname, obj)
-    if plan.source_dir is not None:
-        copy_model_files(plan.source_dir, tmp)
-    marker = export_marker(layout=plan.layout_name, shards=len(plan.shards.files))
-    write_json(tmp / EXPORT_MARKER, marker)
-    _self_check(tmp, plan.target)
+    with step("finish"):
+        if plan.shards.index:
+            write_index(tmp, plan.shards)
+        write_json(tmp / "config.json", plan.config)
+        for fname, obj in plan.layout.extra_files(plan.ignore_list).items():
+            write_json(tmp / fname, obj)
+        if plan.source_dir is not None:
+            copy_model_files(plan.source_dir, tmp)
+        marker = export_marker(layout=plan.layout_name, shards=len(plan.shards.files))
+        write_json(tmp / EXPORT_MARKER, marker)
+    with step("self_check"):
+        _self_check(tmp, plan.target)
 
 
 @dataclass(kw_only=True)
@@ -146,25 +187,25 @@ class WriteOptions:
 
 
 def _write_rank(
-    plan: ExportPlan, team: Team, tmp: Path, opts: WriteOptions, progress
+    plan: ExportPlan, team: Team, tmp: Path, share: Share, opts: WriteOptions, progress, step
 ) -> list[dict]:
     """This rank's share of the tensors, then the agreement: every rank's stats, or the
     failure."""
-    share = assign_items(plan, team.world)[team.rank]
     if opts.unmap_large_allocations:
         unmap_large_allocations()
     try:
-        stats = write_share(
-            plan,
-            tmp,
-            share,
-            device=opts.device,
-            readers=opts.readers,
-            writers=opts.writers,
-            quantizers=opts.quantizers,
-            progress=progress,
-            should_stop=team.check_peers,
-        )
+        with step("write"):
+            stats = write_share(
+                plan,
+                tmp,
+                share,
+                device=opts.device,
+                readers=opts.readers,
+                writers=opts.writers,
+                quantizers=opts.quantizers,
+                progress=progress,
+                should_stop=team.check_peers,
+            )
     except Exception as exc:  # tell the others first, then fail with it
         msg = " ".join(str(exc).split()) or type(exc).__name__
         team.mark_failed(msg)
@@ -174,7 +215,20 @@ def _write_rank(
             pass  # this rank's own error is the one to report
         raise
     stats_d = {**stats.to_dict(), "peak_rss_bytes": peak_rss()}
-    return team.agree(True, "", stats_d, written=stats.slots)
+    with step("wait"):
+        return team.agree(True, "", stats_d, written=stats.slots)
+
+
+def _prepare_share(plan: ExportPlan, team: Team) -> Share:
+    """This rank's share, and the layout of every shard file it writes into (header bytes,
+    offsets: kept on the plan's specs). Done before the temp dir is shared, so that on the
+    other ranks it overlaps the main rank's making of the files."""
+    share = assign_items(plan, team.world)[team.rank]
+    if not team.is_main:
+        meta = plan.layout.shard_metadata()
+        for i in share.files():
+            shard_layout(Path(plan.shards.files[i]), plan.shards.specs[i], meta)
+    return share
 
 
 def write_export(
@@ -194,6 +248,8 @@ def write_export(
     the export began, planning included.
     """
     t0 = time.perf_counter() if started is None else started
+    step = _Steps()
+    step.seconds["plan"] = time.perf_counter() - t0
     opts = options or WriteOptions()
     team = Team(mesh)
     out = AtomicDir(
@@ -204,15 +260,21 @@ def write_export(
     on_term = terminate_as_interrupt() if team.world == 1 else contextlib.nullcontext()
     agreed = False
     with on_term:
+        with step("share"):
+            share = _prepare_share(plan, team)
         # every shard file exists before any rank opens one: the ranks share them
-        tmp = team.begin(out, prepare=lambda d: _create_files(plan, d, out.target))
+        with step("create"):
+            tmp = team.begin(out, prepare=lambda d: _create_files(plan, d, out.target))
         try:
-            ranks = _write_rank(plan, team, tmp, opts, progress)
+            ranks = _write_rank(plan, team, tmp, share, opts, progress, step)
             agreed = True
             if team.is_main:
-                check_written(plan, [r["written"] for r in ranks])
-                _finish_dir(plan, tmp)
-                out.commit()
+                with step("check_written"), gc_paused():
+                    check_written(plan, [r["written"] for r in ranks])
+                with gc_paused():
+                    _finish_dir(plan, tmp, step)
+                with step("commit"):
+                    out.commit()
         except BaseException as exc:
             if team.is_main:
                 out.abort()
@@ -224,11 +286,14 @@ def write_export(
             if err is not None:
                 raise err from exc
             raise
+        seconds = time.perf_counter() - t0  # the main rank: the committed dir
         if team.is_main:
             _tell(team, True, "")
         else:
             team.outcome(True, "")
-    return _report(plan, ranks, time.perf_counter() - t0, team.world, opts.device)
+    rep = _report(plan, ranks, seconds, team.world, opts.device)
+    rep.steps = {k: round(v, 4) for k, v in step.seconds.items()}
+    return rep
 
 
 def _create_files(plan: ExportPlan, tmp: Path, target: Path) -> None:

@@ -215,8 +215,15 @@ class Share:
         out: dict[int, list[str]] = {}
         for it in self.items:
             for g, f in zip(it.groups, it.file_of, strict=True):
-                out.setdefault(f, []).extend(s.name for s in g.specs)
+                names = out.get(f)
+                if names is None:
+                    names = out[f] = []
+                names += [s.name for s in g.specs]
         return dict(sorted(out.items()))
+
+    def files(self) -> list[int]:
+        """The shard files (indices, in order) this share writes into."""
+        return sorted({f for it in self.items for f in it.file_of})
 
 
 def plan_items(plan: ExportPlan) -> list[_Item]:
@@ -224,17 +231,24 @@ def plan_items(plan: ExportPlan) -> list[_Item]:
     whatever files they land) and one for the KV scales."""
     where = group_files(plan)
     items: list[_Item] = []
+    sizes: dict[str, int] = {}  # dtype code -> bytes per element: few codes, 50k lookups
     for g, f in zip(plan.groups, where, strict=True):
         src = g.entry.source if g.entry is not None else None
         if not items or src is None or items[-1].entry is not src:
-            host = 0 if src is None else math.prod(src.shape) * itemsize(src.dtype)
+            host = 0
+            if src is not None:
+                size = sizes.get(src.dtype)
+                if size is None:
+                    size = sizes[src.dtype] = itemsize(src.dtype)
+                host = math.prod(src.shape) * size
             items.append(_Item(src, [], [], host_bytes=host))
         it = items[-1]
         it.groups.append(g)
         it.file_of.append(f)
-        it.nbytes += g.nbytes
+        n = g.nbytes
+        it.nbytes += n
         if not _aliases(g):
-            it.out_bytes += g.nbytes
+            it.out_bytes += n
     return items
 
 

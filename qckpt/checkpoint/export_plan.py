@@ -26,8 +26,7 @@ from qckpt.checkpoint.export_layouts import MOE_SHARED, Layout, OutSpec, make_la
 from qckpt.checkpoint.safetensors_io import ShardPlan, plan_shards, read_json
 from qckpt.checkpoint.sources import CheckpointSource, HFEntry, hf_entries, open_source
 from qckpt.errors import CheckpointError, ExportError
-from qckpt.models.naming import expert_slices, is_fused_experts
-from qckpt.models.naming import ignored as naming_ignored
+from qckpt.models.naming import expert_slices, ignore_matcher, is_fused_experts
 from qckpt.outputs import check_export_target, guard
 from qckpt.phases import PLAN, timed
 from qckpt.recipe import ExportConfig, QuantConfig
@@ -142,16 +141,19 @@ def _check_amax(
             f"{where}: {len(missing)} amax missing from the calibration file (first: {missing[0]}); "
             "an uncalibrated scale would load as zero and serve NaNs"
         )
+    by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}  # the amaxes, grouped by shape
     for key, shape in needed:
-        got = tuple(cal.amax[key].shape)
+        t = cal.amax[key]
+        got = tuple(t.shape)
         ok = got == shape or (shape == () and math.prod(got) == 1) or (got == (*shape, 1))
         if not ok:
             raise ExportError(
                 f"{where}: {key} has shape {list(got)}, the export needs {list(shape)}"
             )
-    # one finiteness test over every amax (tens of thousands of scalars on a large MoE), then
-    # the first bad one by name
-    if needed and not torch.isfinite(torch.cat([cal.amax[k].reshape(-1) for k, _ in needed])).all():
+        by_shape.setdefault(got, []).append(t)
+    # one finiteness test per shape over every amax (tens of thousands of scalars on a large
+    # MoE: one stack each, no per-amax reshape), then the first bad one by name
+    if not all(bool(torch.isfinite(torch.stack(ts)).all()) for ts in by_shape.values()):
         bad = next(k for k, _ in needed if not torch.isfinite(cal.amax[k]).all())
         raise ExportError(f"{where}: {bad} is not finite")
 
@@ -307,8 +309,10 @@ def plan_export(
     layout: Layout = make_layout(export.format, quant, model_dtype)
     linears, routers, embeddings = _model_linears(model_config, model_type)
 
+    by_pattern = ignore_matcher(quant.ignore)
+
     def ignored(module: str) -> bool:  # routers are never quantized, whatever quant.ignore says
-        return module in routers or naming_ignored(module, quant.ignore)
+        return module in routers or by_pattern(module)
 
     outs = _plan_outputs(
         entries, layout, model_dtype, lambda m: m in linears and not ignored(m), quant.kv_cache

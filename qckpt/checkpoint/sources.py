@@ -382,13 +382,20 @@ def hf_entries(entries: Iterable[Entry], model_type: str) -> list[HFEntry]:
     """The HF checkpoint entries of stored ones (a fused parameter split per expert, adjacent)."""
     import torch
 
-    from qckpt.models.naming import hf_tensors
+    from qckpt.models.naming import hf_tensors, is_fused_experts_param
 
     out: list[HFEntry] = []
+    dtypes: dict[str, torch.dtype] = {}  # a large MoE lists tens of thousands of entries
     for e in entries:
-        meta = torch.empty(e.shape, dtype=e.torch_dtype, device="meta")
+        dt = dtypes.get(e.dtype)
+        if dt is None:
+            dt = dtypes[e.dtype] = e.torch_dtype
+        if not is_fused_experts_param(e.name):  # passes through: no meta tensor to view
+            out.append(HFEntry(e.name, dt, tuple(e.shape), e))
+            continue
+        meta = torch.empty(e.shape, dtype=dt, device="meta")
         for name, view in hf_tensors(e.name, meta, model_type):
-            out.append(HFEntry(name, e.torch_dtype, tuple(view.shape), e))
+            out.append(HFEntry(name, dt, tuple(view.shape), e))
     return out
 
 

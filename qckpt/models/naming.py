@@ -10,7 +10,8 @@ between the two.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,16 @@ def is_fused_experts(mod: torch.nn.Module) -> bool:
 def ignored(module_name: str, patterns: Iterable[str]) -> bool:
     """Whether ``quant.ignore`` (fnmatch patterns of module names) leaves a module unquantized."""
     return any(fnmatch.fnmatchcase(module_name, p) for p in patterns)
+
+
+def ignore_matcher(patterns: Iterable[str]) -> Callable[[str], bool]:
+    """:func:`ignored` with ``patterns`` made into one regex once: what a plan asks of tens of
+    thousands of modules (one ``fnmatchcase`` per pattern per module cost ~0.3 s on 18k)."""
+    pats = list(patterns)
+    if not pats:
+        return lambda _name: False
+    match = re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in pats)).match
+    return lambda name: match(name) is not None
 
 
 def expert_roles(model_type: str) -> dict[str, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +20,7 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     returns the ``ExportReport``. Every rank of ``mesh`` calls it: each writes its share of the
     tensors into the shared shard files, quantizing on its GPU when ``export.device`` allows one (pick_device)."""
     from qckpt.calib.state_file import load_calibration
-    from qckpt.checkpoint.export import WriteOptions, export_checkpoint
+    from qckpt.checkpoint.export import WriteOptions, gc_paused, plan_export, write_export
     from qckpt.models.build import load_config
     from qckpt.parallel.mesh import pick_device
 
@@ -29,18 +31,16 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
         # export in a few bytes; until that is found, auto keeps NVFP4 on the CPU (cuda: as asked)
         want = "cpu"
     device = pick_device(want, key="export.device")
-    with phases.phase(phases.PLAN):
+    # the export's seconds (and GB/s) count from here, the start of planning, to the committed
+    # dir on the main rank: the same span for one process and for every rank count
+    started = time.perf_counter()
+    with phases.phase(phases.PLAN), gc_paused():
         calibration = load_calibration(recipe.calibrate.output)
         source = recipe.model.source
         cfg = load_config(source)
-    # a model dir's config.json, tokenizer and generation files travel with the export
-    source_dir = source if cfg is not None and Path(source).is_dir() else None
-    options = WriteOptions(
-        device=str(device), writers=recipe.export.writers, unmap_large_allocations=True
-    )
-    # plan_export is timed as its own phase; the rest reads, quantizes and writes, tensor by tensor
-    with phases.phase(phases.WRITE), hooks.progress("exporting", None) as advance:
-        return export_checkpoint(
+        # a model dir's config.json, tokenizer and generation files travel with the export
+        source_dir = source if cfg is not None and Path(source).is_dir() else None
+        plan = plan_export(
             source=recipe.checkpoint.path,
             calibration=calibration,
             output=recipe.export.output,
@@ -49,7 +49,15 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
             quant=recipe.quant,
             export=recipe.export,
             source_dir=source_dir,
-            progress=advance,
-            mesh=mesh,
-            options=options,
         )
+    options = WriteOptions(
+        device=str(device), writers=recipe.export.writers, unmap_large_allocations=True
+    )
+    # the plan's objects (several per tensor: 200k+ on a large MoE) are never garbage: out of
+    # the cyclic collector's sight while the write runs, instead of scanned by each collection
+    gc.freeze()
+    try:
+        with phases.phase(phases.WRITE), hooks.progress("exporting", None) as advance:
+            return write_export(plan, progress=advance, started=started, mesh=mesh, options=options)
+    finally:
+        gc.unfreeze()

@@ -182,6 +182,9 @@ class _Files(threading.local):
 
     def __init__(self) -> None:
         self.fds: dict[Path, int] | None = None
+        # one-value scales whose test is deferred to one bulk read and test (_settle_scales):
+        # (name, tensor, zero allowed, where its problem goes in the list)
+        self.scales: list[tuple[str, Tensor, bool, int]] | None = None
 
     def read(self, t: Tensor) -> bytes:
         if self.fds is None:  # outside check_export: open and close
@@ -196,29 +199,35 @@ class _Files(threading.local):
     @contextlib.contextmanager
     def kept_open(self) -> Iterator[None]:
         self.fds = {}
+        self.scales = []
         try:
             yield
         finally:
             for fd in self.fds.values():
                 os.close(fd)
             self.fds = None
+            self.scales = None
 
 
 _FILES = _Files()
 
 
 def _values(t: Tensor) -> np.ndarray:
-    raw = _FILES.read(t)
-    if t.dtype == "F32":
+    return _decode(_FILES.read(t), t.dtype)
+
+
+def _decode(raw: bytes, dtype: str) -> np.ndarray:
+    """Little-endian values of a safetensors dtype as float64 (ValueError for one not read)."""
+    if dtype == "F32":
         return np.frombuffer(raw, dtype="<f4").astype(np.float64)
-    if t.dtype == "F16":
+    if dtype == "F16":
         return np.frombuffer(raw, dtype="<f2").astype(np.float64)
-    if t.dtype == "BF16":
+    if dtype == "BF16":
         bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
         return bits.view(np.float32).astype(np.float64)
-    if t.dtype == "F8_E4M3":
+    if dtype == "F8_E4M3":
         return _e4m3(np.frombuffer(raw, dtype=np.uint8))
-    raise ValueError(t.dtype)
+    raise ValueError(dtype)
 
 
 def _e4m3(b: np.ndarray) -> np.ndarray:
@@ -381,7 +390,77 @@ def _expected_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple]
     return exp
 
 
+# a one-value scale's bytes per dtype: the scales tested in bulk
+_ONE_VALUE = {"F32": 4, "BF16": 2, "F16": 2}
+_BULK_GAP = 4096  # scales this close in a file are read with one pread
+
+
 def _check_scale(name: str, t: Tensor, allow_zero: bool, problems: list[str]) -> None:
+    todo = _FILES.scales
+    if todo is not None and _ONE_VALUE.get(t.dtype) == t.nbytes:
+        todo.append((name, t, allow_zero, len(problems)))  # _settle_scales tests it
+        return
+    _check_scale_now(name, t, allow_zero, problems)
+
+
+def _settle_scales(problems: list[str]) -> None:
+    """The deferred one-value scales (tens of thousands on a large MoE, where a read and a
+    numpy test each cost seconds): read with one ``pread`` per run of nearby scales, tested
+    per dtype in one go; a bad one gets :func:`_check_scale_now`'s message, at the place in
+    ``problems`` it would have had."""
+    todo, _FILES.scales = _FILES.scales or [], []
+    raws = _read_many([t for _, t, _, _ in todo])
+    # a scale past the end of its file (reported already) is read short: tested on its own
+    bad = [i for i, (_, t, _, _) in enumerate(todo) if len(raws[i]) != t.nbytes]
+    for code in {t.dtype for _, t, _, _ in todo}:
+        idx = [
+            i for i, (_, t, _, _) in enumerate(todo) if t.dtype == code and len(raws[i]) == t.nbytes
+        ]
+        v = _decode(b"".join(raws[i] for i in idx), code)
+        zero_ok = np.array([todo[i][2] for i in idx], dtype=bool)
+        good = np.isfinite(v) & ((v > 0) | (zero_ok & (v == 0)))
+        bad += [idx[j] for j in np.flatnonzero(~good)]
+    if not bad:
+        return
+    found: dict[int, list[str]] = {}
+    for i in sorted(bad):
+        name, t, zero_ok, at = todo[i]
+        _check_scale_now(name, t, zero_ok, found.setdefault(at, []))
+    merged: list[str] = []
+    for at in range(len(problems) + 1):
+        merged += found.get(at, [])
+        if at < len(problems):
+            merged.append(problems[at])
+    problems[:] = merged
+
+
+def _read_many(ts: list[Tensor]) -> list[bytes]:
+    """Each tensor's bytes, in order; one read per run of tensors lying close in one file."""
+    rank = {f: str(f) for f in {t.file for t in ts}}  # one str per file, not per tensor
+    order = sorted(range(len(ts)), key=lambda i: (rank[ts[i].file], ts[i].offset))
+    out: list[bytes] = [b""] * len(ts)
+    k = 0
+    while k < len(order):
+        first = ts[order[k]]
+        end, j = first.offset + first.nbytes, k + 1
+        while j < len(order):
+            nxt = ts[order[j]]
+            if nxt.offset > end + _BULK_GAP or (
+                nxt.file is not first.file and nxt.file != first.file
+            ):
+                break
+            end, j = max(end, nxt.offset + nxt.nbytes), j + 1
+        run = _FILES.read(
+            Tensor(first.file, "U8", (end - first.offset,), first.offset, end - first.offset)
+        )
+        for i in order[k:j]:
+            a = ts[i].offset - first.offset
+            out[i] = run[a : a + ts[i].nbytes]
+        k = j
+    return out
+
+
+def _check_scale_now(name: str, t: Tensor, allow_zero: bool, problems: list[str]) -> None:
     try:
         v = _values(t)
     except ValueError:
@@ -520,6 +599,7 @@ def check_export(path: str | Path, *, max_problems: int = 50) -> CheckResult:
     res.scheme = scheme.name
     with _FILES.kept_open():
         _check_tensors(res, scheme, cfg, qc, tensors)
+        _settle_scales(p)
     del p[max_problems:]
     return res
 

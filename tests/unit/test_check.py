@@ -195,3 +195,23 @@ def test_modelopt_export_described_by_hf_quant_config_alone(exports):
     assert check_export(d).problems == [
         "config.json: no quantization_config: not a quantized export"
     ]
+
+
+def test_bulk_scale_test_gives_the_one_by_one_problems_in_order(exports, monkeypatch):
+    """The one-value scales are read and tested together (one pread per run of nearby scales):
+    several bad ones, of each kind, give the messages and the order that testing each scale
+    where it is met gives (the bulk test turned off)."""
+    import qckpt.check as check
+
+    root, out = exports
+    d = _copy(root, out["compressed-tensors"], "ct-many-bad")
+    _poke(d, f"{EXPERT}.up_proj.weight_scale", float("nan"))
+    _poke(d, "model.layers.0.self_attn.o_proj.input_scale", 0.0)
+    _poke(d, "model.layers.1.self_attn.v_scale", -1.0)
+    _poke(d, "model.layers.1.mlp.experts.0.down_proj.weight_scale", float("inf"))
+    _edit_config(d, lambda q: q["ignore"].append("re:.*layers.0.self_attn.q_proj"))
+    bulk = check_export(d).problems
+    monkeypatch.setattr(check, "_ONE_VALUE", {})  # every scale tested where it is met
+    one_by_one = check_export(d).problems
+    assert bulk == one_by_one
+    assert len(bulk) == 5 and any("negative scale" in p for p in bulk), bulk

@@ -20,7 +20,6 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from qckpt.calib.shapes import SCALAR_GRANULARITIES, amax_shape, weight_block
 from qckpt.errors import CalibrationError
@@ -245,7 +244,7 @@ class AmaxStore:
         self._plan = (list(quantizers), [(s, s.version) for s in stores], plan)
 
 
-class TensorQuantizer(nn.Module):
+class TensorQuantizer:
     """One quantizer of one tensor (a linear's weight or its input).
 
     ``name`` is the HF checkpoint module name (``model.layers.0.mlp.experts.3.gate_proj``) and
@@ -257,6 +256,10 @@ class TensorQuantizer(nn.Module):
     ``block`` (static per block of ``block_size``; for inputs, blocks of the last dim), and
     ``dynamic_block`` (NVFP4: block scales are computed at quantization time; only the per-tensor
     global amax is calibrated, so it syncs exactly like ``tensor``).
+
+    A plain object, not an ``nn.Module``: it is never registered in the model, and a model of
+    thousands of experts makes thousands of them on every rank (an ``nn.Module``'s init and
+    attribute hooks were most of ``insert_quantizers``' time, a start-up cost of every forward).
     """
 
     def __init__(
@@ -278,7 +281,6 @@ class TensorQuantizer(nn.Module):
         expert_layer: str | None = None,
         expert: int | None = None,
     ) -> None:
-        super().__init__()
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         if granularity not in GRANULARITIES:
@@ -485,6 +487,9 @@ class TensorQuantizer(nn.Module):
         if value is not None:
             self.amax = value
         self.store.changed()  # the sync's cached layout knew the local shapes
+
+    def __repr__(self) -> str:
+        return f"TensorQuantizer({self.extra_repr()})"
 
     def extra_repr(self) -> str:
         amax = self.amax

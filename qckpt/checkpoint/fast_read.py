@@ -38,11 +38,12 @@ the plain code.
 from __future__ import annotations
 
 import ctypes
+import gc
 import math
 import os
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,25 @@ class _Pending:
     job: Job
     target: torch.Tensor | None = None
     batches: list[_Batch] = field(default_factory=list)
+
+
+# (file, file offset, byte offset in the destination buffer, bytes): one contiguous span each
+Span = tuple[str, int, int, int]
+RUN_SPANS = 64  # spans per pool task at most (their bytes stay under CHUNK_BYTES too)
+
+
+@dataclass(eq=False)
+class _Run:
+    """Consecutive plan items of one streamed destination whose stored bytes and whose places in
+    its buffer are each one contiguous span of the same dtype (the per-expert tensors of a fused
+    parameter): resolved in one planner call, read as byte spans by the pool (on CUDA: packed
+    into pinned buffers, one copy per contiguous stretch of the destination), committed in one
+    planner call. No tensor view per item on any thread."""
+
+    fqn: str
+    buf: torch.Tensor
+    items: list[ReadItem]
+    futures: list[Future] = field(default_factory=list)
 
 
 class Files:
@@ -288,44 +308,125 @@ class FastReadEngine:
     # ---- the calling thread ---------------------------------------------------------------
 
     def run(self, jobs: list[Job], planner: Any) -> None:
-        """Every job's item read, resolved and committed, commits in the jobs' order."""
+        """Every job's item read, resolved and committed, commits in the jobs' order.
+
+        Python's cyclic collector is off meanwhile: the read allocates a few objects per item
+        that live until their commit, so a 20k-item read set off several full collections,
+        each a walk over the whole heap (the model, torch, transformers: ~0.3 s apiece on a
+        loaded host), which grew the per-item cost with the number of items."""
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            self._run(jobs, planner)
+        finally:
+            if was:
+                gc.enable()
+
+    def _run(self, jobs: list[Job], planner: Any) -> None:
         left = Counter(j.item.dest_index.fqn for j in jobs)
         streams = getattr(planner, "streams", None)
+        runs = hasattr(planner, "resolve_run") and hasattr(planner, "commit_run")
         live: set[str] = set()  # destinations with a scratch admitted and not yet finished
-        window: deque[_Pending] = deque()
-        nxt = 0
+        window: deque[_Pending | _Run] = deque()
+        held = 0  # window slots taken: an item, or a whole run (its reads go through the pool)
+        nxt = done = 0
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qckpt-read")
         try:
-            for _ in range(len(jobs)):
-                while nxt < len(jobs) and len(window) < self.window:
+            while done < len(jobs):
+                while nxt < len(jobs) and held < self.window:
                     fqn = jobs[nxt].item.dest_index.fqn
-                    new = streams is not None and fqn not in live and bool(streams(fqn))
+                    streamed = streams is not None and bool(streams(fqn))
+                    new = streamed and fqn not in live
                     # an empty window admits anyway: a plan whose destinations are not grouped
                     # would otherwise wait for itself
                     if new and len(live) >= self.max_inflight and window:
                         break
                     if new:
                         live.add(fqn)
-                    window.append(self._start(jobs[nxt], planner, pool))
-                    nxt += 1
-                if window and self._open is not None and self._open in window[0].batches:
-                    self._flush(pool)  # the item waited for next is in it
+                    unit = self._start_run(jobs, nxt, planner, pool) if streamed and runs else None
+                    if unit is None:
+                        unit = self._start(jobs[nxt], planner, pool)
+                    window.append(unit)
+                    held += 1
+                    nxt += len(unit.items) if isinstance(unit, _Run) else 1
+                head = window[0]
+                if isinstance(head, _Pending) and self._open is not None:
+                    if self._open in head.batches:
+                        self._flush(pool)  # the item waited for next is in it
                 p = window.popleft()
-                self._complete(p, planner)
-                fqn = p.job.item.dest_index.fqn
-                left[fqn] -= 1
+                held -= 1
+                if isinstance(p, _Run):
+                    self._complete_run(p, planner)
+                    fqn, n = p.fqn, len(p.items)
+                else:
+                    self._complete(p, planner)
+                    fqn, n = p.job.item.dest_index.fqn, 1
+                done += n
+                left[fqn] -= n
                 if left[fqn] <= 0:
                     live.discard(fqn)
                     self._ready.pop(fqn, None)
         finally:
             for p in window:
-                for b in p.batches:
-                    if b.future is not None:
-                        b.future.cancel()
+                for f in p.futures if isinstance(p, _Run) else (b.future for b in p.batches):
+                    if f is not None:
+                        f.cancel()
             self._open = None
             pool.shutdown(wait=True, cancel_futures=True)
             if self._copy_stream is not None:
                 torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
+
+    def _start_run(
+        self, jobs: list[Job], i: int, planner: Any, pool: ThreadPoolExecutor
+    ) -> _Run | None:
+        """Jobs ``i``, ``i+1``, ... of one streamed destination as a run, as far as each is one
+        contiguous span on both sides (None when job ``i`` is not: it goes item by item)."""
+        fqn = jobs[i].item.dest_index.fqn
+        buf = planner.resolve_run(fqn)
+        if buf is None or not buf.is_contiguous() or buf.numel() == 0:
+            return None
+        shape, size, dtype = tuple(buf.shape), buf.element_size(), buf.dtype
+        items: list[ReadItem] = []
+        spans: list[Span] = []
+        for job in jobs[i:]:
+            item = job.item
+            if item.dest_index.fqn != fqn or job.locate is None:
+                break
+            st = job.locate()
+            if st is None or st.dtype != dtype or not _fits(st, item):
+                break
+            src = _span(st.shape, item.storage_offsets, item.lengths)
+            dst = _span(shape, item.dest_offsets, item.lengths)
+            if src is None or dst is None:
+                break
+            items.append(item)
+            n = src[1] * size
+            if n:
+                _add_span(spans, (st.path, st.offset + src[0] * size, dst[0] * size, n))
+        if not items:
+            return None
+        ready = None
+        if buf.device.type == "cuda":
+            self._prepare_cuda(buf.device)
+            ready = self._ready.get(fqn)
+            if ready is None:  # see _start: the copies wait for the scratch's allocation
+                ready = self._ready[fqn] = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(buf.device))
+        run = _Run(fqn, buf, items)
+        if spans:
+            self.bytes_read += sum(sp[3] for sp in spans)
+            dest = buf.view(-1).view(torch.uint8) if ready is not None else _byte_view(buf)
+            for task in _tasks(spans, self.chunk_bytes):
+                run.futures.append(pool.submit(self._read_spans, dest, task, ready))
+        return run
+
+    def _complete_run(self, r: _Run, planner: Any) -> None:
+        for f in r.futures:
+            ev = f.result()
+            if ev is not None:
+                torch.cuda.current_stream(r.buf.device).wait_event(ev)
+        r.futures.clear()
+        planner.commit_run(r.items)
 
     def _start(self, job: Job, planner: Any, pool: ThreadPoolExecutor) -> _Pending:
         st = job.locate() if job.locate is not None else None
@@ -388,6 +489,32 @@ class FastReadEngine:
         planner.commit_tensor(p.job.item, p.target)
 
     # ---- reader threads -------------------------------------------------------------------
+
+    def _read_spans(self, dest: Any, spans: list[Span], ready: Any) -> Any:
+        """A run's spans read straight into the destination's bytes (host: ``dest`` is their
+        memoryview), or packed into one pinned buffer and copied to the device (``dest``: the
+        destination as flat bytes) with one copy per stretch contiguous in the destination."""
+        if ready is None:
+            for path, pos, off, n in spans:
+                read_exact(self.files.fd(path), dest[off : off + n], pos, path)
+            return None
+        pool, stream = self._pinned(), self._copy_stream
+        pinned, ev = pool.acquire(), None
+        try:
+            mv, at = _byte_view(pinned), 0
+            for path, pos, _, n in spans:
+                read_exact(self.files.fd(path), mv[at : at + n], pos, path)
+                at += n
+            with torch.cuda.device(dest.device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                for off, at, n in _stretches(spans):
+                    dest.narrow(0, off, n).copy_(pinned.narrow(0, at, n), non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+        finally:
+            # on a failure after some copies were queued, the buffer waits for them
+            pool.release(pinned, ev if ev is not None else self._record(stream, dest.device))
+        return ev
 
     def _raw(self, nbytes: int) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
@@ -511,3 +638,72 @@ def _fits(st: StoredTensor, item: ReadItem) -> bool:
     return len(st.shape) == len(offs) == len(lens) and all(
         o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(offs, lens, st.shape, strict=True)
     )
+
+
+def _span(
+    shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]
+) -> tuple[int, int] | None:
+    """(first element, elements) of the region ``offsets``/``lengths`` of a row-major tensor of
+    ``shape`` when it is one contiguous run of elements (every axis after the first one longer
+    than 1 taken whole), else None."""
+    nd = len(shape)
+    if len(offsets) != nd or len(lengths) != nd:
+        return None
+    k = 0
+    while k < nd and lengths[k] == 1:
+        k += 1
+    for a in range(k + 1, nd):
+        if lengths[a] != shape[a] or offsets[a] != 0:
+            return None
+    first, stride = 0, 1
+    for a in range(nd - 1, -1, -1):
+        first += offsets[a] * stride
+        stride *= shape[a]
+    n = math.prod(lengths)
+    return (first, n) if first + n <= stride else None
+
+
+def _add_span(spans: list[Span], sp: Span) -> None:
+    """Append ``sp``, merged into the last span when it continues it in the file and in the
+    destination (gate and up of one expert: adjacent in both)."""
+    if spans:
+        path, pos, off, n = spans[-1]
+        if path == sp[0] and pos + n == sp[1] and off + n == sp[2]:
+            spans[-1] = (path, pos, off, n + sp[3])
+            return
+    spans.append(sp)
+
+
+def _tasks(spans: list[Span], chunk: int) -> list[list[Span]]:
+    """The spans as pool tasks of at most ``chunk`` bytes (a pinned buffer) and ``RUN_SPANS``
+    spans each, a span longer than ``chunk`` cut into pieces."""
+    out: list[list[Span]] = []
+    cur: list[Span] = []
+    used = 0
+    for path, pos, off, n in spans:
+        while n > 0:
+            if used >= chunk or len(cur) >= RUN_SPANS:
+                out.append(cur)
+                cur, used = [], 0
+            take = min(n, chunk - used)
+            cur.append((path, pos, off, take))
+            used += take
+            pos, off, n = pos + take, off + take, n - take
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _stretches(spans: list[Span]) -> list[tuple[int, int, int]]:
+    """(destination offset, offset in the packed buffer, bytes) of each stretch of ``spans``
+    that is contiguous in the destination (the buffer holds the spans back to back)."""
+    out: list[tuple[int, int, int]] = []
+    at = 0
+    for _, _, off, n in spans:
+        if out and out[-1][0] + out[-1][2] == off:
+            o, a, m = out[-1]
+            out[-1] = (o, a, m + n)
+        else:
+            out.append((off, at, n))
+        at += n
+    return out

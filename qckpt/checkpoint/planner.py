@@ -164,6 +164,7 @@ class MemoryMeter:
         self.base_rss = _rss()
         self.peak_rss = self.base_rss
         self._rss_at, self._rss_last = time.perf_counter(), self.base_rss
+        self._dev_at, self._dev_last = self._rss_at, 0
         self.base_alloc = torch.cuda.memory_allocated(self.device) if self.cuda else 0
         # the command's high before this load (never reset: see the class doc)
         self.high_at_start = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
@@ -241,9 +242,12 @@ class MemoryMeter:
             )
             self._win = None
 
-    def sample(self, force: bool = False) -> None:
+    def sample(self, force: bool = False, fresh: bool = False) -> None:
         # the host RSS costs a /proc read (0.1-0.3 ms): at most once per RSS_EVERY_S, or a
-        # load of 20k small items would spend seconds on it; the device level is free
+        # load of 20k small items would spend seconds on it. So does the device level:
+        # torch.cuda.memory_allocated builds and flattens the allocator's whole stats dict
+        # (tens of us, more under the readers' GIL traffic), so it is read at most as often,
+        # and always when ``fresh`` (a scratch just allocated) or ``force``
         t = time.perf_counter()
         if force or t - self._rss_at >= RSS_EVERY_S or not self.samples:
             self._rss_at, self._rss_last = t, _rss()
@@ -251,7 +255,9 @@ class MemoryMeter:
             phases.note_host_rss(self._rss_last)
         rss = self._rss_last
         if self.cuda:
-            now = torch.cuda.memory_allocated(self.device)
+            if force or fresh or t - self._dev_at >= RSS_EVERY_S or not self.samples:
+                self._dev_at, self._dev_last = t, torch.cuda.memory_allocated(self.device)
+            now = self._dev_last
             self._sampled_peak = max(self._sampled_peak, now)
             if self._win is not None:
                 self._win[3] = max(self._win[3], now)
@@ -451,6 +457,10 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         d = self._dests.get(fqn)
         if d is None:
             return super().resolve_tensor(read_item)
+        return _region(self._scratch(d), read_item.dest_offsets, read_item.lengths)
+
+    def _scratch(self, d: _Dest) -> torch.Tensor:
+        """``d``'s full-shape buffer, allocated at its first item."""
         if d.buf is None:
             if self.meter is not None:
                 self.meter.open_window()
@@ -465,8 +475,33 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
                 if self.meter is not None:
                     self.meter.add_scratch(d.buf_bytes)
             if self.meter is not None:
-                self.meter.sample()  # the level while the scratch is live
-        return _region(d.buf, read_item.dest_offsets, read_item.lengths)
+                self.meter.sample(fresh=True)  # the level while the scratch is live
+        return d.buf
+
+    # ---- runs of items (the fast reader): one call for many items of one destination ----------
+
+    def resolve_run(self, fqn: str) -> torch.Tensor | None:
+        """The whole contiguous buffer that ``fqn``'s items fill (a quantized destination's
+        scratch, allocated now if it is not yet), addressed by the items' ``dest_offsets``; None
+        for a plain destination (those take ``resolve_tensor`` item by item). The fast reader
+        writes a run of items' bytes straight into it and then calls ``commit_run``: the same as
+        ``resolve_tensor`` + ``commit_tensor`` per item, in plan order, on the calling thread."""
+        d = self._dests.get(fqn)
+        return None if d is None else self._scratch(d)
+
+    def commit_run(self, items: Sequence[ReadItem]) -> None:
+        """``commit_tensor`` of consecutive plan items of one quantized destination whose data
+        ``resolve_run``'s buffer holds (at the run's last item of the destination: ``_finish``)."""
+        if not items:
+            return
+        fqn = items[0].dest_index.fqn
+        d = self._dests[fqn]
+        self.stats["items"] += len(items)
+        d.done += len(items)
+        if d.done >= d.expected:
+            self._finish(fqn, d)
+        if self.meter is not None:
+            self.meter.sample()
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         self.stats["items"] += 1
@@ -503,7 +538,7 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
             d.buf_bytes = src.numel() * src.element_size()
             if meter is not None:
                 meter.add_scratch(d.buf_bytes)
-                meter.sample()
+                meter.sample(fresh=True)
         else:
             src = full
         if self.tap is not None:

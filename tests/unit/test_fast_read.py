@@ -113,6 +113,7 @@ def test_planner_calls_stay_in_plan_order_on_the_calling_thread(ckpts, monkeypat
         "finish": [],
         "threads": set(),
         "reads": set(),
+        "runs": [],
     }
     real = load_mod.StreamingDequantLoadPlanner
 
@@ -131,6 +132,17 @@ def test_planner_calls_stay_in_plan_order_on_the_calling_thread(ckpts, monkeypat
             seen["commit"].append((read_item.dest_index.fqn, read_item.dest_index.offset))
             super().commit_tensor(read_item, tensor)
 
+        def resolve_run(self, fqn):
+            seen["threads"].add(threading.get_ident())
+            return super().resolve_run(fqn)
+
+        def commit_run(self, items):
+            # a run of items committed in one call: in plan order like one call per item
+            seen["threads"].add(threading.get_ident())
+            seen["runs"].append(len(items))
+            seen["commit"] += [(i.dest_index.fqn, i.dest_index.offset) for i in items]
+            super().commit_run(items)
+
         def _finish(self, fqn, d):
             seen["threads"].add(threading.get_ident())
             seen["finish"].append(fqn)
@@ -148,6 +160,8 @@ def test_planner_calls_stay_in_plan_order_on_the_calling_thread(ckpts, monkeypat
     load_checkpoint(m, ckpts / "moe-hf", reader="fast", read_threads=4)
     assert seen["threads"] == {main}
     assert seen["commit"] == seen["plan"] and len(seen["plan"]) > 50
+    # the per-expert items of each fused parameter went as runs (one planner call for many)
+    assert seen["runs"] and max(seen["runs"]) > 1
     # each quantized destination finished at its last item, in plan order, grouped by fqn
     order = list(dict.fromkeys(f for f, _ in seen["plan"]))
     assert seen["finish"] == [f for f in order if f in set(seen["finish"])]
@@ -167,6 +181,11 @@ def test_max_inflight_bounds_the_live_scratches(ckpts, monkeypatch, inflight):
     class Spy(real):
         def resolve_tensor(self, read_item):
             out = super().resolve_tensor(read_item)
+            live.append(self.pending()["scratch_buffers"])
+            return out
+
+        def resolve_run(self, fqn):
+            out = super().resolve_run(fqn)
             live.append(self.pending()["scratch_buffers"])
             return out
 

@@ -180,3 +180,74 @@ def test_nan_activation_fails_naming_the_module():
     with pytest.raises(Exception, match=r"model\.layers\.0\.self_attn\.o_proj.*non-finite"):
         calibrate_model(m, [_ids()], QuantConfig(), Mesh())
     assert not hasattr(m, "_qckpt_instrumentation")
+
+
+def _one_by_one(model, quant):
+    """Every weight quantizer's amax as ``reduce`` takes it from its own slice, one at a time."""
+    from qckpt.calib.instrument import instrumentation
+
+    qs = insert_quantizers(model, quant)
+    try:
+        out = {}
+        for src in instrumentation(model).weights:
+            q = src.quantizer
+            out[q.key] = q.reduce(src.take(model.get_parameter(src.param))).float()
+        return out, qs
+    finally:
+        remove_quantizers(model)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_expert_weight_amax_at_once_equals_one_by_one(dtype):
+    """The experts' weight amaxes taken per fused weight at once (one aminmax) are those each
+    expert's slice gives alone, bit for bit: signs of the extremes, a -0.0-only expert, an
+    expert whose largest magnitude is negative, a value only one row of the gate half holds."""
+    from qckpt.calib.instrument import (
+        _fused_expert_amax,
+        calibrate_weights,
+        instrumentation,
+        settle,
+    )
+
+    m = build_model("tiny-moe", dtype=dtype, seed=0)
+    experts = m.model.layers[0].mlp.experts
+    with torch.no_grad():
+        experts.gate_up_proj[2].zero_().neg_()  # -0.0 everywhere: amax +0.0
+        experts.gate_up_proj[3, 0, 0] = -1000.0  # the gate half's extreme is negative
+        experts.down_proj[5, -1, -1] = 77.0
+    ref, _ = _one_by_one(m, QuantConfig())
+    qs = insert_quantizers(m, QuantConfig())
+    try:
+        # every expert slice goes the at-once way (only the attention linears are left)
+        left = _fused_expert_amax(m, instrumentation(m).weights)
+        assert left and not any(".experts." in s.quantizer.name for s in left)
+        for q in qs.values():
+            q.reset()
+        calibrate_weights(m)
+        settle(m)
+        got = {k: q.amax.float() for k, q in qs.items() if k.endswith(".weight_amax")}
+    finally:
+        remove_quantizers(m)
+    assert sorted(got) == sorted(ref) and any(".experts." in k for k in ref)
+    diff = [k for k in ref if not torch.equal(ref[k], got[k])]
+    assert not diff, diff[:5]
+    key = "model.layers.0.mlp.experts.2.gate_proj.weight_amax"
+    assert got[key].item() == 0.0 and not torch.signbit(got[key])
+    assert got["model.layers.0.mlp.experts.3.gate_proj.weight_amax"].item() == 1000.0
+    assert got["model.layers.0.mlp.experts.5.down_proj.weight_amax"].item() == 77.0
+
+
+def test_nan_in_one_experts_weight_fails_naming_that_expert():
+    from qckpt.calib.instrument import calibrate_weights, settle
+    from qckpt.errors import CalibrationError
+
+    m = build_model("tiny-moe", dtype="bfloat16", seed=0)
+    with torch.no_grad():
+        m.model.layers[1].mlp.experts.gate_up_proj[4, -1, 3] = float("nan")  # up half
+    insert_quantizers(m, QuantConfig())
+    try:
+        calibrate_weights(m)
+        with pytest.raises(CalibrationError, match=r"experts\.4\.up_proj: non-finite weight"):
+            settle(m)
+    finally:
+        remove_quantizers(m)

@@ -566,9 +566,15 @@ def make_layout(export_format: str, quant: QuantConfig, model_dtype: torch.dtype
 
 
 def share_moe_amax(
-    amax: dict[str, torch.Tensor], modules: list[str], quant: QuantConfig, model_type: str
+    amax: dict[str, torch.Tensor],
+    modules: list[str],
+    quant: QuantConfig,
+    model_type: str,
+    *,
+    values: dict[str, float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The amaxes behind ``export.moe_scales: shared`` (see the module doc); a new dict.
+    ``values``: one-value amaxes already read as floats (the plan's check makes them), by key.
 
     Per-tensor weight amax (FP8 ``tensor``, NVFP4's global amax): an expert's gate and up both
     get the larger of the two. Static input amax: every expert of a layer gets the max over the
@@ -589,25 +595,20 @@ def share_moe_amax(
             pairs.setdefault((hit["experts"], hit["e"]), []).append(m)
         layer_in.setdefault((hit["experts"], side), []).append(m)
     out = dict(amax)
+    got = values or {}
+    ties: list[tuple[list[str], int]] = []  # (keys tied, the one whose value they all get)
 
     def tie(names: list[str], kind: str) -> None:
-        keys = [f"{n}.{kind}_amax" for n in names if f"{n}.{kind}_amax" in amax]
+        keys = [k for k in (f"{n}.{kind}_amax" for n in names) if k in amax]
         if len(keys) > 1:
             # the largest as a Python float (exact for float32 amaxes; NaN wins, as in a
             # tensor max): thousands of expert pairs, a stack and a max each cost seconds, and
             # so did three tensor ops per amax (18k experts: 0.9 s)
-            vals = [float(amax[k]) for k in keys]
+            vals = [got[k] if k in got else float(amax[k]) for k in keys]
             i = next((j for j, v in enumerate(vals) if v != v), None)
             if i is None:
                 i = max(range(len(vals)), key=vals.__getitem__)
-            top = amax[keys[i]].detach().float().reshape(()).clone()
-            shaped = {(): top}
-            for k in keys:
-                shape = tuple(amax[k].shape)
-                t = shaped.get(shape)
-                if t is None:
-                    t = shaped[shape] = top.reshape(shape)
-                out[k] = t
+            ties.append((keys, i))
 
     if per_tensor_w:
         for names in pairs.values():
@@ -615,6 +616,22 @@ def share_moe_amax(
     if static_in:
         for names in layer_in.values():
             tie(names, "input")
+    # each tie's value as its own float32 0-d tensor; from the floats in one call when every
+    # winner's value is known finite (``values`` come from a finiteness check), else a clone
+    # of the winner (a NaN keeps its bits)
+    known = all(keys[i] in got for keys, i in ties)
+    if known and ties:
+        tops = torch.tensor([got[keys[i]] for keys, i in ties], dtype=torch.float32).unbind()
+    else:
+        tops = [amax[keys[i]].detach().float().reshape(()).clone() for keys, i in ties]
+    for (keys, _), top in zip(ties, tops, strict=True):
+        shaped = {(): top}
+        for k in keys:
+            shape = tuple(amax[k].shape)
+            t = shaped.get(shape)
+            if t is None:
+                t = shaped[shape] = top.reshape(shape)
+            out[k] = t
     return out
 
 

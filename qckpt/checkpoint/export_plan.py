@@ -134,14 +134,16 @@ def _check_calibration(
 
 def _check_amax(
     cal: CalibrationState, needed: list[tuple[str, tuple[int, ...]]], where: str
-) -> None:
+) -> dict[str, float]:
+    """Every amax ``needed`` is there, of its shape, and finite; returns the one-value ones as
+    Python floats (what ``share_moe_amax`` compares), read in one go per shape."""
     missing = [k for k, _ in needed if k not in cal.amax]
     if missing:
         raise ExportError(
             f"{where}: {len(missing)} amax missing from the calibration file (first: {missing[0]}); "
             "an uncalibrated scale would load as zero and serve NaNs"
         )
-    by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}  # the amaxes, grouped by shape
+    by_shape: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}  # grouped by shape
     for key, shape in needed:
         t = cal.amax[key]
         got = tuple(t.shape)
@@ -150,12 +152,18 @@ def _check_amax(
             raise ExportError(
                 f"{where}: {key} has shape {list(got)}, the export needs {list(shape)}"
             )
-        by_shape.setdefault(got, []).append(t)
+        by_shape.setdefault(got, {})[key] = t
     # one finiteness test per shape over every amax (tens of thousands of scalars on a large
-    # MoE: one stack each, no per-amax reshape), then the first bad one by name
-    if not all(bool(torch.isfinite(torch.stack(ts)).all()) for ts in by_shape.values()):
-        bad = next(k for k, _ in needed if not torch.isfinite(cal.amax[k]).all())
-        raise ExportError(f"{where}: {bad} is not finite")
+    # MoE: one stack each, no per-amax op), then the first bad one by name
+    values: dict[str, float] = {}
+    for got, group in by_shape.items():
+        stacked = torch.stack(list(group.values())).detach()
+        if not bool(torch.isfinite(stacked).all()):
+            bad = next(k for k, _ in needed if not torch.isfinite(cal.amax[k]).all())
+            raise ExportError(f"{where}: {bad} is not finite")
+        if math.prod(got) == 1:
+            values.update(zip(group, stacked.double().reshape(-1).tolist(), strict=True))
+    return values
 
 
 @dataclass(kw_only=True)
@@ -321,14 +329,14 @@ def plan_export(
         raise ExportError(
             f"{source}: no linear weight left to quantize (check quant.ignore and model_type)"
         )
-    _check_amax(cal, outs.needed, where)
+    values = _check_amax(cal, outs.needed, where)
     ignore_list = layout.ignore_entries(
         sorted(m for m in linears | routers if ignored(m)), embeddings
     )
     amax = cal.amax
     if export.moe_scales == MOE_SHARED:
         modules = [g.module for g in outs.groups if g.module is not None]
-        amax = share_moe_amax(cal.amax, modules, quant, model_type)
+        amax = share_moe_amax(cal.amax, modules, quant, model_type, values=values)
     cfg["quantization_config"] = layout.quantization_config(ignore_list)
     return ExportPlan(
         target=target,

@@ -133,3 +133,61 @@ def test_fast_load_quantizes_with_the_triton_kernels(dirs, monkeypatch, fmt, ker
     monkeypatch.setattr(_triton, kernel, spy)
     load_checkpoint(m, dirs / "dcp", reader="fast")
     assert len(calls) >= LAYERS + 1  # every quantized destination of the load
+
+
+# ---- runs: the per-expert items of a fused parameter, packed and copied by stretches ------------
+
+
+@pytest.fixture(scope="module")
+def moe_hf(tmp_path_factory):
+    from qckpt.checkpoint.convert import dcp_to_hf_dir, save_model_dcp
+    from qckpt.models.build import build_model
+
+    root = tmp_path_factory.mktemp("fastgpu-moe")
+    moe = build_model("tiny-moe", seed=1)
+    save_model_dcp(moe, root / "dcp")
+    dcp_to_hf_dir(root / "dcp", root / "hf", moe.config, max_shard_bytes=60_000)
+    return root / "hf"
+
+
+def _moe(fmt: str) -> nn.Module:
+    from qckpt.models.build import build_model
+    from qckpt.models.quantize_params import quantize_model_params
+
+    m = build_model("tiny-moe", seed=7).to(DEVICE)
+    if fmt != "none":
+        quantize_model_params(m, fmt, ignore=["lm_head"])
+    return m
+
+
+@pytest.mark.parametrize("inflight", [1, 2])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4"])
+def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt, inflight):
+    import qckpt.checkpoint.fast_read as fast_read
+    from qckpt.checkpoint.load import load_checkpoint
+
+    # 4 KiB pinned buffers: a run's spans are cut mid-expert and its tasks reuse the buffers
+    monkeypatch.setattr(fast_read, "CHUNK_BYTES", 4096)
+    runs, copies = [], []
+    real_run, real_stretches = fast_read.FastReadEngine._start_run, fast_read._stretches
+
+    def spy_run(self, *args):
+        r = real_run(self, *args)
+        if r is not None:
+            runs.append(len(r.items))
+        return r
+
+    def spy_stretches(spans):
+        out = real_stretches(spans)
+        copies.append((len(spans), len(out)))
+        return out
+
+    monkeypatch.setattr(fast_read.FastReadEngine, "_start_run", spy_run)
+    monkeypatch.setattr(fast_read, "_stretches", spy_stretches)
+    a, b = _moe(fmt), _moe(fmt)
+    ra = load_checkpoint(a, moe_hf, reader="fast", max_inflight=inflight, read_threads=4)
+    load_checkpoint(b, moe_hf, reader="plain")
+    assert _same(a, b)
+    assert runs and max(runs) > 1
+    assert copies and all(0 < c <= s for s, c in copies)
+    assert ra.transient_bytes <= ra.predicted_transient_bytes + 64 * MiB

@@ -286,3 +286,73 @@ def test_short_read_names_the_file(tmp_path):
             fast_read.read_exact(files.fd(str(f)), buf, 0, str(f))
     finally:
         files.close()
+
+
+def test_span_is_one_contiguous_run_of_elements_or_none():
+    shape = (4, 6, 5)
+    flat = torch.arange(4 * 6 * 5).view(shape)
+    cases = [
+        ((1, 2, 0), (1, 3, 5)),  # rows of one expert: contiguous
+        ((2, 0, 0), (2, 6, 5)),  # whole experts
+        ((0, 0, 0), (4, 6, 5)),
+        ((3, 5, 2), (1, 1, 3)),  # part of one row
+        ((0, 0, 0), (0, 6, 5)),  # empty
+        ((0, 1, 0), (2, 3, 5)),  # rows of two experts: not contiguous
+        ((1, 0, 1), (1, 2, 4)),  # narrowed columns: not contiguous
+    ]
+    for offs, lens in cases:
+        got = fast_read._span(shape, offs, lens)
+        region = flat[tuple(slice(o, o + n) for o, n in zip(offs, lens, strict=True))]
+        contiguous = region.numel() == 0 or (
+            region.flatten().diff().eq(1).all().item()
+            if region.numel() > 1
+            else True  # one element
+        )
+        if region.numel() and contiguous:
+            assert got == (int(region.flatten()[0]), region.numel()), (offs, lens)
+        elif region.numel() == 0:
+            assert got is not None and got[1] == 0
+        else:
+            assert got is None, (offs, lens)
+    assert fast_read._span((2, 3), (0,), (1,)) is None  # rank mismatch
+
+
+def test_spans_merge_split_into_tasks_and_coalesce_into_stretches():
+    spans: list = []
+    fast_read._add_span(spans, ("a", 100, 0, 10))
+    fast_read._add_span(spans, ("a", 110, 10, 6))  # continues both: merged
+    fast_read._add_span(spans, ("a", 500, 16, 4))  # continues the destination only
+    fast_read._add_span(spans, ("b", 520, 20, 4))  # another file
+    assert spans == [("a", 100, 0, 16), ("a", 500, 16, 4), ("b", 520, 20, 4)]
+    tasks = fast_read._tasks(spans, 7)
+    assert all(sum(s[3] for s in t) <= 7 for t in tasks)
+    # every byte once, in order, each piece at its own file and destination offsets
+    pieces = [s for t in tasks for s in t]
+    assert sum(s[3] for s in pieces) == 24
+    assert [s[2] for s in pieces] == sorted(s[2] for s in pieces)
+    assert pieces[1] == ("a", 107, 7, 7)
+    # back to back in one buffer, the destination-contiguous spans are one copy
+    assert fast_read._stretches(spans) == [(0, 0, 24)]
+    assert fast_read._stretches([("a", 0, 0, 4), ("a", 9, 8, 4)]) == [(0, 0, 4), (8, 4, 4)]
+
+
+def test_fused_experts_are_read_as_runs_in_few_tasks(ckpts, monkeypatch):
+    # the per-expert items of a fused parameter: one run, one planner resolve and commit, its
+    # bytes read in fewer pool tasks than items (each task one pinned buffer on a device load)
+    runs: list[tuple[int, int]] = []
+    real = fast_read.FastReadEngine._start_run
+
+    def spy(self, *args):
+        r = real(self, *args)
+        if r is not None:
+            runs.append((len(r.items), len(r.futures)))
+        return r
+
+    monkeypatch.setattr(fast_read.FastReadEngine, "_start_run", spy)
+    monkeypatch.setattr(fast_read, "CHUNK_BYTES", 1 << 20)
+    a, b = _moe("fp8"), _moe("fp8")
+    load_checkpoint(a, ckpts / "moe-hf", reader="fast", read_threads=3)
+    load_checkpoint(b, ckpts / "moe-hf", reader="plain")
+    assert_same_model(a, b)
+    multi = [(n, tasks) for n, tasks in runs if n > 1]
+    assert multi and all(tasks < n for n, tasks in multi)

@@ -16,7 +16,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -232,6 +232,7 @@ def load_checkpoint(
     reader: Any = "fast",
     max_inflight: int = 2,
     read_threads: int | None = None,
+    only: Collection[str] | None = None,
 ) -> LoadReport:
     """Load the checkpoint at ``path`` (DCP dir or HF safetensors dir) into ``model`` in place.
 
@@ -242,6 +243,9 @@ def load_checkpoint(
     running process group is used if there is one. ``progress(n)`` is called per tensor.
     ``tap(name, value)``: see ``StreamingDequantLoadPlanner`` (no same-layout copy with a tap).
     ``reader``: fast (``checkpoint.fast_read``), plain (DCP's), or a :func:`model_reader`.
+    ``only``: the state-dict names to fill (every name of a tied tensor among them); the other
+    tensors are neither read nor checked (a data-parallel rank reading its share:
+    :mod:`qckpt.pipeline.dp_read`).
     """
     with paused_gc():
         return _load_checkpoint(
@@ -256,6 +260,7 @@ def load_checkpoint(
             reader=reader,
             max_inflight=max_inflight,
             read_threads=read_threads,
+            only=only,
         )
 
 
@@ -288,6 +293,7 @@ def _load_checkpoint(
     reader: Any,
     max_inflight: int,
     read_threads: int | None,
+    only: Collection[str] | None = None,
 ) -> LoadReport:
     kind = reader if isinstance(reader, str) else reader.kind
     main_params = _check_args(main_params, kind, max_inflight)
@@ -296,6 +302,8 @@ def _load_checkpoint(
     reader = _reader(reader, model, path, fmt, shards, max_inflight, read_threads)
     md = reader.read_metadata()
     state = _destinations(model, md)
+    if only is not None:
+        state = {k: v for k, v in state.items() if k in only}
     check_fit(state, md, path, shards)
     specs, whole = _sharded(model, state, mesh)
     # with a tap every quantized destination must pass through the scratch, none copied

@@ -60,7 +60,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         )
     data_report = data_summary(data_cfg, data_stats["samples"], hooks)
     check_even_split(data_stats["samples"], data_cfg.batch_size, mesh.data_parallel_size, mesh.ep)
-    runner, tap, steps = None, None, len(batches)
+    runner, tap, read, steps = None, None, None, len(batches)
     with phases.phase(phases.READ):
         if offload:
             from qckpt.pipeline.offload import runner_for
@@ -69,7 +69,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
             runner = runner_for(recipe, mesh, model, hooks)
             steps *= model.config.num_hidden_layers
         else:
-            tap = _load(recipe, mesh, model, bool(built.quantized), hooks)
+            tap, read = _load(recipe, mesh, model, bool(built.quantized), hooks)
     hooks.log(f"calibrating on {len(batches)} batches")
     # the amax sync inside is charged to its own phase (calib.sync is timed); with offload
     # the layer reads overlap the forwards and are charged here too
@@ -86,7 +86,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         hooks.log(summary(report["offload"]))
         report.update(weights_resident=resident, param_bytes=held_bytes(report["offload"]))
     else:
-        report.update(weights_resident=resident, param_bytes=param_bytes(model))
+        report.update(weights_resident=resident, param_bytes=param_bytes(model), read=read)
         from qckpt.report import human_bytes
 
         hooks.log(f"parameters held: {human_bytes(report['param_bytes'])} ({resident})")
@@ -101,9 +101,10 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
 
 def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
     """The whole (sharded) model's weights from the checkpoint; the weight-amax tap of a
-    quantized-resident model (else None)."""
+    quantized-resident model (else None), and what this rank read (bytes, split or not)."""
     from qckpt.calib.weight_amax import CheckpointWeightAmax
     from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.pipeline import dp_read
 
     hooks.log(f"reading weights from {recipe.checkpoint.path}")
     # a quantized weight's amax comes from the checkpoint's value as it streams in, not from
@@ -111,7 +112,12 @@ def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
     # under DP each rank takes its share of them; the calibration's sync completes the rest
     split = (mesh.dp_rank, mesh.dp)
     tap = CheckpointWeightAmax(model, recipe.quant, split=split) if quantized else None
-    load_checkpoint(
+    # a DP-replicated model: each rank reads its share, the group broadcasts the rest
+    shares = (
+        dp_read.read_shares(model, mesh.dp) if dp_read.splittable(mesh, model, quantized) else None
+    )
+    only = None if shares is None else {n for names, _ in shares[mesh.dp_rank] for n in names}
+    rep = load_checkpoint(
         model,
         recipe.checkpoint.path,
         format=recipe.checkpoint.format,
@@ -120,8 +126,14 @@ def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
         tap=tap,
         reader=recipe.load.reader,
         max_inflight=recipe.load.max_inflight,
+        only=only,
     )
-    return tap
+    moved = 0
+    if shares is not None:
+        moved = dp_read.broadcast_shares(shares, mesh.dp_group)
+        hooks.log(f"read 1/{mesh.dp} of the weights here, {moved / 1e9:.2f} GB broadcast over DP")
+    read = {"bytes_read": rep.bytes_read, "split_over_dp": shares is not None, "broadcast": moved}
+    return tap, read
 
 
 def param_bytes(model) -> int:

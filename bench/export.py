@@ -6,10 +6,12 @@
 Each run is the real CLI in a fresh process (``python -m qckpt export RECIPE``, with
 ``--nproc-per-node N`` for N > 1: torchrun under it), timed from its start to its exit, and
 its ``--json`` report read back: the export's own GB/s (source bytes / the main rank's export
-seconds, planning included), the whole command's wall time and phases, and its memory, never
-reset: the whole process's peak RSS (VmHWM, max over ranks), the peak of its anonymous memory
-(RssAnon, no file pages) and how far that rose during the write, next to the documented bound
-``2 x largest tensor + 256 MiB``. Every run's files are hashed (threads) and compared with the
+seconds: from the start of planning, the calibration file's read, to the finished dir renamed
+into place; the same span for every process count), the main rank's seconds per step, the
+whole command's wall time and phases, and its memory, never reset: the whole process's peak
+RSS (VmHWM, max over ranks), the peak of its anonymous memory (RssAnon, no file pages) and
+how far that rose during the write, next to the documented bound ``2 x largest tensor +
+256 MiB``. Every run's files are hashed (threads) and compared with the
 first run's: "same files" means every file byte-identical. Outputs are deleted after hashing
 (``--keep`` keeps the last), so a 61 GB checkpoint needs room for one export at a time.
 
@@ -259,6 +261,8 @@ def summarize(nproc: int, runs: list[dict], source_bytes: int) -> dict:
         "wall_seconds": round(best["wall_seconds"], 3),  # the whole process, start-up included
         "wall_gbps": round(source_bytes / best["wall_seconds"] / 1e9, 3),
         "phases": rep.get("phases", {}),
+        # the main rank's seconds per step (ExportReport.steps): what does not shrink with ranks
+        "steps": rep.get("steps", {}),
         "host_peak_rss_bytes": rep["peak_rss_bytes"],  # VmHWM, max over ranks, never reset
         "host_peak_anon_bytes": peaks.get("host_peak_anon_bytes", rep["peak_rss_anon_bytes"]),
         "write_anon_rise_bytes": rep["write_rss_anon_bytes"],
@@ -381,6 +385,13 @@ def _print(report: dict) -> None:
             f"{r['host_bound_bytes'] / MiB:>7.0f}Mi  {r['meets_host_bound']}"
         )
     for r in report["runs"]:
+        if r.get("steps"):
+            serial = sum(v for k, v in r["steps"].items() if k != "write")
+            print(
+                f"  {r['nproc']} procs, main rank's steps (s): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in r["steps"].items())
+                + f"; all but write {serial:.2f}"
+            )
         _print_shares(r)
     print(f"GB/s over the first count: {report['speedup_over_first']}")
     print(

@@ -144,6 +144,7 @@ def _check_amax(
             "an uncalibrated scale would load as zero and serve NaNs"
         )
     by_shape: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}  # grouped by shape
+    values: dict[str, float] = {}
     for key, shape in needed:
         t = cal.amax[key]
         got = tuple(t.shape)
@@ -152,10 +153,13 @@ def _check_amax(
             raise ExportError(
                 f"{where}: {key} has shape {list(got)}, the export needs {list(shape)}"
             )
-        by_shape.setdefault(got, {})[key] = t
-    # one finiteness test per shape over every amax (tens of thousands of scalars on a large
-    # MoE: one stack each, no per-amax op), then the first bad one by name
-    values: dict[str, float] = {}
+        v = cal.float_of(key)  # read from the file in one go (load_calibration)
+        if v is not None and math.isfinite(v):
+            values[key] = v
+        else:  # tested below, as a tensor
+            by_shape.setdefault(got, {})[key] = t
+    # one finiteness test per shape over the other amaxes (one stack each, no per-amax op),
+    # then the first bad one by name
     for got, group in by_shape.items():
         stacked = torch.stack(list(group.values())).detach()
         if not bool(torch.isfinite(stacked).all()):

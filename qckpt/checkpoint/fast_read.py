@@ -40,10 +40,11 @@ from __future__ import annotations
 import ctypes
 import gc
 import math
+import operator
 import os
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -386,20 +387,30 @@ class FastReadEngine:
         if buf is None or not buf.is_contiguous() or buf.numel() == 0:
             return None
         shape, size, dtype = tuple(buf.shape), buf.element_size(), buf.dtype
+        geom = (shape, buf.stride(), buf.numel())
         items: list[ReadItem] = []
         spans: list[Span] = []
-        for job in jobs[i:]:
+        j = i
+        while j < len(jobs):  # by index: a slice of the rest per run is quadratic in items
+            job = jobs[j]
             item = job.item
             if item.dest_index.fqn != fqn or job.locate is None:
                 break
             st = job.locate()
-            if st is None or st.dtype != dtype or not _fits(st, item):
+            if st is None or st.dtype != dtype:
                 break
-            src = _span(st.shape, item.storage_offsets, item.lengths)
-            dst = _span(shape, item.dest_offsets, item.lengths)
+            lengths = tuple(item.lengths)
+            if st.shape == lengths and not any(item.storage_offsets):
+                src = (0, math.prod(lengths))  # the whole stored tensor (an expert)
+            elif _fits(st, item):
+                src = _span(st.shape, tuple(item.storage_offsets), lengths)
+            else:
+                break
+            dst = _span(shape, tuple(item.dest_offsets), lengths, geom)
             if src is None or dst is None:
                 break
             items.append(item)
+            j += 1
             n = src[1] * size
             if n:
                 _add_span(spans, (st.path, st.offset + src[0] * size, dst[0] * size, n))
@@ -641,26 +652,32 @@ def _fits(st: StoredTensor, item: ReadItem) -> bool:
 
 
 def _span(
-    shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]
+    shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    geom: tuple[tuple[int, ...], tuple[int, ...], int] | None = None,
 ) -> tuple[int, int] | None:
     """(first element, elements) of the region ``offsets``/``lengths`` of a row-major tensor of
     ``shape`` when it is one contiguous run of elements (every axis after the first one longer
-    than 1 taken whole), else None."""
+    than 1 taken whole), else None. ``geom``: (shape, strides, numel), precomputed by a caller
+    that asks about many regions of one tensor."""
     nd = len(shape)
     if len(offsets) != nd or len(lengths) != nd:
         return None
     k = 0
     while k < nd and lengths[k] == 1:
         k += 1
-    for a in range(k + 1, nd):
-        if lengths[a] != shape[a] or offsets[a] != 0:
-            return None
-    first, stride = 0, 1
-    for a in range(nd - 1, -1, -1):
-        first += offsets[a] * stride
-        stride *= shape[a]
+    if lengths[k + 1 :] != shape[k + 1 :] or any(offsets[k + 1 :]):
+        return None
+    if geom is None:
+        strides, total = [], 1
+        for dim in reversed(shape):
+            strides.append(total)
+            total *= dim
+        geom = (shape, tuple(reversed(strides)), total)
+    first = sum(map(operator.mul, offsets, geom[1]))
     n = math.prod(lengths)
-    return (first, n) if first + n <= stride else None
+    return (first, n) if first + n <= geom[2] else None
 
 
 def _add_span(spans: list[Span], sp: Span) -> None:

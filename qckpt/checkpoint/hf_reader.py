@@ -70,8 +70,16 @@ def hf_index(
 ) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
     """Every tensor of the dir: name -> (file name, shape, dtype), from the headers only
     (``source``: the dir's ``SafetensorsSource`` when the caller holds one: parsed once)."""
+    names: dict[Any, str] = {}  # a Path per tensor costs more than the rest of its entry
+
+    def name_of(file: Any) -> str:
+        n = names.get(file)
+        if n is None:
+            n = names[file] = Path(file).name
+        return n
+
     return {
-        e.name: (Path(e.file).name, e.shape, e.torch_dtype)
+        e.name: (name_of(e.file), e.shape, e.torch_dtype)
         for e in (source or SafetensorsSource(path)).stored()
     }
 

@@ -617,7 +617,7 @@ def _bulk_load(
                 meter.add_scratch(nbytes)
             quant[name] = (dest, k, nbytes)
             hp[name] = buf.view(ckpt_shape) if k else buf
-            meter.sample()
+            meter.sample(fresh=True)
         else:
             hp[name] = t.view(ckpt_shape) if k else t
     planner = _BulkPlanner(meter=meter, progress=progress, shards=shards)
@@ -646,6 +646,6 @@ def _bulk_load(
         else:
             meter.sub_scratch(nbytes)
         del src, full
-        meter.sample()
+        meter.sample(fresh=True)
     meter.close_window()
     return planner.stats["items"], masters

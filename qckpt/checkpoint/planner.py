@@ -136,6 +136,15 @@ def unwrap_prepended(t: torch.Tensor, k: int, name: str = "tensor") -> torch.Ten
 RSS_EVERY_S = 0.005
 
 
+def _allocated(device: torch.device) -> tuple[int, int]:
+    """(bytes allocated now, the allocator's high) on a CUDA device, from the allocator's nested
+    stats: ``torch.cuda.memory_allocated`` and ``max_memory_allocated`` each flatten and sort
+    the whole stats dict in Python (~200 keys) to return one number."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device).get("allocated_bytes", {})
+    alloc = stats.get("all", {})
+    return int(alloc.get("current", 0)), int(alloc.get("peak", 0))
+
+
 def _rss() -> int:
     try:
         import psutil
@@ -216,25 +225,18 @@ class MemoryMeter:
 
     def open_window(self) -> None:
         if self.cuda and self._win is None:
-            now = torch.cuda.memory_allocated(self.device)
+            now, high = _allocated(self.device)
             # scratches still live from before (the fast reader keeps up to max_inflight) are
             # part of this window's transient, not of its baseline
-            self._win = [
-                now - self.scratch,
-                self.outputs,
-                torch.cuda.max_memory_allocated(self.device),
-                now,
-            ]
+            self._win = [now - self.scratch, self.outputs, high, now]
 
     def close_window(self) -> None:
         if self.cuda and self._win is not None:
             at_open, out_open, high_open, sampled = self._win
-            high = torch.cuda.max_memory_allocated(self.device)
+            now, high = _allocated(self.device)
             kept = self.outputs - out_open
             # raised the high: exact; else somewhere between what was sampled and the old high
-            peak = (
-                high if high > high_open else max(sampled, torch.cuda.memory_allocated(self.device))
-            )
+            peak = high if high > high_open else max(sampled, now)
             self._sampled_peak = max(self._sampled_peak, peak)
             self.device_transient = max(self.device_transient, peak - at_open - kept)
             self.transient_bound = max(
@@ -256,7 +258,7 @@ class MemoryMeter:
         rss = self._rss_last
         if self.cuda:
             if force or fresh or t - self._dev_at >= RSS_EVERY_S or not self.samples:
-                self._dev_at, self._dev_last = t, torch.cuda.memory_allocated(self.device)
+                self._dev_at, self._dev_last = t, _allocated(self.device)[0]
             now = self._dev_last
             self._sampled_peak = max(self._sampled_peak, now)
             if self._win is not None:

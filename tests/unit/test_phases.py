@@ -104,6 +104,12 @@ class _FakeAllocator:
 
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: self.alloc)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: self.high)
+        # what the load's meter reads (one stats call for both numbers)
+        monkeypatch.setattr(
+            torch.cuda,
+            "memory_stats_as_nested_dict",
+            lambda *a: {"allocated_bytes": {"all": {"current": self.alloc, "peak": self.high}}},
+        )
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
 
 
@@ -120,7 +126,7 @@ def test_meter_measures_windows_without_resetting(monkeypatch, earlier_high, exa
     m = MemoryMeter("cuda")
     m.open_window()
     a.to(300)  # the scratch
-    m.sample()
+    m.sample(fresh=True)  # as the planner samples right after allocating a scratch
     a.to(350)  # a quantize temporary nobody samples
     a.to(100)
     m.close_window()

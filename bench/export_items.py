@@ -57,7 +57,14 @@ def _wrap_process(counts: dict[str, int]):
                 counts["scalar_reads"] += 1
         return real_tolist(t)
 
+    real_run = pipe._Pipeline._process_run
+
+    def process_run(self, *args):  # a run of the bulk path
+        with mode():
+            return real_run(self, *args)
+
     pipe._Pipeline._process = process
+    pipe._Pipeline._process_run = process_run
     torch.Tensor.tolist = tolist
 
 

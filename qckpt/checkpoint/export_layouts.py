@@ -150,6 +150,10 @@ class Layout:
     def kv_specs(self, attn: str) -> list[OutSpec]:
         raise NotImplementedError
 
+    def stacks(self) -> bool:
+        """Whether :meth:`quantize_stack` can quantize several linears of one shape at once."""
+        return False
+
     # -- writing ------------------------------------------------------------------------------
     def quantize_linear(
         self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
@@ -159,6 +163,16 @@ class Layout:
     def kv_tensors(
         self, attn: str, amax: dict[str, torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def quantize_stack(
+        self, modules: list[str], w: torch.Tensor, amax: dict[str, torch.Tensor], chunk_elems: int
+    ) -> list[torch.Tensor]:
+        """:meth:`quantize_linear` of ``k`` linears of one shape (``w`` ``[k, rows, cols]``,
+        ``modules`` their names) at once, where :meth:`stacks` says so: one tensor per output
+        of :meth:`linear_specs`, in its order, each ``[k, *spec.shape]``; ``out[j][i]`` has the
+        bytes ``quantize_linear(modules[i], w[i], amax)``'s ``j``-th output has. The quantized
+        weights are on ``w``'s device, the scales on the host (made there from the amaxes)."""
         raise NotImplementedError
 
     def quantization_config(self, ignored: list[str]) -> dict:
@@ -288,6 +302,23 @@ class CompressedTensorsLayout(Layout):
         if not self.quant.inputs.dynamic:
             ia = _amax_scalar(amax[f"{module}.input_amax"])
             yield f"{module}.input_scale", _over(ia, FP8_MAX).reshape(1).to(self.model_dtype)
+
+    def stacks(self) -> bool:
+        w = self.quant.weights
+        return w.format == "fp8" and w.granularity in ("tensor", "channel")
+
+    def quantize_stack(
+        self, modules: list[str], w: torch.Tensor, amax: dict[str, torch.Tensor], chunk_elems: int
+    ) -> list[torch.Tensor]:
+        k, rows, cols = w.shape
+        shape = self._scale_shape((rows, cols))
+        wa = _stack_f32([amax[f"{m}.weight_amax"] for m in modules]).clamp_min(MIN_AMAX)
+        scale = _over(wa, FP8_MAX).reshape(k, *shape).to(self.model_dtype)
+        out = [fp8_quantize_stack(w, scale.to(torch.float32).reshape(k, -1), chunk_elems), scale]
+        if not self.quant.inputs.dynamic:
+            ia = _stack_f32([amax[f"{m}.input_amax"] for m in modules]).clamp_min(MIN_AMAX)
+            out.append(_over(ia, FP8_MAX).reshape(k, 1).to(self.model_dtype))
+        return out
 
     def kv_specs(self, attn: str) -> list[OutSpec]:
         return [OutSpec(f"{attn}.{kv}_scale", self.model_dtype, (1,)) for kv in ("k", "v")]
@@ -497,6 +528,17 @@ class ModelOptLayout(Layout):
         yield f"{module}.{WEIGHT_SCALE}", q.scale
         yield f"{module}.{WEIGHT_SCALE_2}", q.global_scale.to(torch.float32).reshape(())
         yield f"{module}.{INPUT_SCALE}", _over(ia, FP4_MAX * FP8_MAX)
+
+    def stacks(self) -> bool:
+        return self.algo == MO_FP8_PCPT
+
+    def quantize_stack(
+        self, modules: list[str], w: torch.Tensor, amax: dict[str, torch.Tensor], chunk_elems: int
+    ) -> list[torch.Tensor]:
+        k = w.shape[0]
+        wa = _stack_f32([amax[f"{m}.weight_amax"] for m in modules]).clamp_min(MIN_AMAX)
+        scale = _over(wa, FP8_MAX).reshape(k, -1)
+        return [fp8_quantize_stack(w, scale, chunk_elems), scale]
 
     def kv_specs(self, attn: str) -> list[OutSpec]:
         return [OutSpec(f"{attn}.{kv}_proj.{kv}_scale", torch.float32, ()) for kv in ("k", "v")]
@@ -720,3 +762,69 @@ def _refuse_amax(module: str, got: float, cal: float, where: str) -> None:
         f"{module}.weight: amax {got:.6g}{where} exceeds the calibrated weight amax {cal:.6g}; "
         "the checkpoint is not the one that was calibrated (calibrate it again)"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# stacks: k linears of one shape quantized together (the export's bulk path)
+
+
+def fp8_quantize_stack(w: torch.Tensor, scale: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    """:func:`fp8_quantize` of ``k`` weights at once: ``w`` ``[k, rows, cols]`` (any strides),
+    ``scale`` float32 ``[k]`` (per tensor) or ``[k, rows]`` (per channel). The element-wise math
+    is :func:`fp8_quantize`'s (float32 copy, true division by a tensor on ``w``'s device,
+    clamp, cast), so each ``out[i]`` has the bytes of ``fp8_quantize(w[i], scale[i], ...)``;
+    whole weights at a time, as many as fit in ``chunk_elems`` (at least one)."""
+    k, rows, cols = w.shape
+    out = torch.empty((k, rows, cols), dtype=FP8, device=w.device)
+    s = scale.to(device=w.device, dtype=torch.float32, non_blocking=True).reshape(k, -1, 1)
+    step = max(1, chunk_elems // max(rows * cols, 1))
+    buf = torch.empty(min(k, step) * rows * cols, dtype=torch.float32, device=w.device)
+    for i0 in range(0, k, step):
+        i1 = min(k, i0 + step)
+        x = buf[: (i1 - i0) * rows * cols].view(i1 - i0, rows, cols)
+        x.copy_(w[i0:i1])
+        x.div_(s[i0:i1])
+        x.clamp_(-FP8_MAX, FP8_MAX)
+        out[i0:i1].copy_(x)
+    return out
+
+
+def _stack_f32(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[k, n]`` float32 of ``k`` host tensors of ``n`` elements each (one op, no per-item
+    conversion)."""
+    return torch.stack([t.detach().reshape(-1) for t in tensors]).to(torch.float32)
+
+
+def check_source_stack(
+    w: torch.Tensor, weight_amax: list[torch.Tensor], chunk_elems: int
+) -> torch.Tensor:
+    """:func:`check_source_weight`'s verdicts on ``k`` weights ``w`` ``[k, rows, cols]`` at
+    once: a ``[k]`` bool tensor on ``w``'s device, True where :func:`refuse_source_weight`
+    refuses ``w[i]`` against ``weight_amax[i]``. One reduction per chunk of whole weights.
+
+    The same verdicts: a tensor (or row) is refused when its largest magnitude is over the
+    limit or not finite (a NaN or Inf anywhere makes the maximum NaN or Inf), and the limit is
+    made as there, ``float32(amax) * (1 + WEIGHT_AMAX_RTOL)``. Weights whose amaxes differ in
+    kind (some per row, some not) are checked one by one."""
+    k, rows, cols = w.shape
+    kinds = {rows > 1 and a.numel() == rows and a.shape[0] == rows for a in weight_amax}
+    if len(kinds) != 1 or rows == 0 or cols == 0:
+        return torch.stack([check_source_weight("", w[i], a) for i, a in enumerate(weight_amax)])
+    per_row = kinds.pop()
+    if per_row or all(a.numel() == 1 for a in weight_amax):
+        cal = _stack_f32(weight_amax)
+    else:  # a per-tensor limit is the amax's max
+        cal = torch.stack([a.detach().to(torch.float32).max() for a in weight_amax]).reshape(k, 1)
+    limit = (cal * (1 + WEIGHT_AMAX_RTOL)).to(w.device, non_blocking=True)
+    step = max(1, chunk_elems // (rows * cols))
+    parts = []
+    for i0 in range(0, k, step):
+        i1 = min(k, i0 + step)
+        a = w[i0:i1].abs()
+        part = (a.amax(dim=2) if per_row else a.amax(dim=(1, 2)).reshape(-1, 1)).to(torch.float32)
+        del a
+        # "over the limit or not finite" is refuse_source_weight's test (a NaN limit refuses
+        # no finite row); whatever the limit, the same verdict as check_source_weight's
+        bad = (part > limit[i0:i1]).logical_or_(~torch.isfinite(part)).any(dim=1)
+        parts.append(bad)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

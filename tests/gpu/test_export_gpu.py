@@ -143,12 +143,16 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
     case = ("compressed-tensors", {}, "tiny-moe", "hf")
     waits: list[str] = []
     jobs: list[int] = []
-    real = pipe._Pipeline._process
+    real, real_run = pipe._Pipeline._process, pipe._Pipeline._process_run
 
     def process(self, batch):
         if self._on_device(batch[0][0]):  # the others (norms, KV scales) stay on the host
             jobs.append(len(batch))
         return real(self, batch)
+
+    def process_run(self, run, fut):  # a run of adjacent experts: one job
+        jobs.append(len(run.items))
+        return real_run(self, run, fut)
 
     def show(message, *a, **k):
         if threading.current_thread().name.startswith("qckpt-quantize"):
@@ -156,6 +160,7 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
                 waits.append(str(message))
 
     pipe._Pipeline._process = process
+    pipe._Pipeline._process_run = process_run
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings():
@@ -175,6 +180,7 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
     finally:
         torch.cuda.set_sync_debug_mode(0)
         pipe._Pipeline._process = real
+        pipe._Pipeline._process_run = real_run
     return waits[:seen], jobs, control
 
 
@@ -189,6 +195,7 @@ def test_gpu_export_waits_for_the_device_once_per_quantize_job(root):
     waits, jobs, control = _moe_export_counting_waits(root, hf_dir, cal, root / "waits-gpu")
     assert control >= 1  # a wait on such a thread is seen
     assert jobs and len(waits) <= len(jobs), (len(waits), len(jobs), waits[:3])
+    assert max(jobs) > 8  # the experts of a layer went as runs (the bulk path)
     print(f"{sum(jobs)} items in {len(jobs)} jobs, {len(waits)} waits")
 
 
@@ -222,3 +229,115 @@ def test_gpu_export_refuses_a_bad_weight_with_the_cpu_exports_message(root):
         f"{name[: -len('.weight')]}.weight: not finite (NaN or Inf in row 0) in the checkpoint; "
         "refusing to quantize it"
     )
+
+
+def _moe(root: Path, experts: int, inter: int, hidden: int, name: str):
+    """A 2-layer Qwen3-MoE saved per expert (each expert's down, gate and up by turns)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * inter,
+        moe_intermediate_size=inter,
+        num_experts=experts,
+        num_experts_per_tok=4,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=hidden // 8,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.view(-1)[::997].mul_(30)
+    d = root / name
+    model.save_pretrained(d)
+    return model, d, cfg
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("compressed-tensors", {}, None, "hf"),
+        ("compressed-tensors", {"weights": "channel", "inputs": "token"}, None, "hf"),
+        ("modelopt", {"weights": "channel", "inputs": "token"}, None, "hf"),
+    ],
+    ids=["ct-tensor", "ct-channel", "mo-pcpt"],
+)
+def test_gpu_bulk_runs_of_experts_equal_the_cpu_and_the_per_item_export(root, case, monkeypatch):
+    """Runs of experts (64 per layer, 384 x 1024, the down/gate/up turns of a MoE file) in one
+    read, one copy, one guard and one quantize per stack and one wait, files cut small so that
+    a run's writes go to several files: the same bytes as the CPU export and as the GPU export
+    one item at a time."""
+    import qckpt.checkpoint.export_pipeline as pipe
+    from tests.unit._export_fixtures import make_calibration, quant_config
+
+    if not (root / "moe-64").exists():
+        _moe(root, 64, 384, 1024, "moe-64")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(root / "moe-64")
+    model = AutoModelForCausalLM.from_pretrained(root / "moe-64", dtype=torch.bfloat16)
+    cal = make_calibration(model, quant_config(**case[1]))
+    tag = "-".join(map(str, [case[0], *case[1].values()]))
+    sizes: list[int] = []
+    real = pipe._Pipeline._process_run
+
+    def process_run(self, run, fut):
+        sizes.append(len(run.items))
+        return real(self, run, fut)
+
+    monkeypatch.setattr(pipe._Pipeline, "_process_run", process_run)
+    src, outs = root / "moe-64", {}
+    for device, bulk in [("cpu", "0"), ("cuda", "1"), ("cuda", "0")]:
+        monkeypatch.setenv("QCKPT_EXPORT_BULK", bulk)
+        out = root / f"moe-{tag}-{device}-{bulk}"
+        _export(case, src, cal, out, device, "20MB", cfg)
+        outs[device, bulk] = _tree(out)
+    assert sizes and max(sizes) >= 8  # runs of experts, each of several stacks
+    assert len(outs["cuda", "1"]) > 4
+    for key in (("cuda", "1"), ("cuda", "0")):
+        assert sorted(outs[key]) == sorted(outs["cpu", "0"])
+        for f, data in outs["cpu", "0"].items():
+            assert outs[key][f] == data, (key, f)
+
+
+def test_gpu_bulk_run_refuses_the_first_bad_expert_with_the_per_item_message(root, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from qckpt.errors import ExportError
+    from tests.unit._export_fixtures import make_calibration, quant_config
+
+    if not (root / "moe-64").exists():
+        _moe(root, 64, 384, 1024, "moe-64")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(root / "moe-64")
+    model = AutoModelForCausalLM.from_pretrained(root / "moe-64", dtype=torch.bfloat16)
+    cal = make_calibration(model, quant_config())
+    bad = root / "moe-64-bad"
+    bad.mkdir(exist_ok=True)
+    for p in (root / "moe-64").iterdir():
+        (bad / p.name).write_bytes(p.read_bytes())
+    first = "model.layers.1.mlp.experts.3.up_proj.weight"
+    second = "model.layers.1.mlp.experts.30.down_proj.weight"
+    for f in sorted(bad.glob("*.safetensors")):
+        sd = load_file(str(f))
+        if first in sd or second in sd:
+            if first in sd:
+                sd[first][5].mul_(4.0)
+            if second in sd:
+                sd[second][1, 2] = float("inf")
+            save_file(sd, str(f), metadata={"format": "pt"})
+    case = ("compressed-tensors", {}, None, "hf")
+    msgs = []
+    for device, bulk in [("cpu", "0"), ("cuda", "1")]:
+        monkeypatch.setenv("QCKPT_EXPORT_BULK", bulk)
+        with pytest.raises(ExportError) as e:
+            _export(case, bad, cal, root / f"moe-refused-{device}", device, "20MB", cfg)
+        msgs.append(str(e.value))
+        assert not (root / f"moe-refused-{device}").exists()
+    assert msgs[0] == msgs[1] and msgs[1].startswith(f"{first}: amax ")

@@ -275,7 +275,14 @@ def test_each_stored_tensor_is_read_once_in_file_order(root, moe, monkeypatch):
         reads.append(entry.name)
         return real(self, entry)
 
+    real_span = SafetensorsSource.read_span
+
+    def counting_span(self, entries, pinned=False):  # a run of adjacent tensors, one read
+        reads.extend(e.name for e in entries)
+        return real_span(self, entries, pinned)
+
     monkeypatch.setattr(SafetensorsSource, "read", counting)
+    monkeypatch.setattr(SafetensorsSource, "read_span", counting_span)
     seen: list[tuple[int, int]] = []
     export_checkpoint(
         source=hf_dir,

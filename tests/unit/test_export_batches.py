@@ -122,6 +122,7 @@ def device_path(monkeypatch):
             seen["left"].append((self.budget.used, self.dev_budget.used))
 
     monkeypatch.setattr(pipe._Pipeline, "_on_device", lambda self, it: it.quantized_only)
+    monkeypatch.setenv("QCKPT_EXPORT_BULK", "0")  # the per-item path (runs: test_export_bulk)
     monkeypatch.setattr(pipe._Pipeline, "_process", process)
     monkeypatch.setattr(pipe._Pipeline, "run", run)
     return seen

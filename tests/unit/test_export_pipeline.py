@@ -247,13 +247,20 @@ def test_worker_threads_use_the_callers_kernel_policy(tmp_path, monkeypatch):
     seen = []
     real = layouts.check_source_weight
 
+    real_stack = layouts.check_source_stack
+
     def spy(module, w, amax):
         seen.append(current_policy().compile)
         return real(module, w, amax)
 
+    def spy_stack(w, amax, chunk):  # the bulk path: several weights at once
+        seen.extend(current_policy().compile for _ in amax)
+        return real_stack(w, amax, chunk)
+
     import qckpt.checkpoint.export_pipeline as pipe
 
     monkeypatch.setattr(pipe, "check_source_weight", spy)
+    monkeypatch.setattr(pipe, "check_source_stack", spy_stack)
     with kernel_policy(KernelPolicy(compile="never")):
         export_checkpoint(
             source=hf_dir,

@@ -351,7 +351,11 @@ def _calibrate(recipe: str, sets: list[str], nproc: int, tmp: Path) -> dict:
         "wall_seconds": round(wall, 3),
         "forward_seconds": _forward_seconds(rep),
         "phases": _slowest_phases(rep),
-        "forward_parts": rep.get("forward_parts") or {},
+        "forward_parts": _slowest_parts(rep),
+        "per_rank": [
+            {k: r.get(k) for k in ("rank", "forward_parts", "tokens_this_rank", "read")}
+            for r in rep.get("ranks") or []
+        ],
         "weight_amax_here": rep.get("weight_amax_here"),
         "tokens_this_rank": rep.get("tokens_this_rank"),
         "file_digest": _content_digest(file),
@@ -394,6 +398,13 @@ def _slowest_phases(rep: dict) -> dict:
     return {k: max(r.get(k, 0.0) for r in rows) for k in (*PHASES, "total")}
 
 
+def _slowest_parts(rep: dict) -> dict:
+    """Each part of the forward (quantizers in, weight amaxes, ...), the slowest rank's."""
+    rows = [r.get("forward_parts") for r in rep.get("ranks") or []]
+    rows = [r for r in rows if r] or [rep.get("forward_parts") or {}]
+    return {k: max(r.get(k, 0.0) for r in rows) for k in rows[0]}
+
+
 def _scaling(one: dict, many: dict, nproc: int) -> dict:
     """Ratios, fixed costs, and the forward a run would need for the whole-command target.
 
@@ -429,14 +440,14 @@ def _scaling(one: dict, many: dict, nproc: int) -> dict:
 
 def _table(one: dict, many: dict, nproc: int) -> None:
     """The fixed costs beside each other: phases (slowest rank), then the forward's parts."""
-    print(f"{'seconds':18s} {'1 process':>10s} {f'{nproc} ranks':>10s}")
-    print(f"{'whole command':18s} {one['wall_seconds']:10.2f} {many['wall_seconds']:10.2f}")
+    print(f"{'seconds':22s} {'1 process':>10s} {f'{nproc} ranks':>10s}")
+    print(f"{'whole command':22s} {one['wall_seconds']:10.2f} {many['wall_seconds']:10.2f}")
     for k in PHASES:
-        print(f"{k:18s} {one['phases'][k]:10.2f} {many['phases'][k]:10.2f}")
+        print(f"{k:22s} {one['phases'][k]:10.2f} {many['phases'][k]:10.2f}")
     for k in PARTS:
         a, b = one["forward_parts"].get(k), many["forward_parts"].get(k)
         if a is not None and b is not None:
-            print(f"{'  forward: ' + k:18s} {a:10.2f} {b:10.2f}")
+            print(f"{'  forward: ' + k:22s} {a:10.2f} {b:10.2f}")
 
 
 def dp(args) -> dict:

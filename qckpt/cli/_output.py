@@ -100,12 +100,15 @@ def hooks() -> Hooks:
     return Hooks(log=log, progress=progress)
 
 
-def with_phases(data: dict[str, Any], mesh: Any = None) -> dict[str, Any]:
+def with_phases(
+    data: dict[str, Any], mesh: Any = None, per_rank: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``data`` with the command's ``phases`` (seconds) and whole-command ``peaks`` so far.
 
     With a ``mesh`` of several ranks every rank must call it (one all-gather): ``ranks`` then
     lists each rank's phases and peaks, since ``phases``/``peaks`` are this rank's own, merged
-    into ``data``'s own ``ranks`` rows where it has them.
+    into ``data``'s own ``ranks`` rows where it has them. ``per_rank``: more of this rank's own
+    figures for its row (gathered in the same all-gather).
     """
     own = phases.summary()
     if not own or mesh is None or mesh.world_size <= 1:
@@ -115,7 +118,7 @@ def with_phases(data: dict[str, Any], mesh: Any = None) -> dict[str, Any]:
     from qckpt.parallel.deadline import collective
 
     box: list[Any] = [None] * mesh.world_size
-    mine = {"rank": mesh.rank, **own}
+    mine = {"rank": mesh.rank, **(per_rank or {}), **own}
     collective(
         "gathering the ranks' reports", dist.all_gather_object, box, mine, group=mesh.world_group
     )

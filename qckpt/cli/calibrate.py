@@ -50,7 +50,10 @@ def calibrate_cmd(
     with world(r, r.load.device) as mesh:
         res = calibrate(r, mesh, hooks=_output.hooks())
         with phases.phase(phases.REPORT):
-            data = _output.with_phases({**res.report, "data": res.data}, mesh)
+            # each rank's forward apart: under DP the slowest one sets the pace
+            keys = ("forward_seconds", "forward_parts", "tokens_this_rank", "weight_amax_here")
+            mine = {k: res.report.get(k) for k in (*keys, "read")}
+            data = _output.with_phases({**res.report, "data": res.data}, mesh, mine)
             if _output.speaks():
                 render_amax_report(res.report)
                 render_command(data)

@@ -62,6 +62,17 @@ def test_end_to_end(tmp_path, config):
     r = _torchrun("calibrate", str(recipe), *sets, "--json", str(run / "amax.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (run / "calib.safetensors").is_file()
+    # DP2 of a replicated model: each rank read a share of the checkpoint and took a share of
+    # the weight amaxes; each rank's forward is reported apart (the slowest sets the pace)
+    amax = json.loads((run / "amax.json").read_text())
+    rows = amax["ranks"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert all(r["read"]["split_over_dp"] and r["forward_parts"]["batches"] > 0 for r in rows)
+    assert 0 < rows[0]["read"]["bytes_read"] < rows[0]["read"]["broadcast"]
+    with safe_open(str(run / "calib.safetensors"), "pt") as f:
+        weights = sum(1 for k in f.keys() if k.endswith(".weight_amax"))
+    here = [r["weight_amax_here"] for r in rows]
+    assert sum(here) == weights and all(0 < n < weights for n in here), (here, weights)
 
     r = run_qckpt(
         "inspect", str(run / "calib.safetensors"), "--json", str(run / "ci.json"), cwd=tmp_path

@@ -66,6 +66,7 @@ STEPS=(
   knobs_8l:300
   loadprof_48l:240
   imports:120
+  export_shm_8l:300
 )
 
 # the disk under $WORK: dd of 8 GB with and without fsync, one writer and two at once
@@ -315,6 +316,14 @@ step_export_shm_48l() {
   EXPORT_WORK=/dev/shm/qckpt-export EXPORT_TAG=_shm step_export_48l
   local rc=$?
   rm -rf /dev/shm/qckpt-export
+  return $rc
+}
+# the same on the 8-layer checkpoint (11 GB): a quick check of the export's speed and scaling
+step_export_shm_8l() {
+  "$PY" -m bench.export --src "$CKPT8" --calib "$WORK/export_calib_8l.safetensors" --nprocs 1,2 \
+    --workdir /dev/shm/qckpt-export8 --json "$RES/export_shm_8l.json"
+  local rc=$?
+  rm -rf /dev/shm/qckpt-export8
   return $rc
 }
 # the disk's own ceiling with fsync (what an export's commit asks of it): 4 GB, 1 and 2 writers

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qckpt.parallel.deadline import collective
+from qckpt.parallel.mesh import group_device
 
 
 def read_shares(model: nn.Module, world: int) -> list[list[tuple[list[str], torch.Tensor]]]:
@@ -66,4 +67,7 @@ def splittable(mesh, model: nn.Module, quantized: bool) -> bool:
     """Whether this load may be split over the DP ranks (see the module doc)."""
     if mesh.dp <= 1 or mesh.ep != 1 or mesh.tp != 1 or quantized or mesh.dp_group is None:
         return False
-    return all(p.device.type != "meta" for p in model.parameters())
+    # the broadcast moves the tensors where they are: they must be where the group's wire is
+    wire = group_device(mesh.dp_group).type
+    state = model.state_dict(keep_vars=True).values()
+    return all(t.device.type == wire for t in state if isinstance(t, torch.Tensor))

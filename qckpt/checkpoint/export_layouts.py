@@ -790,9 +790,13 @@ def fp8_quantize_stack(w: torch.Tensor, scale: torch.Tensor, chunk_elems: int) -
 
 
 def _stack_f32(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``[k, n]`` float32 of ``k`` host tensors of ``n`` elements each (one op, no per-item
-    conversion)."""
-    return torch.stack([t.detach().reshape(-1) for t in tensors]).to(torch.float32)
+    """``[k, n]`` float32 of ``k`` host tensors of ``n`` elements each: one stack and one
+    conversion (element-wise, so each row is its tensor's own conversion); tensors of one
+    shape (the usual case: every amax of a stack alike) are stacked as they are."""
+    k = len(tensors)
+    if len({t.shape for t in tensors}) != 1:
+        tensors = [t.reshape(-1) for t in tensors]
+    return torch.stack(tensors).detach().reshape(k, -1).to(torch.float32)
 
 
 def check_source_stack(
@@ -807,11 +811,12 @@ def check_source_stack(
     made as there, ``float32(amax) * (1 + WEIGHT_AMAX_RTOL)``. Weights whose amaxes differ in
     kind (some per row, some not) are checked one by one."""
     k, rows, cols = w.shape
-    kinds = {rows > 1 and a.numel() == rows and a.shape[0] == rows for a in weight_amax}
+    shapes = {a.shape for a in weight_amax}  # one shape, so one kind, in the usual case
+    kinds = {rows > 1 and math.prod(sh) == rows and sh[:1] == (rows,) for sh in shapes}
     if len(kinds) != 1 or rows == 0 or cols == 0:
         return torch.stack([check_source_weight("", w[i], a) for i, a in enumerate(weight_amax)])
     per_row = kinds.pop()
-    if per_row or all(a.numel() == 1 for a in weight_amax):
+    if per_row or all(math.prod(sh) == 1 for sh in shapes):
         cal = _stack_f32(weight_amax)
     else:  # a per-tensor limit is the amax's max
         cal = torch.stack([a.detach().to(torch.float32).max() for a in weight_amax]).reshape(k, 1)

@@ -366,6 +366,15 @@ def _missed(report: dict, counts: list[int], args) -> list[str]:
     return out
 
 
+# ExportReport.steps in the order the main rank goes through them
+_STEP_ORDER = {
+    k: i
+    for i, k in enumerate(
+        "plan share create write wait check_written finish self_check commit".split()
+    )
+}
+
+
 def _print(report: dict) -> None:
     gb = 1e9
     print(
@@ -386,10 +395,11 @@ def _print(report: dict) -> None:
         )
     for r in report["runs"]:
         if r.get("steps"):
-            serial = sum(v for k, v in r["steps"].items() if k != "write")
+            steps = sorted(r["steps"].items(), key=lambda kv: _STEP_ORDER.get(kv[0], 99))
+            serial = sum(v for k, v in steps if k != "write")
             print(
                 f"  {r['nproc']} procs, main rank's steps (s): "
-                + ", ".join(f"{k} {v:.2f}" for k, v in r["steps"].items())
+                + ", ".join(f"{k} {v:.2f}" for k, v in steps)
                 + f"; all but write {serial:.2f}"
             )
         _print_shares(r)

@@ -102,6 +102,7 @@ class _Pending:
 
 # (file, file offset, byte offset in the destination buffer, bytes): one contiguous span each
 Span = tuple[str, int, int, int]
+MIN_TASK_BYTES = 1 << 20  # a run's pool task reads at least this much (unless it is smaller)
 RUN_SPANS = 64  # spans per pool task at most (their bytes stay under CHUNK_BYTES too)
 
 
@@ -425,9 +426,13 @@ class FastReadEngine:
                 ready.record(torch.cuda.current_stream(buf.device))
         run = _Run(fqn, buf, items)
         if spans:
-            self.bytes_read += sum(sp[3] for sp in spans)
+            total = sum(sp[3] for sp in spans)
+            self.bytes_read += total
+            # a destination smaller than a piece per thread (an attention weight) is cut finer,
+            # so that all threads read it: max_inflight keeps only a few destinations in flight
+            chunk = min(self.chunk_bytes, max(MIN_TASK_BYTES, -(-total // self.threads)))
             dest = buf.view(-1).view(torch.uint8) if ready is not None else _byte_view(buf)
-            for task in _tasks(spans, self.chunk_bytes):
+            for task in _tasks(spans, chunk):
                 run.futures.append(pool.submit(self._read_spans, dest, task, ready))
         return run
 

@@ -833,8 +833,12 @@ class _Pipeline:
         self.sampler.sample()
         return buf
 
+    def _runs_on_device(self) -> bool:
+        """Runs are quantized on a device (a GPU): copied there, and back with one wait."""
+        return self.device.type != "cpu"
+
     def _run_job(self, run: _Run, fut: cf.Future) -> None:
-        on_dev = self.device.type != "cpu"
+        on_dev = self._runs_on_device()
         cost = run.host_bytes + run.out_bytes
         if on_dev:
             cf.wait([fut])  # the read first: the device budget is not idle
@@ -854,7 +858,7 @@ class _Pipeline:
         t0 = time.perf_counter()
         read = _Hold(self.budget, self._run_read_cost(run))
         buf = fut.result()
-        src = buf.to(self.device, non_blocking=True) if self.device.type != "cpu" else buf
+        src = buf.to(self.device, non_blocking=True) if self._runs_on_device() else buf
         del buf
         typed = src.view(run.dtype)
         isz = run.dtype.itemsize
@@ -888,7 +892,7 @@ class _Pipeline:
         verdicts copied into one host block (pinned on a GPU) with one wait for the stream, the
         weights in ``outs`` replaced by their host views."""
         verdicts = bads[0] if len(bads) == 1 else torch.cat(bads)
-        if self.device.type == "cpu":
+        if not self._runs_on_device():
             return verdicts.tolist()
         tensors = [o[0] for o in outs] + [verdicts]
         sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]

@@ -247,3 +247,38 @@ def test_a_truncated_span_read_names_the_first_tensor_missing(tmp_path):
     os.truncate(tmp_path / "model.safetensors", size - 40)
     with pytest.raises(CheckpointError, match=r"truncated data for tensor w1$"):
         src.read_span(entries)
+
+
+@pytest.mark.parametrize("layout", ["ct tensor", "ct channel", "modelopt per channel"])
+def test_runs_on_the_device_path_write_the_same_files(moe, runs, monkeypatch, layout):
+    """A run's device path (one copy there, the quantized weights and verdicts back in one
+    block with one wait) taken on the CPU: the same files as one item at a time."""
+    root, model, hf_dir = moe
+    fmt, w, i, _ = LAYOUTS[layout]
+    q = quant_config(w, i)
+    cal = make_calibration(model, q)
+    tag = layout.replace(" ", "-")
+    kw = {"fmt": fmt, "max_shard_size": "40KB"}
+    plain = root / f"dev-plain-{tag}"
+    _export(model, hf_dir, plain, q, cal, bulk=False, **kw)
+    monkeypatch.setattr(pipe._Pipeline, "_runs_on_device", lambda self: True)
+    out = root / f"dev-bulk-{tag}"
+    _export(model, hf_dir, out, q, cal, bulk=True, **kw)
+    assert runs["runs"] and _digest(out) == _digest(plain)
+    assert runs["left"][-1][0] == 0
+
+
+def test_a_refused_weight_on_the_runs_device_path_gives_the_per_item_error(moe, monkeypatch):
+    root, model, hf_dir = moe
+    q = quant_config("tensor", "static")
+    cal = make_calibration(model, q)
+    name = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    bad = _tampered(root, hf_dir, "dev-bad", lambda sd: sd[name][4].mul_(3.0))
+    out = root / "dev-out-bad"
+    with pytest.raises(ExportError) as plain:
+        _export(model, bad, out, q, cal, bulk=False)
+    monkeypatch.setattr(pipe._Pipeline, "_runs_on_device", lambda self: True)
+    with pytest.raises(ExportError) as e:
+        _export(model, bad, out, q, cal, bulk=True)
+    assert str(e.value) == str(plain.value) and str(e.value).startswith(f"{name}: amax ")
+    assert not out.exists()

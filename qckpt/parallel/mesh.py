@@ -82,6 +82,38 @@ def pick_device(device: str = "auto", key: str = "load.device") -> torch.device:
     return torch.device("cpu")
 
 
+def parse_cpulist(text: str) -> set[int]:
+    """Linux's cpulist format (``0-15,32-47``) as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def bind_near_gpu(dev: torch.device) -> set[int] | None:
+    """Keep this process on the CPUs of ``dev``'s own NUMA node (``local_cpulist`` of its PCI
+    device), where the kernel would otherwise move it anywhere; the CPUs set, or None when
+    there is nothing to do (not CUDA, no such file, ``QCKPT_NO_CPU_BIND`` set, or the node's
+    CPUs not among those allowed). A calibration forward launches kernels from Python: on an
+    H200 pair one DP rank ran its batches 13% slower than the other with the same tokens."""
+    if dev.type != "cuda" or os.environ.get("QCKPT_NO_CPU_BIND"):
+        return None
+    try:
+        p = torch.cuda.get_device_properties(dev)
+        addr = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        with open(f"/sys/bus/pci/devices/{addr}/local_cpulist") as f:
+            near = parse_cpulist(f.read()) & os.sched_getaffinity(0)
+        if not near:
+            return None
+        os.sched_setaffinity(0, near)
+        return near
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return None
+
+
 def _groups(world: int, sizes: tuple[int, int, int], timeout: datetime.timedelta, backend: str):
     """Create every dp/ep/tp/data group on every rank (new_group is collective) and keep ours."""
     dp, ep, tp = sizes
@@ -115,6 +147,7 @@ def init_mesh(*, ep: int = 1, tp: int = 1, timeout_s: float = 600.0, device: str
     if world == 1 and not dist.is_initialized():
         return Mesh(device=dev, timeout_s=timeout_s)
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    bind_near_gpu(dev)  # several GPUs: each rank on its own GPU's NUMA node
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         # NCCL: bind the communicator to this rank's GPU up front (no guessing on first use)

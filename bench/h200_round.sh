@@ -293,8 +293,7 @@ step_calib_dp() {
   "$PY" -m bench.calibrate_speed dp configs/tiny-moe.yaml --nproc 2 \
     --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
     --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=600 \
-    --set calibrate.data.num_samples=1024 --set calibrate.data.seq_len=512 \
-    --set calibrate.data.batch_size=8 --json "$RES/calib_dp.json"
+    --json "$RES/calib_dp.json"
 }
 # qckpt export on a GPU (issue 18): byte-identical to the CPU export for every layout, tiny
 # models and 4096-wide ones

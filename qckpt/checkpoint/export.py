@@ -122,6 +122,9 @@ class ExportReport:
     device: str = "cpu"
     files: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # what known clients cannot serve
+    # stored tensors that went in runs (the bulk path, export_pipeline._Run), all ranks
+    # together; the rest went one at a time
+    run_sources: int = 0
     ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: files, bytes, seconds
     # the main rank's seconds per step, in order: plan (up to write_export), share (its
     # assignment), create (the shard files), write (its own share), wait (for the other ranks'
@@ -343,6 +346,7 @@ def _report(
         device=str(device),
         files=sorted(p.name for p in plan.target.iterdir()),
         warnings=plan.layout.warnings(plan.quantized_modules),
+        run_sources=sum(s.get("run_sources", 0) for s in st),
         ranks=[{"rank": r["rank"], **r["stats"]} for r in ranks] if world > 1 else [],
     )
 

@@ -449,6 +449,8 @@ class WriteStats:
     files: list[str] = field(default_factory=list)  # every shard file it wrote a tensor into
     tensors_written: int = 0
     sources: int = 0  # stored tensors read
+    runs: int = 0  # runs of the bulk path (_Run) ...
+    run_sources: int = 0  # ... and the stored tensors they took (the rest went one at a time)
     bytes_read: int = 0  # as stored on disk
     bytes_written: int = 0  # tensor data, headers excluded
     read_seconds: float = 0.0
@@ -830,6 +832,8 @@ class _Pipeline:
             self.stats.read_seconds += time.perf_counter() - t0
             self.stats.bytes_read += sum(e.nbytes for e in entries)
             self.stats.sources += len(entries)
+            self.stats.runs += 1
+            self.stats.run_sources += len(entries)
         self.sampler.sample()
         return buf
 

@@ -95,8 +95,9 @@ def test_runs_write_the_same_files_as_one_item_at_a_time(moe, runs, layout):
     _export(model, hf_dir, plain, q, cal, bulk=False, **kw)
     assert runs["runs"] == []
     out = root / f"bulk-{tag}"
-    _export(model, hf_dir, out, q, cal, bulk=True, **kw)
+    rep = _export(model, hf_dir, out, q, cal, bulk=True, **kw)
     assert len(list(out.glob("*.safetensors"))) > 2
+    assert rep.run_sources == sum(len(r) for r in runs["runs"]) < rep.source_tensors
     assert _digest(out) == _digest(plain)
     if stacks:  # the experts went in runs, several of them to a run
         taken = [n for r in runs["runs"] for n in r]

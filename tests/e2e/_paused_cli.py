@@ -18,9 +18,9 @@ def main() -> None:
     assert sep == "--", "usage: _paused_cli.py MARKER GO -- ARGS..."
     import qckpt.checkpoint.export as export
 
-    real = export.export_checkpoint
+    real = export.write_export  # what the command calls with its progress, after planning
 
-    def paused(**kw):
+    def paused(plan, **kw):
         user = kw.get("progress")
 
         def progress(done: int, total: int, name: str) -> None:
@@ -34,9 +34,9 @@ def main() -> None:
                         raise SystemExit("paused export: never released")
                     time.sleep(0.02)
 
-        return real(**{**kw, "progress": progress})
+        return real(plan, **{**kw, "progress": progress})
 
-    export.export_checkpoint = paused
+    export.write_export = paused
     from qckpt.cli.app import main as qckpt_main
 
     sys.argv = ["qckpt", *args]

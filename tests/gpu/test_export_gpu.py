@@ -258,6 +258,28 @@ def _moe(root: Path, experts: int, inter: int, hidden: int, name: str):
     return model, d, cfg
 
 
+@pytest.fixture(scope="module")
+def moe64(root):
+    """The 64-expert MoE (saved once) and its calibrations, made once per quant config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.unit._export_fixtures import make_calibration, quant_config
+
+    if not (root / "moe-64").exists():
+        _moe(root, 64, 384, 1024, "moe-64")
+    cfg = AutoConfig.from_pretrained(root / "moe-64")
+    model = AutoModelForCausalLM.from_pretrained(root / "moe-64", dtype=torch.bfloat16)
+    cals: dict = {}
+
+    def cal(qkw: dict):
+        key = tuple(sorted(qkw.items()))
+        if key not in cals:
+            cals[key] = make_calibration(model, quant_config(**qkw))
+        return cals[key]
+
+    return root / "moe-64", cfg, cal
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -267,21 +289,17 @@ def _moe(root: Path, experts: int, inter: int, hidden: int, name: str):
     ],
     ids=["ct-tensor", "ct-channel", "mo-pcpt"],
 )
-def test_gpu_bulk_runs_of_experts_equal_the_cpu_and_the_per_item_export(root, case, monkeypatch):
+def test_gpu_bulk_runs_of_experts_equal_the_cpu_and_the_per_item_export(
+    root, moe64, case, monkeypatch
+):
     """Runs of experts (64 per layer, 384 x 1024, the down/gate/up turns of a MoE file) in one
     read, one copy, one guard and one quantize per stack and one wait, files cut small so that
     a run's writes go to several files: the same bytes as the CPU export and as the GPU export
     one item at a time."""
     import qckpt.checkpoint.export_pipeline as pipe
-    from tests.unit._export_fixtures import make_calibration, quant_config
 
-    if not (root / "moe-64").exists():
-        _moe(root, 64, 384, 1024, "moe-64")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(root / "moe-64")
-    model = AutoModelForCausalLM.from_pretrained(root / "moe-64", dtype=torch.bfloat16)
-    cal = make_calibration(model, quant_config(**case[1]))
+    src, cfg, make_cal = moe64
+    cal = make_cal(case[1])
     tag = "-".join(map(str, [case[0], *case[1].values()]))
     sizes: list[int] = []
     real = pipe._Pipeline._process_run
@@ -291,11 +309,12 @@ def test_gpu_bulk_runs_of_experts_equal_the_cpu_and_the_per_item_export(root, ca
         return real(self, run, fut)
 
     monkeypatch.setattr(pipe._Pipeline, "_process_run", process_run)
-    src, outs = root / "moe-64", {}
+    outs = {}
     for device, bulk in [("cpu", "0"), ("cuda", "1"), ("cuda", "0")]:
         monkeypatch.setenv("QCKPT_EXPORT_BULK", bulk)
         out = root / f"moe-{tag}-{device}-{bulk}"
-        _export(case, src, cal, out, device, "20MB", cfg)
+        rep = _export(case, src, cal, out, device, "20MB", cfg)
+        assert (rep.run_sources > 0) == (bulk == "1")
         outs[device, bulk] = _tree(out)
     assert sizes and max(sizes) >= 8  # runs of experts, each of several stacks
     assert len(outs["cuda", "1"]) > 4
@@ -305,22 +324,18 @@ def test_gpu_bulk_runs_of_experts_equal_the_cpu_and_the_per_item_export(root, ca
             assert outs[key][f] == data, (key, f)
 
 
-def test_gpu_bulk_run_refuses_the_first_bad_expert_with_the_per_item_message(root, monkeypatch):
+def test_gpu_bulk_run_refuses_the_first_bad_expert_with_the_per_item_message(
+    root, moe64, monkeypatch
+):
     from safetensors.torch import load_file, save_file
 
     from qckpt.errors import ExportError
-    from tests.unit._export_fixtures import make_calibration, quant_config
 
-    if not (root / "moe-64").exists():
-        _moe(root, 64, 384, 1024, "moe-64")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(root / "moe-64")
-    model = AutoModelForCausalLM.from_pretrained(root / "moe-64", dtype=torch.bfloat16)
-    cal = make_calibration(model, quant_config())
+    src, cfg, make_cal = moe64
+    cal = make_cal({})
     bad = root / "moe-64-bad"
     bad.mkdir(exist_ok=True)
-    for p in (root / "moe-64").iterdir():
+    for p in src.iterdir():
         (bad / p.name).write_bytes(p.read_bytes())
     first = "model.layers.1.mlp.experts.3.up_proj.weight"
     second = "model.layers.1.mlp.experts.30.down_proj.weight"

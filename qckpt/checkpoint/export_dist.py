@@ -3,11 +3,12 @@
 Every rank plans the export alike (``plan_export`` is deterministic) and takes its share of
 the work from :func:`~qckpt.checkpoint.export_pipeline.assign_items`: a contiguous run of the
 plan's source tensors holding ``1 / world`` of the bytes read and written (to within one
-tensor), not whole files, so the ranks share the shard files. The main rank makes the temp dir
-beside the target and every shard file in it (header written, full size set) before it tells
-the others the dir's name (:meth:`Team.begin`); each rank then opens the files its tensors
-land in, writes them at their planned offsets (disjoint byte ranges: fine on one node and on a
-shared filesystem) and fsyncs what it wrote, and then:
+tensor), not whole files, so the ranks share the shard files. Every rank takes its share, and
+the others make the layouts (headers, offsets) of the files they write into, before the main
+rank makes the temp dir beside the target and every shard file in it (header written, full size
+set) and tells the others the dir's name (:meth:`Team.begin`); each rank then opens the files
+its tensors land in, writes them at their planned offsets (disjoint byte ranges: fine on one
+node and on a shared filesystem) and fsyncs what it wrote, and then:
 
 1. **agree**: one ``all_gather_object`` of (ok, message, stats, slots written per file). A rank
    that failed still joins it, so that every rank learns who failed and why; a rank that died

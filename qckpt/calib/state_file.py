@@ -112,15 +112,14 @@ def load_calibration(path: str | os.PathLike) -> CalibrationState:
     try:
         raw = path.read_bytes()
         try:
-            meta, floats = _header_floats(raw)
+            meta, tensors, floats = _read_f32_file(raw)
         except Exception:  # noqa: BLE001 - safetensors' own parse below says what is wrong
-            meta, floats = None, {}
+            meta, tensors, floats = None, None, {}
         if meta is None:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
-        # one parse of the whole file: a large MoE's file holds ~40k scalars, and a lookup per
-        # name through safe_open cost more than a second of every export's planning
-        tensors = load_bytes(raw)
+        if tensors is None:  # one parse of the whole file (a lookup per name cost seconds)
+            tensors = load_bytes(raw)
     except Exception as exc:  # safetensors raises several types for a bad header
         raise CheckpointError(f"{path}: not a safetensors calibration file ({exc})") from None
     if meta.get("qckpt_calibration") != FILE_VERSION:
@@ -137,10 +136,18 @@ def load_calibration(path: str | os.PathLike) -> CalibrationState:
     )
 
 
-def _header_floats(raw: bytes) -> tuple[dict[str, str], dict[str, float]]:
-    """A safetensors file's metadata and the value of each of its one-value float32 tensors,
-    read with numpy from its bytes (an export checks and compares tens of thousands of them:
-    a tensor op per amax cost a fifth of its planning). Raises on anything unexpected."""
+def _read_f32_file(
+    raw: bytes,
+) -> tuple[dict[str, str], dict[str, torch.Tensor] | None, dict[str, float]]:
+    """A safetensors file's metadata, its tensors when every one is float32 (what
+    ``save_calibration`` writes), and the value of each one-value tensor as a float.
+
+    The tensors are views of one buffer, by name as ``safetensors.torch.load`` orders them,
+    each with the bits stored (NaN payloads included): a large MoE's file holds ~40k scalar
+    amaxes, and a tensor made, checked and compared per amax cost ~0.5 s of every export's
+    planning. Tensors None: a file this does not take (another dtype, offsets that do not tile
+    the data exactly); raises on anything malformed (the caller then takes safetensors' path,
+    which says what is wrong)."""
     import numpy as np
 
     (n,) = struct.unpack("<Q", raw[:8])
@@ -149,14 +156,48 @@ def _header_floats(raw: bytes) -> tuple[dict[str, str], dict[str, float]]:
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("metadata is not a map of strings")
     start = 8 + n
-    data = np.frombuffer(raw, dtype="<f4", offset=start, count=(len(raw) - start) // 4)
+    size = len(raw) - start
+    data = np.frombuffer(raw, dtype="<f4", offset=start, count=size // 4)
     item = data.item
-    floats = {}
+    floats: dict[str, float] = {}
+    spans: list[tuple[int, int, str, tuple[int, ...]]] = []
+    f32_only = True
     for name, info in head.items():
         b, e = info["data_offsets"]
+        shape = info["shape"]
+        f32_only = f32_only and info["dtype"] == "F32" and b % 4 == 0
         if info["dtype"] == "F32" and e - b == 4 and b % 4 == 0:
             floats[name] = item(b // 4)
-    return meta, floats
+        spans.append((b, e, name, tuple(shape)))
+    if not f32_only or size % 4 or not _tiles(spans, size):
+        return meta, None, floats
+    flat = torch.frombuffer(bytearray(raw[start:]), dtype=torch.float32)
+    # scalars (most of a per-tensor file) as 0-d views made in one call, when the buffer holds
+    # little else; any other shape as a view of its span
+    scalars = flat.unbind() if flat.numel() <= 4 * len(spans) + 4096 else None
+    tensors: dict[str, torch.Tensor] = {}
+    for b, e, name, shape in sorted(spans, key=lambda s: s[2]):
+        if shape == () and scalars is not None:
+            tensors[name] = scalars[b // 4]
+        else:
+            tensors[name] = flat[b // 4 : e // 4].view(shape)
+    return meta, tensors, floats
+
+
+def _tiles(spans: list[tuple[int, int, str, tuple[int, ...]]], size: int) -> bool:
+    """The float32 spans cover ``[0, size)`` exactly, in some order, each ``4 x`` its shape's
+    elements (what safetensors itself requires of a file)."""
+    end = 0
+    for b, e, _, shape in sorted(spans):
+        n = 4
+        for d in shape:
+            if type(d) is not int or d < 0:
+                return False
+            n *= d
+        if type(b) is not int or type(e) is not int or b != end or e - b != n:
+            return False
+        end = e
+    return end == size
 
 
 def calibration_differences(a: str | os.PathLike, b: str | os.PathLike) -> list[str]:

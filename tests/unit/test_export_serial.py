@@ -131,3 +131,49 @@ def test_export_seconds_span_plan_and_write_and_steps_say_where(tmp_path):
     assert all(v >= 0 for v in steps.values())
     assert sum(steps.values()) <= rep.seconds + 1e-3
     assert steps["plan"] > 0 and steps["write"] > 0
+
+
+def _st_file(path, entries: dict, metadata: dict) -> None:
+    """A safetensors file written by hand: ``entries`` name -> (code, shape, bytes, offset)."""
+    head = {"__metadata__": metadata}
+    data = b""
+    for name, (code, shape, raw, off) in entries.items():
+        head[name] = {"dtype": code, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
+        data = data.ljust(off, b"\0")[:off] + raw + data[off + len(raw) :]
+    h = json.dumps(head).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+def test_calibration_file_loads_bit_for_bit_as_safetensors_does(tmp_path):
+    """float32 files are read as views of one buffer: every tensor equals safetensors' own
+    load, bits included (a NaN payload, -0.0), whatever its shape; a file of another dtype,
+    or whose data do not tile, goes through safetensors itself (and its error)."""
+    from safetensors.torch import load as st_load
+
+    meta = {"qckpt_calibration": "1", "model_type": "x"}
+    nan = struct.pack("<I", 0x7FC00123)  # a NaN with a payload
+    f32 = {
+        "a.weight_amax": ("F32", (), struct.pack("<f", 1.5), 0),
+        "a.input_amax": ("F32", (), nan, 4),
+        "b.weight_amax": ("F32", (3,), struct.pack("<3f", 0.1, -0.0, 2.0), 8),
+        "c.weight_amax": ("F32", (2, 2), struct.pack("<4f", 1, 2, 3, 4), 20),
+    }
+    bf16 = {**f32, "d.input_amax": ("BF16", (), b"\x80\x3f", 36)}
+    for name, entries in (("f32", f32), ("bf16", bf16)):
+        p = tmp_path / f"{name}.safetensors"
+        _st_file(p, entries, meta)
+        got, want = load_calibration(p).amax, st_load(p.read_bytes())
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+            bits = got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)
+            assert torch.equal(*bits), k
+        buffers = {t.untyped_storage().data_ptr() for t in got.values()}
+        assert len(buffers) == (1 if name == "f32" else len(got))  # the one-buffer path, or not
+    gap = dict(f32, **{"c.weight_amax": ("F32", (2, 2), struct.pack("<4f", 1, 2, 3, 4), 24)})
+    p = tmp_path / "gap.safetensors"
+    _st_file(p, gap, meta)
+    with pytest.raises(CheckpointError, match="not a safetensors calibration file") as e:
+        load_calibration(p)
+    assert "\n" not in str(e.value)

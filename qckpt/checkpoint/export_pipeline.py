@@ -352,15 +352,8 @@ def create_files(plan: ExportPlan, tmp: Path) -> None:
     (:func:`~qckpt.checkpoint.safetensors_io.create_shard_file`): the main rank does this before
     any rank opens one, so that no rank can create, truncate or miss a file another writes to."""
     meta = plan.layout.shard_metadata()
-    files = list(zip(plan.shards.files, plan.shards.specs, strict=True))
-    if len(files) == 1:
-        create_shard_file(tmp / files[0][0], files[0][1], meta)
-        return
-    # one thread per file (up to 8): each file's fsync of its header waits on the disk without
-    # the GIL, so the files' fsyncs overlap instead of adding up on the main rank
-    with cf.ThreadPoolExecutor(min(8, len(files)), "qckpt-create") as pool:
-        for done in pool.map(lambda f: create_shard_file(tmp / f[0], f[1], meta), files):
-            del done
+    for fname, specs in zip(plan.shards.files, plan.shards.specs, strict=True):
+        create_shard_file(tmp / fname, specs, meta)
 
 
 def check_written(plan: ExportPlan, written: Sequence[dict[str, int]]) -> None:

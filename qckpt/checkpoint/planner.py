@@ -75,6 +75,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from qckpt import phases
+from qckpt.checkpoint.read_items import local_load_items
 from qckpt.errors import CheckpointError, FormatError
 from qckpt.formats._common import defer_finite_checks, first_not_finite
 
@@ -397,7 +398,12 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
                         f"{fqn}: shape {tuple(md.size)} in the checkpoint, {want} in the model"
                     )
         if not shards:
-            return super().create_local_plan()
+            if self.metadata is None or set(md_all) - set(self.state_dict):
+                # DCP's planner looks for a pre-2.4 checkpoint's names then: its own path
+                return super().create_local_plan()
+            return LoadPlan(
+                local_load_items(self.state_dict, self.metadata, not self.allow_partial_load)
+            )
         full = self.state_dict
         # DCP's own helper on the other entries (super() would see the shards as keys missing
         # from the state dict and fall back to the full dict)

@@ -288,7 +288,7 @@ def run(ckpt: Path, args) -> dict:
             skipped = {"skipped": "transformers' FP8 quantization needs a GPU"}
             result["runs"][name] = _best(reps[name]) if name in reps else skipped
         result["runs"]["read_ceiling"] = read_ceiling(ckpt, args.threads)
-        result["ratios"] = _ratios(result["runs"], result["checkpoint"]["max_numel"])
+        result["ratios"] = _ratios(result["runs"])
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -337,7 +337,7 @@ def _peak(run: dict, key: str) -> float | None:
     return (run.get("peaks") or {}).get(key)
 
 
-def _ratios(runs: dict, max_numel: int) -> dict:
+def _ratios(runs: dict) -> dict:
     q = runs.get("qckpt", {})
     out: dict = {}
     for other in ("hf_bf16", "hf_fp8"):
@@ -361,20 +361,23 @@ def _ratios(runs: dict, max_numel: int) -> dict:
             out[f"{name}_max_rank_device_peak_over_qckpt"] = round(ratio, 3)
     for mine in ("qckpt", "qckpt_inflight1"):
         m = runs.get(mine, {})
-        held, peak = _peak(m, "device_allocated_bytes"), _peak(m, "device_peak_bytes")
-        if held is not None and peak:
+        peak = _peak(m, "device_peak_bytes")
+        if peak and m.get("runs"):
             # issue 18: the whole command's peak against the FP8 model + 2*max(numel) + 64 MiB
-            # (one BF16 scratch of the largest tensor, whatever max_inflight is)
-            bound = held + 2 * max_numel + 64 * MiB
+            # (one BF16 scratch of the largest quantized tensor, whatever max_inflight is; the
+            # model is freed before the report, so its bytes come from the load's report)
+            r = m["runs"][0]
+            scratch = r["predicted_transient_bytes"] // max(1, r["max_inflight"])
+            bound = r["param_bytes"] + scratch + 64 * MiB
             out[f"{mine}_device_peak_over_one_scratch_bound"] = round(peak / bound, 4)
     if "runs" in q:  # qckpt's read rate against the host's ceiling for the same files
         ceiling = runs["read_ceiling"]["gbps"]
         out["qckpt_read_gbps"] = round(q["runs"][0]["gbps"], 3)
         out["read_ceiling_gbps"] = round(ceiling, 3)
-        held = _peak(q, "device_allocated_bytes")
-        if held is not None and _peak(q, "device_peak_bytes"):
-            # issue 17: the whole command's peak against the model + one scratch + 64 MiB
-            bound = held + q["runs"][0]["predicted_transient_bytes"] + 64 * MiB
+        if _peak(q, "device_peak_bytes"):
+            # the whole command's peak against the model + max_inflight scratches + 64 MiB
+            r = q["runs"][0]
+            bound = r["param_bytes"] + r["predicted_transient_bytes"] + 64 * MiB
             out["qckpt_device_peak_over_bound"] = round(_peak(q, "device_peak_bytes") / bound, 3)
     return out
 

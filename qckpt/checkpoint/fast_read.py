@@ -57,7 +57,7 @@ from qckpt.checkpoint.torch_save_layout import StoredTensor
 from qckpt.errors import CheckpointError
 
 CHUNK_BYTES = 16 << 20  # one read piece: large enough for full-speed reads, small to overlap
-DEFAULT_MAX_INFLIGHT = 2
+DEFAULT_MAX_INFLIGHT = 1
 WINDOW_ITEMS = 256
 BATCH_PIECES = 32  # small pieces per pool task (their bytes stay under CHUNK_BYTES too)
 # on an H200 host 4 threads read the 8-layer Qwen3-30B-A3B shape faster than 16 (1.54 vs 1.78 s):

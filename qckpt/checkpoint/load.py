@@ -230,7 +230,7 @@ def load_checkpoint(
     progress: Callable[[int], Any] | None = None,
     tap: Callable[[str, torch.Tensor], Any] | None = None,
     reader: Any = "fast",
-    max_inflight: int = 2,
+    max_inflight: int = 1,
     read_threads: int | None = None,
     only: Collection[str] | None = None,
 ) -> LoadReport:
@@ -414,7 +414,7 @@ def model_reader(
     fmt: str,
     shards: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
     kind: str = "fast",
-    max_inflight: int = 2,
+    max_inflight: int = 1,
     threads: int | None = None,
 ) -> Any:
     """The storage reader (``kind``: fast | plain) for the model's (sharded) shapes; it can be

@@ -123,7 +123,6 @@ def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
         ("save 4 -> load 2", w2, c4, 4),
     ]
     one = ref_rep.predicted_transient_bytes
-    sizes = sorted(2 * p.numel() for p in ref_model.state_dict().values() if hasattr(p, "qdata"))
     for (what, world, path, parts), reader in itertools.product(cases, ("plain", "fast")):
         out = str(tmp_path / (what + reader).replace(" ", "_").replace(">", ""))
         stats = _ok(world.run(_load, path, out, reader))
@@ -131,11 +130,9 @@ def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
             assert s["world"] == world.n
             # each destination arrives in `parts` items (one per saved shard)
             assert s["items"] == n_tensors * parts, (what, s)
-            if reader == "plain":
-                # one scratch at a time even though the pieces come from `parts` files
-                assert s["transient"] == s["predicted"] == one, (what, s)
-            else:  # at most max_inflight (2) scratches
-                assert one <= s["transient"] <= s["predicted"] == sum(sizes[-2:]), (what, s)
+            # one scratch at a time (the plain reader; the fast one at its default max_inflight
+            # 1) even though the pieces come from `parts` files
+            assert s["transient"] == s["predicted"] == one, (what, s)
             _assert_same(torch.load(f"{out}.{rank}.pt"), ref, f"{what} ({reader}), rank {rank}")
 
     # save 2 -> load on 4 ranks as DP2 x EP2: each rank reads only its experts' rows

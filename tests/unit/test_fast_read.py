@@ -203,7 +203,7 @@ def test_max_inflight_bounds_the_live_scratches(ckpts, monkeypatch, inflight):
 
 def test_reader_and_max_inflight_are_checked():
     assert recipe_from_dict({}).load.reader == "fast"
-    assert recipe_from_dict({}).load.max_inflight == 2
+    assert recipe_from_dict({}).load.max_inflight == 1
     with pytest.raises(RecipeError, match=r"^load\.max_inflight: must be in 1 \.\. 64, got 0$"):
         recipe_from_dict({"load": {"max_inflight": 0}})
     with pytest.raises(RecipeError, match=r"^load\.reader: must be one of fast, plain"):

@@ -21,6 +21,7 @@ Torch-free: importable by commands that never load torch.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
 import threading
@@ -304,3 +305,19 @@ def timed(name: str) -> Callable[[F], F]:
         return inner  # type: ignore[return-value]
 
     return wrap
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic collector off for the block (as it was after). A load or an export makes
+    a few objects per tensor that live until it ends, so a 20k-tensor command set off several
+    full collections, each a walk over the whole heap (the model, torch, transformers: 0.2-0.5 s
+    apiece): a cost per tensor that grew with the number of tensors. Cycles made meanwhile are
+    collected after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

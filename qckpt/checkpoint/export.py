@@ -25,7 +25,6 @@ removes it once its pid is gone.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +50,7 @@ from qckpt.checkpoint.model_files import copy_model_files
 from qckpt.checkpoint.safetensors_io import shard_layout, write_index, write_json
 from qckpt.errors import ExportError, PeerError
 from qckpt.outputs import EXPORT_MARKER, check_export_target, export_marker
+from qckpt.phases import gc_paused
 from qckpt.recipe import ExportConfig, QuantConfig
 
 __all__ = [
@@ -64,20 +64,6 @@ __all__ = [
 ]
 
 ProgressFn = Callable[[int, int, str], None]
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside (as it was after): planning and finishing an export
-    make a few objects per tensor and free none, and on a 19k-tensor MoE the collections this
-    set off were a fifth of the plan's time (and of the self-check's header parse)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 class _Steps:

@@ -701,17 +701,8 @@ class _Pipeline:
         tensors.append(
             torch.stack([c[3] for c in checks]) if checks else torch.zeros(0, dtype=bool)
         )
-        sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]  # every dtype's alignment
-        offsets = list(itertools.accumulate(sizes, initial=0))
-        block = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        host = []
-        for t, off in zip(tensors, offsets, strict=False):
-            h = block[off : off + t.nbytes].view(t.dtype).view(t.shape)
-            h.copy_(t, non_blocking=True)
-            host.append(h)
-        del tensors, block
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        host = _copy_back(tensors, self.device)
+        del tensors
         views = iter(host)
         for _, _, os_ in staged:
             os_[:] = [(f, name, next(views), "block") for f, name, _, _ in os_]
@@ -899,17 +890,8 @@ class _Pipeline:
         if not self._runs_on_device():
             return verdicts.tolist()
         tensors = [o[0] for o in outs] + [verdicts]
-        sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]
-        offsets = list(itertools.accumulate(sizes, initial=0))
-        block = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        host = []
-        for t, off in zip(tensors, offsets, strict=False):
-            h = block[off : off + t.nbytes].view(t.dtype).view(t.shape)
-            h.copy_(t, non_blocking=True)
-            host.append(h)
-        del tensors, block
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        host = _copy_back(tensors, self.device)
+        del tensors
         for o, h in zip(outs, host, strict=False):
             o[0] = h
         return host[-1].tolist()
@@ -1069,6 +1051,23 @@ class _Pipeline:
         empty = getattr(torch._C, "_host_emptyCache", None)
         if self.device.type == "cuda" and empty is not None:
             empty()  # the pinned blocks torch keeps for reuse: host memory the export is done with
+
+
+def _copy_back(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` (on ``device``) copied into one host block, pinned on a GPU so the copies
+    queue on the current stream, then one wait for that stream: their host views, in order.
+    A wait per tensor was most of a small tensor's time."""
+    sizes = [-(-t.nbytes // _ALIGN) * _ALIGN for t in tensors]  # every dtype's alignment
+    offsets = list(itertools.accumulate(sizes, initial=0))
+    block = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host = []
+    for t, off in zip(tensors, offsets, strict=False):
+        h = block[off : off + t.nbytes].view(t.dtype).view(t.shape)
+        h.copy_(t, non_blocking=True)
+        host.append(h)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return host
 
 
 def _in_context() -> Callable[..., Any]:

@@ -38,7 +38,6 @@ the plain code.
 from __future__ import annotations
 
 import ctypes
-import gc
 import math
 import operator
 import os
@@ -52,6 +51,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
+from qckpt import phases
 from qckpt.checkpoint.safetensors_io import open_regular
 from qckpt.checkpoint.torch_save_layout import StoredTensor
 from qckpt.errors import CheckpointError
@@ -316,13 +316,8 @@ class FastReadEngine:
         that live until their commit, so a 20k-item read set off several full collections,
         each a walk over the whole heap (the model, torch, transformers: ~0.3 s apiece on a
         loaded host), which grew the per-item cost with the number of items."""
-        was = gc.isenabled()
-        gc.disable()
-        try:
+        with phases.gc_paused():
             self._run(jobs, planner)
-        finally:
-            if was:
-                gc.enable()
 
     def _run(self, jobs: list[Job], planner: Any) -> None:
         left = Counter(j.item.dest_index.fqn for j in jobs)

@@ -10,13 +10,11 @@ loaded unless every item was read and every quantized destination was written.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,6 +25,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from qckpt import phases
 from qckpt.checkpoint.planner import (
     MemoryMeter,
     StreamingDequantLoadPlanner,
@@ -247,7 +246,7 @@ def load_checkpoint(
     tensors are neither read nor checked (a data-parallel rank reading its share:
     :mod:`qckpt.pipeline.dp_read`).
     """
-    with paused_gc():
+    with phases.gc_paused():
         return _load_checkpoint(
             model,
             path,
@@ -262,22 +261,6 @@ def load_checkpoint(
             read_threads=read_threads,
             only=only,
         )
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Python's cyclic collector off for the block. A load makes a few objects per read item
-    (DCP's plan, the reader's jobs) that survive until the end, so a load of 20k items set off
-    several full collections, each a walk over the whole heap (the model, torch, transformers:
-    0.3 s apiece on a loaded host): a cost per item that grew with the number of items. Cycles
-    made meanwhile are collected after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _load_checkpoint(

@@ -17,14 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qckpt.checkpoint.export_pipeline as pipe
 from qckpt.checkpoint.export import WriteOptions
 from qckpt.checkpoint.export_layouts import CHUNK_ELEMS, check_source_weight, refuse_source_weight
 from qckpt.errors import ExportError
-from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
+from tests.unit._export_fixtures import (
+    make_calibration,
+    quant_config,
+    run_export,
+    saved_model,
+    tampered,
+)
 
 
 class _HostReads(TorchDispatchMode):
@@ -146,17 +151,6 @@ def test_the_device_path_writes_the_same_files_and_gives_every_byte_back(
     assert sum(len(j) for j in device_path["jobs"][-100:]) >= 14
 
 
-def _tampered(root: Path, hf_dir: Path, name: str, fn) -> Path:
-    bad = root / name
-    bad.mkdir()
-    for p in hf_dir.iterdir():
-        (bad / p.name).write_bytes(p.read_bytes())
-    sd = load_file(str(bad / "model.safetensors"))
-    fn(sd)
-    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    return bad
-
-
 def test_a_refused_tensor_on_the_device_path_gives_the_first_ones_one_line_error(
     dense, device_path
 ):
@@ -171,7 +165,7 @@ def test_a_refused_tensor_on_the_device_path_gives_the_first_ones_one_line_error
         sd[first][7].mul_(3.0)
         sd[second][3, 5] = float("nan")
 
-    bad = _tampered(root, hf_dir, "two-bad", spoil)
+    bad = tampered(root, hf_dir, "two-bad", spoil)
     out = root / "out-two-bad"
     with pytest.raises(ExportError) as e:
         _export(model, bad, out, q, cal)
@@ -180,7 +174,7 @@ def test_a_refused_tensor_on_the_device_path_gives_the_first_ones_one_line_error
     assert "\n" not in msg and not out.exists()
 
     nan = float("nan")
-    only_nan = _tampered(root, hf_dir, "nan-only", lambda sd: sd[second].__setitem__((3, 5), nan))
+    only_nan = tampered(root, hf_dir, "nan-only", lambda sd: sd[second].__setitem__((3, 5), nan))
     with pytest.raises(ExportError) as e:
         _export(model, only_nan, out, q, cal)
     assert str(e.value) == (

@@ -25,7 +25,13 @@ from qckpt.checkpoint.export_layouts import CHUNK_ELEMS, check_source_stack, che
 from qckpt.checkpoint.safetensors_io import ShardFile, create_shard_file
 from qckpt.checkpoint.sources import SafetensorsSource
 from qckpt.errors import CheckpointError, ExportError
-from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
+from tests.unit._export_fixtures import (
+    make_calibration,
+    quant_config,
+    run_export,
+    saved_model,
+    tampered,
+)
 
 
 @pytest.fixture(scope="module")
@@ -111,17 +117,6 @@ def test_runs_write_the_same_files_as_one_item_at_a_time(moe, runs, layout):
     assert used == 0 and 0 < peak <= cap
 
 
-def _tampered(root: Path, hf_dir: Path, name: str, fn) -> Path:
-    bad = root / name
-    bad.mkdir()
-    for p in hf_dir.iterdir():
-        (bad / p.name).write_bytes(p.read_bytes())
-    sd = load_file(str(bad / "model.safetensors"))
-    fn(sd)
-    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    return bad
-
-
 def test_a_refused_weight_in_a_run_gives_the_first_ones_one_line_error(moe, runs):
     """Two bad experts of one layer (so of one run, in two stacks: an up and a later down);
     the first in plan order is named with the per-item path's message."""
@@ -135,7 +130,7 @@ def test_a_refused_weight_in_a_run_gives_the_first_ones_one_line_error(moe, runs
         sd[first][7].mul_(3.0)
         sd[second][3, 5] = float("nan")
 
-    bad = _tampered(root, hf_dir, "two-bad", spoil)
+    bad = tampered(root, hf_dir, "two-bad", spoil)
     out = root / "out-two-bad"
     with pytest.raises(ExportError) as e:
         _export(model, bad, out, q, cal, bulk=True)
@@ -148,7 +143,7 @@ def test_a_refused_weight_in_a_run_gives_the_first_ones_one_line_error(moe, runs
     assert str(plain.value) == msg
 
     nan = float("nan")
-    only_nan = _tampered(root, hf_dir, "nan-only", lambda sd: sd[second].__setitem__((3, 5), nan))
+    only_nan = tampered(root, hf_dir, "nan-only", lambda sd: sd[second].__setitem__((3, 5), nan))
     with pytest.raises(ExportError) as e:
         _export(model, only_nan, out, q, cal, bulk=True)
     assert str(e.value) == (
@@ -274,7 +269,7 @@ def test_a_refused_weight_on_the_runs_device_path_gives_the_per_item_error(moe, 
     q = quant_config("tensor", "static")
     cal = make_calibration(model, q)
     name = "model.layers.1.mlp.experts.2.gate_proj.weight"
-    bad = _tampered(root, hf_dir, "dev-bad", lambda sd: sd[name][4].mul_(3.0))
+    bad = tampered(root, hf_dir, "dev-bad", lambda sd: sd[name][4].mul_(3.0))
     out = root / "dev-out-bad"
     with pytest.raises(ExportError) as plain:
         _export(model, bad, out, q, cal, bulk=False)

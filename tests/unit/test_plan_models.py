@@ -60,9 +60,15 @@ def test_deepseek_v3_on_two_nodes_of_h200(monkeypatch):
 
 def test_kimi_k2_on_one_node_calibrates_layer_by_layer(monkeypatch):
     monkeypatch.chdir(ROOT)
-    # 1 T parameters: even FP8-resident over EP8 is past 139 GiB a GPU; host offload would need
-    # the host memory, not given: the suggestion reads one layer at a time, each expert once
-    res = plan(_recipe("kimi-k2", "parallel.ep=8"), nproc_per_node=8, device_bytes=139 * 2**30)
+    # 1 T parameters, two scratches of its largest fused experts (22.5 GB each) in flight: even
+    # FP8-resident over EP8 is past 139 GiB a GPU; host offload would need the host memory,
+    # not given: the suggestion reads one layer at a time, each expert once
+    sets = ("parallel.ep=8", "load.max_inflight=2")
+    res = plan(_recipe("kimi-k2", *sets), nproc_per_node=8, device_bytes=139 * 2**30)
     assert res.fits("load") and not res.fits("calibrate")
     sug = res.suggestions["calibrate"]
     assert (sug.offload, sug.activations, sug.ep, sug.resident) == ("layer", "device", 8, "bf16")
+    # at the default max_inflight (1) one scratch less: FP8-resident weights over EP8 fit
+    res = plan(_recipe("kimi-k2", "parallel.ep=8"), nproc_per_node=8, device_bytes=139 * 2**30)
+    sug = res.suggestions["calibrate"]
+    assert (sug.offload, sug.ep, sug.resident) == ("none", 8, "fp8")

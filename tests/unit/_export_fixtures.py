@@ -178,12 +178,12 @@ def run_export(
 def tampered(root: Path, hf_dir: Path, name: str, fn) -> Path:  # noqa: ANN001
     """A copy of the HF dir ``hf_dir`` as ``root/name`` whose model.safetensors went through
     ``fn(state_dict)`` (a bad value planted for a guard to find)."""
+    import shutil
+
     from safetensors.torch import load_file, save_file
 
     bad = root / name
-    bad.mkdir()
-    for p in hf_dir.iterdir():
-        (bad / p.name).write_bytes(p.read_bytes())
+    shutil.copytree(hf_dir, bad)
     sd = load_file(str(bad / "model.safetensors"))
     fn(sd)
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})

@@ -10,12 +10,10 @@ The calibration is made from the clean model; the checkpoint is then tampered wi
 from __future__ import annotations
 
 import hashlib
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from qckpt.errors import ExportError
 from tests.conftest import run_qckpt
@@ -24,6 +22,7 @@ from tests.unit._export_fixtures import (
     quant_config,
     run_export,
     saved_model,
+    tampered,
     write_calibration,
 )
 
@@ -35,16 +34,6 @@ def dense(tmp_path_factory):
     return root, model, hf_dir
 
 
-def _tampered(root: Path, hf_dir: Path, name: str, fn) -> Path:
-    bad = root / name
-    shutil.copytree(hf_dir, bad)
-    f = bad / "model.safetensors"
-    sd = load_file(str(f))
-    fn(sd)
-    save_file(sd, str(f), metadata={"format": "pt"})
-    return bad
-
-
 def _digest(d: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
 
@@ -54,7 +43,7 @@ def test_nan_weight_refused_by_the_cli_naming_the_tensor(dense):
     q = quant_config("tensor", "static")
     cal = write_calibration(root, model, q, "calib-nan.safetensors")
     w = "model.layers.1.mlp.up_proj.weight"
-    bad = _tampered(root, hf_dir, "nan", lambda sd: sd[w].__setitem__((3, 5), float("nan")))
+    bad = tampered(root, hf_dir, "nan", lambda sd: sd[w].__setitem__((3, 5), float("nan")))
     before = _digest(bad)
     out = root / "out-nan"
     recipe = root / "nan.yaml"
@@ -82,7 +71,7 @@ def test_weights_other_than_the_calibrated_ones_are_refused(dense, granularity):
     q = quant_config(granularity, inputs)
     cal = make_calibration(model, q)
     w = "model.layers.0.self_attn.o_proj.weight"
-    bad = _tampered(root, hf_dir, f"grown-{granularity}", lambda sd: sd[w][7].mul_(3.0))
+    bad = tampered(root, hf_dir, f"grown-{granularity}", lambda sd: sd[w][7].mul_(3.0))
     out = root / f"out-grown-{granularity}"
     with pytest.raises(ExportError) as e:
         run_export(model, bad, cal, out, q)
@@ -103,5 +92,5 @@ def test_the_calibrated_checkpoint_itself_passes(dense):
     assert (out / "config.json").is_file()
     # a weight that only shrinks is still covered by its scales: not refused
     w = "model.layers.0.mlp.down_proj.weight"
-    smaller = _tampered(root, hf_dir, "smaller", lambda sd: sd[w].mul_(torch.tensor(0.5)))
+    smaller = tampered(root, hf_dir, "smaller", lambda sd: sd[w].mul_(torch.tensor(0.5)))
     run_export(model, smaller, make_calibration(model, q), root / "out-smaller", q)

@@ -66,6 +66,7 @@ STEPS=(
   knobs_8l:300
   loadprof_48l:240
   imports:120
+  startup_8l:240
   export_shm_8l:300
 )
 
@@ -153,6 +154,31 @@ step_imports() {
   "$PY" -X importtime -c "import torch, transformers.models.qwen3_moe.modeling_qwen3_moe" \
     2>"$RES/importtime.txt" || true
   sort -t"|" -k2 -n -r "$RES/importtime.txt" | head -25; return 0
+}
+
+# where a whole command's start-up goes on this machine: the imports of a real load and a real
+# calibrate (-X importtime, top modules by cumulative time), CUDA's first use, and a process group
+# of 2 over NCCL
+step_startup_8l() {
+  local rc=0
+  /usr/bin/time -f "python -c pass: %e s" "$PY" -c pass
+  /usr/bin/time -f "import torch + cuda init: %e s" "$PY" -c 'import torch; torch.zeros(1, device="cuda")'
+  CUDA_VISIBLE_DEVICES=0 "$PY" -X importtime -m qckpt load configs/tiny-moe.yaml \
+    --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" --set checkpoint.format=safetensors \
+    --set load.params=fp8 --set load.device=cuda --json "$RES/startup_load.json" \
+    2>"$RES/importtime_load.txt" >/dev/null || rc=1
+  grep '^import time' "$RES/importtime_load.txt" | sort -t"|" -k2 -n -r | head -30
+  "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print("load phases", d.get("phases"))' \
+    "$RES/startup_load.json" || true
+  "$PY" -X importtime -m qckpt calibrate configs/tiny-moe.yaml --set model.source="$CKPT8" \
+    --set checkpoint.path="$CKPT8" --set checkpoint.format=safetensors --set load.device=cuda \
+    --set calibrate.data.num_samples=8 --set calibrate.output="$WORK/startup_amax.safetensors" \
+    --json "$RES/startup_calib.json" \
+    2>"$RES/importtime_calib.txt" >/dev/null || rc=1
+  grep '^import time' "$RES/importtime_calib.txt" | sort -t"|" -k2 -n -r | head -30
+  "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print("calib phases", d.get("phases"))' \
+    "$RES/startup_calib.json" || true
+  return $rc
 }
 
 # whole-command device peaks and exact load windows on CUDA (tests/gpu, skipped on CPU)

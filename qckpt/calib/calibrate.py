@@ -38,7 +38,7 @@ from qckpt.calib.instrument import (
     remove_quantizers,
     settle,
 )
-from qckpt.calib.quantizer import TensorQuantizer
+from qckpt.calib.quantizer import TensorQuantizer, host_amaxes
 from qckpt.calib.state_file import CalibrationState, model_fingerprint, model_names_shapes
 from qckpt.calib.sync import sync_amax
 from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax, linear_shards
@@ -98,8 +98,11 @@ def calibrate_model(
         dres, tres, tp_gathers = _sync_all(qs, mesh, tp_mods, failure)
         t_sync = time.perf_counter()
         expert_ranks = _expert_tokens(instr.experts, mesh)
-        state = _state(model, qs, quant_cfg)
-        report = _report(qs, instr.experts, expert_ranks, mesh)
+        # every amax on the host at once (a few copies), not a device read per quantizer
+        amaxes = host_amaxes(qs)
+        state = _state(model, qs, amaxes, quant_cfg)
+        report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
+        parts["after_sync"] = time.perf_counter() - t_sync
         report.update(
             batches=len(batches),
             tokens_this_rank=tokens,
@@ -181,7 +184,10 @@ def _resident_pass(
     parts: dict[str, float],
 ) -> int:
     """Steps 2-3 with the whole model on its device: weight amax (``mine``: this DP rank's
-    share only), then every batch's forward; the first batch timed apart (warm-up)."""
+    share only), then every batch's forward: ``first_batch`` (the warm-up) timed apart from
+    ``batches`` (the others). Two more figures inside those, for telling warm-up from work:
+    ``first_batch_host``, the first batch until its forward returned (before the device
+    finished), and ``second_batch`` (the first of ``batches``)."""
     device = _model_device(model)
     t0 = time.perf_counter()
     calibrate_weights(model, weight_amax, within=None if mine is None else mine.__contains__)
@@ -195,9 +201,13 @@ def _resident_pass(
             if progress is not None:
                 progress(1)
             if i == 0:
+                parts["first_batch_host"] = time.perf_counter() - t1
                 _wait(device)
                 now = time.perf_counter()
                 parts["first_batch"], t1 = now - t1, now
+            elif i == 1:
+                _wait(device)
+                parts["second_batch"] = time.perf_counter() - t1
     _wait(device)
     parts["batches"] = time.perf_counter() - t1
     return tokens
@@ -246,21 +256,22 @@ def _layer_of(name: str) -> str:
     return m.group(1) if m else name
 
 
-def _state(model: nn.Module, qs: list[TensorQuantizer], quant_cfg: QuantConfig) -> CalibrationState:
+def _state(model: nn.Module, qs: list[TensorQuantizer], amaxes: list, quant_cfg: QuantConfig):
+    """The calibration file's contents; ``amaxes``: each quantizer's amax, on the host."""
     mtype = getattr(getattr(model, "config", None), "model_type", "") or ""
-    amax = {q.key: q.amax.detach().float().cpu() for q in qs if q.amax is not None}
+    amax = {q.key: a.float() for q, a in zip(qs, amaxes, strict=True) if a is not None}
     return CalibrationState(
         amax=amax,
-        quantizers={q.key: q.describe() for q in qs},
+        quantizers={q.key: q.describe(a) for q, a in zip(qs, amaxes, strict=True)},
         model_type=mtype,
         model_fingerprint=model_fingerprint(model_names_shapes(model)),
         quant=dataclasses.asdict(quant_cfg),
     )
 
 
-def _report(qs, experts, expert_ranks, mesh: Mesh) -> dict[str, Any]:
+def _report(qs, amaxes: list, experts, expert_ranks, mesh: Mesh) -> dict[str, Any]:
     layers: dict[str, dict[str, Any]] = {}
-    for q in qs:
+    for q, a in zip(qs, amaxes, strict=True):
         if not q.enabled:
             continue
         row = layers.setdefault(
@@ -275,11 +286,13 @@ def _report(qs, experts, expert_ranks, mesh: Mesh) -> dict[str, Any]:
             },
         )
         row["total"] += 1
-        a = q.amax
         if a is None:
             continue
         row["calibrated"] += 1
-        lo, hi = float(a.min()), float(a.max())
+        if a.dim() == 0:
+            lo = hi = float(a)
+        else:
+            lo, hi = float(a.min()), float(a.max())
         row["amax_min"] = lo if row["amax_min"] is None else min(row["amax_min"], lo)
         row["amax_max"] = hi if row["amax_max"] is None else max(row["amax_max"], hi)
         if q.shared_from_layer:
@@ -297,7 +310,7 @@ def _report(qs, experts, expert_ranks, mesh: Mesh) -> dict[str, Any]:
         row["experts_total"] = info.num_experts
         row["cold_experts"] = [e for e, counts in enumerate(per_expert) if not any(counts)]
         row["expert_tokens"] = {str(e): counts for e, counts in enumerate(per_expert)}
-    enabled = [q for q in qs if q.enabled]
+    enabled = [(q, a) for q, a in zip(qs, amaxes, strict=True) if q.enabled]
     return {
         "world_size": mesh.world_size,
         "dp": mesh.dp,
@@ -305,7 +318,7 @@ def _report(qs, experts, expert_ranks, mesh: Mesh) -> dict[str, Any]:
         "tp": mesh.tp,
         "quantizers": len(enabled),
         "disabled": len(qs) - len(enabled),
-        "calibrated": sum(1 for q in enabled if q.amax is not None),
-        "uncalibrated": [q.key for q in enabled if q.amax is None],
+        "calibrated": sum(1 for _, a in enabled if a is not None),
+        "uncalibrated": [q.key for q, a in enabled if a is None],
         "layers": layers,
     }

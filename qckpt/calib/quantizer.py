@@ -504,9 +504,11 @@ class TensorQuantizer:
             + (", shared_from_layer" if self.shared_from_layer else "")
         )
 
-    def describe(self) -> dict:
-        """The calibration file's metadata entry for this quantizer."""
-        amax = self.amax
+    def describe(self, amax: torch.Tensor | None | object = ...) -> dict:
+        """The calibration file's metadata entry for this quantizer (``amax``: its value when
+        the caller already has it, e.g. from :func:`host_amaxes`; else read here)."""
+        if amax is ...:
+            amax = self.amax
         d = {
             "module": self.name,
             "kind": self.kind,
@@ -527,3 +529,45 @@ class TensorQuantizer:
         if self.expert is not None:
             d["expert"] = self.expert
         return d
+
+
+def host_amaxes(quantizers: Sequence[TensorQuantizer]) -> list[torch.Tensor | None]:
+    """Every quantizer's :attr:`~TensorQuantizer.amax` (same values, dtypes and shapes), on the
+    host, in a few copies: one per bank of per-tensor amaxes and one for all the static ones.
+    Reading them one by one costs a kernel and a device-to-host wait per quantizer (three per
+    quantizer for the file and the report: about 0.8 s for 6,208 of them on an H200)."""
+    for store in {id(q.store): q.store for q in quantizers}.values():
+        if store.dirty:
+            store.settle()
+    banks = {id(q.bank): q.bank for q in quantizers if q.bank is not None}
+    values = {i: b.values[: b.size].cpu() for i, b in banks.items()}
+    statics = [q.store.static[q.static_ix] for q in quantizers if q.bank is None]
+    statics = _to_host([a for a in statics if a is not None])
+    out: list[torch.Tensor | None] = []
+    for q in quantizers:
+        b = q.bank
+        if b is None:
+            a = q.store.static[q.static_ix]
+            out.append(None if a is None else statics[id(a)])
+        elif not b.present[q.slot]:
+            out.append(None)
+        else:
+            # the property's own conversion, on the host copy: the same bits
+            out.append(values[id(b)][q.slot].to(DTYPES[b.codes[q.slot]], copy=True))
+    return out
+
+
+def _to_host(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """id(t) -> a host copy of t, one device-to-host copy per (device, dtype)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    out: dict[int, torch.Tensor] = {}
+    for ts in groups.values():
+        if ts[0].device.type == "cpu":
+            out.update((id(t), t.detach().clone()) for t in ts)
+            continue
+        flat = torch.cat([t.detach().reshape(-1) for t in ts]).cpu()
+        for t, piece in zip(ts, flat.split([t.numel() for t in ts]), strict=True):
+            out[id(t)] = piece.view(t.shape).clone()
+    return out

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_bytes
-from safetensors.torch import save
 from torch import nn
 
 from qckpt.atomic import write_bytes
@@ -99,10 +98,35 @@ def save_calibration(
         "quant": json.dumps(state.quant, sort_keys=True),
         "quantizers": json.dumps(state.quantizers, sort_keys=True),
     }
-    tensors = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in state.amax.items()}
+    tensors = {k: v.detach().to(torch.float32).cpu() for k, v in state.amax.items()}
     # serialized here and written by Python, so a write error is an OSError naming its errno
     # (safetensors' own file writer reports it as a SafetensorError string)
-    return write_bytes(path, save(tensors, metadata=meta), key=key)
+    return write_bytes(path, f32_file_bytes(tensors, meta), key=key)
+
+
+def f32_file_bytes(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+    """The safetensors file of float32 ``tensors`` (host) and ``meta``, as ``safetensors``
+    writes it (tensors by name, compact JSON header padded with spaces to 8 bytes; the bytes
+    are safetensors' own whenever ``meta`` has one key, whose order it does not fix), made in
+    one concatenation: safetensors' ``save`` took 0.2-0.3 s for a file of 6,208 amaxes, a cost
+    every rank of a data-parallel run waits for."""
+    names = sorted(tensors)
+    header: dict[str, object] = {"__metadata__": meta} if meta else {}
+    end = 0
+    for k in names:
+        t = tensors[k]
+        if t.dtype != torch.float32:
+            raise ValueError(f"{k}: {t.dtype}, not float32")
+        header[k] = {
+            "dtype": "F32",
+            "shape": list(t.shape),
+            "data_offsets": [end, end + 4 * t.numel()],
+        }
+        end += 4 * t.numel()
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % 8)
+    flat = torch.cat([tensors[k].reshape(-1) for k in names]) if names else torch.zeros(0)
+    return struct.pack("<Q", len(head)) + head + flat.numpy().astype("<f4", copy=False).tobytes()
 
 
 def load_calibration(path: str | os.PathLike) -> CalibrationState:

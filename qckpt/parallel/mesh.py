@@ -115,12 +115,19 @@ def bind_near_gpu(dev: torch.device) -> set[int] | None:
 
 
 def _groups(world: int, sizes: tuple[int, int, int], timeout: datetime.timedelta, backend: str):
-    """Create every dp/ep/tp/data group on every rank (new_group is collective) and keep ours."""
+    """Create every dp/ep/tp/data group on every rank (new_group is collective) and keep ours.
+
+    A family whose groups hold one rank gets none (None: its collectives are no-ops), and one
+    whose group is the whole world uses the world's own group: under NCCL every new group is
+    one more communicator split from the world's (on every rank, members or not) and one more
+    to tear down at the end; pure DP on 2 GPUs made six, none of them needed. A family whose
+    groups are an earlier family's ranks shares them."""
     dp, ep, tp = sizes
     rank = dist.get_rank()
     coords = [((r // tp) // ep, (r // tp) % ep, r % tp) for r in range(world)]
     mine = coords[rank]
-    out = {}
+    out: dict[str, dist.ProcessGroup | None] = {}
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for name, keep in (
         ("dp", (1, 2)),  # same ep, tp
         ("ep", (0, 2)),
@@ -130,10 +137,19 @@ def _groups(world: int, sizes: tuple[int, int, int], timeout: datetime.timedelta
         seen = {}
         for r, c in enumerate(coords):
             seen.setdefault(tuple(c[i] for i in keep), []).append(r)
+        # every group of a family has the same size, known alike on every rank
+        size = len(next(iter(seen.values())))
+        if size == 1 or size == world:
+            out[name] = None if size == 1 else dist.group.WORLD
+            continue
         for key, ranks in sorted(seen.items()):
-            g = dist.new_group(ranks, timeout=timeout, backend=backend)
+            # the same ranks as an earlier family's group (data = dp under TP, = ep without
+            # DP): that group again
+            g = made.get(tuple(ranks))
+            if g is None:
+                g = made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout, backend=backend)
             if key == tuple(mine[i] for i in keep):
-                out[name] = g if len(ranks) > 1 else None
+                out[name] = g
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
+from qckpt.calib.quantizer import AmaxStore, TensorQuantizer, host_amaxes
 from qckpt.calib.sync import sync_amax
 from qckpt.errors import CalibrationError, SyncError
 
@@ -210,3 +210,35 @@ def test_a_cached_sync_plan_follows_enable_and_reshape():
     c.make_whole((8, 8), torch.arange(8, dtype=torch.float32))
     r = sync_amax(qs, None)
     assert r.quantizers == 2 and c.amax.tolist() == list(map(float, range(8)))
+
+
+def test_host_amaxes_are_each_quantizers_amax_bit_for_bit():
+    # one store, per-tensor amaxes of three calibrator dtypes in one bank (one never set, one
+    # pending from a forward hook, one -0.0), per-channel and per-block static ones, a disabled
+    # one, and a quantizer of another store: host_amaxes reads them all in a few copies
+    store = AmaxStore()
+    mk = lambda name, **kw: TensorQuantizer(name, "input", shape=(8,), store=store, **kw)  # noqa: E731
+    f64, bf16, none, pending = mk("a", calib_dtype=torch.float64), mk("b"), mk("c"), mk("d")
+    f64.collect(torch.tensor([1.0 / 3.0, -2.0 / 7.0], dtype=torch.float64))
+    bf16.amax = torch.tensor(-0.0, dtype=torch.bfloat16)
+    pending.observe(torch.tensor([[0.25, -9.5]]))  # deferred until the store settles
+    ch = TensorQuantizer("e", "weight", shape=(3, 4), granularity="channel", store=store)
+    ch.collect(torch.randn(3, 4))
+    blk = TensorQuantizer("f", "weight", shape=(5, 9), granularity="block", block_size=(2, 4))
+    blk.collect(torch.randn(5, 9))
+    off = mk("g", enabled=False)
+    qs = [f64, bf16, none, pending, ch, blk, off]
+    got = host_amaxes(qs)
+    for q, a in zip(qs, got, strict=True):
+        want = q.amax
+        if want is None:
+            assert a is None, q.name
+            continue
+        assert a.device.type == "cpu" and a.dtype == want.dtype and a.shape == want.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    assert got[3].item() == 9.5 and got[0].dtype == torch.float64
+    # copies: a later sync writing into the bank or replacing a static amax leaves them alone
+    before = [a.clone() for a in (got[0], got[4])]
+    f64.amax = torch.tensor(5.0, dtype=torch.float64)
+    ch.collect(torch.full((3, 4), 100.0))
+    assert torch.equal(got[0], before[0]) and torch.equal(got[4], before[1])

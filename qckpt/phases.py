@@ -8,7 +8,9 @@ GPU is synchronized (when CUDA is already in use), so queued kernels are charged
 that launched them, not to the next one that waits.
 
 ``startup`` starts when the process (or, under torchrun, the launcher that started it) started,
-read from ``/proc``, so it covers the interpreter and the imports a user waits for.
+read from ``/proc``, so it covers the interpreter and the imports a user waits for. Its parts
+(``startup_part``: the recipe, torch, the command's own modules, the model's code) say where it
+went without ending it; what no part names is the start-up's ``other``.
 
 Peaks are never reset: the device peak is ``torch.cuda.max_memory_allocated`` read at report
 time; the host peak is VmHWM (the kernel's high-water mark of the resident set); the peak of the
@@ -44,6 +46,14 @@ PLAN = "plan"  # an export's plan: metadata, calibration file, checks
 WRITE = "write"  # files written (an export reads and quantizes as it writes)
 REPORT = "report"  # reports rendered and written
 NAMES = (STARTUP, WORLD, BUILD, QUANTIZE, READ, DATA, FORWARD, SYNC, PLAN, WRITE, REPORT)
+
+# the parts of the start-up (``startup_part``); they divide it, they do not end it
+BEFORE_MAIN = "before_main"  # process (or launcher) start -> the CLI's main(): interpreter, CLI
+RECIPE = "recipe"  # the recipe read and checked, outputs guarded, a relaunch decided
+TORCH = "torch"  # import torch
+QCKPT_MODULES = "qckpt_modules"  # the command's own modules (and the torch modules they import)
+MODEL_CODE = "model_code"  # transformers and the model's modeling code
+PART_NAMES = (BEFORE_MAIN, RECIPE, TORCH, QCKPT_MODULES, MODEL_CODE)
 
 ANON_SAMPLE_S = 0.05
 F = TypeVar("F", bound=Callable[..., Any])
@@ -169,6 +179,9 @@ class Recorder:
         # start-up is open from the beginning and ends where the first other phase begins
         self._stack: list[list[Any]] = [[STARTUP, self.t0, 0.0]]
         self._in_startup = True
+        # seconds per start-up part; the first is everything before the CLI's main() began
+        self.parts: dict[str, float] = {BEFORE_MAIN: self.age_at_begin}
+        self._in_part = False
         # the highest resident set a meter sampled (the load's): VmHWM is updated lazily by
         # the kernel (not when a thread's arena gives pages back with MADV_DONTNEED), so it can
         # read below a value seen earlier; the whole command's peak is never below a window's
@@ -192,6 +205,14 @@ class Recorder:
         self.seconds[name] = self.seconds.get(name, 0.0) + max(took - nested, 0.0)
         if self._stack:
             self._stack[-1][2] += took
+
+    def startup_parts(self) -> dict[str, float]:
+        """Seconds per start-up part, and ``other``: the start-up no part names (up to now
+        while the start-up is still open)."""
+        out = {k: round(v, 4) for k, v in self.parts.items()}
+        startup = self.phases()[STARTUP]
+        out["other"] = round(max(startup - sum(self.parts.values()), 0.0), 4)
+        return out
 
     def total(self) -> float:
         """Seconds from the start (see ``started_at``) until now."""
@@ -285,12 +306,39 @@ def phase(name: str) -> Iterator[None]:
         rec.exit()
 
 
+@contextmanager
+def startup_part(name: str) -> Iterator[None]:
+    """Charge the time inside to start-up part ``name`` (one of ``PART_NAMES``) while the
+    start-up is open; it stays start-up time (the phases are unchanged). Parts do not nest: an
+    inner one is counted in the outer one."""
+    rec = _current
+    if rec is None or not rec._in_startup or rec._in_part:
+        yield
+        return
+    rec._in_part = True
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        rec.parts[name] = rec.parts.get(name, 0.0) + time.perf_counter() - t0
+        rec._in_part = False
+
+
 def summary() -> dict[str, Any]:
-    """``{"phases": {...}, "peaks": {...}}`` for a command's ``--json``; {} when nothing records."""
+    """``{"phases": {...}, "startup_parts": {...}, "compiled_at_import": {...}, "peaks": {...}}``
+    for a command's ``--json``; {} when nothing records. ``compiled_at_import``: the modules this
+    process imported from source with no bytecode cache (``qckpt.bytecode``)."""
     rec = _current
     if rec is None:
         return {}
-    return {"phases": rec.phases(), "peaks": rec.peaks()}
+    from qckpt.bytecode import compiled_at_import
+
+    return {
+        "phases": rec.phases(),
+        "startup_parts": rec.startup_parts(),
+        "compiled_at_import": compiled_at_import(),
+        "peaks": rec.peaks(),
+    }
 
 
 def timed(name: str) -> Callable[[F], F]:

@@ -181,6 +181,19 @@ def render_export_report(data: dict[str, Any], console: Console = err) -> None:
         console.print(t)
 
 
+def _render_startup(data: dict[str, Any], console: Console) -> None:
+    """Where the start-up went (its parts), and a line when it compiled much source."""
+    sp = data.get("startup_parts")
+    if sp:
+        parts = [f"{k.replace('_', ' ')} {v:.2f}" for k, v in sp.items() if v >= 0.005]
+        console.print(f"[bold]start-up (s)[/bold]  {' · '.join(parts)}")
+    from qckpt.bytecode import advice
+
+    note = advice(data.get("compiled_at_import") or {})
+    if note:
+        console.print(f"note: {note}")
+
+
 def render_command(data: dict[str, Any], console: Console = err) -> None:
     """Two lines under a command's report: where its time went (seconds per phase, from the
     process start) and its whole-command peaks (never reset), beside the tables above."""
@@ -188,6 +201,7 @@ def render_command(data: dict[str, Any], console: Console = err) -> None:
     if ph:
         parts = [f"{k} {v:.2f}" for k, v in ph.items() if k != "total" and v >= 0.005]
         console.print(f"[bold]time (s)[/bold]  {' · '.join(parts)}  = {ph['total']:.2f} total")
+    _render_startup(data, console)
     pk = data.get("peaks")
     if pk:
         dev = (

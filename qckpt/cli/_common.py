@@ -49,15 +49,17 @@ def _start(
     _output.set_verbose(verbose)
     # everything that can be checked is checked here, before any rank starts: a bad recipe is
     # one line and exit 2, never a launcher's output
-    recipe = read()
-    recipe.parallel.check_world(nproc if will_relaunch(nproc) else _world_size())
-    if guard is not None:
-        guard(recipe)
-    refuse_code_in_sources(recipe)
+    with phases.startup_part(phases.RECIPE):
+        recipe = read()
+        recipe.parallel.check_world(nproc if will_relaunch(nproc) else _world_size())
+        if guard is not None:
+            guard(recipe)
+        refuse_code_in_sources(recipe)
     code = relaunch(nproc)
     if code is not None:
         raise typer.Exit(code)
-    quiet_torch_logs()
+    with phases.startup_part(phases.TORCH):
+        quiet_torch_logs()  # imports torch
     return recipe
 
 

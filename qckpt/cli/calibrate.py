@@ -40,12 +40,12 @@ def calibrate_cmd(
 
     r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
     with phases.phase(phases.STARTUP):
-        from qckpt.pipeline.calibrate import calibrate
         from qckpt.pipeline.imports import warm_imports
-        from qckpt.report import render_amax_report, render_command
 
-        mods = ("qckpt.checkpoint.load", "qckpt.calib.calibrate", "qckpt.calib.data")
-        warm_imports(r.model.source, *mods, "qckpt.calib.state_file")
+        mods = ("qckpt.pipeline.calibrate", "qckpt.checkpoint.load", "qckpt.calib.calibrate")
+        warm_imports(r.model.source, *mods, "qckpt.calib.data", "qckpt.calib.state_file")
+        from qckpt.pipeline.calibrate import calibrate
+        from qckpt.report import render_amax_report, render_command
 
     with world(r, r.load.device) as mesh:
         res = calibrate(r, mesh, hooks=_output.hooks())

@@ -86,11 +86,11 @@ def convert_cmd(
     r = _start(kind, src, outs, set_, nproc_per_node, verbose, model_in)
     _refuse_existing(dst)
     with phases.phase(phases.STARTUP):
-        from qckpt.pipeline.convert import convert
         from qckpt.pipeline.imports import warm_imports
 
         source = None if kind == "dcp" else r.model.source
-        warm_imports(source, "qckpt.checkpoint.convert")
+        warm_imports(source, "qckpt.pipeline.convert", "qckpt.checkpoint.convert")
+        from qckpt.pipeline.convert import convert
 
     # SIGTERM unwinds (removing the temp dir) in a plain run; under torchrun it must kill a rank
     # at once, even one blocked in a collective (a Python handler would wait for it to return)

@@ -47,11 +47,12 @@ def export_cmd(
 
     r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
     with phases.phase(phases.STARTUP):
-        from qckpt.pipeline.export import export
         from qckpt.pipeline.imports import warm_imports
-        from qckpt.report import render_command, render_export_report
 
-        warm_imports(r.model.source, "qckpt.checkpoint.export", "qckpt.calib.state_file")
+        mods = ("qckpt.pipeline.export", "qckpt.checkpoint.export", "qckpt.calib.state_file")
+        warm_imports(r.model.source, *mods, "qckpt.report")
+        from qckpt.pipeline.export import export
+        from qckpt.report import render_command, render_export_report
 
     # the ranks only agree on small things (a temp dir's name, who failed): gloo on the host,
     # whatever device quantizes

@@ -56,10 +56,11 @@ def load_cmd(
         require_te()  # before any world is started
     with phases.phase(phases.STARTUP):
         from qckpt.pipeline.imports import warm_imports
+
+        mods = ("qckpt.pipeline.load", "qckpt.checkpoint.load", "qckpt.plot", "qckpt.report")
+        warm_imports(r.model.source, *mods)
         from qckpt.pipeline.load import load
         from qckpt.plot import plot_memory
-
-        warm_imports(r.model.source, "qckpt.checkpoint.load")
         from qckpt.report import render_command, render_load_report
 
     with world(r, r.load.device) as mesh:

@@ -53,6 +53,26 @@ def test_an_open_phase_counts_up_to_now_and_the_startup_ends_at_the_first_phase(
     assert recorder.phases()["startup"] == pytest.approx(mid["startup"], abs=1e-3)
 
 
+def test_startup_parts_divide_the_startup_without_ending_it(recorder):
+    with phases.startup_part(phases.TORCH):
+        _spin(0.03)
+        with phases.startup_part(phases.MODEL_CODE):  # parts do not nest: counted once
+            _spin(0.02)
+    _spin(0.01)
+    mid = recorder.startup_parts()
+    assert mid[phases.TORCH] >= 0.045 and phases.MODEL_CODE not in mid
+    assert mid[phases.BEFORE_MAIN] == pytest.approx(recorder.age_at_begin, abs=1e-3)
+    with phases.phase(phases.BUILD):  # the start-up ends here; a part inside it counts nothing
+        with phases.startup_part(phases.RECIPE):
+            _spin(0.02)
+    parts, ph = recorder.startup_parts(), recorder.phases()
+    assert phases.RECIPE not in parts and ph["build"] >= 0.015
+    # the parts and their "other" are the start-up, no more and no less
+    assert sum(parts.values()) == pytest.approx(ph["startup"], abs=2e-3)
+    assert parts["other"] >= 0.005  # the spin outside any part
+    assert set(parts) <= set(phases.PART_NAMES) | {"other"}
+
+
 def test_phase_is_free_and_silent_without_a_recorder():
     phases.end()
     with phases.phase(phases.READ):
@@ -179,6 +199,14 @@ def test_every_command_reports_its_phases_and_whole_command_peaks(tmp_path):
         # from the process start, which came after this test started the clock
         assert parts <= ph["total"] + 1e-3 and ph["total"] <= wall, (cmd, ph, wall)
         assert ph["startup"] > 0.05, (cmd, ph)  # an interpreter and its imports take time
+        # where the start-up went: its parts add up to it; torch and the model's code are there
+        sp = data["startup_parts"]
+        assert set(sp) <= set(phases.PART_NAMES) | {"other"}, (cmd, sp)
+        assert sum(sp.values()) == pytest.approx(ph["startup"], abs=5e-3), (cmd, sp, ph)
+        assert sp[phases.BEFORE_MAIN] > 0 and sp[phases.RECIPE] > 0, (cmd, sp)
+        assert sp[phases.TORCH] > 0.05 and sp[phases.MODEL_CODE] > 0.05, (cmd, sp)
+        assert sp[phases.QCKPT_MODULES] > 0, (cmd, sp)
+        assert data["compiled_at_import"]["modules"] >= 0, (cmd, data["compiled_at_import"])
         pk = data["peaks"]
         assert pk["device"] == "cpu" and pk["device_peak_bytes"] is None
         assert pk["host_peak_rss_bytes"] >= pk["host_peak_anon_bytes"] > 10 * 2**20, (cmd, pk)

@@ -67,3 +67,38 @@ def test_commands_that_need_no_model_import_no_torch(tmp_path):
     assert {k: v[0] for k, v in got.items()} == {k: v[1] for k, v in argvs.items()}, r.stderr
     # every one of them, in one process, left the heavy modules unimported
     assert all(not v[1] for v in got.values()), got
+
+
+def test_modules_compiled_from_source_are_counted_and_a_cache_clears_them(tmp_path, monkeypatch):
+    """``compiled_at_import`` (every command's ``--json``) names the modules this process
+    compiled because no bytecode cache was there, and stops naming one once its cache exists;
+    the report's advice line appears only above its threshold."""
+    import importlib
+    import py_compile
+
+    from qckpt.bytecode import WARN_SOURCE_BYTES, advice, compiled_at_import
+
+    pkg = tmp_path / "qckpt_bc_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("X = 1\n" + "# padding\n" * 100)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    try:
+        mod = importlib.import_module("qckpt_bc_probe.mod")
+        mods = {"qckpt_bc_probe": sys.modules["qckpt_bc_probe"], "qckpt_bc_probe.mod": mod}
+        got = compiled_at_import(mods)
+        assert got["modules"] == 2 and got["by_package"] == {"qckpt_bc_probe": 2}
+        assert got["source_bytes"] == (pkg / "mod.py").stat().st_size
+        assert got["writes_bytecode"] is False
+        py_compile.compile(str(pkg / "mod.py"), cfile=mod.__spec__.cached)
+        assert compiled_at_import(mods)["by_package"] == {"qckpt_bc_probe": 1}  # __init__ only
+    finally:
+        for name in ("qckpt_bc_probe.mod", "qckpt_bc_probe"):
+            sys.modules.pop(name, None)
+    assert advice(got) is None  # a few bytes: nothing to say
+    big = {**got, "source_bytes": WARN_SOURCE_BYTES, "by_package": {"torch": 700}}
+    line = advice(big)
+    assert line is not None and "\n" not in line
+    assert "torch 700" in line and "PYTHONDONTWRITEBYTECODE" in line and "compileall" in line

@@ -111,6 +111,7 @@ class ExportReport:
     # stored tensors that went in runs (the bulk path, export_pipeline._Run), all ranks
     # together; the rest went one at a time
     run_sources: int = 0
+    lanes: int = 1  # shard files written at once by one rank (the most of any rank)
     ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: files, bytes, seconds
     # the main rank's seconds per step, in order: plan (up to write_export), share (its
     # assignment), create (the shard files), write (its own share), wait (for the other ranks'
@@ -161,6 +162,9 @@ class WriteOptions:
     readers: int = 2
     writers: int = 4
     quantizers: int | None = None  # None: 1 on the CPU, 4 on a GPU (export_pipeline.write_share)
+    # shard files a rank writes at once (export_pipeline.lane_order); None: export_pipeline.LANES
+    # or the environment's QCKPT_EXPORT_LANES (the benchmarks' A/B switch)
+    lanes: int | None = None
     # process-wide (glibc): large blocks mmapped and unmapped when freed, so that the host bytes
     # the writer gives back leave the RSS (export_pipeline.unmap_large_allocations); the export
     # command sets it, a library caller decides for its own process
@@ -168,10 +172,11 @@ class WriteOptions:
 
     def __post_init__(self) -> None:
         q = 1 if self.quantizers is None else self.quantizers
-        if not 1 <= self.readers <= 64 or not 1 <= self.writers <= 64 or not 1 <= q <= 64:
+        lanes = 1 if self.lanes is None else self.lanes
+        if not all(1 <= n <= 64 for n in (self.readers, self.writers, q, lanes)):
             raise ExportError(
-                f"readers, writers and quantizers must be 1..64, got {self.readers}, "
-                f"{self.writers}, {self.quantizers}"
+                f"readers, writers, quantizers and lanes must be 1..64, got {self.readers}, "
+                f"{self.writers}, {self.quantizers}, {self.lanes}"
             )
 
 
@@ -192,6 +197,7 @@ def _write_rank(
                 readers=opts.readers,
                 writers=opts.writers,
                 quantizers=opts.quantizers,
+                lanes=opts.lanes,
                 progress=progress,
                 should_stop=team.check_peers,
             )
@@ -333,6 +339,7 @@ def _report(
         files=sorted(p.name for p in plan.target.iterdir()),
         warnings=plan.layout.warnings(plan.quantized_modules),
         run_sources=sum(s.get("run_sources", 0) for s in st),
+        lanes=max(s.get("lanes", 1) for s in st),
         ranks=[{"rank": r["rank"], **r["stats"]} for r in ranks] if world > 1 else [],
     )
 

@@ -12,10 +12,12 @@ after every rank finished the main rank checks that every slot of every file was
 
 One rank writes its share (:func:`write_share`) in three stages:
 
-* **read**: a feeder thread walks this rank's source tensors in plan order; for each it first
-  takes its host bytes from a :class:`HostBudget` (the stored value plus every output made from
-  it), then hands the read to a small pool (``readers`` threads; one for a DCP source, whose
-  reader is not thread-safe). Results are consumed in order.
+* **read**: a feeder thread walks this rank's source tensors in lane order (:func:`lane_order`:
+  the share cut into ``lanes`` contiguous lanes, taken by turns, each in plan order, so that
+  that many shard files are written at once); for each it first takes its host bytes from a
+  :class:`HostBudget` (the stored value plus every output made from it), then hands the read
+  to a small pool (``readers`` threads; one for a DCP source, whose reader is not thread-safe).
+  Results are consumed in that order.
 * **quantize**: a pool of threads (one on the CPU; on a GPU four, each on its own CUDA stream)
   moves each source tensor to ``device`` (a GPU when there is one: one host-to-device copy,
   after which its host bytes are given back), checks it against its calibrated amax (the
@@ -26,7 +28,13 @@ One rank writes its share (:func:`write_share`) in three stages:
   the guard's one-line error, or the outputs go to the writers.
 * **write**: a pool of ``writers`` threads writes each output at its planned offset in its
   file (:class:`~qckpt.checkpoint.safetensors_io.ShardFile`, ``pwrite``), so several files (and
-  several tensors of one file) are written at once; each write gives its bytes back.
+  several tensors of one file) are written at once; each write gives its bytes back. A buffered
+  write holds its file's lock while it copies, so the writes into one file take turns: the
+  lanes are what lets one rank write several files at once.
+
+**A refused tensor** (the source-weight guard) stops the feeder at it (no later unit in plan
+order is started) while the units before it still run, so the error raised is the first
+refused tensor in plan order whatever order the lanes and the quantize threads took them in.
 
 **The bulk path** (:class:`_Run`): consecutive items that are each one quantized linear
 whose stored bytes are its value, stored one after the other in one safetensors file, of one
@@ -70,7 +78,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -107,6 +115,10 @@ RUN_SLACK_BYTES = 32 * MiB
 # a run quantizes as many of its weights at a time as fit in this many elements (the float32
 # temporaries): on the CPU fp8_quantize's chunk, on a GPU more (its memory is not the bound)
 RUN_CHUNK_ELEMS_GPU = 1 << 26
+# shard files one rank writes at once (lane_order): a buffered write holds its file's lock while
+# it copies, so one file takes one copy at a time; two processes writing two files were 2.32x
+# one writing one (H200, tmpfs)
+LANES = 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,6 +250,15 @@ def _stacks(
     return out
 
 
+def _unit_cost(u: _Item | _Run) -> int:
+    return sum(it.cost for it in u.items) if isinstance(u, _Run) else u.cost
+
+
+def _unit_file(u: _Item | _Run) -> int:
+    """The shard file a unit's (first) output lands in."""
+    return (u.items[0] if isinstance(u, _Run) else u).file_of[0]
+
+
 def _aliases(g: _Group) -> bool:
     """An unquantized entry written in its own dtype: the output is (a view of) the tensor read."""
     return g.module is None and g.entry is not None and g.specs[0].dtype == g.entry.dtype
@@ -278,6 +299,34 @@ def split_balanced(sizes: Sequence[int], world: int) -> list[range]:
         cuts.append(max(i, cuts[-1]))
     cuts.append(len(sizes))
     return [range(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def lane_order(costs: Sequence[int], files: Sequence[int], lanes: int) -> list[int]:
+    """The order in which one rank takes its units (indices into ``costs``): its share cut into
+    ``lanes`` contiguous lanes of about equal bytes (:func:`split_balanced`), taken by turns,
+    each time from the lane that has done the smallest part of its bytes (ties: the earlier
+    lane), so the lanes progress alike and end together. ``files`` is each unit's (first)
+    shard file. A buffered write holds its file's lock (the inode's) while it copies, so one
+    file takes one copy at a time (measured on the H200: ~1.9 GB/s of FP8 into one tmpfs
+    file); lanes in different files are written at once. One lane, or a share in one file:
+    plan order. Each lane keeps plan order; the same on every call."""
+    n = len(costs)
+    lanes = min(lanes, len(set(files)))
+    if lanes < 2:
+        return list(range(n))
+    cuts = split_balanced(costs, lanes)
+    total = [sum(costs[i] for i in r) or 1 for r in cuts]
+    nxt = [r.start for r in cuts]
+    done = [0] * lanes
+    order: list[int] = []
+    while len(order) < n:
+        lane = min(
+            (j for j in range(lanes) if nxt[j] < cuts[j].stop), key=lambda j: done[j] / total[j]
+        )
+        order.append(nxt[lane])
+        done[lane] += costs[nxt[lane]]
+        nxt[lane] += 1
+    return order
 
 
 @dataclass
@@ -382,6 +431,17 @@ class Stopped(Exception):
     """The pipeline was torn down while a thread waited (another stage failed)."""
 
 
+class _Refused(Exception):
+    """A quantize job's source-weight guard refused a tensor: ``error`` (the one-line
+    ExportError) and ``pos``, its unit's place in plan order. The job gave back its budget
+    first, so the pipeline may go on with the units before it (:meth:`_Pipeline._reap`)."""
+
+    def __init__(self, pos: int, error: ExportError) -> None:
+        super().__init__(str(error))
+        self.pos = pos
+        self.error = error
+
+
 class HostBudget:
     """Bytes in flight on the host, at most ``cap`` (an item larger than ``cap`` runs alone)."""
 
@@ -390,21 +450,41 @@ class HostBudget:
         self.used = 0
         self.peak = 0
         self.stopped = False
+        self.waiting = 0  # the bytes a blocked take asks for (0: none blocked)
         self._cv = threading.Condition()
 
-    def take(self, n: int) -> None:
+    def take(self, n: int, skip: Callable[[], bool] | None = None) -> bool:
+        """Wait until ``n`` bytes fit, and take them; False (nothing taken) when ``skip()``
+        turns true meanwhile (looked at after each :meth:`give` or :meth:`poke`)."""
         with self._cv:
             while not self.stopped and self.used and self.used + n > self.cap:
+                if skip is not None and skip():
+                    return False
+                self.waiting = n
                 self._cv.wait()
+                self.waiting = 0
             if self.stopped:
                 raise Stopped()
+            if skip is not None and skip():
+                return False
             self.used += n
             self.peak = max(self.peak, self.used)
+            return True
 
     def give(self, n: int) -> None:
         with self._cv:
             self.used -= n
             self._cv.notify_all()
+
+    def poke(self) -> None:
+        """Wake a blocked :meth:`take` to look at its ``skip`` again."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def stuck(self) -> bool:
+        """A take is blocked on bytes that are not free (only a give can free them)."""
+        with self._cv:
+            return bool(self.waiting) and self.used + self.waiting > self.cap
 
     def stop(self) -> None:
         with self._cv:
@@ -449,6 +529,7 @@ class WriteStats:
     files: list[str] = field(default_factory=list)  # every shard file it wrote a tensor into
     tensors_written: int = 0
     sources: int = 0  # stored tensors read
+    lanes: int = 1  # shard files written at once (lane_order)
     runs: int = 0  # runs of the bulk path (_Run) ...
     run_sources: int = 0  # ... and the stored tensors they took (the rest went one at a time)
     bytes_read: int = 0  # as stored on disk
@@ -483,6 +564,7 @@ class _Pipeline:
         writers: int,
         quantizers: int,
         bulk: bool = True,
+        lanes: int = 1,
     ) -> None:
         self.plan = plan
         self.device = device
@@ -494,6 +576,15 @@ class _Pipeline:
         if self.bulk:
             self.units = self._units(min(RUN_BYTES, (largest + RUN_SLACK_BYTES) // 2))
         runs = [u.host_bytes + u.out_bytes for u in self.units if isinstance(u, _Run)]
+        self.order = lane_order(
+            [_unit_cost(u) for u in self.units], [_unit_file(u) for u in self.units], lanes
+        )
+        self.pos = {id(u): i for i, u in enumerate(self.units)}  # place in plan order
+        # a refusal: (its unit's place, the error) of the first in plan order seen so far; the
+        # units after it are not started (the cut), the ones before it still run to the end,
+        # so that the error named is the first in plan order whatever the order units ran in
+        self.failed: _Refused | None = None
+        self.cut = len(self.units)
         self.budget = HostBudget(largest + (RUN_SLACK_BYTES if runs else 0))
         # on a GPU, what the quantize threads hold there together (their streams overlap one
         # tensor's copies with another's kernels): the same 2 x largest as one thread would,
@@ -503,6 +594,7 @@ class _Pipeline:
         self.streams = threading.local()
         names = share.names()
         self.stats = WriteStats(files=[plan.shards.files[i] for i in names])
+        self.stats.lanes = min(lanes, len({_unit_file(u) for u in self.units})) or 1
         self.stats.budget_bytes = self.budget.cap
         self.sampler = AnonSampler()
         self.stats.rss_anon_start_bytes = self.sampler.start
@@ -539,15 +631,23 @@ class _Pipeline:
         return [t]
 
     def _feed(self) -> None:
-        """Take each item's bytes in order, then start its read; None marks the end."""
+        """Take each unit's bytes in lane order (:func:`lane_order`), then start its read; None
+        marks the end. Units after a refused one in plan order (the cut) are left out."""
         try:
-            for u in self.units:
+            for pos in self.order:
+                u = self.units[pos]
+
+                def skip(pos: int = pos) -> bool:
+                    return pos > self.cut
+
                 if isinstance(u, _Run):
-                    self.budget.take(self._run_read_cost(u) + self._run_out_cost(u))
-                    self.ready.put((u, self.read_pool.submit(_in_context(), self._read_run, u)))
-                    continue
-                self.budget.take(self._host_cost(u) + u.out_bytes)
-                self.ready.put((u, self.read_pool.submit(_in_context(), self._read, u)))
+                    cost = self._run_read_cost(u) + self._run_out_cost(u)
+                    read: Callable = self._read_run
+                else:
+                    cost = self._host_cost(u) + u.out_bytes
+                    read = self._read
+                if not skip() and self.budget.take(cost, skip):
+                    self.ready.put((u, self.read_pool.submit(_in_context(), read, u)))
             self.ready.put(None)
         except Stopped:
             self.ready.put(None)
@@ -662,6 +762,7 @@ class _Pipeline:
         t0 = time.perf_counter()
         staged: list[tuple[_Item, _Hold | None, list]] = []
         checks: list = []
+        marks: list[int] = []  # per check, its item's place in plan order
         copied: list[_Hold] = []  # host bytes of sources copied to the device
         for it, fut in batch:
             box = fut.result()
@@ -674,14 +775,19 @@ class _Pipeline:
                 copied.append(hold)
                 hold = None
             staged.append((it, hold, list(self._outputs(it, box, checks))))
+            marks += [self.pos[id(it)]] * (len(checks) - len(marks))
             del box
         verdicts, block = self._to_host(staged, checks, self._on_device(batch[0][0]))
         for h in copied:
             h.unref()
-        for (module, v, cal, _), bad in zip(checks, verdicts, strict=True):
-            if bad:  # the one-line message of the first refused tensor, made on it alone
-                refuse_source_weight(module, v, cal)
-                raise AssertionError(f"{module}: the source-weight verdict and its check differ")
+        bad = [i for i, b in enumerate(verdicts) if b]
+        if bad:  # the first refused tensor in plan order (a job may hold two lanes' items)
+            i = min(bad, key=lambda i: marks[i])
+            for _, hold, _ in staged:  # its budget back first: the pipeline may go on
+                if hold is not None:
+                    hold.unref()
+            self.budget.give(sum(it.out_bytes for it, _ in batch))
+            self._refuse(marks[i], *checks[i][:3])
         checks.clear()
         self._hand_over(staged, block)
         self._busy(time.perf_counter() - t0)
@@ -732,6 +838,16 @@ class _Pipeline:
         if block is not None:
             block.unref()
         self.budget.give(out_left)  # reserved, never written (nothing, unless the plan was off)
+
+    def _refuse(self, pos: int, module: str, v: torch.Tensor, cal: torch.Tensor) -> NoReturn:
+        """Raise the refusal of ``module``'s source weight ``v`` (the one-line message of the
+        plain check, made on it alone) as a :class:`_Refused` of the unit at ``pos``."""
+        try:
+            refuse_source_weight(module, v, cal)
+        except ExportError as exc:
+            exc.__traceback__ = None  # its frames hold the job's tensors
+            raise _Refused(pos, exc) from None
+        raise AssertionError(f"{module}: the source-weight verdict and its check differ")
 
     def _busy(self, seconds: float) -> None:
         with self.lock:
@@ -874,8 +990,9 @@ class _Pipeline:
         if bad:  # the one-line message of the first refused weight, in the items' order
             s, j = next((s, j) for s, j in where if run.stacks[s].index[j] == min(bad))
             module = run.items[run.stacks[s].index[j]].groups[0].module
-            refuse_source_weight(module, views[s][j], cals[s][j])
-            raise AssertionError(f"{module}: the source-weight verdict and its check differ")
+            read.unref()  # its budget back first: the pipeline may go on
+            self.budget.give(self._run_out_cost(run))
+            self._refuse(self.pos[id(run)], module, views[s][j], cals[s][j])
         del views, typed, src
         read.unref()
         self._write_run(run, outs)
@@ -964,13 +1081,15 @@ class _Pipeline:
                 if should_stop is not None:
                     should_stop()
                 self._report(progress, n)
-                self.jobs = _unfinished(self.jobs)  # raises a failed job's error
+                self._reap()
                 self.jobs.append(self.quant_pool.submit(_in_context(), self._job, batch))
                 del batch
             while self.jobs:
                 cf.wait(self.jobs, timeout=0.1, return_when=cf.FIRST_COMPLETED)
-                self.jobs = _unfinished(self.jobs)
+                self._reap()
                 self._report(progress, n)
+            if self.failed is not None:  # every unit before it ran: the first in plan order
+                raise self.failed.error
             self._report(progress, n)
             with self.lock:
                 writes = list(self.pending)
@@ -996,7 +1115,33 @@ class _Pipeline:
             try:
                 return self.ready.get(timeout=0.05)
             except queue.Empty:
-                self.jobs = _unfinished(self.jobs)  # raises a failed job's error
+                self._reap()
+                if self.failed is not None and not self.jobs and self.budget.stuck():
+                    with self.lock:
+                        self.pending = _unfinished(self.pending)
+                        writing = bool(self.pending)
+                    if not writing:  # nothing left that could give bytes back: never wait
+                        raise self.failed.error from None
+
+    def _reap(self) -> None:
+        """Drop the finished quantize jobs: a failure raises, but a refusal (:class:`_Refused`)
+        is kept if it is the first in plan order so far, and the units after it are not
+        started (the cut); the pipeline goes on with those before it."""
+        keep = []
+        for fut in self.jobs:
+            if not fut.done():
+                keep.append(fut)
+                continue
+            exc = fut.exception()
+            if exc is None:
+                continue
+            if not isinstance(exc, _Refused):
+                raise exc
+            exc.__traceback__ = None  # its frames hold the job's tensors
+            if self.failed is None or exc.pos < self.failed.pos:
+                self.failed, self.cut = exc, exc.pos
+                self.budget.poke()
+        self.jobs = keep
 
     def _batch(self, first: tuple[_Item, cf.Future]) -> list[tuple[_Item, cf.Future]]:
         """``first`` and the items queued right behind it, while all go to the device and
@@ -1100,6 +1245,7 @@ def write_share(
     progress: ProgressFn | None = None,
     should_stop: Callable[[], None] | None = None,
     bulk: bool | None = None,
+    lanes: int | None = None,
 ) -> WriteStats:
     """Write ``share`` (one of :func:`assign_items`) of ``plan`` into the shard files in ``tmp``,
     which :func:`create_files` made: each tensor at its planned offset, other ranks' tensors
@@ -1110,7 +1256,9 @@ def write_share(
     source tensor and may raise to stop the write (a
     peer rank failed). ``bulk``: take runs of adjacent small weights together (:class:`_Run`;
     default: yes, unless the environment sets ``QCKPT_EXPORT_BULK=0``, the A/B switch of the
-    benchmarks); the files are the same either way. Nothing else is written (no index, config or marker). Raises what a
+    benchmarks); the files are the same either way. ``lanes``: how many shard files to write at
+    once (:func:`lane_order`; default ``LANES``, or the environment's ``QCKPT_EXPORT_LANES``, the
+    benchmarks' A/B switch); the files are the same for any number. Nothing else is written (no index, config or marker). Raises what a
     stage raised; the files may then be partly written (the caller discards the directory).
     """
     dev = torch.device(device)
@@ -1118,6 +1266,22 @@ def write_share(
         quantizers = 1 if dev.type == "cpu" else 4
     if bulk is None:
         bulk = os.environ.get("QCKPT_EXPORT_BULK", "1") != "0"
-    pipe = _Pipeline(plan, Path(tmp), share, dev, readers, writers, quantizers, bulk)
+    if lanes is None:
+        lanes = _env_lanes()
+    pipe = _Pipeline(plan, Path(tmp), share, dev, readers, writers, quantizers, bulk, lanes)
     pipe.run(progress, should_stop)
     return pipe.stats
+
+
+def _env_lanes() -> int:
+    """``QCKPT_EXPORT_LANES`` (1 .. 64), else ``LANES``."""
+    raw = os.environ.get("QCKPT_EXPORT_LANES", "").strip()
+    if not raw:
+        return LANES
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise ExportError(f"QCKPT_EXPORT_LANES: must be a whole number 1 .. 64, got {raw!r}")
+    return n

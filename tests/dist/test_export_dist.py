@@ -40,7 +40,7 @@ CASES = {
 }  # fmt: skip
 
 
-def _export(case: tuple, src: str, cal: str, out: str, mesh=None, **export_kw):
+def _export(case: tuple, src: str, cal: str, out: str, mesh=None, options=None, **export_kw):
     from qckpt.checkpoint.export import export_checkpoint
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig
@@ -57,14 +57,17 @@ def _export(case: tuple, src: str, cal: str, out: str, mesh=None, **export_kw):
         quant=quant_config(**qkw),
         export=ExportConfig(format=fmt, output=out, max_shard_size=SHARD, **export_kw),
         mesh=mesh,
+        options=options,
     )
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """Sources, calibration files and the one-process export of every case."""
+    """Sources, calibration files and the one-process export of every case, one shard file
+    after another in plan order (one lane: the ranks write two files each at once)."""
     import torch.distributed.checkpoint as dcp
 
+    from qckpt.checkpoint.export import WriteOptions
     from tests.unit._export_fixtures import quant_config, saved_model, write_calibration
 
     root = tmp_path_factory.mktemp("dexport")
@@ -76,8 +79,10 @@ def setup(tmp_path_factory):
         model, hf_dir = models[case[2]]
         cal = write_calibration(root, model, quant_config(**case[1]), f"cal-{name}.safetensors")
         src = dcp_dir if case[3] == "dcp" else hf_dir
-        rep = _export(case, str(src), str(cal), str(root / f"{name}-w1"))
-        assert rep.shards >= 3, (name, rep.shards)
+        rep = _export(
+            case, str(src), str(cal), str(root / f"{name}-w1"), options=WriteOptions(lanes=1)
+        )
+        assert rep.shards >= 3 and rep.lanes == 1, (name, rep.shards)
         jobs[name] = (case, str(src), str(cal))
     return root, jobs
 
@@ -126,10 +131,12 @@ def test_two_and_three_ranks_write_the_one_process_files(setup):
             outs = world.run(_export_all, str(root), jobs, tag, ranks, deadline_s=240)
             assert all(o.ok for o in outs), [o.error for o in outs]
             shared = []  # shard files more than one rank wrote into
+            lanes = []
             for name in jobs:
                 size, per_rank, _ = outs[0].value[name]
                 assert size == len(ranks)
                 _assert_balanced(jobs[name], per_rank)
+                lanes += [r["lanes"] for r in per_rank]
                 files = [f for r in per_rank for f in r["files"]]
                 shared += [f for f in set(files) if files.count(f) > 1]
                 one, many = _tree(root / f"{name}-w1"), _tree(root / f"{name}-{tag}")
@@ -137,6 +144,7 @@ def test_two_and_three_ranks_write_the_one_process_files(setup):
                 for f in one:  # byte for byte: tensors, headers, index, config, marker
                     assert one[f] == many[f], (name, tag, f)
             assert shared, tag  # the ranks' shares cut files (whole files are not the unit)
+            assert max(lanes) == 2, lanes  # ranks wrote two of their files at once
         # a rank whose share holds a weight above its calibrated amax: every rank fails, with
         # the reason, and nothing is left
         case, src, cal = jobs["ct-tensor-kv"]

@@ -2,7 +2,8 @@
 and quantized a stack of one shape at a time, written with one pwritev per file.
 
 * the files are byte-identical to the per-item path's for every layout (the layouts that do not
-  stack fall back to it), with files cut small so that runs straddle shard files;
+  stack fall back to it), with files cut small so that runs straddle shard files, and whatever
+  the number of files written at once (lanes: 1, the plan order, against 2 and 3);
 * a refused weight inside a run gives the per-item path's one-line error, for the first refused
   weight in plan order, and nothing is left behind;
 * every budget byte comes back and no run holds more than the budget;
@@ -21,10 +22,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import qckpt.checkpoint.export_pipeline as pipe
+from qckpt.checkpoint.export import WriteOptions
 from qckpt.checkpoint.export_layouts import CHUNK_ELEMS, check_source_stack, check_source_weight
+from qckpt.checkpoint.export_plan import plan_export
 from qckpt.checkpoint.safetensors_io import ShardFile, create_shard_file
 from qckpt.checkpoint.sources import SafetensorsSource
 from qckpt.errors import CheckpointError, ExportError
+from qckpt.recipe import ExportConfig
 from tests.unit._export_fixtures import (
     make_calibration,
     quant_config,
@@ -97,14 +101,17 @@ def test_runs_write_the_same_files_as_one_item_at_a_time(moe, runs, layout):
     tag = layout.replace(" ", "-")
     # small shard files: a run's outputs land in two files, written with one call per file
     kw = {"fmt": fmt, "max_shard_size": "40KB"}
-    plain = root / f"plain-{tag}"
-    _export(model, hf_dir, plain, q, cal, bulk=False, **kw)
-    assert runs["runs"] == []
+    plain = root / f"plain-{tag}"  # one item at a time, one file at a time, in plan order
+    rep = _export(model, hf_dir, plain, q, cal, bulk=False, options=WriteOptions(lanes=1), **kw)
+    assert runs["runs"] == [] and rep.lanes == 1
     out = root / f"bulk-{tag}"
     rep = _export(model, hf_dir, out, q, cal, bulk=True, **kw)
-    assert len(list(out.glob("*.safetensors"))) > 2
+    assert len(list(out.glob("*.safetensors"))) > 2 and rep.lanes == pipe.LANES == 2
     assert rep.run_sources == sum(len(r) for r in runs["runs"]) < rep.source_tensors
     assert _digest(out) == _digest(plain)
+    three = root / f"three-{tag}"  # three files at once, one item at a time
+    rep = _export(model, hf_dir, three, q, cal, bulk=False, options=WriteOptions(lanes=3), **kw)
+    assert rep.lanes == 3 and _digest(three) == _digest(plain)
     if stacks:  # the experts went in runs, several of them to a run
         taken = [n for r in runs["runs"] for n in r]
         assert sum("experts" in n for n in taken) == sum(
@@ -278,3 +285,51 @@ def test_a_refused_weight_on_the_runs_device_path_gives_the_per_item_error(moe, 
         _export(model, bad, out, q, cal, bulk=True)
     assert str(e.value) == str(plain.value) and str(e.value).startswith(f"{name}: amax ")
     assert not out.exists()
+
+
+def test_two_lanes_still_name_the_first_refused_weight_in_plan_order(moe, runs):
+    """Two shard files written at once (two lanes, taken by turns): a bad weight at the start
+    of the second lane is quantized long before a bad weight at the end of the first, which
+    comes earlier in plan order. The error names the earlier one (the first lane is finished up
+    to it), with the message it has alone; the export leaves nothing; the files the same."""
+    root, model, hf_dir = moe
+    q = quant_config("tensor", "static")
+    cal = make_calibration(model, q)
+    kw = {"max_shard_size": "40KB"}
+    plan = plan_export(
+        source=hf_dir,
+        calibration=cal,
+        output=root / "never",
+        model_type="qwen3_moe",
+        model_config=model.config,
+        quant=q,
+        export=ExportConfig(**kw),
+    )
+    items = pipe.plan_items(plan)
+    costs, files = [it.cost for it in items], [it.file_of[0] for it in items]
+    order = pipe.lane_order(costs, files, 2)
+    cut = pipe.split_balanced(costs, 2)[1].start
+    quantized = [i for i, it in enumerate(items) if it.quantized_only]
+    first = items[max(i for i in quantized if i < cut)].entry.name  # the first lane's last
+    second = items[min(i for i in quantized if i >= cut)].entry.name  # the second's first
+    taken = [items[i].entry.name if items[i].entry else None for i in order]
+    assert taken.index(second) < len(items) // 4 < 3 * len(items) // 4 < taken.index(first)
+
+    def spoil(sd):
+        sd[first][1].mul_(3.0)
+        sd[second][0, 1] = float("nan")
+
+    bad = tampered(root, hf_dir, "two-lanes-bad", spoil)
+    out = root / "out-two-lanes-bad"
+    for bulk in (False, True):
+        with pytest.raises(ExportError) as e:
+            _export(model, bad, out, q, cal, bulk=bulk, **kw)
+        msg = str(e.value)
+        assert msg.startswith(f"{first}: amax ") and "exceeds the calibrated weight amax" in msg
+        assert "\n" not in msg and not out.exists()
+        assert not [p for p in root.iterdir() if ".qckpt-" in p.name]  # no temp dir left
+        assert runs["left"][-1][0] == 0  # the refusals gave their bytes back
+    # the second alone is named when the first is clean
+    only = tampered(root, hf_dir, "two-lanes-nan", lambda sd: sd[second].__setitem__((0, 1), 1e30))
+    with pytest.raises(ExportError, match=f"^{second}: amax "):
+        _export(model, only, out, q, cal, bulk=True, **kw)

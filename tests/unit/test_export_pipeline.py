@@ -22,13 +22,43 @@ def _tree(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
-def test_files_are_the_same_whatever_the_threads(tmp_path):
+def _open_at_once(log: list[str]) -> int:
+    """The most shard files written at once: a file is open from its first write to its last."""
+    span = {f: (log.index(f), len(log) - 1 - log[::-1].index(f)) for f in set(log)}
+    return max(sum(a <= i <= b for a, b in span.values()) for i in range(len(log)))
+
+
+def test_files_are_the_same_whatever_the_threads_and_lanes(tmp_path, monkeypatch):
+    """Same files for any thread counts and any number of files written at once (lanes). One
+    lane and one writer write one file after another (plan order); with lanes, that many
+    files take writes at once (a write into one file holds its lock while it copies)."""
+    from qckpt.checkpoint.safetensors_io import ShardFile
+
+    log: list[str] = []
+    real_write, real_span = ShardFile.write, ShardFile.write_span
+
+    def write(self, name, t):
+        log.append(self.path.name)
+        return real_write(self, name, t)
+
+    def write_span(self, names, views):
+        log.append(self.path.name)
+        return real_span(self, names, views)
+
+    monkeypatch.setattr(ShardFile, "write", write)
+    monkeypatch.setattr(ShardFile, "write_span", write_span)
     model, hf_dir = saved_model(tmp_path, "tiny-moe")
     q = quant_config("channel", "token")
     cal = make_calibration(model, q)
     outs = []
-    for i, (readers, writers, quantizers) in enumerate([(1, 1, 1), (4, 8, 3), (2, 3, None)]):
+    configs = [
+        (1, 1, 1, 1),
+        (4, 8, 3, 3),
+        (2, 3, None, None),
+    ]  # readers, writers, quantizers, lanes
+    for i, (readers, writers, quantizers, lanes) in enumerate(configs):
         out = tmp_path / f"out-{i}"
+        log.clear()
         rep = export_checkpoint(
             source=hf_dir,
             calibration=cal,
@@ -37,9 +67,16 @@ def test_files_are_the_same_whatever_the_threads(tmp_path):
             model_config=model.config,
             quant=q,
             export=ExportConfig(max_shard_size="20KB"),
-            options=WriteOptions(readers=readers, writers=writers, quantizers=quantizers),
+            options=WriteOptions(
+                readers=readers, writers=writers, quantizers=quantizers, lanes=lanes
+            ),
         )
         assert rep.shards > 5 and rep.tensors_written > 100
+        assert rep.lanes == (lanes or 2)
+        if lanes == 1:  # one file after another, in plan order
+            assert log == sorted(log) and _open_at_once(log) == 1
+        else:
+            assert _open_at_once(log) >= rep.lanes, log
         outs.append(_tree(out))
     assert outs[0] == outs[1] == outs[2]
 
@@ -117,6 +154,30 @@ def _uneven_plan(tmp_path: Path):
     sizes = [sum(spec_nbytes(s) for s in specs) for specs in plan.shards.specs]
     assert len(sizes) > 8 and max(sizes) > 2 * min(sizes), sizes
     return plan
+
+
+def test_lane_order_takes_equal_lanes_by_turns_each_in_plan_order():
+    from qckpt.checkpoint.export_pipeline import lane_order, split_balanced
+
+    costs = [4, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1, 1]
+    files = [0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    # lanes of 12 bytes each: units 0-2 (files 0, 1) and 3-11 (files 1-3); each time the lane
+    # that has done the smaller part of its bytes goes (ties: the first)
+    assert lane_order(costs, files, 2) == [0, 3, 1, 4, 5, 6, 7, 2, 8, 9, 10, 11]
+    assert lane_order(costs, files, 1) == list(range(12))
+    assert lane_order(costs, [5] * 12, 3) == list(range(12))  # one file: nothing to gain
+    assert lane_order([], [], 2) == []
+    for lanes in (3, 4, 9):  # never more lanes than files
+        order = lane_order(costs, files, lanes)
+        assert sorted(order) == list(range(12))
+        n = min(lanes, 4)
+        starts = [r.start for r in split_balanced(costs, n)]
+        lane_of = [sum(i >= s for s in starts) - 1 for i in range(12)]
+        for j in range(n):  # every lane in plan order, and every lane starts early
+            mine = [i for i in order if lane_of[i] == j]
+            assert mine == sorted(mine) and order.index(mine[0]) < n
+    # zero-cost units (the KV scales) and an empty lane do not stop the others
+    assert sorted(lane_order([0, 0, 5, 5], [0, 0, 1, 1], 2)) == [0, 1, 2, 3]
 
 
 def test_assign_items_balances_bytes_moved_over_ranks_sharing_files(tmp_path):

@@ -2,6 +2,7 @@
 
     python -m bench.export                                  # ~0.5 GB synthetic Llama, 1 vs 2
     python -m bench.export --src /data/qwen3-30b --nprocs 1,2 --json export.json
+    python -m bench.export --src /data/qwen3-30b --nprocs 1 --lanes 1,2,4   # files at once
 
 Each run is the real CLI in a fresh process (``python -m qckpt export RECIPE``, with
 ``--nproc-per-node N`` for N > 1: torchrun under it), timed from its start to its exit, and
@@ -221,12 +222,14 @@ def _recipe(work: Path, src: Path, cal: Path, out: Path, args) -> Path:
     return r
 
 
-def run_once(work: Path, src: Path, cal: Path, nproc: int, args) -> dict:
-    """One whole CLI export; its report, wall time and file digests."""
-    out = work / f"out-{nproc}"
+def run_once(work: Path, src: Path, cal: Path, nproc: int, args, lanes: int | None = None) -> dict:
+    """One whole CLI export; its report, wall time and file digests. ``lanes``: shard files
+    one process writes at once (``QCKPT_EXPORT_LANES``; None: the export's default)."""
+    tag = f"{nproc}" if lanes is None else f"{nproc}-lanes{lanes}"
+    out = work / f"out-{tag}"
     shutil.rmtree(out, ignore_errors=True)
     recipe = _recipe(work, src, cal, out, args)
-    report = work / f"report-{nproc}.json"
+    report = work / f"report-{tag}.json"
     cmd = [sys.executable, "-m", "qckpt", "export", str(recipe), "--json", str(report)]
     if args.profile and nproc == 1:  # where one process's threads spend the time
         prof = Path(args.profile).resolve()
@@ -238,10 +241,12 @@ def run_once(work: Path, src: Path, cal: Path, nproc: int, args) -> dict:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
+    if lanes is not None:
+        env["QCKPT_EXPORT_LANES"] = str(lanes)
     proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"export with {nproc} process(es) failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"export {tag} (processes, lanes) failed:\n{proc.stderr[-3000:]}")
     rep = json.loads(report.read_text())
     digests = _digests(out)
     if not args.keep:
@@ -249,12 +254,14 @@ def run_once(work: Path, src: Path, cal: Path, nproc: int, args) -> dict:
     return {"wall_seconds": wall, "report": rep, "digests": digests}
 
 
-def summarize(nproc: int, runs: list[dict], source_bytes: int) -> dict:
+def summarize(key: int | str, runs: list[dict], source_bytes: int) -> dict:
     best = min(runs, key=lambda r: r["report"]["seconds"])
     rep = best["report"]
     peaks = rep.get("peaks", {})
     return {
-        "nproc": nproc,
+        "nproc": rep["world_size"],
+        "key": key,
+        "lanes": rep.get("lanes", 1),  # shard files one process wrote at once
         "device": rep["device"],
         "export_seconds": round(rep["seconds"], 3),  # the main rank's plan + write
         "gbps": round(rep["gbps"], 3),
@@ -285,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument(
         "--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"]
+    )
+    ap.add_argument(
+        "--lanes",
+        default=None,
+        help="shard files one process writes at once, to compare (e.g. 1,2,4; default: the "
+        "export's own); every process count runs with each",
     )
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--writers", type=int, default=4)
@@ -318,11 +331,16 @@ def main(argv: list[str] | None = None) -> int:
             src, cal = Path(info["src"]), Path(info["calib"])
         setup_s = time.perf_counter() - t0
         source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-        counts = [int(n) for n in args.nprocs.split(",")]
-        runs: dict[int, list[dict]] = {n: [] for n in counts}
+        nprocs = [int(n) for n in args.nprocs.split(",")]
+        lanes = [int(n) for n in args.lanes.split(",")] if args.lanes else [None]
+        variants = {
+            (n if lane is None else f"{n}x{lane}"): (n, lane) for lane in lanes for n in nprocs
+        }
+        counts = list(variants)
+        runs: dict[int | str, list[dict]] = {k: [] for k in counts}
         for _ in range(args.repeat):  # alternating: a shared host's load hits every count alike
-            for n in counts:
-                runs[n].append(run_once(work, src, cal, n, args))
+            for k, (n, lane) in variants.items():
+                runs[k].append(run_once(work, src, cal, n, args, lane))
         first = runs[counts[0]][0]["digests"]
         same = all(r["digests"] == first for rs in runs.values() for r in rs)
         results = {n: summarize(n, rs, source_bytes) for n, rs in runs.items()}
@@ -354,7 +372,7 @@ def _missed(report: dict, counts: list[int], args) -> list[str]:
     out = [] if report["same_files"] else ["the runs wrote different files"]
     for r in report["runs"]:
         if not r["meets_host_bound"]:
-            out.append(f"{r['nproc']} process(es): anon rise over 2 x largest + 256 MiB")
+            out.append(f"run {r['key']}: anon rise over 2 x largest + 256 MiB")
     first = report["runs"][0]
     if first["gbps"] < args.min_gbps:
         out.append(f"{counts[0]} process(es): {first['gbps']} GB/s < {args.min_gbps}")
@@ -383,12 +401,12 @@ def _print(report: dict) -> None:
         f"same files in every run: {report['same_files']}"
     )
     print(
-        f"{'nproc':>5} {'device':>7} {'export s':>9} {'GB/s':>7} {'wall s':>8} {'peak RSS':>10} "
+        f"{'run':>5} {'device':>7} {'export s':>9} {'GB/s':>7} {'wall s':>8} {'peak RSS':>10} "
         f"{'anon peak':>10} {'anon rise':>10} {'bound':>9}  ok"
     )
     for r in report["runs"]:
         print(
-            f"{r['nproc']:>5} {r['device']:>7} {r['export_seconds']:>9.2f} {r['gbps']:>7.2f} "
+            f"{r['key']:>5} {r['device']:>7} {r['export_seconds']:>9.2f} {r['gbps']:>7.2f} "
             f"{r['wall_seconds']:>8.2f} {r['host_peak_rss_bytes'] / MiB:>8.0f}Mi "
             f"{r['host_peak_anon_bytes'] / MiB:>8.0f}Mi {r['write_anon_rise_bytes'] / MiB:>8.0f}Mi "
             f"{r['host_bound_bytes'] / MiB:>7.0f}Mi  {r['meets_host_bound']}"
@@ -398,7 +416,7 @@ def _print(report: dict) -> None:
             steps = sorted(r["steps"].items(), key=lambda kv: _STEP_ORDER.get(kv[0], 99))
             serial = sum(v for k, v in steps if k != "write")
             print(
-                f"  {r['nproc']} procs, main rank's steps (s): "
+                f"  {r['key']} (processes[x lanes]), main rank's steps (s): "
                 + ", ".join(f"{k} {v:.2f}" for k, v in steps)
                 + f"; all but write {serial:.2f}"
             )

@@ -280,8 +280,32 @@ def test_shard_file_written_out_of_order_equals_front_to_back(tmp_path):
     half.abort()
 
 
-def test_bad_writer_settings_are_one_line(tmp_path):
+def test_bad_writer_settings_are_one_line(tmp_path, monkeypatch):
+    from qckpt.errors import ExportError
     from qckpt.recipe import recipe_from_dict
+
+    with pytest.raises(
+        ExportError,
+        match=r"^readers, writers, quantizers and lanes must be 1\.\.64, got 2, 4, None, 0$",
+    ):
+        WriteOptions(lanes=0)
+    # the benchmarks' switch: refused when the export starts, nothing left behind
+    model, hf_dir = saved_model(tmp_path, "tiny-dense")
+    q = quant_config()
+    monkeypatch.setenv("QCKPT_EXPORT_LANES", "two")
+    with pytest.raises(ExportError) as e:
+        export_checkpoint(
+            source=hf_dir,
+            calibration=make_calibration(model, q),
+            output=tmp_path / "lanes",
+            model_type="llama",
+            model_config=model.config,
+            quant=q,
+            export=ExportConfig(),
+        )
+    assert str(e.value) == "QCKPT_EXPORT_LANES: must be a whole number 1 .. 64, got 'two'"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-dense-hf"]
+    monkeypatch.delenv("QCKPT_EXPORT_LANES")
 
     for bad in ("0", "65"):
         with pytest.raises(RecipeError, match=rf"^export.writers: must be in 1 .. 64, got {bad}$"):

@@ -38,6 +38,7 @@ from torch import nn
 from bench.read_ceiling import read_ceiling
 from qckpt import formats
 from qckpt.checkpoint.convert import save_model_dcp
+from qckpt.checkpoint.fast_read import DEFAULT_MAX_INFLIGHT
 from qckpt.checkpoint.load import LoadReport, load_checkpoint
 from qckpt.models.quantize_params import quantize_model_params
 from qckpt.plot import plot_memory
@@ -229,6 +230,7 @@ def _table(rows, nbytes, args, device, numel) -> None:  # noqa: ANN001
     print(
         f"\ncheckpoint {nbytes / 1e9:.2f} GB: {args.layers} x {args.dim}x{args.dim} bf16 on "
         f"{device}; 2*max(numel) = {2 * numel / MiB:.1f} MiB; max_inflight {args.max_inflight}"
+        f"; fast reader's read-ahead {max(r.read_ahead_bytes for _, r in rows) / MiB:.0f} MiB"
     )
     print(f"measured by: {rows[0][1].measured_by}")
     print(hdr)
@@ -379,7 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--readers", default="plain,fast", help="storage readers to compare (plain,fast)"
     )
-    p.add_argument("--max-inflight", type=int, default=2, help="load.max_inflight (fast reader)")
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=DEFAULT_MAX_INFLIGHT,
+        help=f"load.max_inflight (fast reader; default {DEFAULT_MAX_INFLIGHT}, the load's)",
+    )
     p.add_argument("--threads", type=int, default=None, help="fast reader threads (default: cores)")
     p.add_argument(
         "--bulk", action="store_true", help="bulk loads on every reader (default: the last one)"

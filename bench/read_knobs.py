@@ -7,8 +7,9 @@ checkpoint into it with ``load_checkpoint``, timed from the call to a device syn
 interpreter starts once, so start-up is not in the figures. Per variant: seconds, GB/s, and the
 calling thread's CPU seconds over that time (near 1.0: the calling thread, which starts and
 completes every item, is what the read waits for; low: it waits for the readers or the disk).
-Variants change the reader threads, ``max_inflight``, the piece size and the interpreter's
-switch interval (how long a thread may keep the GIL when another asks for it).
+Variants change the reader threads, ``max_inflight``, the read-ahead's staging bytes, the piece
+size and the interpreter's switch interval (how long a thread may keep the GIL when another
+asks for it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ VARIANTS = [
     {"name": "threads 16", "threads": 16},
     {"name": "switch 0.5 ms", "switch": 0.0005},
     {"name": "switch 50 ms", "switch": 0.05},
+    {"name": "inflight 2", "inflight": 2},
     {"name": "inflight 4", "inflight": 4},
+    {"name": "ahead 0", "ahead": 0},  # no read-ahead: the next destination waits for a scratch
+    {"name": "ahead 64 MiB", "ahead": 64 << 20},
+    {"name": "ahead 1 GiB", "ahead": 1 << 30},
     {"name": "chunk 64 MiB", "chunk": 64 << 20},
     {"name": "plain reader", "reader": "plain"},
 ]
@@ -43,11 +48,13 @@ def run_variant(recipe, v: dict) -> dict:
     from qckpt.pipeline.load import build_for_load
 
     old_switch, old_chunk = sys.getswitchinterval(), fast_read.CHUNK_BYTES
+    old_ahead = fast_read.READ_AHEAD_BYTES
     # the mesh the CLI makes: its device is where the model is built and the params live
     built = build_for_load(recipe, init_mesh(device=recipe.load.device))
     device = str(next(built.model.parameters()).device)
     sys.setswitchinterval(v.get("switch", old_switch))
     fast_read.CHUNK_BYTES = v.get("chunk", old_chunk)
+    fast_read.READ_AHEAD_BYTES = v.get("ahead", old_ahead)
     try:
         t0, c0 = time.perf_counter(), time.thread_time()
         rep = load_checkpoint(
@@ -64,6 +71,7 @@ def run_variant(recipe, v: dict) -> dict:
     finally:
         sys.setswitchinterval(old_switch)
         fast_read.CHUNK_BYTES = old_chunk
+        fast_read.READ_AHEAD_BYTES = old_ahead
     nbytes = getattr(rep, "bytes_read", 0) or 0
     del built
     return {
@@ -72,6 +80,8 @@ def run_variant(recipe, v: dict) -> dict:
         "seconds": round(wall, 3),
         "gbps": round(nbytes / wall / 1e9, 3) if nbytes else None,
         "main_cpu_fraction": round(cpu / wall, 3),
+        "read_ahead_bytes": getattr(rep, "read_ahead_bytes", 0),
+        "transient_bytes": getattr(rep, "transient_bytes", 0),
     }
 
 

@@ -16,17 +16,31 @@ planner's commit (for a quantized destination at its last item: the quantize). H
   (``non_blocking``), so host reads, host-to-device copies and the planner's quantize (on the
   current stream) overlap;
 * ``max_inflight`` bounds how many quantized destinations (planner scratches) are live at
-  once: the reads of the next destination go into its scratch while the previous one is
-  quantized. The planner's transient is then at most ``max_inflight`` scratches
-  (``max_inflight x 2*max(numel)`` for BF16), which the load report predicts.
+  once. The planner's transient is then at most ``max_inflight`` scratches
+  (``max_inflight x 2*max(numel)`` for BF16), which the load report predicts;
+* read-ahead: the reads of the streamed destinations after the live ones do not wait for a
+  scratch. Their runs are planned from the planner's ``run_layout`` (nothing allocated) and
+  read into staging buffers, host memory (pinned on CUDA), at most ``READ_AHEAD_BYTES`` of them
+  (``HOST_READ_AHEAD_BYTES`` for a host destination: 0, off); when a live destination finishes,
+  the next one is admitted (``resolve_run``, in plan order) and its staged bytes copied in, its
+  later reads go straight to the scratch. So the readers read on while a destination's last
+  copies land and its quantize runs, and the device holds no more scratches than before.
+  Host memory of the fast reader on CUDA: ``threads + 2`` pinned buffers of ``CHUNK_BYTES``
+  plus the read-ahead's, reported as ``read_ahead_bytes``. No deadlock: the pool takes tasks
+  in order and every read before a read-ahead run in plan order is queued before its tasks
+  (which may wait for a staging buffer that only an admission gives back); the head of the
+  window is always admitted, its tasks waiting for staging then read straight into it, and a
+  failing load wakes them (``_stop``).
 
 THE ORDERING INVARIANT (relied on by the planner's ``_finish``, which may run collectives, such
 as a group-reduced amax of a sharded parameter): every planner call (``resolve_tensor``,
 ``commit_tensor``, ``load_bytes``, hence ``_finish``) happens on the calling thread, and
 ``commit_tensor`` / ``load_bytes`` in exactly the plan's order (which ``finish_plan`` groups by
 fqn), the same on every rank. Only the byte reads and host-to-device copies run ahead on other
-threads; ``resolve_tensor`` runs ahead of commits (on the calling thread, in plan order too),
-which is how a scratch is allocated before its bytes arrive. Quantization stays on the calling
+threads; ``resolve_tensor`` / ``resolve_run`` run ahead of commits (on the calling thread; a
+scratch is resolved in plan order among scratches, though a plain destination after a
+read-ahead one may be resolved before it), which is how a scratch is allocated before its
+bytes arrive. Quantization stays on the calling
 thread, so the kernel policy (a context variable) applies to it as set by the caller.
 ``tests/unit/test_fast_read.py`` pins this down.
 
@@ -58,6 +72,13 @@ from qckpt.errors import CheckpointError
 
 CHUNK_BYTES = 16 << 20  # one read piece: large enough for full-speed reads, small to overlap
 DEFAULT_MAX_INFLIGHT = 1
+# read-ahead: the bytes of the streamed destinations after the ``max_inflight`` live ones that
+# the readers may read into staging buffers before those destinations get their scratch, so
+# the reads go on while the previous destination's last copies land and its quantize runs.
+# Host memory (pinned on CUDA), in CHUNK_BYTES buffers. On the host the staged bytes would cost
+# a second copy into the scratch, and the readers share the cores with the quantize: off there.
+READ_AHEAD_BYTES = 256 << 20
+HOST_READ_AHEAD_BYTES = 0
 WINDOW_ITEMS = 256
 BATCH_PIECES = 32  # small pieces per pool task (their bytes stay under CHUNK_BYTES too)
 # on an H200 host 4 threads read the 8-layer Qwen3-30B-A3B shape faster than 16 (1.54 vs 1.78 s):
@@ -112,12 +133,28 @@ class _Run:
     its buffer are each one contiguous span of the same dtype (the per-expert tensors of a fused
     parameter): resolved in one planner call, read as byte spans by the pool (on CUDA: packed
     into pinned buffers, one copy per contiguous stretch of the destination), committed in one
-    planner call. No tensor view per item on any thread."""
+    planner call. No tensor view per item on any thread.
+
+    A run read ahead (its destination not yet admitted: ``max_inflight`` scratches are live) is
+    planned from the planner's ``run_layout`` and has no buffer yet (``to`` is None): its tasks
+    read into staging buffers (the engine's read-ahead pool, host memory) and leave them in
+    ``staged``; when the calling thread admits it (``FastReadEngine._attach``: ``resolve_run``,
+    in plan order) the staged bytes are copied into the scratch and the later tasks copy their
+    own as before."""
 
     fqn: str
-    buf: torch.Tensor
     items: list[ReadItem]
+    layout: tuple[tuple[int, ...], torch.dtype, torch.device]
+    nbytes: int = 0  # the bytes its spans read
+    staging: int = 0  # read ahead: the staging it may take, a buffer per task (budget units)
     futures: list[Future] = field(default_factory=list)
+    buf: torch.Tensor | None = None
+    # where the bytes go once admitted: (what ``_read_spans`` writes into, the buffer as flat
+    # bytes, the event its device copies wait for: None for a host buffer)
+    to: tuple[Any, torch.Tensor, Any] | None = None
+    staged: list[tuple[torch.Tensor, list[Span]]] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)  # the staged bytes' copies (CUDA)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Files:
@@ -171,19 +208,24 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 
 class PinnedPool:
-    """At most ``count`` pinned host buffers of ``nbytes``, each reused once its last
-    host-to-device copy is done (the event recorded after it)."""
+    """At most ``count`` host buffers of ``nbytes`` (pinned unless ``pin=False``), each reused
+    once its last host-to-device copy is done (the event recorded after it)."""
 
-    def __init__(self, nbytes: int, count: int) -> None:
+    def __init__(self, nbytes: int, count: int, *, pin: bool = True) -> None:
         self.nbytes = nbytes
         self._free: list[tuple[torch.Tensor, Any]] = []
         self._made = 0
         self._count = count
+        self._pin = pin
         self._cv = threading.Condition()
 
-    def acquire(self) -> torch.Tensor:
+    def acquire(self, until: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """A buffer, waiting for one if all are taken; None (no buffer) when ``until()`` turns
+        true meanwhile (checked under the pool's lock, so a ``wake`` after it is not missed)."""
         with self._cv:
             while not self._free and self._made >= self._count:
+                if until is not None and until():
+                    return None
                 self._cv.wait()
             if self._free:
                 buf, ev = self._free.pop()
@@ -191,7 +233,7 @@ class PinnedPool:
                 self._made += 1
                 buf, ev = None, None
         if buf is None:
-            buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pin)
         if ev is not None:
             ev.synchronize()  # its previous copy has left the buffer
         return buf
@@ -200,6 +242,11 @@ class PinnedPool:
         with self._cv:
             self._free.append((buf, event))
             self._cv.notify()
+
+    def wake(self) -> None:
+        """Every waiter looks at its ``until`` again."""
+        with self._cv:
+            self._cv.notify_all()
 
 
 @dataclass(frozen=True)
@@ -279,6 +326,19 @@ def _whole_tensor_piece(
     return _Piece(st.offset, nbytes, shape, (), part, True, direct)
 
 
+@dataclass
+class _Admission:
+    """What the calling thread's loop knows about the destinations it has started."""
+
+    streams: Callable[[str], Any] | None  # the planner's: which fqns go through a scratch
+    runs: bool  # the planner takes runs (resolve_run / commit_run)
+    ahead: bool  # ... and tells a run's layout before its scratch exists (run_layout)
+    live: set[str] = field(default_factory=set)  # a scratch resolved, not yet finished
+    waiting: dict[str, _Run] = field(default_factory=dict)  # read ahead, in plan order
+    ahead_bytes: int = 0  # the staging the waiting runs may take (``_Run.staging``)
+    budget: int | None = None  # the read-ahead bytes for the load's device, once known
+
+
 class FastReadEngine:
     """Runs a plan's jobs: reads ahead on a thread pool, planner calls in plan order here."""
 
@@ -289,13 +349,22 @@ class FastReadEngine:
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         threads: int | None = None,
         chunk_bytes: int | None = None,
+        read_ahead: int | None = None,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be at least 1, got {max_inflight}")
+        if read_ahead is not None and read_ahead < 0:
+            raise ValueError(f"read_ahead must be at least 0, got {read_ahead}")
         self.files = files
         self.max_inflight = int(max_inflight)
         self.threads = int(threads or default_threads())
         self.chunk_bytes = int(chunk_bytes or CHUNK_BYTES)
+        # staging bytes for the destinations read ahead of their scratch (None: by device)
+        self._ahead_budget = {
+            "cuda": READ_AHEAD_BYTES if read_ahead is None else int(read_ahead),
+            "cpu": HOST_READ_AHEAD_BYTES if read_ahead is None else int(read_ahead),
+        }
+        self.ahead_bytes = 0  # the staging pool's bound once made (host bytes)
         # items admitted ahead of the one committed: many, since small items (one expert of a
         # fused tensor) need many in flight to keep the threads busy; the memory they hold is
         # bounded elsewhere (max_inflight scratches, the pinned pool)
@@ -303,6 +372,8 @@ class FastReadEngine:
         self.bytes_read = 0
         self._local = threading.local()
         self._pool: PinnedPool | None = None
+        self._ahead: PinnedPool | None = None  # staging buffers of the runs read ahead
+        self._closing = False  # the load is failing: staging waiters give up
         self._copy_stream: Any = None
         self._open: _Batch | None = None  # the batch being filled, not yet submitted
         self._ready: dict[str, Any] = {}  # fqn -> the event its copies wait for (CUDA)
@@ -321,28 +392,21 @@ class FastReadEngine:
 
     def _run(self, jobs: list[Job], planner: Any) -> None:
         left = Counter(j.item.dest_index.fqn for j in jobs)
-        streams = getattr(planner, "streams", None)
         runs = hasattr(planner, "resolve_run") and hasattr(planner, "commit_run")
-        live: set[str] = set()  # destinations with a scratch admitted and not yet finished
+        ahead = runs and hasattr(planner, "run_layout") and max(self._ahead_budget.values()) > 0
+        st = _Admission(getattr(planner, "streams", None), runs, ahead)
         window: deque[_Pending | _Run] = deque()
         held = 0  # window slots taken: an item, or a whole run (its reads go through the pool)
         nxt = done = 0
+        self._closing = False
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="qckpt-read")
         try:
             while done < len(jobs):
+                self._attach_waiting(st, window, planner)
                 while nxt < len(jobs) and held < self.window:
-                    fqn = jobs[nxt].item.dest_index.fqn
-                    streamed = streams is not None and bool(streams(fqn))
-                    new = streamed and fqn not in live
-                    # an empty window admits anyway: a plan whose destinations are not grouped
-                    # would otherwise wait for itself
-                    if new and len(live) >= self.max_inflight and window:
-                        break
-                    if new:
-                        live.add(fqn)
-                    unit = self._start_run(jobs, nxt, planner, pool) if streamed and runs else None
+                    unit = self._admit(jobs, nxt, planner, pool, st, bool(window))
                     if unit is None:
-                        unit = self._start(jobs[nxt], planner, pool)
+                        break
                     window.append(unit)
                     held += 1
                     nxt += len(unit.items) if isinstance(unit, _Run) else 1
@@ -361,82 +425,187 @@ class FastReadEngine:
                 done += n
                 left[fqn] -= n
                 if left[fqn] <= 0:
-                    live.discard(fqn)
+                    st.live.discard(fqn)
                     self._ready.pop(fqn, None)
         finally:
-            for p in window:
-                for f in p.futures if isinstance(p, _Run) else (b.future for b in p.batches):
-                    if f is not None:
-                        f.cancel()
-            self._open = None
-            pool.shutdown(wait=True, cancel_futures=True)
-            if self._copy_stream is not None:
-                torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
+            self._stop(window, pool)
+
+    def _stop(self, window: deque[_Pending | _Run], pool: ThreadPoolExecutor) -> None:
+        """The pool drained (after a failure: queued reads cancelled, staging waiters woken)."""
+        for p in window:
+            for f in p.futures if isinstance(p, _Run) else (b.future for b in p.batches):
+                if f is not None:
+                    f.cancel()
+        self._open = None
+        self._closing = True
+        if self._ahead is not None:
+            self._ahead.wake()
+        pool.shutdown(wait=True, cancel_futures=True)
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
+
+    def _admit(
+        self,
+        jobs: list[Job],
+        i: int,
+        planner: Any,
+        pool: ThreadPoolExecutor,
+        st: _Admission,
+        busy: bool,
+    ) -> _Pending | _Run | None:
+        """Job ``i`` (and, as a run, the ones after it) started, or None: it waits for a
+        destination to finish. A streamed destination past the ``max_inflight`` live ones is
+        read ahead as a run with no scratch yet, within the read-ahead budget."""
+        fqn = jobs[i].item.dest_index.fqn
+        if fqn in st.waiting:
+            return None  # the rest of a destination read ahead waits for its scratch
+        streamed = st.streams is not None and bool(st.streams(fqn))
+        new = streamed and fqn not in st.live
+        # an empty window admits anyway: a plan whose destinations are not grouped would
+        # otherwise wait for itself
+        if new and len(st.live) >= self.max_inflight and busy:
+            run = None
+            if st.ahead and (st.budget is None or st.ahead_bytes < st.budget):
+                run = self._start_run(jobs, i, planner, pool, st)
+            if run is not None:
+                st.waiting[fqn] = run
+                st.ahead_bytes += run.staging
+            return run
+        if new:
+            st.live.add(fqn)
+        unit = self._start_run(jobs, i, planner, pool) if streamed and st.runs else None
+        return unit if unit is not None else self._start(jobs[i], planner, pool)
+
+    def _attach_waiting(self, st: _Admission, window: deque, planner: Any) -> None:
+        """Admit the runs read ahead, in plan order, while fewer than ``max_inflight`` scratches
+        are live (or when the next one to complete is one of them: an ungrouped plan)."""
+        while st.waiting:
+            fqn, run = next(iter(st.waiting.items()))
+            if len(st.live) >= self.max_inflight and not (window and window[0] is run):
+                return
+            del st.waiting[fqn]
+            st.ahead_bytes -= run.staging
+            st.live.add(fqn)
+            self._attach(run, planner)
+
+    def _attach(self, run: _Run, planner: Any) -> None:
+        """A run read ahead gets its scratch (``resolve_run``, here, in plan order); the bytes
+        staged so far are copied in, its later reads go straight to the scratch."""
+        buf = planner.resolve_run(run.fqn)
+        shape, dtype, device = run.layout
+        if (
+            buf is None
+            or tuple(buf.shape) != shape
+            or buf.dtype != dtype
+            or buf.device.type != device.type
+            or not buf.is_contiguous()
+        ):
+            got = None if buf is None else (tuple(buf.shape), buf.dtype, str(buf.device))
+            raise CheckpointError(
+                f"{run.fqn}: its reads were planned for a {shape} {dtype} buffer, got {got}"
+            )
+        to = self._target(run.fqn, buf)
+        with run.lock:
+            run.buf, run.to = buf, to
+            staged, run.staged = run.staged, []
+        staging = self._ahead
+        assert staging is not None  # made with the run
+        staging.wake()  # its tasks waiting for a staging buffer read into the scratch now
+        for sbuf, spans in staged:
+            ev = None
+            try:
+                ev = self._copy_out(to[1], to[2], sbuf, spans)
+            finally:
+                self._settle(staging, sbuf, ev, to[1])
+            if ev is not None:
+                run.events.append(ev)
+
+    def _target(self, fqn: str, buf: torch.Tensor) -> tuple[Any, torch.Tensor, Any]:
+        """Where a run's bytes go in ``buf``: (what ``_read_spans`` writes, the flat bytes, the
+        event the device copies wait for, None on the host)."""
+        flat = buf.view(-1).view(torch.uint8)
+        if buf.device.type != "cuda":
+            return _byte_view(buf), flat, None
+        self._prepare_cuda(buf.device)
+        ready = self._ready.get(fqn)
+        if ready is None:  # see _start: the copies wait for the scratch's allocation
+            ready = self._ready[fqn] = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(buf.device))
+        return flat, flat, ready
 
     def _start_run(
-        self, jobs: list[Job], i: int, planner: Any, pool: ThreadPoolExecutor
+        self,
+        jobs: list[Job],
+        i: int,
+        planner: Any,
+        pool: ThreadPoolExecutor,
+        ahead: _Admission | None = None,
     ) -> _Run | None:
         """Jobs ``i``, ``i+1``, ... of one streamed destination as a run, as far as each is one
-        contiguous span on both sides (None when job ``i`` is not: it goes item by item)."""
+        contiguous span on both sides (None when job ``i`` is not: it goes item by item).
+
+        ``ahead`` (the loop's state): the destination is not admitted; the run is planned from
+        ``run_layout`` and read into staging buffers, or None when the read-ahead budget of its
+        device is spent (it then waits, as without read-ahead)."""
         fqn = jobs[i].item.dest_index.fqn
-        buf = planner.resolve_run(fqn)
-        if buf is None or not buf.is_contiguous() or buf.numel() == 0:
-            return None
-        shape, size, dtype = tuple(buf.shape), buf.element_size(), buf.dtype
-        geom = (shape, buf.stride(), buf.numel())
-        items: list[ReadItem] = []
-        spans: list[Span] = []
-        j = i
-        while j < len(jobs):  # by index: a slice of the rest per run is quadratic in items
-            job = jobs[j]
-            item = job.item
-            if item.dest_index.fqn != fqn or job.locate is None:
-                break
-            st = job.locate()
-            if st is None or st.dtype != dtype:
-                break
-            lengths = tuple(item.lengths)
-            if st.shape == lengths and not any(item.storage_offsets):
-                src = (0, math.prod(lengths))  # the whole stored tensor (an expert)
-            elif _fits(st, item):
-                src = _span(st.shape, tuple(item.storage_offsets), lengths)
-            else:
-                break
-            dst = _span(shape, tuple(item.dest_offsets), lengths, geom)
-            if src is None or dst is None:
-                break
-            items.append(item)
-            j += 1
-            n = src[1] * size
-            if n:
-                _add_span(spans, (st.path, st.offset + src[0] * size, dst[0] * size, n))
+        buf = None
+        if ahead is None:
+            buf = planner.resolve_run(fqn)
+            if buf is None or not buf.is_contiguous() or buf.numel() == 0:
+                return None
+            layout = (tuple(buf.shape), buf.dtype, buf.device)
+        else:
+            got = planner.run_layout(fqn)
+            if got is None or math.prod(got[0]) == 0:
+                return None
+            layout = (tuple(int(n) for n in got[0]), got[1], torch.device(got[2]))
+            if ahead.budget is None:  # a host load (0 by default) stops asking here
+                ahead.budget = self._ahead_budget.get(layout[2].type, 0)
+            if ahead.ahead_bytes >= ahead.budget:
+                return None
+        items, spans = _run_spans(jobs, i, fqn, layout)
         if not items:
             return None
-        ready = None
-        if buf.device.type == "cuda":
-            self._prepare_cuda(buf.device)
-            ready = self._ready.get(fqn)
-            if ready is None:  # see _start: the copies wait for the scratch's allocation
-                ready = self._ready[fqn] = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(buf.device))
-        run = _Run(fqn, buf, items)
+        run = _Run(fqn, items, layout, nbytes=sum(sp[3] for sp in spans))
+        if buf is not None:
+            run.buf, run.to = buf, self._target(fqn, buf)
+        else:
+            self._staging(layout[2])
+            # every read before it in plan order is queued before its tasks, which may wait
+            # for staging buffers that only its admission gives back: the pool takes tasks in
+            # order, so those reads never wait behind them (a deadlock otherwise)
+            self._flush(pool)
         if spans:
-            total = sum(sp[3] for sp in spans)
-            self.bytes_read += total
+            self.bytes_read += run.nbytes
             # a destination smaller than a piece per thread (an attention weight) is cut finer,
             # so that all threads read it: max_inflight keeps only a few destinations in flight
-            chunk = min(self.chunk_bytes, max(MIN_TASK_BYTES, -(-total // self.threads)))
-            dest = buf.view(-1).view(torch.uint8) if ready is not None else _byte_view(buf)
-            for task in _tasks(spans, chunk):
-                run.futures.append(pool.submit(self._read_spans, dest, task, ready))
+            chunk = min(self.chunk_bytes, max(MIN_TASK_BYTES, -(-run.nbytes // self.threads)))
+            tasks = _tasks(spans, chunk)
+            if buf is None:  # each task staged takes a whole buffer, however small it is
+                run.staging = len(tasks) * self.chunk_bytes
+            for task in tasks:
+                run.futures.append(pool.submit(self._run_task, run, task))
         return run
 
+    def _staging(self, device: torch.device) -> PinnedPool:
+        """The read-ahead's staging buffers (pinned for a CUDA load): the budget of the device
+        in buffers of ``chunk_bytes``, at least one; made at the first run read ahead."""
+        if self._ahead is None:
+            n = max(1, self._ahead_budget.get(device.type, 0) // self.chunk_bytes)
+            self._ahead = PinnedPool(self.chunk_bytes, n, pin=device.type == "cuda")
+            self.ahead_bytes = n * self.chunk_bytes
+        return self._ahead
+
     def _complete_run(self, r: _Run, planner: Any) -> None:
-        for f in r.futures:
-            ev = f.result()
-            if ev is not None:
-                torch.cuda.current_stream(r.buf.device).wait_event(ev)
+        assert r.to is not None  # attached before it is completed
+        events = [_result(f, r.fqn) for f in r.futures] + r.events
+        if r.to[2] is not None:
+            stream = torch.cuda.current_stream(r.to[1].device)
+            for ev in events:
+                if ev is not None:
+                    stream.wait_event(ev)
         r.futures.clear()
+        r.events.clear()
         planner.commit_run(r.items)
 
     def _start(self, job: Job, planner: Any, pool: ThreadPoolExecutor) -> _Pending:
@@ -501,6 +670,43 @@ class FastReadEngine:
 
     # ---- reader threads -------------------------------------------------------------------
 
+    def _run_task(self, run: _Run, spans: list[Span]) -> Any:
+        """One pool task of a run: straight into its scratch once it has one, else into a
+        staging buffer (read ahead); a task that waited for a staging buffer while the run
+        was admitted goes the direct way."""
+        if run.to is None:
+            staging = self._ahead
+            assert staging is not None  # made with the run
+            sbuf = staging.acquire(lambda: run.to is not None or self._closing)
+            if sbuf is not None:
+                return self._stage(run, spans, sbuf)
+            if run.to is None:
+                raise CheckpointError(f"{run.fqn}: the load stopped before this read")
+        dest, _, ready = run.to
+        return self._read_spans(dest, spans, ready)
+
+    def _stage(self, run: _Run, spans: list[Span], sbuf: torch.Tensor) -> Any:
+        """``spans`` read back to back into ``sbuf``, left with the run for its admission, or
+        copied out now when it was admitted meanwhile (its event returned)."""
+        staging, ev, flat = self._ahead, None, None
+        assert staging is not None
+        try:
+            mv, at = _byte_view(sbuf), 0
+            for path, pos, _, n in spans:
+                read_exact(self.files.fd(path), mv[at : at + n], pos, path)
+                at += n
+            with run.lock:
+                if run.to is None:
+                    run.staged.append((sbuf, spans))
+                    sbuf = None  # the admission copies it out and gives it back
+                    return None
+                _, flat, ready = run.to
+            ev = self._copy_out(flat, ready, sbuf, spans)
+            return ev
+        finally:
+            if sbuf is not None:
+                self._settle(staging, sbuf, ev, flat)
+
     def _read_spans(self, dest: Any, spans: list[Span], ready: Any) -> Any:
         """A run's spans read straight into the destination's bytes (host: ``dest`` is their
         memoryview), or packed into one pinned buffer and copied to the device (``dest``: the
@@ -509,23 +715,47 @@ class FastReadEngine:
             for path, pos, off, n in spans:
                 read_exact(self.files.fd(path), dest[off : off + n], pos, path)
             return None
-        pool, stream = self._pinned(), self._copy_stream
+        pool = self._pinned()
         pinned, ev = pool.acquire(), None
+        assert pinned is not None
         try:
             mv, at = _byte_view(pinned), 0
             for path, pos, _, n in spans:
                 read_exact(self.files.fd(path), mv[at : at + n], pos, path)
                 at += n
-            with torch.cuda.device(dest.device), torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                for off, at, n in _stretches(spans):
-                    dest.narrow(0, off, n).copy_(pinned.narrow(0, at, n), non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
+            ev = self._copy_out(dest, ready, pinned, spans)
         finally:
-            # on a failure after some copies were queued, the buffer waits for them
-            pool.release(pinned, ev if ev is not None else self._record(stream, dest.device))
+            self._settle(pool, pinned, ev, dest)
         return ev
+
+    def _copy_out(
+        self, flat: torch.Tensor, ready: Any, src: torch.Tensor, spans: list[Span]
+    ) -> Any:
+        """The bytes of ``spans``, back to back in ``src``, copied to their places in ``flat``
+        (a buffer as flat bytes), one copy per stretch contiguous there: on CUDA queued on the
+        copy stream after ``ready`` (the event after them returned), on the host done now."""
+        if ready is None:
+            # a plain memmove (ctypes lets go of the GIL): torch's copy_ spreads a few MiB over
+            # its intra-op threads, which on a busy host wait for each other far longer
+            dst, base = flat.data_ptr(), src.data_ptr()
+            for off, at, n in _stretches(spans):
+                ctypes.memmove(dst + off, base + at, n)
+            return None
+        stream = self._copy_stream
+        with torch.cuda.device(flat.device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            for off, at, n in _stretches(spans):
+                flat.narrow(0, off, n).copy_(src.narrow(0, at, n), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return ev
+
+    def _settle(self, pool: PinnedPool, buf: torch.Tensor, ev: Any, flat: Any) -> None:
+        """``buf`` back to ``pool``; after a failure with copies from it possibly queued (a
+        device destination), it waits for the copy stream's work so far."""
+        if ev is None and isinstance(flat, torch.Tensor) and flat.device.type == "cuda":
+            ev = self._record(self._copy_stream, flat.device)
+        pool.release(buf, ev)
 
     def _raw(self, nbytes: int) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
@@ -642,6 +872,55 @@ class FastReadEngine:
         if self._pool is None:
             self._pool = PinnedPool(self.chunk_bytes, self.threads + 2)
             self._copy_stream = torch.cuda.Stream(device=device)
+
+
+def _result(f: Future, fqn: str) -> Any:
+    """A read task's result; its failure (a short or unreadable file) names the tensor too."""
+    try:
+        return f.result()
+    except CheckpointError as exc:
+        raise CheckpointError(f"{fqn}: {exc}") from None
+
+
+def _run_spans(
+    jobs: list[Job], i: int, fqn: str, layout: tuple[tuple[int, ...], torch.dtype, Any]
+) -> tuple[list[ReadItem], list[Span]]:
+    """The run of jobs from ``i`` into a contiguous buffer of ``layout`` (shape, dtype): its
+    items, and their (file, position, buffer offset, bytes) spans, adjacent ones merged."""
+    shape, dtype = layout[0], layout[1]
+    size = dtype.itemsize
+    strides, total = [], 1
+    for dim in reversed(shape):
+        strides.append(total)
+        total *= dim
+    geom = (shape, tuple(reversed(strides)), total)
+    items: list[ReadItem] = []
+    spans: list[Span] = []
+    j = i
+    while j < len(jobs):  # by index: a slice of the rest per run is quadratic in items
+        job = jobs[j]
+        item = job.item
+        if item.dest_index.fqn != fqn or job.locate is None:
+            break
+        st = job.locate()
+        if st is None or st.dtype != dtype:
+            break
+        lengths = tuple(item.lengths)
+        if st.shape == lengths and not any(item.storage_offsets):
+            src = (0, math.prod(lengths))  # the whole stored tensor (an expert)
+        elif _fits(st, item):
+            src = _span(st.shape, tuple(item.storage_offsets), lengths)
+        else:
+            break
+        dst = _span(shape, tuple(item.dest_offsets), lengths, geom)
+        if src is None or dst is None:
+            break
+        items.append(item)
+        j += 1
+        n = src[1] * size
+        if n:
+            _add_span(spans, (st.path, st.offset + src[0] * size, dst[0] * size, n))
+    return items, spans
 
 
 def _fits(st: StoredTensor, item: ReadItem) -> bool:

@@ -49,6 +49,7 @@ class _FastReader:
         self.max_inflight = max_inflight
         self.threads = threads
         self.inline_items = 0  # items the plain code read (no locatable tensor)
+        self.read_ahead_bytes = 0  # the read-ahead's staging buffers (host bytes), if any
 
 
 class FastDCPReader(_FastReader, OrderedFileSystemReader):
@@ -64,6 +65,7 @@ class FastDCPReader(_FastReader, OrderedFileSystemReader):
         finally:
             files.close()
             self.bytes_read += engine.bytes_read
+            self.read_ahead_bytes = engine.ahead_bytes
         return _done()
 
     def _job(self, item: Any, planner: LoadPlanner, files: Files, located: dict) -> Job:
@@ -120,6 +122,7 @@ class FastHFReader(_FastReader, HFSafetensorsReader):
         finally:
             files.close()
             self.bytes_read += engine.bytes_read + fetch.bytes_read
+            self.read_ahead_bytes = engine.ahead_bytes
             fetch.close()
         return _done()
 

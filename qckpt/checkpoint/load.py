@@ -70,6 +70,9 @@ class LoadReport:
     max_inflight: int = 1
     read_threads: int = 1
     inline_items: int = 0
+    # the fast reader's staging buffers for the destinations read ahead of their scratch (host
+    # memory, pinned on CUDA; 0: none made): the most it holds beside max_inflight scratches
+    read_ahead_bytes: int = 0
     # a quantized source (quantized_sources): its layout, and the destinations that took its
     # codes and scales as they are (same layout: no dequantize/quantize round trip)
     source_layout: str = "plain"
@@ -436,6 +439,7 @@ def _reader_info(reader: Any, kind: str, inflight: int) -> dict[str, Any]:
         "max_inflight": inflight,
         "read_threads": int(threads),
         "inline_items": int(getattr(reader, "inline_items", 0)),
+        "read_ahead_bytes": int(getattr(reader, "read_ahead_bytes", 0)),
     }
 
 

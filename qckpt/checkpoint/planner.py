@@ -42,11 +42,13 @@ Host side (CPU loads): DCP's reader ``torch.load``s each stored chunk before cop
 scratch, so the host holds chunk + scratch (up to 2 x 2 * max(numel)) for a moment; on CUDA the
 chunk stays on the host and the device transient is the scratch alone.
 
-The fast reader (``fast_read``) calls ``resolve_tensor`` ahead of the commits for up to
-``max_inflight`` quantized destinations (``streams(fqn)`` says which fqns are those), so their
-scratches fill while the previous one is quantized; every planner call still happens on the
-calling thread and ``commit_tensor`` (hence ``_finish``) strictly in plan order, the same on
-every rank: ``_finish`` may run collectives.
+The fast reader (``fast_read``) calls ``resolve_tensor`` / ``resolve_run`` ahead of the commits
+for up to ``max_inflight`` quantized destinations (``streams(fqn)`` says which fqns are those),
+so their scratches fill while the previous one is quantized; it reads the bytes of the next
+ones into host staging buffers before their scratch exists (``run_layout(fqn)``: the buffer's
+shape, dtype and device, nothing allocated). Every planner call still happens on the calling
+thread, scratches are resolved in plan order, and ``commit_tensor`` (hence ``_finish``)
+strictly in plan order, the same on every rank: ``_finish`` may run collectives.
 """
 
 from __future__ import annotations
@@ -496,6 +498,16 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         ``resolve_tensor`` + ``commit_tensor`` per item, in plan order, on the calling thread."""
         d = self._dests.get(fqn)
         return None if d is None else self._scratch(d)
+
+    def run_layout(self, fqn: str) -> tuple[torch.Size, torch.dtype, torch.device] | None:
+        """(shape, dtype, device) of the contiguous buffer ``resolve_run(fqn)`` will return,
+        nothing allocated (None for a plain destination): the fast reader plans a destination's
+        reads, and reads its bytes into host staging buffers, before admitting it."""
+        d = self._dests.get(fqn)
+        if d is None:
+            return None
+        dtype = torch.float32 if self.keep_main_params else d.target.dtype
+        return d.ckpt_shape, dtype, torch.device(d.target.device)
 
     def commit_run(self, items: Sequence[ReadItem]) -> None:
         """``commit_tensor`` of consecutive plan items of one quantized destination whose data

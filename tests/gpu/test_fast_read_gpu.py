@@ -191,3 +191,38 @@ def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt
     assert runs and max(runs) > 1
     assert copies and all(0 < c <= s for s, c in copies)
     assert ra.transient_bytes <= ra.predicted_transient_bytes + 64 * MiB
+
+
+# ---- read-ahead: the next destinations' bytes in pinned staging before their scratch ----------
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4"])
+def test_read_ahead_on_cuda_equals_plain_at_max_inflight_1(dirs, moe_hf, monkeypatch, fmt):
+    import qckpt.checkpoint.fast_read as fast_read
+    from qckpt.checkpoint.load import load_checkpoint
+
+    # 64 KiB pieces and 256 KiB of pinned staging: each destination's first pieces are staged
+    # (copied in at its admission), its later ones wait for a staging buffer or the admission
+    monkeypatch.setattr(fast_read, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(fast_read, "READ_AHEAD_BYTES", 256 << 10)
+    staged: list[int] = []
+    real = fast_read.FastReadEngine._stage
+
+    def spy(self, run, spans, sbuf):
+        staged.append(1)
+        assert sbuf.is_pinned()
+        return real(self, run, spans, sbuf)
+
+    monkeypatch.setattr(fast_read.FastReadEngine, "_stage", spy)
+    for path, make in ((moe_hf, lambda: _moe(fmt)), (dirs / "dcp", lambda: _model(fmt))):
+        a, b = make(), make()
+        ra = load_checkpoint(a, path, reader="fast", max_inflight=1, read_threads=4)
+        load_checkpoint(b, path, reader="plain")
+        assert _same(a, b), path
+        assert ra.read_ahead_bytes == 256 << 10
+        # one scratch live at a time: the staging is host memory
+        assert ra.transient_bytes <= ra.predicted_transient_bytes + 64 * MiB
+        del a, b
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert staged

@@ -47,8 +47,8 @@ def compiled_at_import(modules: dict[str, Any] | None = None, top: int = 6) -> d
     count: Counter[str] = Counter()
     size = 0
     for name, mod in list((sys.modules if modules is None else modules).items()):
-        if not isinstance(mod, ModuleType):
-            continue
+        if not isinstance(mod, ModuleType) or name.startswith("__"):
+            continue  # __main__ (and multiprocessing's alias of it) is the script run
         origin = _uncached(mod, listed)
         if origin is None:
             continue

@@ -186,12 +186,12 @@ def _render_startup(data: dict[str, Any], console: Console) -> None:
     sp = data.get("startup_parts")
     if sp:
         parts = [f"{k.replace('_', ' ')} {v:.2f}" for k, v in sp.items() if v >= 0.005]
-        console.print(f"[bold]start-up (s)[/bold]  {' · '.join(parts)}")
+        console.print(f"[bold]start-up (s)[/bold]  {' · '.join(parts)}", soft_wrap=True)
     from qckpt.bytecode import advice
 
     note = advice(data.get("compiled_at_import") or {})
     if note:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", soft_wrap=True)  # one line, however narrow
 
 
 def render_command(data: dict[str, Any], console: Console = err) -> None:

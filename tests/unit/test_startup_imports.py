@@ -102,3 +102,34 @@ def test_modules_compiled_from_source_are_counted_and_a_cache_clears_them(tmp_pa
     line = advice(big)
     assert line is not None and "\n" not in line
     assert "torch 700" in line and "PYTHONDONTWRITEBYTECODE" in line and "compileall" in line
+
+
+def test_the_report_prints_the_startup_parts_and_the_advice_as_one_line_each():
+    import io
+
+    from rich.console import Console
+
+    from qckpt.bytecode import WARN_SOURCE_BYTES
+    from qckpt.report import render_command
+
+    buf = io.StringIO()
+    data = {
+        "phases": {"startup": 9.5, "read": 1.0, "total": 10.5},
+        "startup_parts": {"before_main": 0.3, "torch": 3.0, "model_code": 6.0, "other": 0.2},
+        "compiled_at_import": {
+            "modules": 2678,
+            "source_bytes": 2 * WARN_SOURCE_BYTES,
+            "by_package": {"torch": 1151, "sympy": 419},
+            "writes_bytecode": False,
+        },
+    }
+    render_command(data, Console(file=buf, width=40, highlight=False))
+    lines = buf.getvalue().splitlines()
+    assert any(ln.startswith("start-up (s)") and "model code 6.00" in ln for ln in lines), lines
+    notes = [ln for ln in lines if "compiled 2678 modules" in ln]
+    assert len(notes) == 1 and notes[0].startswith("note: ") and "compileall" in notes[0], lines
+    # below the threshold (a few of qckpt's own modules): no note
+    buf = io.StringIO()
+    data["compiled_at_import"]["source_bytes"] = 500_000
+    render_command(data, Console(file=buf, width=40, highlight=False))
+    assert "note:" not in buf.getvalue()

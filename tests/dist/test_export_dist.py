@@ -144,7 +144,7 @@ def test_two_and_three_ranks_write_the_one_process_files(setup):
                 for f in one:  # byte for byte: tensors, headers, index, config, marker
                     assert one[f] == many[f], (name, tag, f)
             assert shared, tag  # the ranks' shares cut files (whole files are not the unit)
-            assert max(lanes) == 2, lanes  # ranks wrote two of their files at once
+            assert max(lanes) >= 2, lanes  # ranks wrote two (or more) of their files at once
         # a rank whose share holds a weight above its calibrated amax: every rank fails, with
         # the reason, and nothing is left
         case, src, cal = jobs["ct-tensor-kv"]

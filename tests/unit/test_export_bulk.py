@@ -106,7 +106,9 @@ def test_runs_write_the_same_files_as_one_item_at_a_time(moe, runs, layout):
     assert runs["runs"] == [] and rep.lanes == 1
     out = root / f"bulk-{tag}"
     rep = _export(model, hf_dir, out, q, cal, bulk=True, **kw)
-    assert len(list(out.glob("*.safetensors"))) > 2 and rep.lanes == pipe.LANES == 2
+    assert (
+        len(list(out.glob("*.safetensors"))) > 2 and rep.lanes == min(pipe.LANES, rep.shards) >= 2
+    )
     assert rep.run_sources == sum(len(r) for r in runs["runs"]) < rep.source_tensors
     assert _digest(out) == _digest(plain)
     three = root / f"three-{tag}"  # three files at once, one item at a time
@@ -291,7 +293,7 @@ def test_two_lanes_still_name_the_first_refused_weight_in_plan_order(moe, runs):
     """Two shard files written at once (two lanes, taken by turns): a bad weight at the start
     of the second lane is quantized long before a bad weight at the end of the first, which
     comes earlier in plan order. The error names the earlier one (the first lane is finished up
-    to it), with the message it has alone; the export leaves nothing; the files the same."""
+    to it), with the message it has alone; the export leaves nothing."""
     root, model, hf_dir = moe
     q = quant_config("tensor", "static")
     cal = make_calibration(model, q)
@@ -323,7 +325,7 @@ def test_two_lanes_still_name_the_first_refused_weight_in_plan_order(moe, runs):
     out = root / "out-two-lanes-bad"
     for bulk in (False, True):
         with pytest.raises(ExportError) as e:
-            _export(model, bad, out, q, cal, bulk=bulk, **kw)
+            _export(model, bad, out, q, cal, bulk=bulk, options=WriteOptions(lanes=2), **kw)
         msg = str(e.value)
         assert msg.startswith(f"{first}: amax ") and "exceeds the calibrated weight amax" in msg
         assert "\n" not in msg and not out.exists()
@@ -332,4 +334,4 @@ def test_two_lanes_still_name_the_first_refused_weight_in_plan_order(moe, runs):
     # the second alone is named when the first is clean
     only = tampered(root, hf_dir, "two-lanes-nan", lambda sd: sd[second].__setitem__((0, 1), 1e30))
     with pytest.raises(ExportError, match=f"^{second}: amax "):
-        _export(model, only, out, q, cal, bulk=True, **kw)
+        _export(model, only, out, q, cal, bulk=True, options=WriteOptions(lanes=2), **kw)

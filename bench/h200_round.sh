@@ -67,6 +67,8 @@ STEPS=(
   loadprof_48l:240
   imports:120
   startup_8l:240
+  export_lanes_48l:300
+  write_ceiling:120
   export_shm_8l:300
 )
 
@@ -179,6 +181,21 @@ step_startup_8l() {
   "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1])); print("calib phases", d.get("phases"))' \
     "$RES/startup_calib.json" || true
   return $rc
+}
+
+# one export process with 1 and 4 lanes (shard files written at once) beside the default 2 of
+# export_shm_48l, into tmpfs; and the host's own write ceiling into tmpfs (threads into one file
+# vs one file each; pages allocated first or not)
+step_export_lanes_48l() {
+  "$PY" -m bench.export --src "$CKPT48" --calib "$WORK/export_calib.safetensors" --nprocs 1 \
+    --lanes "${LANES_AB:-1,4}" --workdir /dev/shm/qckpt-export --json "$RES/export_shm_48l_lanes.json"
+  local rc=$?
+  rm -rf /dev/shm/qckpt-export
+  return $rc
+}
+step_write_ceiling() {
+  "$PY" -m bench.write_ceiling --dir /dev/shm --gb 4 --repeat 2 --how pwrite,prealloc \
+    --json "$RES/write_ceiling.json"
 }
 
 # whole-command device peaks and exact load windows on CUDA (tests/gpu, skipped on CPU)

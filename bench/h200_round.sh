@@ -220,7 +220,7 @@ step_whole_8l() {
   "$PY" -m bench.whole_command run "$CKPT8" --device cuda --ep 2 --json "$RES/whole_8l.json"
 }
 step_whole_48l() {
-  "$PY" -m bench.whole_command run "$CKPT48" --device cuda --ep 2 --json "$RES/whole_48l.json"
+  "$PY" -m bench.whole_command run "$CKPT48" --device cuda --ep "${WHOLE_EP:-2}" --json "$RES/whole_48l.json"
 }
 
 # the fast read path (issue 18) on the 48-layer model: whole qckpt load processes into FP8 on one
@@ -349,7 +349,7 @@ step_export_tests() {
 # from the checkpoint's weights (kept in $WORK). exit 1 if the files differ, the bound is
 # exceeded, one process is under 4 GB/s, or two are under 2x one
 step_export_48l() {
-  "$PY" -m bench.export --src "$CKPT48" --calib "$WORK/export_calib.safetensors" --nprocs 1,2 \
+  "$PY" -m bench.export --src "$CKPT48" --calib "$WORK/export_calib.safetensors" --nprocs "${EXPORT_NPROCS:-1,2}" \
     --workdir "${EXPORT_WORK:-$WORK/export}" --min-gbps 4 --min-speedup 2 \
     --json "$RES/export_48l${EXPORT_TAG:-}.json"
 }

@@ -345,13 +345,16 @@ def _calibrate(recipe: str, sets: list[str], nproc: int, tmp: Path) -> dict:
         cmd += ["--set", s]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-    wall = time.perf_counter() - t0
+    wall, ended = time.perf_counter() - t0, time.time()
     if r.returncode != 0 or not js.is_file():
         return {"error": f"exit {r.returncode}: {(r.stderr or r.stdout).strip()[-600:]}"}
     rep = json.loads(js.read_text())
     file = tmp / f"calib-{nproc}.safetensors"
     return {
         "wall_seconds": round(wall, 3),
+        # from the main rank's --json (written at the end of the report phase) to the exit of
+        # the command: the world's teardown, the interpreters' and CUDA's exits, the launcher
+        "after_report_seconds": round(ended - js.stat().st_mtime, 3),
         "forward_seconds": _forward_seconds(rep),
         "phases": _slowest_phases(rep),
         "forward_parts": _slowest_parts(rep),
@@ -427,18 +430,23 @@ def _scaling(one: dict, many: dict, nproc: int) -> dict:
         "fixed_seconds": {"one": round(f1, 3), f"nproc{nproc}": round(fn, 3)},
         "same_file": one["file_digest"] == many["file_digest"],
     }
-    t = WHOLE_TARGET
-    if bn and b1 > t * bn:
-        k = max(0.0, (t * fn - f1) / (b1 - t * bn))
-        tokens = (one.get("tokens_this_rank") or 0) * k
-        res["whole_target_needs"] = {
-            "forward_batches_seconds_one_gpu": round(k * b1, 1),
-            "tokens": int(tokens),
-            "times_this_workload": round(k, 2),
-        }
-    else:
-        res["whole_target_needs"] = f"unreachable: the batches scale {b1 / bn if bn else 0:.2f}x"
+    res["whole_target_needs"] = _needs(one, b1, bn, f1, fn)
+    # the same if the batches divided exactly over the ranks (fixed costs as measured)
+    res["whole_target_needs_if_batches_scaled_nproc_x"] = _needs(one, b1, b1 / nproc, f1, fn)
     return res
+
+
+def _needs(one: dict, b1: float, bn: float, f1: float, fn: float):
+    """How much longer the batches must run for the whole command to reach the target."""
+    t = WHOLE_TARGET
+    if not bn or b1 <= t * bn:
+        return f"unreachable: the batches scale {b1 / bn if bn else 0:.2f}x"
+    k = max(0.0, (t * fn - f1) / (b1 - t * bn))
+    return {
+        "forward_batches_seconds_one_gpu": round(k * b1, 1),
+        "tokens": int((one.get("tokens_this_rank") or 0) * k),
+        "times_this_workload": round(k, 2),
+    }
 
 
 def _table(one: dict, many: dict, nproc: int) -> None:
@@ -447,11 +455,27 @@ def _table(one: dict, many: dict, nproc: int) -> None:
     print(f"{'whole command':30s} {one['wall_seconds']:10.2f} {many['wall_seconds']:10.2f}")
     for k in PHASES:
         print(f"{k:30s} {one['phases'][k]:10.2f} {many['phases'][k]:10.2f}")
+    a, b = one["after_report_seconds"], many["after_report_seconds"]
+    print(f"{'after the report (exit)':30s} {a:10.2f} {b:10.2f}")
     for k in PARTS + INSIDE:
         a, b = one["forward_parts"].get(k), many["forward_parts"].get(k)
         if a is not None and b is not None:
             label = ("  forward: " if k in PARTS else "    of which ") + k
             print(f"{label:30s} {a:10.2f} {b:10.2f}")
+
+
+def _ranks_table(many: dict) -> None:
+    """Each rank of the DP run: batches it ran (dealt as the ranks came free), its forward's
+    work, its read split into its own share and the broadcasts, its wait in the sync."""
+    for r in many.get("per_rank") or []:
+        row = next((x for x in many["report"].get("ranks") or [] if x.get("rank") == r["rank"]), {})
+        fp, rd, ph = r.get("forward_parts") or {}, r.get("read") or {}, row.get("phases") or {}
+        print(
+            f"rank {r['rank']}: batches {row.get('batches', '?')} in "
+            f"{fp.get('first_batch', 0) + fp.get('batches', 0):.2f} s, read "
+            f"{rd.get('load_seconds', 0):.2f} s + broadcast {rd.get('broadcast_seconds', 0):.2f} s, "
+            f"sync {ph.get('sync', 0):.2f} s, world {ph.get('world', 0):.2f} s"
+        )
 
 
 def dp(args) -> dict:
@@ -466,6 +490,7 @@ def dp(args) -> dict:
             print(f"{k:8s} {res[k]['error']}")
     if "error" not in one and "error" not in many:
         _table(one, many, args.nproc)
+        _ranks_table(many)
         res.update(_scaling(one, many, args.nproc))
         print(json.dumps({k: v for k, v in res.items() if k not in ("one", key)}))
     return res

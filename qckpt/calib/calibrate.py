@@ -104,7 +104,8 @@ def calibrate_model(
         report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
         parts["after_sync"] = time.perf_counter() - t_sync
         report.update(
-            batches=len(batches),
+            # dealt batches (pure DP): the ones this rank ran
+            batches=len(getattr(batches, "taken", batches)),
             tokens_this_rank=tokens,
             forward_seconds=round(t_fwd - t0, 4),
             forward_parts={k: round(v, 4) for k, v in parts.items()},

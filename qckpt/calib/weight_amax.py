@@ -91,19 +91,29 @@ class CheckpointWeightAmax:
 def split_weights(sources: Sequence[WeightSource], world: int, rank: int) -> set[str]:
     """The module names of the weight quantizers that DP rank ``rank`` of ``world`` calibrates.
 
-    Longest first onto the least-loaded rank (ties: the lower rank, then the earlier source), by
-    the weight's elements: deterministic from the sources alone, so every rank that holds the
-    same model deals the same shares, and each name belongs to exactly one rank.
+    Dealt by parameter: every quantizer that reads one parameter (a fused experts weight's
+    gate, up or down slices) goes to the same rank, which then reduces that weight once
+    (:func:`qckpt.calib.instrument.calibrate_weights` takes a fused weight's slices in one
+    reduction; slices dealt apart made every rank reduce every fused weight, and the split
+    saved nothing). Largest parameter first onto the least-loaded rank (ties: the lower rank,
+    then the earlier parameter), by the elements its quantizers read: deterministic from the
+    sources alone, so every rank that holds the same model deals the same shares, and each
+    name belongs to exactly one rank.
     """
-    enabled = [s.quantizer for s in sources if s.quantizer.enabled]
+    groups: dict[str, list] = {}
+    for s in sources:
+        if s.quantizer.enabled:
+            groups.setdefault(s.param, []).append(s.quantizer)
     if world <= 1:
-        return {q.name for q in enabled}
-    order = sorted(range(len(enabled)), key=lambda i: (-math.prod(enabled[i].shape), i))
+        return {q.name for qs in groups.values() for q in qs}
+    params = list(groups)
+    size = {p: sum(math.prod(q.shape) for q in groups[p]) for p in params}
+    order = sorted(range(len(params)), key=lambda i: (-size[params[i]], i))
     loads = [(0, r) for r in range(world)]  # a heap of (elements dealt, rank)
     mine: set[str] = set()
     for i in order:
         load, r = heapq.heappop(loads)
         if r == rank:
-            mine.add(enabled[i].name)
-        heapq.heappush(loads, (load + math.prod(enabled[i].shape), r))
+            mine.update(q.name for q in groups[params[i]])
+        heapq.heappush(loads, (load + size[params[i]], r))
     return mine

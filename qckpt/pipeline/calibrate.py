@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from functools import partial
 
 from qckpt import phases
 from qckpt.parallel.mesh import Mesh
@@ -23,7 +25,7 @@ class CalibrateResult:
 def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> CalibrateResult:
     """Calibrate ``recipe``'s model on its data over ``mesh``; the main rank writes the file."""
     from qckpt.calib.calibrate import calibrate_model
-    from qckpt.calib.data import calibration_batches, check_even_split
+    from qckpt.calib.deal import dealable
     from qckpt.calib.state_file import save_calibration
 
     # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
@@ -48,18 +50,9 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     if built.tp_sharded:
         hooks.log(f"{len(built.tp_sharded)} linears split over {mesh.tp} TP ranks")
     # the data first: a short file under strict: true is refused before the weights load
-    data_cfg = recipe.calibrate.data
-    with phases.phase(phases.DATA):
-        batches = calibration_batches(
-            data_cfg,
-            vocab_size=model.config.vocab_size,
-            model_source=recipe.model.source,
-            data_rank=mesh.data_rank,
-            data_world=mesh.data_parallel_size,
-            stats=(data_stats := {}),
-        )
-    data_report = data_summary(data_cfg, data_stats["samples"], hooks)
-    check_even_split(data_stats["samples"], data_cfg.batch_size, mesh.data_parallel_size, mesh.ep)
+    # (pure DP: every rank holds every batch and takes the next one when it comes free)
+    dealt = dealable(mesh, offload)
+    batches, data_report = _data(recipe, mesh, model.config.vocab_size, dealt, hooks)
     runner, tap, read, steps = None, None, None, len(batches)
     with phases.phase(phases.READ):
         if offload:
@@ -70,12 +63,15 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
             steps *= model.config.num_hidden_layers
         else:
             tap, read = _load(recipe, mesh, model, bool(built.quantized), hooks)
-    hooks.log(f"calibrating on {len(batches)} batches")
+    how = f", dealt to the {mesh.dp} DP ranks as they come free" if dealt else ""
+    hooks.log(f"calibrating on {len(batches)} batches{how}")
     # the amax sync inside is charged to its own phase (calib.sync is timed); with offload
     # the layer reads overlap the forwards and are charged here too
     with phases.phase(phases.FORWARD), hooks.progress("calibrating", steps) as advance:
         c = recipe.calibrate
         amax = tap.amax() if tap is not None else None
+        if dealt:  # the bar shows the batches every rank has taken
+            advance = partial(_advance_dealt, advance, batches)
         state, report = calibrate_model(
             model, batches, recipe.quant, mesh, share_expert_inputs=c.share_expert_inputs,
             progress=advance, weight_amax=amax, runner=runner, moe_forward=c.moe_forward,
@@ -99,6 +95,33 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     )
 
 
+def _data(recipe: Recipe, mesh: Mesh, vocab_size: int, dealt: bool, hooks: Hooks):
+    """This rank's batches (all of them, dealt as the ranks come free, when ``dealt``) and
+    what the calibration set held; a set EP cannot split evenly is refused here."""
+    from qckpt.calib.data import calibration_batches, check_even_split
+    from qckpt.calib.deal import DealtBatches
+
+    data_cfg = recipe.calibrate.data
+    with phases.phase(phases.DATA):
+        batches = calibration_batches(
+            data_cfg,
+            vocab_size=vocab_size,
+            model_source=recipe.model.source,
+            data_rank=0 if dealt else mesh.data_rank,
+            data_world=1 if dealt else mesh.data_parallel_size,
+            stats=(data_stats := {}),
+        )
+        if dealt:
+            batches = DealtBatches(batches, mesh.dp_group)
+    data_report = data_summary(data_cfg, data_stats["samples"], hooks)
+    check_even_split(data_stats["samples"], data_cfg.batch_size, mesh.data_parallel_size, mesh.ep)
+    return batches, data_report
+
+
+def _advance_dealt(advance, batches, *_) -> None:
+    advance(batches.position, len(batches))
+
+
 def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
     """The whole (sharded) model's weights from the checkpoint; the weight-amax tap of a
     quantized-resident model (else None), and what this rank read (bytes, split or not)."""
@@ -117,6 +140,7 @@ def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
         dp_read.read_shares(model, mesh.dp) if dp_read.splittable(mesh, model, quantized) else None
     )
     only = None if shares is None else {n for names, _ in shares[mesh.dp_rank] for n in names}
+    t0 = time.perf_counter()
     rep = load_checkpoint(
         model,
         recipe.checkpoint.path,
@@ -128,12 +152,24 @@ def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
         max_inflight=recipe.load.max_inflight,
         only=only,
     )
-    moved = 0
+    moved, t1 = 0, time.perf_counter()
     if shares is not None:
         moved = dp_read.broadcast_shares(shares, mesh.dp_group)
+        _wait(mesh.device)  # the phase ends here anyway: the broadcasts' own time
         hooks.log(f"read 1/{mesh.dp} of the weights here, {moved / 1e9:.2f} GB broadcast over DP")
     read = {"bytes_read": rep.bytes_read, "split_over_dp": shares is not None, "broadcast": moved}
+    # this rank's reading apart from the broadcasts (the phase also has the planning above)
+    read.update(
+        load_seconds=round(t1 - t0, 4), broadcast_seconds=round(time.perf_counter() - t1, 4)
+    )
     return tap, read
+
+
+def _wait(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def param_bytes(model) -> int:

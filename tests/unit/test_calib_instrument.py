@@ -251,3 +251,35 @@ def test_nan_in_one_experts_weight_fails_naming_that_expert():
             settle(m)
     finally:
         remove_quantizers(m)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_weight_amaxes_are_dealt_by_parameter_over_dp_ranks(moe, world):
+    from qckpt.calib.instrument import instrumentation
+    from qckpt.calib.weight_amax import split_weights
+
+    insert_quantizers(moe, QuantConfig())
+    try:
+        sources = [s for s in instrumentation(moe).weights if s.quantizer.enabled]
+    finally:
+        remove_quantizers(moe)
+    shares = [split_weights(sources, world, r) for r in range(world)]
+    names = [s.quantizer.name for s in sources]
+    # every weight quantizer on exactly one rank
+    assert sorted(n for sh in shares for n in sh) == sorted(names)
+    # a parameter's quantizers (a fused experts weight's slices) all on one rank, so that
+    # rank alone reduces that weight
+    by_param: dict[str, set[int]] = {}
+    for s in sources:
+        by_param.setdefault(s.param, set()).update(
+            r for r, sh in enumerate(shares) if s.quantizer.name in sh
+        )
+    assert all(len(rs) == 1 for rs in by_param.values()), by_param
+    fused = [p for p in by_param if p.endswith("experts.gate_up_proj")]
+    assert fused and len({next(iter(by_param[p])) for p in fused}) > 1  # spread, not lumped
+    # balanced by elements within one parameter's worth
+    size = {p: 0 for p in by_param}
+    for s in sources:
+        size[s.param] += s.quantizer.shape[0] * s.quantizer.shape[1]
+    loads = [sum(v for p, v in size.items() if by_param[p] == {r}) for r in range(world)]
+    assert max(loads) - min(loads) <= max(size.values()), loads

@@ -1,6 +1,7 @@
 """Where a heavy command's start-up goes, and what bytecode caches change (issue 18).
 
     python -m bench.startup commands CKPT_DIR [--device cuda] [--repeat 2] [--pycache DIR]
+                                              [--cuda-warmup]
     python -m bench.startup overlap [--device cuda] [--repeat 3]
 
 ``commands`` runs ``qckpt load`` and ``qckpt calibrate`` of an HF checkpoint dir as whole
@@ -12,7 +13,8 @@ where caches are absent and cannot be written, e.g. under ``PYTHONDONTWRITEBYTEC
 With ``--pycache DIR`` the same runs are repeated with ``PYTHONPYCACHEPREFIX=DIR``: one
 unmeasured run first writes the caches of everything the command imports into DIR (the install
 is not touched), then the measured runs read them; the two sets side by side are what caches
-are worth on that machine.
+are worth on that machine. ``--cuda-warmup`` adds runs with ``QCKPT_CUDA_WARMUP=1`` (the
+first CUDA tensor made on a thread during the imports, ``pipeline.imports.warm_imports``).
 
 ``overlap`` measures, each variant a fresh process, whether starting work on another thread
 while the main thread imports the model's code shortens the whole: ``seq`` (import torch, then
@@ -39,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "tiny-moe.yaml"
 
 
-def _env(pycache: str | None) -> dict[str, str]:
+def _env(pycache: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -47,7 +49,7 @@ def _env(pycache: str | None) -> dict[str, str]:
     if pycache:
         env["PYTHONPYCACHEPREFIX"] = pycache
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # the caches go to the prefix, not the install
-    return env
+    return {**env, **(extra or {})}
 
 
 def _command_args(cmd: str, ckpt: str, device: str, work: Path) -> list[str]:
@@ -67,12 +69,14 @@ def _command_args(cmd: str, ckpt: str, device: str, work: Path) -> list[str]:
     return args + ["--json", str(work / f"{cmd}.json")]
 
 
-def _run_command(cmd: str, ckpt: str, device: str, pycache: str | None) -> dict:
+def _run_command(
+    cmd: str, ckpt: str, device: str, pycache: str | None, extra: dict[str, str] | None = None
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="qckpt-startup-") as tmp:
         work = Path(tmp)
         argv = [sys.executable, "-m", "qckpt", *_command_args(cmd, ckpt, device, work)]
         t0 = time.perf_counter()
-        r = subprocess.run(argv, env=_env(pycache), capture_output=True, text=True)
+        r = subprocess.run(argv, env=_env(pycache, extra), capture_output=True, text=True)
         wall = time.perf_counter() - t0
         if r.returncode != 0:
             return {"command": cmd, "rc": r.returncode, "error": r.stderr[-1500:]}
@@ -104,17 +108,20 @@ def _print_row(label: str, row: dict) -> None:
 
 
 def commands(args: argparse.Namespace) -> dict:
-    settings = [("as installed", None)]
+    settings: list[tuple[str, str | None, dict]] = [("as installed", None, {})]
+    if args.cuda_warmup:
+        settings.append(("cuda first use on a thread", None, {"QCKPT_CUDA_WARMUP": "1"}))
     if args.pycache:
-        settings.append((f"caches in {args.pycache}", args.pycache))
+        settings.append((f"caches in {args.pycache}", args.pycache, {}))
     out: dict[str, list] = {}
-    for label, pycache in settings:
-        if pycache:  # one run that writes every cache the commands need, not measured
-            for cmd in ("load", "calibrate"):
-                _run_command(cmd, args.ckpt, args.device, pycache)
+    if args.pycache:  # one run that writes every cache the commands need, not measured
         for cmd in ("load", "calibrate"):
-            for i in range(args.repeat):
-                row = _run_command(cmd, args.ckpt, args.device, pycache)
+            _run_command(cmd, args.ckpt, args.device, args.pycache)
+    # interleaved: a busy host weighs on every setting alike
+    for i in range(args.repeat):
+        for label, pycache, extra in settings:
+            for cmd in ("load", "calibrate"):
+                row = _run_command(cmd, args.ckpt, args.device, pycache, extra)
                 out.setdefault(label, []).append(row)
                 _print_row(f"{label}: {cmd} #{i + 1}", row)
     print("\nmedian wall / startup (s):")
@@ -198,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("commands")
     c.add_argument("ckpt")
     c.add_argument("--pycache", default=None)
+    c.add_argument("--cuda-warmup", action="store_true", help="also with QCKPT_CUDA_WARMUP=1")
     o = sub.add_parser("overlap")
     for p in (c, o):
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -133,3 +133,59 @@ def test_the_report_prints_the_startup_parts_and_the_advice_as_one_line_each():
     data["compiled_at_import"]["source_bytes"] = 500_000
     render_command(data, Console(file=buf, width=40, highlight=False))
     assert "note:" not in buf.getvalue()
+
+
+def test_cuda_first_use_runs_on_a_thread_during_the_imports_and_is_joined(monkeypatch):
+    """``QCKPT_CUDA_WARMUP=1``: the first CUDA tensor is made on another thread while the
+    imports run, joined before ``warm_imports`` returns, and then the main thread's device is
+    this rank's GPU (a phase boundary synchronizes the current device: the default GPU 0 would
+    get a context of every rank). A failure there stays silent: the world's set-up reports it.
+    CUDA is faked (this machine has none)."""
+    import threading
+
+    import torch
+
+    from qckpt.pipeline import imports
+
+    calls: list[tuple[str, str, object]] = []
+    state = {"init": False, "fail": False}
+    real_empty = torch.empty
+
+    def fake_empty(*a, **kw):
+        dev = kw.get("device")
+        if getattr(dev, "type", None) != "cuda":
+            return real_empty(*a, **kw)
+        calls.append(("empty", threading.current_thread().name, dev))
+        if state["fail"]:
+            raise RuntimeError("CUDA error: no CUDA-capable device is detected")
+        state["init"] = True
+        return real_empty(*a)
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["init"])
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_device",
+        lambda d: calls.append(("set_device", threading.current_thread().name, d)),
+    )
+    imports.warm_imports(None, "json", cuda_first_use=True)
+    main = threading.current_thread().name
+    assert [c[0] for c in calls] == ["empty", "set_device"], calls
+    assert calls[0][1] != main and calls[0][2] == torch.device("cuda", 1)
+    assert calls[1][1:] == (main, 1)  # after the join, on this thread, this rank's GPU
+    assert not any(t.name == "qckpt-cuda-first-use" for t in threading.enumerate())
+
+    calls.clear()
+    state.update(init=False, fail=True)
+    imports.warm_imports(None, "json", cuda_first_use=True)  # no exception comes out
+    assert [c[0] for c in calls] == ["empty"], calls  # no device set: nothing initialized
+
+    calls.clear()
+    imports.warm_imports(None, "json")  # off unless asked
+    assert calls == []
+    assert imports.cuda_warmup_wanted("auto", {"QCKPT_CUDA_WARMUP": "1"})
+    assert not imports.cuda_warmup_wanted("cpu", {"QCKPT_CUDA_WARMUP": "1"})
+    assert not imports.cuda_warmup_wanted("cuda", {})

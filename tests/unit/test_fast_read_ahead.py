@@ -286,10 +286,11 @@ def test_a_failure_while_read_ahead_waits_for_staging_does_not_hang(tmp_path, mo
     blocked = threading.Event()
     real_acquire, real_read = fast_read.PinnedPool.acquire, fast_read.read_exact
 
-    def acquire(self, until=None):
-        if until is not None and not self._free and self._made >= self._count:
+    def acquire(self, until=None, *, hold=False):
+        full = not self._free and self._made >= self._count
+        if hold and (full or self._holds >= self._hold_cap):
             blocked.set()  # a read-ahead task is about to wait for a staging buffer
-        return real_acquire(self, until)
+        return real_acquire(self, until, hold=hold)
 
     def read_exact(fd, buf, pos, p):
         if pos == 0:  # w0's first piece: fails once a read-ahead task waits
@@ -303,3 +304,21 @@ def test_a_failure_while_read_ahead_waits_for_staging_does_not_hang(tmp_path, mo
     with pytest.raises(CheckpointError, match=r"^w0: .*data\.bin: cannot read \(Input/output"):
         _engine(1, ahead=1024).run(_jobs(path, names), planner)
     assert blocked.is_set() and not planner.values
+
+
+def test_staging_keeps_at_most_its_share_of_a_shared_pool():
+    # on CUDA the read-ahead stages in the pinned pool of the direct reads: whatever staging
+    # keeps, the direct reads (which give their buffer back after queueing its copy) still get
+    # buffers, so the window's head never waits for a later destination's admission
+    pool = fast_read.PinnedPool(64, 2, pin=False)
+    pool.add_holds(2)
+    kept = [pool.acquire(hold=True) for _ in range(2)]
+    assert pool.acquire(lambda: True, hold=True) is None  # it would wait: its share is kept
+    direct = [pool.acquire(), pool.acquire()]
+    assert all(b is not None for b in direct + kept)
+    for b in direct:
+        pool.release(b, None)
+    assert pool.acquire(lambda: True, hold=True) is None  # free buffers, but not its share
+    pool.release(kept.pop(), None, held=True)
+    assert pool.acquire(lambda: True, hold=True) is not None
+    assert pool._made == 4  # nothing made past the count

@@ -533,14 +533,17 @@ class TensorQuantizer:
 
 def host_amaxes(quantizers: Sequence[TensorQuantizer]) -> list[torch.Tensor | None]:
     """Every quantizer's :attr:`~TensorQuantizer.amax` (same values, dtypes and shapes), on the
-    host, in a few copies: one per bank of per-tensor amaxes and one for all the static ones.
+    host, in a few copies: one per bank of per-tensor amaxes (the float32 ones are views of
+    it, which nothing writes) and one for all the static ones.
     Reading them one by one costs a kernel and a device-to-host wait per quantizer (three per
     quantizer for the file and the report: about 0.8 s for 6,208 of them on an H200)."""
     for store in {id(q.store): q.store for q in quantizers}.values():
         if store.dirty:
             store.settle()
     banks = {id(q.bank): q.bank for q in quantizers if q.bank is not None}
-    values = {i: b.values[: b.size].cpu() for i, b in banks.items()}
+    # one host copy per bank, seen as 0-d views made in one call (a tensor made per amax cost
+    # ~4 us each: 0.15 s of a 48-layer MoE's 37k)
+    values = {i: b.values[: b.size].cpu().unbind() for i, b in banks.items()}
     statics = [q.store.static[q.static_ix] for q in quantizers if q.bank is None]
     statics = _to_host([a for a in statics if a is not None])
     out: list[torch.Tensor | None] = []
@@ -552,8 +555,9 @@ def host_amaxes(quantizers: Sequence[TensorQuantizer]) -> list[torch.Tensor | No
         elif not b.present[q.slot]:
             out.append(None)
         else:
-            # the property's own conversion, on the host copy: the same bits
-            out.append(values[id(b)][q.slot].to(DTYPES[b.codes[q.slot]], copy=True))
+            # the property's own conversion (none for float32), on the host copy: the same bits
+            v, dtype = values[id(b)][q.slot], DTYPES[b.codes[q.slot]]
+            out.append(v if dtype is torch.float32 else v.to(dtype))
     return out
 
 

@@ -534,14 +534,16 @@ class FastReadEngine:
         staging = self._ahead
         assert staging is not None  # made with the run
         staging.wake()  # its tasks waiting for a staging buffer read into the scratch now
-        for sbuf, spans in staged:
-            ev = None
-            try:
-                ev = self._copy_out(to[1], to[2], sbuf, spans)
-            finally:
+        if not staged:
+            return
+        ev = None
+        try:  # every staged buffer's copies queued at once: one wait, one event
+            ev = self._copy_out(to[1], to[2], staged)
+        finally:
+            for sbuf, _ in staged:
                 self._settle(staging, sbuf, ev, to[1], held=True)
-            if ev is not None:
-                run.events.append(ev)
+        if ev is not None:
+            run.events.append(ev)
 
     def _target(self, fqn: str, buf: torch.Tensor) -> tuple[Any, torch.Tensor, Any]:
         """Where a run's bytes go in ``buf``: (what ``_read_spans`` writes, the flat bytes, the
@@ -735,7 +737,7 @@ class FastReadEngine:
                     sbuf = None  # the admission copies it out and gives it back
                     return None
                 _, flat, ready = run.to
-            ev = self._copy_out(flat, ready, sbuf, spans)
+            ev = self._copy_out(flat, ready, [(sbuf, spans)])
             return ev
         finally:
             if sbuf is not None:
@@ -757,29 +759,33 @@ class FastReadEngine:
             for path, pos, _, n in spans:
                 read_exact(self.files.fd(path), mv[at : at + n], pos, path)
                 at += n
-            ev = self._copy_out(dest, ready, pinned, spans)
+            ev = self._copy_out(dest, ready, [(pinned, spans)])
         finally:
             self._settle(pool, pinned, ev, dest)
         return ev
 
     def _copy_out(
-        self, flat: torch.Tensor, ready: Any, src: torch.Tensor, spans: list[Span]
+        self, flat: torch.Tensor, ready: Any, parts: list[tuple[torch.Tensor, list[Span]]]
     ) -> Any:
-        """The bytes of ``spans``, back to back in ``src``, copied to their places in ``flat``
-        (a buffer as flat bytes), one copy per stretch contiguous there: on CUDA queued on the
-        copy stream after ``ready`` (the event after them returned), on the host done now."""
+        """For each (buffer, spans) of ``parts``: the bytes of ``spans``, back to back in the
+        buffer, copied to their places in ``flat`` (a buffer as flat bytes), one copy per
+        stretch contiguous there; on CUDA queued on the copy stream after ``ready`` (the event
+        after them returned), on the host done now."""
         if ready is None:
             # a plain memmove (ctypes lets go of the GIL): torch's copy_ spreads a few MiB over
             # its intra-op threads, which on a busy host wait for each other far longer
-            dst, base = flat.data_ptr(), src.data_ptr()
-            for off, at, n in _stretches(spans):
-                ctypes.memmove(dst + off, base + at, n)
+            dst = flat.data_ptr()
+            for src, spans in parts:
+                base = src.data_ptr()
+                for off, at, n in _stretches(spans):
+                    ctypes.memmove(dst + off, base + at, n)
             return None
         stream = self._copy_stream
         with torch.cuda.device(flat.device), torch.cuda.stream(stream):
             stream.wait_event(ready)
-            for off, at, n in _stretches(spans):
-                flat.narrow(0, off, n).copy_(src.narrow(0, at, n), non_blocking=True)
+            for src, spans in parts:
+                for off, at, n in _stretches(spans):
+                    flat.narrow(0, off, n).copy_(src.narrow(0, at, n), non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
         return ev

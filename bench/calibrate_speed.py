@@ -420,8 +420,7 @@ def _scaling(one: dict, many: dict, nproc: int) -> dict:
     ``k >= (T * fixed_N - fixed_1) / (batches_1 - T * batches_N)`` (never, when the batches
     scale by no more than T).
     """
-    b1 = sum(one["forward_parts"].get(k, 0.0) for k in ("first_batch", "batches"))
-    bn = sum(many["forward_parts"].get(k, 0.0) for k in ("first_batch", "batches"))
+    b1, bn = _batches_seconds(one), _batches_seconds(many)
     f1, fn = one["wall_seconds"] - b1, many["wall_seconds"] - bn
     res = {
         "whole_speedup": round(one["wall_seconds"] / many["wall_seconds"], 3),
@@ -434,6 +433,14 @@ def _scaling(one: dict, many: dict, nproc: int) -> dict:
     # the same if the batches divided exactly over the ranks (fixed costs as measured)
     res["whole_target_needs_if_batches_scaled_nproc_x"] = _needs(one, b1, b1 / nproc, f1, fn)
     return res
+
+
+def _batches_seconds(run: dict) -> float:
+    """The batches' seconds (first one included) of the rank that ran them longest: with the
+    batches dealt as the ranks come free, the ranks' first and other batches differ apart."""
+    rows = [r.get("forward_parts") for r in run.get("per_rank") or []]
+    rows = [r for r in rows if r] or [run["forward_parts"]]
+    return max(r.get("first_batch", 0.0) + r.get("batches", 0.0) for r in rows)
 
 
 def _needs(one: dict, b1: float, bn: float, f1: float, fn: float):

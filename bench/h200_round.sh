@@ -209,7 +209,7 @@ step_write_ceiling() {
 # bytecode caches for the packages every contender imports (with PYC=1: into $WORK/pyc)
 step_pyc_warm() {
   local dirs
-  dirs=$("$PY" -c 'import os, importlib; print(" ".join(os.path.dirname(importlib.import_module(m).__file__) for m in ("torch", "transformers", "sympy", "numpy", "triton", "mpmath", "safetensors", "qckpt")))')
+  dirs=$("$PY" -c 'import os, importlib.util as u; s = [u.find_spec(m) for m in ("torch", "transformers", "sympy", "numpy", "triton", "mpmath", "safetensors", "qckpt", "typer", "rich", "yaml")]; print(" ".join(os.path.dirname(x.origin) for x in s if x and x.origin))')
   echo "PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-} compiling: $dirs"
   "$PY" -m compileall -q -j 0 $dirs >/dev/null 2>&1
   /usr/bin/time -f "import torch + cuda init: %e s" "$PY" -c 'import torch; torch.zeros(1, device="cuda")'

@@ -209,7 +209,8 @@ step_write_ceiling() {
 # bytecode caches for the packages every contender imports (with PYC=1: into $WORK/pyc)
 step_pyc_warm() {
   local dirs
-  dirs=$("$PY" -c 'import os, importlib.util as u; s = [u.find_spec(m) for m in ("torch", "transformers", "sympy", "numpy", "triton", "mpmath", "safetensors", "qckpt", "typer", "rich", "yaml")]; print(" ".join(os.path.dirname(x.origin) for x in s if x and x.origin))')
+  # the whole site-packages torch lives in (every contender's imports), and qckpt's checkout
+  dirs=$("$PY" -c 'import os, importlib.util as u; print(os.path.dirname(os.path.dirname(u.find_spec("torch").origin)), os.path.dirname(u.find_spec("qckpt").origin))')
   echo "PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-} compiling: $dirs"
   "$PY" -m compileall -q -j 0 $dirs >/dev/null 2>&1
   /usr/bin/time -f "import torch + cuda init: %e s" "$PY" -c 'import torch; torch.zeros(1, device="cuda")'

@@ -6,7 +6,8 @@ Order (the same on every rank, so every rank reaches every collective):
    quantized: the amaxes a load took from the checkpoint's values, ``weight_amax``); under DP
    each DP rank takes only its share (:func:`qckpt.calib.weight_amax.split_weights`) and the
    sync in step 4 completes the rest, exactly (a MAX of one value and zeros);
-3. forwards over this rank's batches under ``no_grad`` (a quantized weight is dequantized for
+3. forwards over this rank's batches (pure DP: a :class:`qckpt.calib.deal.DealtBatches`, each
+   batch taken when this rank comes free) under ``no_grad`` (a quantized weight is dequantized for
    its matmul, one linear or one expert at a time, never an FP8 copy of the input: the
    activations are those of the dequantized model); a failure here is remembered, not raised,
    so that this rank still reaches the sync and tells the others (who would otherwise wait);

@@ -546,11 +546,12 @@ class FastReadEngine:
             run.events.append(ev)
 
     def _target(self, fqn: str, buf: torch.Tensor) -> tuple[Any, torch.Tensor, Any]:
-        """Where a run's bytes go in ``buf``: (what ``_read_spans`` writes, the flat bytes, the
-        event the device copies wait for, None on the host)."""
-        flat = buf.view(-1).view(torch.uint8)
+        """Where a run's bytes go in ``buf``: (what ``_read_spans`` writes, what ``_copy_out``
+        copies into: the flat bytes on CUDA, ``buf`` itself on the host, where only its
+        address counts; the event the device copies wait for, None on the host)."""
         if buf.device.type != "cuda":
-            return _byte_view(buf), flat, None
+            return _byte_view(buf), buf, None
+        flat = buf.view(-1).view(torch.uint8)
         self._prepare_cuda(buf.device)
         ready = self._ready.get(fqn)
         if ready is None:  # see _start: the copies wait for the scratch's allocation
@@ -770,7 +771,8 @@ class FastReadEngine:
         """For each (buffer, spans) of ``parts``: the bytes of ``spans``, back to back in the
         buffer, copied to their places in ``flat`` (a buffer as flat bytes), one copy per
         stretch contiguous there; on CUDA queued on the copy stream after ``ready`` (the event
-        after them returned), on the host done now."""
+        after them returned), on the host (``flat``: any contiguous tensor over those bytes)
+        done now."""
         if ready is None:
             # a plain memmove (ctypes lets go of the GIL): torch's copy_ spreads a few MiB over
             # its intra-op threads, which on a busy host wait for each other far longer

@@ -71,6 +71,7 @@ STEPS=(
   profile_48l:540
   loadprof_8l:300
   knobs_8l:300
+  knobs_48l:360
   loadprof_48l:240
   pyc_warm:180
   imports:120
@@ -215,6 +216,21 @@ step_pyc_warm() {
   "$PY" -m compileall -q -j 0 $dirs >/dev/null 2>&1
   /usr/bin/time -f "import torch + cuda init: %e s" "$PY" -c 'import torch; torch.zeros(1, device="cuda")'
   return 0
+}
+
+# the fast read's knobs on the 48-layer model (default twice: the first load in a process on a
+# fresh machine, and again), with the Triton cache's size before and after (a cold cache compiles)
+step_knobs_48l() {
+  local tc="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+  echo "triton cache entries before: $(ls "$tc" 2>/dev/null | wc -l)"
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.read_knobs configs/tiny-moe.yaml \
+    --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
+    --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
+    --only "${KNOBS_ONLY:-default,default again,ahead 0,ahead 64 MiB,ahead 1 GiB,inflight 2}" \
+    --json "$RES/knobs_48l.json"
+  local rc=$?
+  echo "triton cache entries after: $(ls "$tc" 2>/dev/null | wc -l)"
+  return $rc
 }
 
 # whole-command device peaks and exact load windows on CUDA (tests/gpu, skipped on CPU)

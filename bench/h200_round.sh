@@ -29,7 +29,7 @@ OUT=${OUT:-$PWD/round-out}
 WORK=${QCKPT_ROUND_WORK:-/tmp/qckpt-round}
 RES="$WORK/results"
 CKPT48="$WORK/qwen3-30b-a3b"
-CKPT8="$WORK/qwen3-30b-a3b-8l"
+CKPT8="${QCKPT_CKPT8:-$WORK/qwen3-30b-a3b-8l}"  # /dev/shm/... where the disk holds only the 48 layers
 mkdir -p "$OUT" "$RES"
 # PYC=1: Python's bytecode caches kept in $WORK/pyc (the device sets PYTHONDONTWRITEBYTECODE=1, so
 # without this every process compiles torch, sympy and transformers from source again: a normal

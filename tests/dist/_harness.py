@@ -248,3 +248,22 @@ def run_once(
         for o, p in zip(out, procs, strict=True):
             o.exitcode = p.exitcode
         return out
+
+
+def calibrate_tiny_moe(world: int, path, out, data: dict, hooks=None):  # noqa: ANN001
+    """``qckpt calibrate``'s library call on the built-in tiny MoE, its checkpoint at ``path``
+    (HF safetensors), over a gloo world of ``world`` ranks (none for one)."""
+    from qckpt.parallel.mesh import Mesh, init_mesh
+    from qckpt.pipeline.calibrate import calibrate
+    from qckpt.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(
+        {
+            "model": {"source": "tiny-moe"},
+            "checkpoint": {"path": str(path), "format": "safetensors"},
+            "calibrate": {"data": data, "output": str(out)},
+            "parallel": {"timeout_s": 10},
+        }
+    )
+    mesh = init_mesh(timeout_s=10, device="cpu") if world > 1 else Mesh()
+    return calibrate(recipe, mesh) if hooks is None else calibrate(recipe, mesh, hooks=hooks)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.dist._harness import shared_world
+from tests.dist._harness import calibrate_tiny_moe, shared_world
 
 pytestmark = pytest.mark.timeout(240)
 DATA = {"source": "synthetic", "num_samples": 16, "seq_len": 16, "batch_size": 2}
@@ -70,20 +70,7 @@ def _slow_hooks(rank):
 
 
 def sc_calibrate(rank, world, path, out):
-    from qckpt.parallel.mesh import Mesh, init_mesh
-    from qckpt.pipeline.calibrate import calibrate
-    from qckpt.recipe import recipe_from_dict
-
-    recipe = recipe_from_dict(
-        {
-            "model": {"source": "tiny-moe"},
-            "checkpoint": {"path": str(path), "format": "safetensors"},
-            "calibrate": {"data": DATA, "output": str(out)},
-            "parallel": {"timeout_s": 10},
-        }
-    )
-    mesh = init_mesh(timeout_s=10, device="cpu") if world > 1 else Mesh()
-    res = calibrate(recipe, mesh, hooks=_slow_hooks(rank))
+    res = calibrate_tiny_moe(world, path, out, DATA, hooks=_slow_hooks(rank))
     rep = res.report
     return {"amax": res.state.amax, "batches": rep["batches"], "tokens": rep["tokens_this_rank"]}
 

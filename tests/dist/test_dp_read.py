@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist._harness import shared_world
+from tests.dist._harness import calibrate_tiny_moe, shared_world
 
 pytestmark = pytest.mark.timeout(240)
 DATA = {"source": "synthetic", "num_samples": 8, "seq_len": 16, "batch_size": 2}
@@ -67,20 +67,7 @@ def test_each_rank_reads_a_share_and_ends_with_the_whole_model(ckpts, fmt):
 
 
 def sc_calibrate(rank, world, path, out):
-    from qckpt.parallel.mesh import Mesh, init_mesh
-    from qckpt.pipeline.calibrate import calibrate
-    from qckpt.recipe import recipe_from_dict
-
-    recipe = recipe_from_dict(
-        {
-            "model": {"source": "tiny-moe"},
-            "checkpoint": {"path": str(path), "format": "safetensors"},
-            "calibrate": {"data": DATA, "output": str(out)},
-            "parallel": {"timeout_s": 10},
-        }
-    )
-    mesh = init_mesh(timeout_s=10, device="cpu") if world > 1 else Mesh()
-    res = calibrate(recipe, mesh)
+    res = calibrate_tiny_moe(world, path, out, DATA)
     return {"amax": res.state.amax, "read": res.report["read"]}
 
 

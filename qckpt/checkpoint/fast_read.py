@@ -728,10 +728,7 @@ class FastReadEngine:
         staging, ev, flat = self._ahead, None, None
         assert staging is not None
         try:
-            mv, at = _byte_view(sbuf), 0
-            for path, pos, _, n in spans:
-                read_exact(self.files.fd(path), mv[at : at + n], pos, path)
-                at += n
+            self._read_back_to_back(sbuf, spans)
             with run.lock:
                 if run.to is None:
                     run.staged.append((sbuf, spans))
@@ -743,6 +740,13 @@ class FastReadEngine:
         finally:
             if sbuf is not None:
                 self._settle(staging, sbuf, ev, flat, held=True)
+
+    def _read_back_to_back(self, buf: torch.Tensor, spans: list[Span]) -> None:
+        """``spans``' bytes read back to back into the host buffer ``buf``."""
+        mv, at = _byte_view(buf), 0
+        for path, pos, _, n in spans:
+            read_exact(self.files.fd(path), mv[at : at + n], pos, path)
+            at += n
 
     def _read_spans(self, dest: Any, spans: list[Span], ready: Any) -> Any:
         """A run's spans read straight into the destination's bytes (host: ``dest`` is their
@@ -756,10 +760,7 @@ class FastReadEngine:
         pinned, ev = pool.acquire(), None
         assert pinned is not None
         try:
-            mv, at = _byte_view(pinned), 0
-            for path, pos, _, n in spans:
-                read_exact(self.files.fd(path), mv[at : at + n], pos, path)
-                at += n
+            self._read_back_to_back(pinned, spans)
             ev = self._copy_out(dest, ready, [(pinned, spans)])
         finally:
             self._settle(pool, pinned, ev, dest)

@@ -61,6 +61,7 @@ STEPS=(
   calib_tests:240
   calib_speed:300
   calib_dp:540
+  calib_dp_pyc:600
   export_tests:300
   export_48l:600
   export_shm_48l:600
@@ -371,7 +372,17 @@ step_calib_dp() {
   "$PY" -m bench.calibrate_speed dp configs/tiny-moe.yaml --nproc 2 \
     --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
     --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=600 \
-    --json "$RES/calib_dp.json"
+    --json "$RES/calib_dp${CALIB_TAG:-}.json"
+}
+# the same with Python's bytecode caches kept (see PYC at the top): what start-up costs with an
+# install's usual caches, every process of both runs alike
+step_calib_dp_pyc() {
+  (
+    export PYTHONPYCACHEPREFIX="$WORK/pyc"
+    unset PYTHONDONTWRITEBYTECODE
+    step_pyc_warm
+    CALIB_TAG=_pyc step_calib_dp
+  )
 }
 # qckpt export on a GPU (issue 18): byte-identical to the CPU export for every layout, tiny
 # models and 4096-wide ones

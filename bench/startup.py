@@ -13,8 +13,9 @@ where caches are absent and cannot be written, e.g. under ``PYTHONDONTWRITEBYTEC
 With ``--pycache DIR`` the same runs are repeated with ``PYTHONPYCACHEPREFIX=DIR``: one
 unmeasured run first writes the caches of everything the command imports into DIR (the install
 is not touched), then the measured runs read them; the two sets side by side are what caches
-are worth on that machine. ``--cuda-warmup`` adds runs with ``QCKPT_CUDA_WARMUP=1`` (the
-first CUDA tensor made on a thread during the imports, ``pipeline.imports.warm_imports``).
+are worth on that machine. ``--cuda-warmup`` adds runs with ``QCKPT_CUDA_WARMUP=0`` (the
+start-up's CUDA warm-up off: by default the first CUDA tensor, the load's quantize kernels and
+its pinned buffers are made on a thread during the imports, ``pipeline.imports.warm_imports``).
 
 ``overlap`` measures, each variant a fresh process, whether starting work on another thread
 while the main thread imports the model's code shortens the whole: ``seq`` (import torch, then
@@ -110,7 +111,7 @@ def _print_row(label: str, row: dict) -> None:
 def commands(args: argparse.Namespace) -> dict:
     settings: list[tuple[str, str | None, dict]] = [("as installed", None, {})]
     if args.cuda_warmup:
-        settings.append(("cuda first use on a thread", None, {"QCKPT_CUDA_WARMUP": "1"}))
+        settings.append(("no cuda warm-up", None, {"QCKPT_CUDA_WARMUP": "0"}))
     if args.pycache:
         settings.append((f"caches in {args.pycache}", args.pycache, {}))
     out: dict[str, list] = {}
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser("commands")
     c.add_argument("ckpt")
     c.add_argument("--pycache", default=None)
-    c.add_argument("--cuda-warmup", action="store_true", help="also with QCKPT_CUDA_WARMUP=1")
+    c.add_argument("--cuda-warmup", action="store_true", help="also with QCKPT_CUDA_WARMUP=0")
     o = sub.add_parser("overlap")
     for p in (c, o):
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -43,12 +43,12 @@ def calibrate_cmd(
 
     r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
     with phases.phase(phases.STARTUP):
-        from qckpt.pipeline.imports import cuda_warmup_wanted, warm_imports
+        from qckpt.pipeline.imports import cuda_warmup, warm_imports
 
         mods = ("qckpt.pipeline.calibrate", "qckpt.checkpoint.load", "qckpt.calib.calibrate")
         mods += ("qckpt.calib.data", "qckpt.calib.state_file")
-        warm = cuda_warmup_wanted(r.load.device, os.environ)
-        warm_imports(r.model.source, *mods, cuda_first_use=warm)
+        warm = cuda_warmup(r, "calibrate", os.environ)
+        warm_imports(r.model.source, *mods, cuda_first_use=warm or False)
         from qckpt.pipeline.calibrate import calibrate
         from qckpt.report import render_amax_report, render_command
 

@@ -56,11 +56,11 @@ def load_cmd(
 
         require_te()  # before any world is started
     with phases.phase(phases.STARTUP):
-        from qckpt.pipeline.imports import cuda_warmup_wanted, warm_imports
+        from qckpt.pipeline.imports import cuda_warmup, warm_imports
 
         mods = ("qckpt.pipeline.load", "qckpt.checkpoint.load", "qckpt.plot", "qckpt.report")
-        warm = cuda_warmup_wanted(r.load.device, os.environ)
-        warm_imports(r.model.source, *mods, cuda_first_use=warm)
+        warm = cuda_warmup(r, "load", os.environ)
+        warm_imports(r.model.source, *mods, cuda_first_use=warm or False)
         from qckpt.pipeline.load import load
         from qckpt.plot import plot_memory
         from qckpt.report import render_command, render_load_report

@@ -14,28 +14,66 @@ top of it to qckpt.
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from qckpt import phases
 
-# the CLI's switch for ``cuda_first_use`` (experimental: off unless set to 1)
+# the CLI's switch for the start-up's CUDA warm-up (on for CUDA commands; 0 turns it off)
 CUDA_WARMUP_ENV = "QCKPT_CUDA_WARMUP"
 
+# Mirrors of qckpt.checkpoint.fast_read's CHUNK_BYTES, READ_AHEAD_BYTES and MAX_THREADS (a test
+# pins them equal): importing that module here would import torch.distributed.checkpoint
+# before the model's code, and charge it to the wrong part of the start-up
+READ_CHUNK_BYTES = 16 << 20
+READ_AHEAD_BYTES = 256 << 20
+READ_MAX_THREADS = 8
 
-def warm_imports(source: str | None, *modules: str, cuda_first_use: bool = False) -> None:
+# Nominal shapes the warm-up quantizes: a 2-D weight and a 3-D fused-experts weight. Triton
+# specializes a kernel on its integer arguments (== 1, % 16 == 0), its pointers' 16-byte
+# alignment and its constexprs (the 1-D kernels' EVEN: numel a multiple of 65536 here, as in
+# the dims models use; mxfp8's blocks per row: 64, a multiple of 16, and 24, not one)
+WARM_SHAPES = ((256, 2048), (2, 128, 768))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CudaWarmup:
+    """What the start-up's CUDA thread makes ready while the model's code imports.
+
+    ``params``: the format the load quantizes its destinations to ("none": no quantize), once
+    on small tensors of ``dtype`` (the model's) through the same calls as the planner's commit,
+    so that Triton's kernels are compiled (or loaded from its cache) then, not at the load's
+    first quantized destination; ``whole_amax``: also the sharded load's whole-tensor amax path.
+    ``pinned_buffers`` of ``pinned_bytes``: pinned host buffers made and freed at once, so that
+    torch's host caching allocator hands them to the fast read's pool without pinning pages
+    then (no more of them than that read makes: the host peak stays the load's own)."""
+
+    params: str = "none"
+    dtype: str = "bfloat16"
+    whole_amax: bool = False
+    pinned_buffers: int = 0
+    pinned_bytes: int = READ_CHUNK_BYTES
+
+
+def warm_imports(
+    source: str | None, *modules: str, cuda_first_use: bool | CudaWarmup = False
+) -> None:
     """Import the transformers modeling code of ``source``'s architecture (a built-in name or a
     model dir), then ``modules`` (dotted names). A source that cannot be read is left to the
     command, which reports it where it always has.
 
-    ``cuda_first_use``: meanwhile, make this rank's first CUDA tensor on a thread (CUDA's
-    context, 0.3-0.9 s on an H200, is created with the GIL released, so it overlaps the imports);
-    joined before returning, and this thread's device then set to that rank's GPU, before any
-    phase boundary synchronizes one. Any failure there is left to the world's set-up, which
-    reports it as it always has."""
-    first_use = _start_first_use() if cuda_first_use else None
+    ``cuda_first_use`` (True, or a :class:`CudaWarmup` saying what else to warm): meanwhile,
+    make this rank's first CUDA tensor on a thread (CUDA's context, 0.3-0.9 s on an H200, is
+    created with the GIL released, so it overlaps the imports), then the warm-up's quantize and
+    pinned buffers there; joined before returning, and this thread's device then set to that
+    rank's GPU, before any phase boundary synchronizes one. Any failure there is swallowed: the
+    world's set-up or the load meets it again and reports it as it always has."""
+    plan = cuda_first_use if isinstance(cuda_first_use, CudaWarmup) else CudaWarmup()
+    first_use = _start_first_use(plan) if cuda_first_use else None
     try:
         if source is not None:
             with phases.startup_part(phases.MODEL_CODE):
@@ -48,24 +86,84 @@ def warm_imports(source: str | None, *modules: str, cuda_first_use: bool = False
             _finish_first_use(*first_use)
 
 
-def _start_first_use() -> tuple[threading.Thread, int]:
+def _start_first_use(plan: CudaWarmup) -> tuple[threading.Thread, int]:
     import torch
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    # the caller's context: its kernel policy (a context variable) picks the kernels warmed
+    ctx = contextvars.copy_context()
 
     def first_use() -> None:
         try:
             # no CUDA here, or no such GPU: the world's set-up decides and words the error
-            if torch.cuda.is_available() and local < torch.cuda.device_count():
-                # not set_device: it would create the context holding the GIL; a tensor's
-                # allocation creates it inside the op, where torch has released the GIL
-                torch.empty(1, device=torch.device("cuda", local))
+            if not (torch.cuda.is_available() and local < torch.cuda.device_count()):
+                return
+            dev = torch.device("cuda", local)
+            # not set_device first: it would create the context holding the GIL; a tensor's
+            # allocation creates it inside the op, where torch has released the GIL
+            torch.empty(1, device=dev)
+            # this thread's kernels (Triton launches on the current device) on this rank's GPU
+            torch.cuda.set_device(dev)
         except Exception:  # noqa: BLE001 - the world's set-up meets it again and reports it
-            pass
+            return
+        for step in (_warm_quantize, _warm_pinned):
+            try:
+                step(plan, dev)
+            except Exception:  # noqa: BLE001 - a warm-up only: the load meets it and reports it
+                pass
 
-    t = threading.Thread(target=first_use, name="qckpt-cuda-first-use", daemon=True)
+    t = threading.Thread(target=ctx.run, args=(first_use,), name="qckpt-cuda-first-use")
+    t.daemon = True
     t.start()
     return t, local
+
+
+def _warm_quantize(plan: CudaWarmup, dev: Any) -> None:
+    """The planner's quantize at a destination's commit (``quantize_`` under
+    ``defer_finite_checks``, then ``first_not_finite``) once per shape of ``WARM_SHAPES``, on
+    tensors of its own: nothing the load holds is touched. Under the caller's kernel policy,
+    but never ``torch.compile`` here (dynamo on a thread while the model's code imports it)."""
+    if plan.params in ("none", "", None):
+        return
+    import dataclasses
+
+    import torch
+
+    from qckpt import formats
+    from qckpt.formats._common import defer_finite_checks, first_not_finite
+    from qckpt.kernel_policy import current_policy, kernel_policy
+
+    dtype = getattr(torch, plan.dtype)
+    amaxes: list[Any] = [None]
+    if plan.whole_amax:
+        amaxes.append(torch.ones((), dtype=torch.float32, device=dev))
+    with kernel_policy(dataclasses.replace(current_policy(), compile="never")):
+        for shape in WARM_SHAPES:
+            src = torch.ones(shape, dtype=dtype, device=dev)
+            q = formats.empty(shape, plan.params, nominal_dtype=dtype, device=dev)
+            for amax in amaxes:
+                try:
+                    with defer_finite_checks() as checks:
+                        if amax is None:
+                            q.quantize_(src, update_state=False)
+                        else:
+                            q.quantize_(src, update_state=False, amax=amax)
+                    first_not_finite(checks)
+                except Exception:  # noqa: BLE001 - e.g. a per-block format refuses an amax
+                    pass
+    torch.cuda.synchronize(dev)
+
+
+def _warm_pinned(plan: CudaWarmup, dev: Any) -> None:
+    """Pinned host buffers made and dropped: torch's host caching allocator keeps a freed
+    pinned block and hands it to the next ``torch.empty(n, pin_memory=True)`` of its size."""
+    import torch
+
+    bufs = [
+        torch.empty(plan.pinned_bytes, dtype=torch.uint8, pin_memory=True)
+        for _ in range(plan.pinned_buffers)
+    ]
+    del bufs
 
 
 def _finish_first_use(t: threading.Thread, local: int) -> None:
@@ -82,8 +180,44 @@ def _finish_first_use(t: threading.Thread, local: int) -> None:
 
 
 def cuda_warmup_wanted(device: str, env: dict[str, Any]) -> bool:
-    """The CLI's reading of ``QCKPT_CUDA_WARMUP`` for a command whose device is ``device``."""
-    return device != "cpu" and env.get(CUDA_WARMUP_ENV, "") == "1"
+    """The CLI's reading of ``QCKPT_CUDA_WARMUP`` for a command whose device is ``device``:
+    on unless the recipe runs on the CPU or the variable is 0."""
+    return device != "cpu" and env.get(CUDA_WARMUP_ENV, "1") != "0"
+
+
+def cuda_warmup(recipe: Any, command: str, env: dict[str, Any]) -> CudaWarmup | None:
+    """What ``command`` (``load`` or ``calibrate``) of ``recipe`` warms at its start-up, or
+    None (a CPU recipe, or ``QCKPT_CUDA_WARMUP=0``)."""
+    if not cuda_warmup_wanted(recipe.load.device, env):
+        return None
+    lo = recipe.load
+    if command == "load":
+        params = lo.params if lo.backend == "native" else "none"
+    else:
+        res = recipe.calibrate.weights_resident
+        params = "none" if res == "bf16" else res
+    par = getattr(recipe, "parallel", None)
+    sharded = getattr(par, "ep", 1) * getattr(par, "tp", 1) > 1
+    fast = lo.reader == "fast" and (command == "load" or recipe.calibrate.offload == "none")
+    return CudaWarmup(
+        params=params,
+        dtype=recipe.model.dtype,
+        whole_amax=sharded,
+        pinned_buffers=pinned_buffers(recipe.checkpoint.path) if fast else 0,
+    )
+
+
+def pinned_buffers(path: str, cores: int | None = None) -> int:
+    """How many pinned buffers the fast read of ``path`` may make: its pool's (threads + 2,
+    plus the read-ahead's staging), but no more than the checkpoint's files fill."""
+    threads = max(2, min(READ_MAX_THREADS, cores or os.cpu_count() or 2))
+    pool = threads + 2 + max(1, READ_AHEAD_BYTES // READ_CHUNK_BYTES)
+    try:
+        with os.scandir(path) as it:
+            size = sum(e.stat().st_size for e in it if e.is_file())
+    except OSError:
+        return 0  # the load reports the unreadable checkpoint
+    return min(pool, -(-size // READ_CHUNK_BYTES))
 
 
 def _model_code(source: str) -> None:

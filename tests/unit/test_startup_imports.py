@@ -136,7 +136,7 @@ def test_the_report_prints_the_startup_parts_and_the_advice_as_one_line_each():
 
 
 def test_cuda_first_use_runs_on_a_thread_during_the_imports_and_is_joined(monkeypatch):
-    """``QCKPT_CUDA_WARMUP=1``: the first CUDA tensor is made on another thread while the
+    """The start-up's CUDA warm-up: the first CUDA tensor is made on another thread while the
     imports run, joined before ``warm_imports`` returns, and then the main thread's device is
     this rank's GPU (a phase boundary synchronizes the current device: the default GPU 0 would
     get a context of every rank). A failure there stays silent: the world's set-up reports it.
@@ -173,9 +173,11 @@ def test_cuda_first_use_runs_on_a_thread_during_the_imports_and_is_joined(monkey
     )
     imports.warm_imports(None, "json", cuda_first_use=True)
     main = threading.current_thread().name
-    assert [c[0] for c in calls] == ["empty", "set_device"], calls
+    assert [c[0] for c in calls] == ["empty", "set_device", "set_device"], calls
     assert calls[0][1] != main and calls[0][2] == torch.device("cuda", 1)
-    assert calls[1][1:] == (main, 1)  # after the join, on this thread, this rank's GPU
+    # the thread's own device (its warm-up launches there), never GPU 0
+    assert calls[1][1] == calls[0][1] and calls[1][2] == torch.device("cuda", 1)
+    assert calls[2][1:] == (main, 1)  # after the join, on this thread, this rank's GPU
     assert not any(t.name == "qckpt-cuda-first-use" for t in threading.enumerate())
 
     calls.clear()
@@ -188,4 +190,5 @@ def test_cuda_first_use_runs_on_a_thread_during_the_imports_and_is_joined(monkey
     assert calls == []
     assert imports.cuda_warmup_wanted("auto", {"QCKPT_CUDA_WARMUP": "1"})
     assert not imports.cuda_warmup_wanted("cpu", {"QCKPT_CUDA_WARMUP": "1"})
-    assert not imports.cuda_warmup_wanted("cuda", {})
+    assert imports.cuda_warmup_wanted("cuda", {})  # on by default
+    assert not imports.cuda_warmup_wanted("cuda", {"QCKPT_CUDA_WARMUP": "0"})

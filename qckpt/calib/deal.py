@@ -7,9 +7,13 @@ anything one rank spends before its forwards (reading, warm-up) adds to the wait
 rank holds the whole list (views of one tensor: the set is cut into the same global batches
 whatever the layout, :mod:`qckpt.calib.data`) and takes the next index from a counter in the
 world's store (one round trip per batch) until none is left; a rank that runs faster runs
-more batches. Each batch runs once, on one rank, with the same shape as anywhere else, and
-the amax sync takes the max over the ranks, which is exact whatever rank ran what: the
-calibration file is the one any other split, or one process, writes.
+more batches. Each rank's first batch is its own (index = its DP rank; the counter deals from
+the DP size on), as under a fixed split: a rank that came late (a long read or warm-up) still
+calibrates something, so a static (per-block) input amax is held on every rank, which the sync
+requires, instead of missing on a rank that found no batch left. Each batch runs once, on one
+rank, with the same shape as anywhere else, and the amax sync takes the max over the ranks,
+which is exact whatever rank ran what: the calibration file is the one any other split, or one
+process, writes.
 
 Not under EP or TP: there each forward exchanges tokens or activations with other ranks, which
 must run the same batches in step.
@@ -50,16 +54,22 @@ class DealtBatches:
         root = dist.get_global_rank(group, 0)
         collective("agreeing on the batch counter", dist.broadcast, gen, src=root, group=group)
         self._key = f"qckpt/deal/{int(gen.item())}"
+        self._rank, self._ranks = dist.get_rank(group), dist.get_world_size(group)
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         n = len(self.batches)
+        if self._rank < n:  # this rank's own first batch (see the module doc)
+            self.position = max(self.position, self._rank + 1)
+            self.taken.append(self._rank)
+            yield self.batches[self._rank]
         while True:
             # the store's add is atomic: each index goes to exactly one rank
-            i = int(self._deadline.run("taking the next batch", self._store.add, self._key, 1)) - 1
-            self.position = min(i + 1, n)
+            took = self._deadline.run("taking the next batch", self._store.add, self._key, 1)
+            i = self._ranks + int(took) - 1
+            self.position = min(max(self.position, i + 1), n)
             if i >= n:
                 return
             self.taken.append(i)

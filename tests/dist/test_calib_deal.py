@@ -145,3 +145,33 @@ def test_the_store_rank_dying_while_dealing_is_one_error_not_a_hang():
     assert not out[1].ok and out[1].error_type == "PeerError", out[1].error
     assert out[1].error.startswith("PeerError: taking the next batch failed: a rank died")
     assert "\n" not in out[1].error and time.monotonic() - t0 < 60
+
+
+def sc_late_rank(rank, world, granularity):
+    """Rank 1 comes to its batches after rank 0 has taken all the others (its read or warm-up
+    ran long): it still runs its own first one, so it holds every static input amax too."""
+    from qckpt.calib.calibrate import calibrate_model
+    from qckpt.calib.data import calibration_batches
+    from qckpt.calib.deal import DealtBatches
+    from qckpt.models.build import build_model
+    from qckpt.parallel.mesh import init_mesh
+    from qckpt.recipe import DataConfig, QuantConfig, TensorQuantConfig
+
+    mesh = init_mesh(timeout_s=10, device="cpu")
+    model = build_model("tiny-moe", dtype="float32", seed=0)
+    dealt = DealtBatches(calibration_batches(DataConfig(**DATA), vocab_size=256), mesh.dp_group)
+    if rank == 1:
+        while dealt._store.add(dealt._key, 0) < len(dealt) - 2:  # rank 0 took all it could
+            time.sleep(0.05)
+    quant = QuantConfig(inputs=TensorQuantConfig(granularity=granularity, block_size=[16]))
+    state, report = calibrate_model(model, dealt, quant, mesh)
+    return {"amax": state.amax, "batches": report["batches"]}
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "block"])
+def test_a_late_rank_still_runs_a_batch_and_the_sync_completes(granularity):
+    out = shared_world(2).run(sc_late_rank, granularity, deadline_s=120)
+    assert all(o.ok for o in out), [o.error for o in out if not o.ok]
+    assert [o.value["batches"] for o in out] == [7, 1]
+    a, b = (o.value["amax"] for o in out)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -78,12 +78,15 @@ def warm_imports(
         if source is not None:
             with phases.startup_part(phases.MODEL_CODE):
                 _model_code(source)
-        with phases.startup_part(phases.QCKPT_MODULES):
-            for name in modules:
-                importlib.import_module(name)
     finally:
+        # joined before qckpt's own modules are imported: those imports are not guarded as the
+        # model code's are, and two threads importing modules that import each other can get a
+        # partly initialised module; the thread's imports (formats, Triton) are done by then
         if first_use is not None:
             _finish_first_use(*first_use)
+    with phases.startup_part(phases.QCKPT_MODULES):
+        for name in modules:
+            importlib.import_module(name)
 
 
 def _start_first_use(plan: CudaWarmup) -> tuple[threading.Thread, int]:

@@ -200,12 +200,8 @@ def _which(path: str, names: list[str]):
     return lambda pos: names[pos // (ROWS * COLS * 4)]
 
 
-@pytest.mark.parametrize("inflight", [1, 2])
-def test_next_destinations_are_read_before_the_previous_one_is_committed(
-    tmp_path, monkeypatch, inflight
-):
-    names = [f"w{k}" for k in range(6)]
-    path, values = _files(tmp_path, names)
+def _track_reads(monkeypatch, path, names: list[str]) -> dict[str, threading.Event]:
+    """An event per destination, set when the first read of its bytes starts."""
     which = _which(path, names)
     started = {n: threading.Event() for n in names}
     real = fast_read.read_exact
@@ -213,6 +209,18 @@ def test_next_destinations_are_read_before_the_previous_one_is_committed(
     def read_exact(fd, buf, pos, p):
         started[which(pos)].set()
         return real(fd, buf, pos, p)
+
+    monkeypatch.setattr(fast_read, "read_exact", read_exact)
+    return started
+
+
+@pytest.mark.parametrize("inflight", [1, 2])
+def test_next_destinations_are_read_before_the_previous_one_is_committed(
+    tmp_path, monkeypatch, inflight
+):
+    names = [f"w{k}" for k in range(6)]
+    path, values = _files(tmp_path, names)
+    started = _track_reads(monkeypatch, path, names)
 
     seen: dict[str, bool] = {}
 
@@ -223,7 +231,6 @@ def test_next_destinations_are_read_before_the_previous_one_is_committed(
         if k < len(names):
             seen[fqn] = started[names[k]].wait(10)
 
-    monkeypatch.setattr(fast_read, "read_exact", read_exact)
     planner = Recorder(names, before_commit)
     engine = _engine(inflight, ahead=2 * 4096)
     engine.run(_jobs(path, names), planner)
@@ -244,13 +251,7 @@ def test_without_read_ahead_the_next_destination_waits_for_the_commit(tmp_path, 
     # the behaviour read-ahead changes (and a host load keeps): no read of w1 before w0's commit
     names = ["w0", "w1", "w2"]
     path, values = _files(tmp_path, names)
-    which = _which(path, names)
-    started = {n: threading.Event() for n in names}
-    real = fast_read.read_exact
-
-    def read_exact(fd, buf, pos, p):
-        started[which(pos)].set()
-        return real(fd, buf, pos, p)
+    started = _track_reads(monkeypatch, path, names)
 
     early: list[str] = []
 
@@ -259,7 +260,6 @@ def test_without_read_ahead_the_next_destination_waits_for_the_commit(tmp_path, 
         if k < len(names) and started[names[k]].wait(0.3):
             early.append(names[k])
 
-    monkeypatch.setattr(fast_read, "read_exact", read_exact)
     planner = Recorder(names, before_commit)
     engine = _engine(1, ahead=0)
     engine.run(_jobs(path, names), planner)

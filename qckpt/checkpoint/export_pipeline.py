@@ -576,9 +576,8 @@ class _Pipeline:
         if self.bulk:
             self.units = self._units(min(RUN_BYTES, (largest + RUN_SLACK_BYTES) // 2))
         runs = [u.host_bytes + u.out_bytes for u in self.units if isinstance(u, _Run)]
-        self.order = lane_order(
-            [_unit_cost(u) for u in self.units], [_unit_file(u) for u in self.units], lanes
-        )
+        files = [_unit_file(u) for u in self.units]
+        self.order = lane_order([_unit_cost(u) for u in self.units], files, lanes)
         self.pos = {id(u): i for i, u in enumerate(self.units)}  # place in plan order
         # a refusal: (its unit's place, the error) of the first in plan order seen so far; the
         # units after it are not started (the cut), the ones before it still run to the end,
@@ -594,7 +593,7 @@ class _Pipeline:
         self.streams = threading.local()
         names = share.names()
         self.stats = WriteStats(files=[plan.shards.files[i] for i in names])
-        self.stats.lanes = min(lanes, len({_unit_file(u) for u in self.units})) or 1
+        self.stats.lanes = min(lanes, len(set(files))) or 1
         self.stats.budget_bytes = self.budget.cap
         self.sampler = AnonSampler()
         self.stats.rss_anon_start_bytes = self.sampler.start
@@ -646,7 +645,7 @@ class _Pipeline:
                 else:
                     cost = self._host_cost(u) + u.out_bytes
                     read = self._read
-                if not skip() and self.budget.take(cost, skip):
+                if self.budget.take(cost, skip):
                     self.ready.put((u, self.read_pool.submit(_in_context(), read, u)))
             self.ready.put(None)
         except Stopped:
@@ -1088,11 +1087,14 @@ class _Pipeline:
                 cf.wait(self.jobs, timeout=0.1, return_when=cf.FIRST_COMPLETED)
                 self._reap()
                 self._report(progress, n)
-            if self.failed is not None:  # every unit before it ran: the first in plan order
-                raise self.failed.error
-            self._report(progress, n)
             with self.lock:
                 writes = list(self.pending)
+            if self.failed is not None:  # every unit before it ran: the first in plan order
+                # the writes under way end first (the teardown would cancel those queued,
+                # whose bytes then never come back to the budget); the refusal still wins
+                cf.wait(writes)
+                raise self.failed.error
+            self._report(progress, n)
             for w in writes:
                 w.result()
             for f in self.out.values():
@@ -1116,12 +1118,18 @@ class _Pipeline:
                 return self.ready.get(timeout=0.05)
             except queue.Empty:
                 self._reap()
-                if self.failed is not None and not self.jobs and self.budget.stuck():
-                    with self.lock:
-                        self.pending = _unfinished(self.pending)
-                        writing = bool(self.pending)
-                    if not writing:  # nothing left that could give bytes back: never wait
-                        raise self.failed.error from None
+                if self.failed is None or self.jobs:
+                    continue
+                with self.lock:
+                    self.pending = _unfinished(self.pending)
+                    writing = bool(self.pending)
+                # in this order: with no job and no write left nothing but this thread gives
+                # bytes back, so a feeder seen blocked stays blocked, and what it queued before
+                # blocking is in ready (a write that ended between a stuck() and the writes'
+                # look had freed the bytes the feeder waited for: raised before the units
+                # ahead of the refusal ran)
+                if not writing and self.budget.stuck() and self.ready.empty():
+                    raise self.failed.error from None  # nothing could give bytes back
 
     def _reap(self) -> None:
         """Drop the finished quantize jobs: a failure raises, but a refusal (:class:`_Refused`)

@@ -193,7 +193,7 @@ def _resident_pass(
     device = _model_device(model)
     t0 = time.perf_counter()
     calibrate_weights(model, weight_amax, within=None if mine is None else mine.__contains__)
-    _wait(device)
+    wait_device(device)
     parts["weight_amax"] = (t1 := time.perf_counter()) - t0
     tokens = 0
     with torch.no_grad(), dequantized_compute():
@@ -204,18 +204,18 @@ def _resident_pass(
                 progress(1)
             if i == 0:
                 parts["first_batch_host"] = time.perf_counter() - t1
-                _wait(device)
+                wait_device(device)
                 now = time.perf_counter()
                 parts["first_batch"], t1 = now - t1, now
             elif i == 1:
-                _wait(device)
+                wait_device(device)
                 parts["second_batch"] = time.perf_counter() - t1
-    _wait(device)
+    wait_device(device)
     parts["batches"] = time.perf_counter() - t1
     return tokens
 
 
-def _wait(device: torch.device) -> None:
+def wait_device(device: torch.device) -> None:
     """Let the device finish what was queued, so that the timing of a piece is its own."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -607,12 +607,13 @@ class FastReadEngine:
             # so that all threads read it: max_inflight keeps only a few destinations in flight.
             # Not when read ahead: its tasks fill whole staging buffers, and the threads have
             # the destinations after it to read meanwhile
-            chunk = min(self.chunk_bytes, max(MIN_TASK_BYTES, -(-run.nbytes // self.threads)))
             if buf is None:
-                chunk = self.chunk_bytes
-            tasks = _tasks(spans, chunk)
-            if buf is None:  # each task staged takes a whole buffer, however small it is
+                tasks = _tasks(spans, self.chunk_bytes)
+                # each task staged takes a whole buffer, however small it is
                 run.staging = len(tasks) * self.chunk_bytes
+            else:
+                per_thread = -(-run.nbytes // self.threads)
+                tasks = _tasks(spans, min(self.chunk_bytes, max(MIN_TASK_BYTES, per_thread)))
             for task in tasks:
                 run.futures.append(pool.submit(self._run_task, run, task))
         return run

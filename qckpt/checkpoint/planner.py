@@ -474,19 +474,21 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         if d.buf is None:
             if self.meter is not None:
                 self.meter.open_window()
-            dev = d.target.device
+            d.buf = torch.empty(d.ckpt_shape, dtype=self._scratch_dtype(d), device=d.target.device)
             if self.keep_main_params:
-                d.buf = torch.empty(d.ckpt_shape, dtype=torch.float32, device=dev)
                 if self.meter is not None:
                     self.meter.add_output(d.buf.numel() * 4)
             else:
-                d.buf = torch.empty(d.ckpt_shape, dtype=d.target.dtype, device=dev)
                 d.buf_bytes = d.buf.numel() * d.buf.element_size()
                 if self.meter is not None:
                     self.meter.add_scratch(d.buf_bytes)
             if self.meter is not None:
                 self.meter.sample(fresh=True)  # the level while the scratch is live
         return d.buf
+
+    def _scratch_dtype(self, d: _Dest) -> torch.dtype:
+        """The dtype of ``d``'s full-shape buffer: float32 when the main params are kept."""
+        return torch.float32 if self.keep_main_params else d.target.dtype
 
     # ---- runs of items (the fast reader): one call for many items of one destination ----------
 
@@ -506,8 +508,7 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         d = self._dests.get(fqn)
         if d is None:
             return None
-        dtype = torch.float32 if self.keep_main_params else d.target.dtype
-        return d.ckpt_shape, dtype, torch.device(d.target.device)
+        return d.ckpt_shape, self._scratch_dtype(d), torch.device(d.target.device)
 
     def commit_run(self, items: Sequence[ReadItem]) -> None:
         """``commit_tensor`` of consecutive plan items of one quantized destination whose data

@@ -125,6 +125,7 @@ def _advance_dealt(advance, batches, *_) -> None:
 def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
     """The whole (sharded) model's weights from the checkpoint; the weight-amax tap of a
     quantized-resident model (else None), and what this rank read (bytes, split or not)."""
+    from qckpt.calib.calibrate import wait_device
     from qckpt.calib.weight_amax import CheckpointWeightAmax
     from qckpt.checkpoint.load import load_checkpoint
     from qckpt.pipeline import dp_read
@@ -155,7 +156,7 @@ def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
     moved, t1 = 0, time.perf_counter()
     if shares is not None:
         moved = dp_read.broadcast_shares(shares, mesh.dp_group)
-        _wait(mesh.device)  # the phase ends here anyway: the broadcasts' own time
+        wait_device(mesh.device)  # the phase ends here anyway: the broadcasts' own time
         hooks.log(f"read 1/{mesh.dp} of the weights here, {moved / 1e9:.2f} GB broadcast over DP")
     read = {"bytes_read": rep.bytes_read, "split_over_dp": shares is not None, "broadcast": moved}
     # this rank's reading apart from the broadcasts (the phase also has the planning above)
@@ -163,13 +164,6 @@ def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
         load_seconds=round(t1 - t0, 4), broadcast_seconds=round(time.perf_counter() - t1, 4)
     )
     return tap, read
-
-
-def _wait(device) -> None:
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
 
 
 def param_bytes(model) -> int:

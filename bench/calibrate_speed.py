@@ -29,7 +29,8 @@ and prints each fixed cost beside the other run's (the phases of the slowest ran
 forward: quantizers in, weight amaxes, the first batch, the other batches, the settle), the
 scaling ratios (targets: forward >= 1.9x, whole command >= 1.8x on 2 GPUs), whether both
 wrote the same file, and how long the batches would have to run for the whole command to
-reach 1.8x at the measured fixed costs.
+reach 1.8x at the measured fixed costs. ``--nproc 1`` runs the one-process side alone (a
+machine of one GPU): its fixed costs and its batches.
 """
 
 from __future__ import annotations
@@ -485,8 +486,35 @@ def _ranks_table(many: dict) -> None:
         )
 
 
+def _one_table(one: dict) -> None:
+    """One process's phases and forward parts (``--nproc 1``: a machine of one GPU)."""
+    print(f"{'seconds':30s} {'1 process':>10s}")
+    print(f"{'whole command':30s} {one['wall_seconds']:10.2f}")
+    for k in PHASES:
+        print(f"{k:30s} {one['phases'][k]:10.2f}")
+    print(f"{'after the report (exit)':30s} {one['after_report_seconds']:10.2f}")
+    for k in PARTS + INSIDE:
+        if one["forward_parts"].get(k) is not None:
+            label = ("  forward: " if k in PARTS else "    of which ") + k
+            print(f"{label:30s} {one['forward_parts'][k]:10.2f}")
+    b = _batches_seconds(one)
+    print(
+        json.dumps(
+            {"batches_seconds": round(b, 3), "fixed_seconds": round(one["wall_seconds"] - b, 3)}
+        )
+    )
+
+
 def dp(args) -> dict:
     sets = [f"calibrate.data.{k}={v}" for k, v in WORKLOAD.items()] + list(args.set)
+    if args.nproc == 1:  # the one-GPU side alone: its fixed costs and batches
+        with tempfile.TemporaryDirectory() as t:
+            one = _calibrate(args.recipe, sets, 1, Path(t))
+        if "error" in one:
+            print(f"one      {one['error']}")
+        else:
+            _one_table(one)
+        return {"workload_sets": sets, "one": one}
     with tempfile.TemporaryDirectory() as t:
         one = _calibrate(args.recipe, sets, 1, Path(t))
         many = _calibrate(args.recipe, sets, args.nproc, Path(t))

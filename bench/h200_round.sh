@@ -62,6 +62,8 @@ STEPS=(
   calib_speed:300
   calib_dp:540
   calib_dp_pyc:600
+  calib_dp_48l:600
+  calib_dp_48l_pyc:600
   export_tests:300
   export_48l:600
   export_shm_48l:600
@@ -382,6 +384,23 @@ step_calib_dp_pyc() {
     unset PYTHONDONTWRITEBYTECODE
     step_pyc_warm
     CALIB_TAG=_pyc step_calib_dp
+  )
+}
+# the benchmark of record for DP calibration (issue 18): the whole 48-layer model, 512 x 2,048
+# tokens; CALIB_NPROC=1 runs the one-GPU side alone (a machine of one GPU)
+step_calib_dp_48l() {
+  "$PY" -m bench.calibrate_speed dp configs/tiny-moe.yaml --nproc "${CALIB_NPROC:-2}" \
+    --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
+    --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=900 \
+    --json "$RES/calib_dp_48l${CALIB_TAG:-}.json"
+}
+# the same with Python's bytecode caches kept (see step_calib_dp_pyc)
+step_calib_dp_48l_pyc() {
+  (
+    export PYTHONPYCACHEPREFIX="$WORK/pyc"
+    unset PYTHONDONTWRITEBYTECODE
+    step_pyc_warm
+    CALIB_TAG=_pyc step_calib_dp_48l
   )
 }
 # qckpt export on a GPU (issue 18): byte-identical to the CPU export for every layout, tiny

@@ -98,19 +98,25 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _nvfp4_compute(
-    c: torch.Tensor, gs: torch.Tensor, six64: torch.Tensor
+    c: torch.Tensor, gs64: torch.Tensor, inv_gs: torch.Tensor, six64: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(R, K) chunk -> (packed codes (R, ceil(K/2)), E4M3 scales (R, nb), max block amax).
 
-    ``six64`` is 6.0 as a float64 tensor argument: ``amax / 6`` must be the correctly rounded
-    float32 quotient on CUDA and in compiled code too (see ``_common.div_f32``)."""
+    Every float32 quotient here is the correctly rounded one on every device, eager or
+    compiled: ``gs64`` is the global scale as float64 and ``six64`` 6.0 as a float64 argument
+    (``_common.div_f32``); ``inv_gs`` is ``fl32(1 / global_scale)``, made by the caller outside
+    the kernel. Inside a compiled CUDA kernel ``1.0 / gs`` is a reciprocal that inductor does
+    not round as IEEE division (Triton's approximate ``/``; found on the H200 with torch 2.11,
+    where 0.9 % of the codes of an 11008 x 4096 weight differed from CPU), while a tensor
+    quotient follows the ``division_rounding`` option. No float8 -> float64 cast either: Triton
+    has none (the kernel fails to compile)."""
     r, k = c.shape
     blocks = padded_blocks(c, BLOCK)  # (R, nb, 16) float32
     amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
-    sb = (div_f32(amax, six64) / gs).clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+    sb = div_f32(div_f32(amax, six64), gs64).clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
     # the reciprocal form ((1 / gs) / s_b), not x / (gs * s_b): NVIDIA's kernels and torchao
     # compute it so, and the E2M1 rounding of a value on a boundary depends on it
-    rec = (1.0 / gs) / sb.to(torch.float32)
+    rec = inv_gs / sb.to(torch.float32)
     codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)).reshape(r, -1)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     m = amax.amax() if amax.numel() else amax.new_zeros(())
@@ -121,11 +127,12 @@ def _nvfp4_into(
     c: torch.Tensor,
     out_q: torch.Tensor,
     out_s: torch.Tensor,
-    gs: torch.Tensor,
+    gs64: torch.Tensor,
+    inv_gs: torch.Tensor,
     six64: torch.Tensor,
 ) -> torch.Tensor:
     """_nvfp4_compute written into out_q / out_s (K a multiple of 16: see run_block_kernel)."""
-    q, s, m = _nvfp4_compute(c, gs, six64)
+    q, s, m = _nvfp4_compute(c, gs64, inv_gs, six64)
     out_q.copy_(q)
     out_s.copy_(s)
     return m
@@ -172,6 +179,10 @@ class NvFp4Format(Format):
         s2 = scale.view(x2.shape[0], nblocks(k, BLOCK))
         bad = torch.zeros((), device=x.device)
         six64 = _common.f64_const(E2M1_MAX, x.device)
+        gs64 = gs.to(torch.float64)
+        # eager, outside any compiled kernel: a float64 reciprocal is IEEE on every device, and
+        # rounded once to float32 it equals CPU torch's float32 1 / gs (div_f32's argument)
+        inv_gs = (1.0 / gs64).to(torch.float32)
         ce = _common.quant_chunk(x.device, _nvfp4_into)
         for lo, hi in row_chunks(x2.shape[0], k, ce):
             m = run_block_kernel(
@@ -180,7 +191,7 @@ class NvFp4Format(Format):
                 k % BLOCK != 0,
                 x2[lo:hi],
                 (q2[lo:hi], s2[lo:hi]),
-                (gs, six64),
+                (gs64, inv_gs, six64),
             )
             bad = torch.maximum(bad, m)
         if check:

@@ -25,12 +25,7 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     from qckpt.parallel.mesh import pick_device
 
     # first: a device that is not there is refused before any work
-    want = recipe.export.device
-    if want == "auto" and recipe.quant.weights.format == "nvfp4":
-        # on the H200 (2026-11-30) a GPU NVFP4 export of 4096-wide weights differed from the CPU
-        # export in a few bytes; until that is found, auto keeps NVFP4 on the CPU (cuda: as asked)
-        want = "cpu"
-    device = pick_device(want, key="export.device")
+    device = pick_device(recipe.export.device, key="export.device")
     # the export's seconds (and GB/s) count from here, the start of planning, to the committed
     # dir on the main rank: the same span for one process and for every rank count
     started = time.perf_counter()

@@ -94,20 +94,15 @@ def _big_dense(root: Path):
     return model.cpu(), d, cfg
 
 
-# known defect (H200, 2026-11-30): the GPU NVFP4 export of 4096-wide weights differed from the
-# CPU export in a few bytes; export.device: auto keeps NVFP4 on the CPU until it is found
-NVFP4_GPU = pytest.mark.xfail(reason="GPU NVFP4 export not yet byte-identical to CPU", strict=False)
-
-
 @pytest.mark.parametrize(
     "case",
     [
         ("compressed-tensors", {}, None, "hf"),
         ("compressed-tensors", {"weights": "block", "inputs": "group"}, None, "hf"),
-        pytest.param(("compressed-tensors", {"fmt": "nvfp4"}, None, "hf"), marks=NVFP4_GPU),
+        ("compressed-tensors", {"fmt": "nvfp4"}, None, "hf"),
         ("modelopt", {}, None, "hf"),
         ("modelopt", {"weights": "channel", "inputs": "token"}, None, "hf"),
-        pytest.param(("modelopt", {"fmt": "nvfp4"}, None, "hf"), marks=NVFP4_GPU),
+        ("modelopt", {"fmt": "nvfp4"}, None, "hf"),
     ],
     ids=["ct-tensor", "ct-block", "ct-nvfp4", "mo-fp8", "mo-pcpt", "mo-nvfp4"],
 )

@@ -496,7 +496,9 @@ class FastReadEngine:
             return run
         if new:
             st.live.add(fqn)
-        unit = self._start_run(jobs, i, planner, pool) if streamed and st.runs else None
+        # a plain destination goes as runs too, straight into its own tensor (the planner's
+        # resolve_run says whether it can): per-item admission halved the read of a BF16 model
+        unit = self._start_run(jobs, i, planner, pool) if st.runs else None
         return unit if unit is not None else self._start(jobs[i], planner, pool)
 
     def _attach_waiting(self, st: _Admission, window: deque, planner: Any) -> None:

@@ -493,13 +493,21 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
     # ---- runs of items (the fast reader): one call for many items of one destination ----------
 
     def resolve_run(self, fqn: str) -> torch.Tensor | None:
-        """The whole contiguous buffer that ``fqn``'s items fill (a quantized destination's
-        scratch, allocated now if it is not yet), addressed by the items' ``dest_offsets``; None
-        for a plain destination (those take ``resolve_tensor`` item by item). The fast reader
+        """The whole contiguous buffer that ``fqn``'s items fill, addressed by the items'
+        ``dest_offsets``: a quantized destination's scratch (allocated now if it is not yet), or
+        a plain destination's own tensor when it is a contiguous plain tensor (None otherwise:
+        a DTensor or another subclass takes ``resolve_tensor`` item by item). The fast reader
         writes a run of items' bytes straight into it and then calls ``commit_run``: the same as
         ``resolve_tensor`` + ``commit_tensor`` per item, in plan order, on the calling thread."""
         d = self._dests.get(fqn)
-        return None if d is None else self._scratch(d)
+        if d is not None:
+            return self._scratch(d)
+        t = self.state_dict.get(fqn)
+        # exactly what DCP's resolve_tensor narrows for these items (lookup_tensor of a plain
+        # tensor, or of a local block of self.shards, is the tensor itself)
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or not t.is_contiguous():
+            return None
+        return t.detach()
 
     def run_layout(self, fqn: str) -> tuple[torch.Size, torch.dtype, torch.device] | None:
         """(shape, dtype, device) of the contiguous buffer ``resolve_run(fqn)`` will return,
@@ -511,12 +519,15 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
         return d.ckpt_shape, self._scratch_dtype(d), torch.device(d.target.device)
 
     def commit_run(self, items: Sequence[ReadItem]) -> None:
-        """``commit_tensor`` of consecutive plan items of one quantized destination whose data
-        ``resolve_run``'s buffer holds (at the run's last item of the destination: ``_finish``)."""
+        """``commit_tensor`` of consecutive plan items of one destination whose data
+        ``resolve_run``'s buffer holds (a quantized one's last item: ``_finish``)."""
         if not items:
             return
         fqn = items[0].dest_index.fqn
-        d = self._dests[fqn]
+        d = self._dests.get(fqn)
+        if d is None:
+            self._commit_plain(fqn, len(items))
+            return
         self.stats["items"] += len(items)
         d.done += len(items)
         if d.done >= d.expected:
@@ -525,27 +536,33 @@ class StreamingDequantLoadPlanner(DefaultLoadPlanner):
             self.meter.sample()
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        self.stats["items"] += 1
         fqn = read_item.dest_index.fqn
         d = self._dests.get(fqn)
         if d is None:
             super().commit_tensor(read_item, tensor)
-            left = self._plain_expected.get(fqn, 1) - 1
-            self._plain_expected[fqn] = left
-            if left <= 0:
-                self._plain_expected.pop(fqn, None)
-                self.stats["plain"] += 1
-                if self.progress is not None:
-                    self.progress(1)
-            if self.meter is not None:
-                self.meter.sample()
-            self._maybe_release()
+            self._commit_plain(fqn, 1)
             return
+        self.stats["items"] += 1
         d.done += 1
         if d.done >= d.expected:
             self._finish(fqn, d)
         if self.meter is not None:
             self.meter.sample()
+
+    def _commit_plain(self, fqn: str, n: int) -> None:
+        """``n`` items of the plain destination ``fqn`` are in place (DCP's own commit of a
+        plain item does nothing): count them, and the tensor once its last item is in."""
+        self.stats["items"] += n
+        left = self._plain_expected.get(fqn, 1) - n
+        self._plain_expected[fqn] = left
+        if left <= 0:
+            self._plain_expected.pop(fqn, None)
+            self.stats["plain"] += 1
+            if self.progress is not None:
+                self.progress(1)
+        if self.meter is not None:
+            self.meter.sample()
+        self._maybe_release()
 
     def _finish(self, fqn: str, d: _Dest) -> None:
         assert d.buf is not None

@@ -369,40 +369,30 @@ step_calib_speed() {
     --device cuda --batches 8 --batch-size 4 --seq-len 512 --json "$RES/calib_speed.json"
 }
 # DP scaling of `qckpt calibrate`: one process vs torchrun --nproc-per-node 2, same recipe and
-# data (the batches dealt over the ranks), whole command and the calibration forward
-step_calib_dp() {
-  "$PY" -m bench.calibrate_speed dp configs/tiny-moe.yaml --nproc 2 \
-    --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
-    --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=600 \
-    --json "$RES/calib_dp${CALIB_TAG:-}.json"
+# data (the batches dealt over the ranks), whole command and the calibration forward. Args: the
+# checkpoint, the result's name; CALIB_NPROC=1 runs the one-GPU side alone (a machine of one GPU)
+calib_dp_on() {
+  "$PY" -m bench.calibrate_speed dp configs/tiny-moe.yaml --nproc "${CALIB_NPROC:-2}" \
+    --set model.source="$1" --set checkpoint.path="$1" \
+    --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=900 \
+    --json "$RES/$2${CALIB_TAG:-}.json"
 }
 # the same with Python's bytecode caches kept (see PYC at the top): what start-up costs with an
 # install's usual caches, every process of both runs alike
-step_calib_dp_pyc() {
+calib_dp_pyc_on() {
   (
     export PYTHONPYCACHEPREFIX="$WORK/pyc"
     unset PYTHONDONTWRITEBYTECODE
     step_pyc_warm
-    CALIB_TAG=_pyc step_calib_dp
+    CALIB_TAG=_pyc calib_dp_on "$@"
   )
 }
+step_calib_dp() { calib_dp_on "$CKPT8" calib_dp; }
+step_calib_dp_pyc() { calib_dp_pyc_on "$CKPT8" calib_dp; }
 # the benchmark of record for DP calibration (issue 18): the whole 48-layer model, 512 x 2,048
-# tokens; CALIB_NPROC=1 runs the one-GPU side alone (a machine of one GPU)
-step_calib_dp_48l() {
-  "$PY" -m bench.calibrate_speed dp configs/tiny-moe.yaml --nproc "${CALIB_NPROC:-2}" \
-    --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
-    --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=900 \
-    --json "$RES/calib_dp_48l${CALIB_TAG:-}.json"
-}
-# the same with Python's bytecode caches kept (see step_calib_dp_pyc)
-step_calib_dp_48l_pyc() {
-  (
-    export PYTHONPYCACHEPREFIX="$WORK/pyc"
-    unset PYTHONDONTWRITEBYTECODE
-    step_pyc_warm
-    CALIB_TAG=_pyc step_calib_dp_48l
-  )
-}
+# tokens
+step_calib_dp_48l() { calib_dp_on "$CKPT48" calib_dp_48l; }
+step_calib_dp_48l_pyc() { calib_dp_pyc_on "$CKPT48" calib_dp_48l; }
 # qckpt export on a GPU (issue 18): byte-identical to the CPU export for every layout, tiny
 # models and 4096-wide ones
 step_export_tests() {

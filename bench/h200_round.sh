@@ -72,6 +72,7 @@ STEPS=(
   disk:240
   profile_8l:480
   profile_48l:540
+  calib_prof_48l:300
   loadprof_8l:300
   knobs_8l:300
   knobs_48l:360
@@ -147,6 +148,15 @@ step_loadprof_48l() {
 }
 step_profile_48l() {
   profile_cmds "$CKPT48" 48l
+}
+# where calibrate's first batch spends its host time (48 layers: ~3.3 s over a steady batch,
+# all of it before the forward returns): a two-batch calibrate under the sampling profiler
+step_calib_prof_48l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.profile --out "$RES/prof_calib_48l.txt" -- -m qckpt \
+    calibrate configs/tiny-moe.yaml --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
+    --set checkpoint.format=safetensors --set load.device=cuda --set calibrate.data.num_samples=16 \
+    --set calibrate.data.seq_len=2048 --set calibrate.data.batch_size=8 \
+    --set calibrate.output="$WORK/prof_calib.safetensors" --json "$RES/prof_calib_48l.json"
 }
 
 step_env() {

@@ -48,6 +48,7 @@ from qckpt.errors import SyncError
 from qckpt.formats.tensor import dequantized_compute
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
+from qckpt.phases import gc_paused
 from qckpt.recipe import QuantConfig
 
 _LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
@@ -79,7 +80,11 @@ def calibrate_model(
     kw = dict(
         share_expert_inputs=share, calib_dtype=calib_dtype, device=dev, moe_forward=moe_forward
     )
-    quantizers = insert_quantizers(model, quant_cfg, **kw)
+    # the collector paused where tens of thousands of objects are made (a quantizer per linear
+    # and expert; the report's rows): each full collection walks the model's whole heap. Never
+    # over the forwards, whose cycles may hold device memory
+    with gc_paused():
+        quantizers = insert_quantizers(model, quant_cfg, **kw)
     parts = {"insert": time.perf_counter() - t0}
     try:
         instr = instrumentation(model)
@@ -99,10 +104,11 @@ def calibrate_model(
         dres, tres, tp_gathers = _sync_all(qs, mesh, tp_mods, failure)
         t_sync = time.perf_counter()
         expert_ranks = _expert_tokens(instr.experts, mesh)
-        # every amax on the host at once (a few copies), not a device read per quantizer
-        amaxes = host_amaxes(qs)
-        state = _state(model, qs, amaxes, quant_cfg)
-        report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
+        with gc_paused():
+            # every amax on the host at once (a few copies), not a device read per quantizer
+            amaxes = host_amaxes(qs)
+            state = _state(model, qs, amaxes, quant_cfg)
+            report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
         parts["after_sync"] = time.perf_counter() - t_sync
         report.update(
             # dealt batches (pure DP): the ones this rank ran

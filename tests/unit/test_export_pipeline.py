@@ -13,7 +13,7 @@ import torch
 from qckpt.checkpoint.export import WriteOptions, export_checkpoint
 from qckpt.errors import RecipeError, UsageError
 from qckpt.recipe import ExportConfig
-from tests.unit._export_fixtures import make_calibration, quant_config, saved_model
+from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
 
 MiB = 2**20
 
@@ -295,15 +295,7 @@ def test_bad_writer_settings_are_one_line(tmp_path, monkeypatch):
     q = quant_config()
     monkeypatch.setenv("QCKPT_EXPORT_LANES", "two")
     with pytest.raises(ExportError) as e:
-        export_checkpoint(
-            source=hf_dir,
-            calibration=make_calibration(model, q),
-            output=tmp_path / "lanes",
-            model_type="llama",
-            model_config=model.config,
-            quant=q,
-            export=ExportConfig(),
-        )
+        run_export(model, hf_dir, make_calibration(model, q), tmp_path / "lanes", q)
     assert str(e.value) == "QCKPT_EXPORT_LANES: must be a whole number 1 .. 64, got 'two'"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-dense-hf"]
     monkeypatch.delenv("QCKPT_EXPORT_LANES")
@@ -348,16 +340,8 @@ def test_worker_threads_use_the_callers_kernel_policy(tmp_path, monkeypatch):
     monkeypatch.setattr(pipe, "check_source_weight", spy)
     monkeypatch.setattr(pipe, "check_source_stack", spy_stack)
     with kernel_policy(KernelPolicy(compile="never")):
-        export_checkpoint(
-            source=hf_dir,
-            calibration=make_calibration(model, q),
-            output=tmp_path / "out",
-            model_type="llama",
-            model_config=model.config,
-            quant=q,
-            export=ExportConfig(),
-            options=WriteOptions(quantizers=2),
-        )
+        cal = make_calibration(model, q)
+        run_export(model, hf_dir, cal, tmp_path / "out", q, options=WriteOptions(quantizers=2))
     assert len(seen) == 14 and set(seen) == {"never"}
 
 

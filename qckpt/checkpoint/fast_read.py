@@ -68,31 +68,20 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from qckpt import phases
+from qckpt.checkpoint.read_sizes import CHUNK_BYTES, READ_AHEAD_BYTES, default_threads
 from qckpt.checkpoint.safetensors_io import open_regular
 from qckpt.checkpoint.torch_save_layout import StoredTensor
 from qckpt.errors import CheckpointError
 
-CHUNK_BYTES = 16 << 20  # one read piece: large enough for full-speed reads, small to overlap
 DEFAULT_MAX_INFLIGHT = 1
-# read-ahead: the bytes of the streamed destinations after the ``max_inflight`` live ones that
-# the readers may read into staging buffers before those destinations get their scratch, so
-# the reads go on while the previous destination's last copies land and its quantize runs.
-# Host memory (pinned on CUDA), in CHUNK_BYTES buffers. On the host the staged bytes would cost
-# a second copy into the scratch, and the readers share the cores with the quantize: off there
-# (a CPU run with no quantize to overlap, 2 cores: 0.21-0.45 s with 64 MiB vs 0.10-0.33 without).
-READ_AHEAD_BYTES = 256 << 20
+# read-ahead on the host (READ_AHEAD_BYTES, in read_sizes, is the device's): the staged bytes
+# would cost a second copy into the scratch, and the readers share the cores with the quantize:
+# off there (a CPU run with no quantize to overlap, 2 cores: 0.21-0.45 s with 64 MiB vs
+# 0.10-0.33 without)
 HOST_READ_AHEAD_BYTES = 0
 WINDOW_ITEMS = 256
 BATCH_PIECES = 32  # small pieces per pool task (their bytes stay under CHUNK_BYTES too)
-# on an H200 host 4 threads read the 8-layer Qwen3-30B-A3B shape faster than 16 (1.54 vs 1.78 s):
-# past a few threads the readers' per-piece Python contends for the GIL
-MAX_THREADS = 8
 PACK_ALIGN = 64  # byte alignment of each piece packed into a shared pinned buffer
-
-
-def default_threads() -> int:
-    """Reader threads when none are asked for: the cores, at least 2, at most 8."""
-    return max(2, min(MAX_THREADS, os.cpu_count() or 2))
 
 
 @dataclass

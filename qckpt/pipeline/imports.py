@@ -23,15 +23,12 @@ from typing import Any
 
 from qckpt import phases
 
+# the fast read's sizes without its engine (which imports torch.distributed.checkpoint)
+from qckpt.checkpoint import read_sizes
+
 # the CLI's switch for the start-up's CUDA warm-up (on for CUDA commands; 0 turns it off)
 CUDA_WARMUP_ENV = "QCKPT_CUDA_WARMUP"
 
-# Mirrors of qckpt.checkpoint.fast_read's CHUNK_BYTES, READ_AHEAD_BYTES and MAX_THREADS (a test
-# pins them equal): importing that module here would import torch.distributed.checkpoint
-# before the model's code, and charge it to the wrong part of the start-up
-READ_CHUNK_BYTES = 16 << 20
-READ_AHEAD_BYTES = 256 << 20
-READ_MAX_THREADS = 8
 
 # Nominal shapes the warm-up quantizes: a 2-D weight and a 3-D fused-experts weight. Triton
 # specializes a kernel on its integer arguments (== 1, % 16 == 0), its pointers' 16-byte
@@ -56,7 +53,7 @@ class CudaWarmup:
     dtype: str = "bfloat16"
     whole_amax: bool = False
     pinned_buffers: int = 0
-    pinned_bytes: int = READ_CHUNK_BYTES
+    pinned_bytes: int = read_sizes.CHUNK_BYTES
 
 
 def warm_imports(
@@ -210,17 +207,17 @@ def cuda_warmup(recipe: Any, command: str, env: dict[str, Any]) -> CudaWarmup | 
     )
 
 
-def pinned_buffers(path: str, cores: int | None = None) -> int:
+def pinned_buffers(path: str) -> int:
     """How many pinned buffers the fast read of ``path`` may make: its pool's (threads + 2,
     plus the read-ahead's staging), but no more than the checkpoint's files fill."""
-    threads = max(2, min(READ_MAX_THREADS, cores or os.cpu_count() or 2))
-    pool = threads + 2 + max(1, READ_AHEAD_BYTES // READ_CHUNK_BYTES)
+    chunk = read_sizes.CHUNK_BYTES
+    pool = read_sizes.default_threads() + 2 + max(1, read_sizes.READ_AHEAD_BYTES // chunk)
     try:
         with os.scandir(path) as it:
             size = sum(e.stat().st_size for e in it if e.is_file())
     except OSError:
         return 0  # the load reports the unreadable checkpoint
-    return min(pool, -(-size // READ_CHUNK_BYTES))
+    return min(pool, -(-size // chunk))
 
 
 def _model_code(source: str) -> None:

@@ -127,9 +127,6 @@ def test_warm_pinned_makes_and_drops_the_buffers(monkeypatch):
 def test_the_pinned_plan_mirrors_the_fast_reads_pool(tmp_path):
     from qckpt.checkpoint import fast_read
 
-    assert imports.READ_CHUNK_BYTES == fast_read.CHUNK_BYTES
-    assert imports.READ_AHEAD_BYTES == fast_read.READ_AHEAD_BYTES
-    assert imports.READ_MAX_THREADS == fast_read.MAX_THREADS
     threads = fast_read.default_threads()
     pool = threads + 2 + fast_read.READ_AHEAD_BYTES // fast_read.CHUNK_BYTES
     (tmp_path / "a.distcp").write_bytes(b"x" * 100)

@@ -50,6 +50,7 @@ from qckpt.checkpoint.layout_names import (
     MO_NVFP4,
     MODELOPT_FILE,
     NVFP4_GROUP,
+    SCALE_FUSED_GROUPS,
     WEIGHT_SCALE,
     WEIGHT_SCALE_2,
 )
@@ -515,6 +516,34 @@ def _check_fused(quantized: set[str], problems: list[str]) -> None:
                 )
 
 
+def _check_fused_globals(
+    scheme: Scheme, quantized: set[str], tensors: dict, problems: list[str]
+) -> None:
+    """NVFP4: vLLM keeps one global scale for a fused weight (the largest of the parts'), so
+    parts with different ones are served scaled by the ratio of their amaxes: garbage."""
+    if scheme.weight != "nvfp4":
+        return
+    groups: dict[tuple[str, int], list[str]] = {}
+    for m in quantized:
+        parent, _, leaf = m.rpartition(".")
+        for gi, group in enumerate(SCALE_FUSED_GROUPS):
+            if leaf in group:
+                groups.setdefault((parent, gi), []).append(leaf)
+    for (parent, _), leaves in sorted(groups.items()):
+        ts = [tensors.get(f"{parent}.{leaf}.{scheme.global_leaf}") for leaf in sorted(leaves)]
+        if len(ts) < 2 or any(t is None or t.nbytes != 4 or t.dtype != "F32" for t in ts):
+            continue  # a missing or malformed one is reported by _check_module
+        vals = [float(v[0]) for v in (_decode(b, "F32") for b in _read_many(ts))]
+        if len(set(vals)) > 1:
+            parts = ", ".join(
+                f"{leaf} {v:.6g}" for leaf, v in zip(sorted(leaves), vals, strict=True)
+            )
+            problems.append(
+                f"{parent}: {scheme.global_leaf} differs between fused linears ({parts}): vLLM "
+                "dequantizes the fused weight with the largest one, the others come out scaled wrong"
+            )
+
+
 def _check_experts(quantized: set[str], cfg: dict, problems: list[str]) -> int:
     layers: dict[str, dict[int, set[str]]] = {}
     for m in quantized:
@@ -648,6 +677,7 @@ def _check_tensors(res: CheckResult, scheme: Scheme, cfg: dict, qc: dict, tensor
         if leaf in scale_leaves and module not in quantized:
             p.append(f"{name}: a scale for {module}, which is not quantized")
     _check_fused(quantized, p)
+    _check_fused_globals(scheme, quantized, tensors, p)
     res.experts = _check_experts(quantized, cfg, p)
     tail = ".k_proj.weight"
     attn = sorted({m[: -len(tail)] for m in tensors if m.endswith(tail)})

@@ -23,6 +23,7 @@ import torch
 
 from qckpt.calib.state_file import CalibrationState, load_calibration, model_fingerprint
 from qckpt.checkpoint.export_layouts import MOE_SHARED, Layout, OutSpec, make_layout, share_moe_amax
+from qckpt.checkpoint.fused_scales import share_fused_amax
 from qckpt.checkpoint.safetensors_io import ShardPlan, plan_shards, read_json
 from qckpt.checkpoint.sources import CheckpointSource, HFEntry, hf_entries, open_source
 from qckpt.errors import CheckpointError, ExportError
@@ -338,9 +339,12 @@ def plan_export(
         sorted(m for m in linears | routers if ignored(m)), embeddings
     )
     amax = cal.amax
+    modules = [g.module for g in outs.groups if g.module is not None]
     if export.moe_scales == MOE_SHARED:
-        modules = [g.module for g in outs.groups if g.module is not None]
         amax = share_moe_amax(cal.amax, modules, quant, model_type, values=values)
+    if quant.weights.format == "nvfp4":
+        kinds = ("weight",) if quant.inputs.dynamic else ("weight", "input")
+        amax = share_fused_amax(amax, modules, kinds)
     cfg["quantization_config"] = layout.quantization_config(ignore_list)
     return ExportPlan(
         target=target,

@@ -53,6 +53,8 @@ MOE_PER_EXPERT = "per_expert"  # every expert linear its own calibrated scales
 
 # the projections that vLLM fuses into one weight (one per-tensor scale after loading)
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+# what vLLM fuses into one weight with one NVFP4 global scale (MLA's low-rank q and kv inputs too)
+SCALE_FUSED_GROUPS = (*FUSED_GROUPS, ("q_a_proj", "kv_a_proj_with_mqa"))
 
 
 def modelopt_config_groups(algo: str) -> dict | None:

@@ -59,6 +59,11 @@ def _fill_lazy() -> None:
     _ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
     _ALLOWED[("torch.distributed.checkpoint.planner", "LoadItemType")] = planner.LoadItemType
     _ALLOWED[("torch.distributed.checkpoint.planner", "WriteItemType")] = planner.WriteItemType
+    # Megatron-Core caches every rank's save plan in the metadata (``all_local_plans``: seen in
+    # the .metadata megatron-core 0.16.1 writes): DCP's own plain dataclasses, inert data
+    for name in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData"):
+        if hasattr(planner, name):
+            _ALLOWED[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
     for name in dir(torch):
         obj = getattr(torch, name)
         if isinstance(obj, torch.dtype):

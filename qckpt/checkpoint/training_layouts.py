@@ -39,8 +39,10 @@ torchtitan (checked against pytorch/torchtitan ``models/llama3/model/state_dict_
 and ``models/qwen3/state_dict_adapter.py``): ``tok_embeddings``, ``layers.<i>.attention.wq/wk/
 wv/wo`` (or ``attention.qkv_linear.wq/...``), ``attention.q_norm/k_norm``, ``attention_norm``,
 ``ffn_norm``, ``feed_forward.w1/w3/w2`` (gate/up/down), ``moe.experts.w1/w3/w2`` [E, F, H] /
-[E, H, F], ``moe.router.gate``, ``moe.shared_experts.w1/w3/w2``, ``moe.expert_bias``, ``norm``,
-``output`` (or ``lm_head``). The Llama adapter's ``to_hf`` permutes wq and wk per head
+[E, H, F] (0.3: ``moe.routed_experts.inner_experts.w1_EFD/w3_EFD/w2_EDF``), ``moe.router.gate``,
+``moe.shared_experts.w1/w3/w2``, ``moe.expert_bias`` (0.3: ``expert_bias_E``), ``norm``,
+``output`` (or ``lm_head``). torchtitan 0.3.0's own save (its fused ``wqkv`` split by the save
+hook into ``qkv_linear.wq/wk/wv``) and ``to_hf`` were run to make tests/fixtures/torchtitan. The Llama adapter's ``to_hf`` permutes wq and wk per head
 (``view(heads, D/2, 2, H).transpose(1, 2)``: RoPE's interleaved pairs to HF's halves); the
 Qwen3 adapter applies none. So the permutation is applied for ``model_type`` llama only.
 """
@@ -344,12 +346,18 @@ _TITAN_LAYER = {
     "mlp.up_proj.weight": ["feed_forward.w3.weight"],
     "mlp.down_proj.weight": ["feed_forward.w2.weight"],
     "mlp.gate.weight": ["moe.router.gate.weight"],
-    "mlp.gate.e_score_correction_bias": ["moe.expert_bias"],
+    "mlp.gate.e_score_correction_bias": ["moe.expert_bias", "moe.expert_bias_E"],
     "mlp.shared_experts.gate_proj.weight": ["moe.shared_experts.w1.weight"],
     "mlp.shared_experts.up_proj.weight": ["moe.shared_experts.w3.weight"],
     "mlp.shared_experts.down_proj.weight": ["moe.shared_experts.w2.weight"],
 }
-_TITAN_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# routed experts, [E, F, H] (w1, w3) and [E, H, F] (w2): named ``moe.experts.w1`` by torchtitan
+# up to 0.2, ``moe.routed_experts.inner_experts.w1_EFD`` by 0.3
+_TITAN_EXPERT = {
+    "gate_proj": ("moe.experts.w1", "moe.routed_experts.inner_experts.w1_EFD"),
+    "up_proj": ("moe.experts.w3", "moe.routed_experts.inner_experts.w3_EFD"),
+    "down_proj": ("moe.experts.w2", "moe.routed_experts.inner_experts.w2_EDF"),
+}
 
 
 def _titan_target(st: _Stored, cfg: _Cfg, name: str, shape: tuple) -> list | None:
@@ -369,7 +377,7 @@ def _titan_target(st: _Stored, cfg: _Cfg, name: str, shape: tuple) -> list | Non
     i, rest = int(m[1]), m[2]
     e = _EXPERT_RE.match(rest)
     if e:
-        hit = st.find([(f"layers.{i}.moe.experts.{_TITAN_EXPERT[e[2]]}", (int(e[1]),))], 2)
+        hit = st.find([(f"layers.{i}.{k}", (int(e[1]),)) for k in _TITAN_EXPERT[e[2]]], 2)
         return None if hit is None else [_piece(*hit, st.shapes[hit[0]], None, 0)]
     proj = re.match(r"^self_attn\.([qk])_proj\.weight$", rest)
     # torchtitan's Llama adapter permutes wq / wk on the way to HF; Qwen3's does not

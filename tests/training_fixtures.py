@@ -77,7 +77,10 @@ def megatron_layer(hf: dict, cfg: Any, i: int, *, te: bool, glu_split: bool) -> 
         out["self_attention.q_layernorm.weight"] = (hf[f"{p}.self_attn.q_norm.weight"], None)
         out["self_attention.k_layernorm.weight"] = (hf[f"{p}.self_attn.k_norm.weight"], None)
     ln1, ln2 = hf[f"{p}.input_layernorm.weight"], hf[f"{p}.post_attention_layernorm.weight"]
-    out["self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"] = (ln1, None)
+    out["self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"] = (
+        ln1,
+        None,
+    )
     te_mlp = te and not moe  # TE fuses the pre-MLP norm into a dense fc1 only
     out["mlp.linear_fc1.layer_norm_weight" if te_mlp else "pre_mlp_layernorm.weight"] = (ln2, None)
     if not moe:
@@ -90,14 +93,21 @@ def megatron_layer(hf: dict, cfg: Any, i: int, *, te: bool, glu_split: bool) -> 
         return out
     out["mlp.router.weight"] = (hf[f"{p}.mlp.gate.weight"], None)
     n = sum(1 for k in hf if k.startswith(f"{p}.mlp.experts.") and k.endswith(".down_proj.weight"))
-    fc1 = [torch.cat([hf[f"{p}.mlp.experts.{e}.gate_proj.weight"], hf[f"{p}.mlp.experts.{e}.up_proj.weight"]]) for e in range(n)]
+    fc1 = [
+        torch.cat(
+            [hf[f"{p}.mlp.experts.{e}.gate_proj.weight"], hf[f"{p}.mlp.experts.{e}.up_proj.weight"]]
+        )
+        for e in range(n)
+    ]
     fc2 = [hf[f"{p}.mlp.experts.{e}.down_proj.weight"] for e in range(n)]
     out["mlp.experts.experts.linear_fc1.weight"] = (torch.stack(fc1), "experts")
     out["mlp.experts.experts.linear_fc2.weight"] = (torch.stack(fc2), "experts")
     return out
 
 
-def _chunks(t: torch.Tensor, lead: int, axis: Any, tp: int, ep: int) -> list[tuple[list, torch.Tensor]]:
+def _chunks(
+    t: torch.Tensor, lead: int, axis: Any, tp: int, ep: int
+) -> list[tuple[list, torch.Tensor]]:
     """(global offsets, chunk) of a tensor whose first ``lead`` axes are per layer: one chunk per
     index of those axes, split in ``tp`` along ``axis`` (``glu``: rows in 2·tp fragments, as the
     swiglu factory saves) or in ``ep`` along the expert axis."""
@@ -130,7 +140,9 @@ def megatron_state(
     pad_vocab: int = 32, tp: int = 2, ep: int = 2,
 ) -> dict[str, list[tuple[list, torch.Tensor, list]]]:  # fmt: skip
     """Stored name -> [(global offsets, chunk, global shape)] of a GPTModel checkpoint."""
-    layers = [megatron_layer(hf, cfg, i, te=te, glu_split=glu_split) for i in range(cfg.num_hidden_layers)]
+    layers = [
+        megatron_layer(hf, cfg, i, te=te, glu_split=glu_split) for i in range(cfg.num_hidden_layers)
+    ]
     out: dict[str, list] = {}
 
     def put(name: str, t: torch.Tensor, lead: int, axis: Any) -> None:
@@ -146,7 +158,12 @@ def megatron_state(
             if stacked:
                 if all(leaf in other for other in layers):
                     if i == 0:
-                        put(f"decoder.layers.{leaf}", torch.stack([lay[leaf][0] for lay in layers]), 1, axis)
+                        put(
+                            f"decoder.layers.{leaf}",
+                            torch.stack([lay[leaf][0] for lay in layers]),
+                            1,
+                            axis,
+                        )
                     continue
             put(f"decoder.layers.{i}.{leaf}", t, 0, axis)
     return out
@@ -195,7 +212,9 @@ def write_megatron(hf: dict, cfg: Any, out: Path, *, trap: Path | None = None, *
     with _one_process_group(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state: dict[str, Any] = {k: _sharded(v) for k, v in megatron_state(hf, cfg, **kw).items()}
-        state["decoder.layers.self_attention.linear_qkv._extra_state/shard_0_1"] = io.BytesIO(payload)
+        state["decoder.layers.self_attention.linear_qkv._extra_state/shard_0_1"] = io.BytesIO(
+            payload
+        )
         state["common_state"] = io.BytesIO(payload)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out)))
     (out / "common.pt").write_bytes(payload)
@@ -215,7 +234,10 @@ def _titan_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 def titan_state(hf: dict, cfg: Any) -> dict[str, torch.Tensor]:
     heads, groups, _ = _group(cfg)
     llama = cfg.model_type == "llama"
-    sd = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    sd = {
+        "tok_embeddings.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+    }
     if "lm_head.weight" in hf:
         sd["output.weight"] = hf["lm_head.weight"]
     names = {
@@ -233,10 +255,14 @@ def titan_state(hf: dict, cfg: Any) -> dict[str, torch.Tensor]:
         for hf_leaf, leaf in names.items():
             if f"{p}.{hf_leaf}" in hf:
                 sd[f"layers.{i}.{leaf}"] = hf[f"{p}.{hf_leaf}"]
-        n = sum(1 for k in hf if k.startswith(f"{p}.mlp.experts.") and k.endswith(".down_proj.weight"))
+        n = sum(
+            1 for k in hf if k.startswith(f"{p}.mlp.experts.") and k.endswith(".down_proj.weight")
+        )
         for w, role in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
             if n:
-                sd[f"layers.{i}.moe.experts.{w}"] = torch.stack([hf[f"{p}.mlp.experts.{e}.{role}.weight"] for e in range(n)])
+                sd[f"layers.{i}.moe.experts.{w}"] = torch.stack(
+                    [hf[f"{p}.mlp.experts.{e}.{role}.weight"] for e in range(n)]
+                )
     return {k: v.contiguous().clone() for k, v in sd.items()}
 
 

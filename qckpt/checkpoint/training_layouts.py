@@ -296,9 +296,7 @@ def _mcore_layer_target(st: _Stored, cfg: _Cfg, i: int, rest: str, shape: tuple)
     m = re.match(r"^mlp\.(shared_experts?\.)?(gate_proj|up_proj)\.weight$", rest)
     if m:
         pre = "mlp.shared_experts." if m[1] else "mlp."
-        return _glu_half(
-            st, lambda leaf, n: _mcore_layer(st, i, pre + leaf, n), m[2], shape[0]
-        )
+        return _glu_half(st, lambda leaf, n: _mcore_layer(st, i, pre + leaf, n), m[2], shape[0])
     for leaf in _MCORE_ATTN.get(rest, ()):
         hit = _mcore_layer(st, i, leaf, ndim)
         if hit is not None:
@@ -389,7 +387,9 @@ def _titan_target(st: _Stored, cfg: _Cfg, name: str, shape: tuple) -> list | Non
         key, lead = hit
         if not d:
             return [_piece(key, lead, st.shapes[key], None, 0)]
-        return [_piece(key, lead, st.shapes[key], (h * d, d), h * d, d) for h in range(shape[0] // d)]
+        return [
+            _piece(key, lead, st.shapes[key], (h * d, d), h * d, d) for h in range(shape[0] // d)
+        ]
     return None
 
 
@@ -459,7 +459,9 @@ def _target(name: str, shape: tuple[int, ...], pieces: list[Piece], st: _Stored)
             "config does not match the checkpoint)"
         )
     if len(dts) > 1:
-        raise CheckpointError(f"{name}: made of stored tensors of mixed dtypes {sorted(map(str, dts))}")
+        raise CheckpointError(
+            f"{name}: made of stored tensors of mixed dtypes {sorted(map(str, dts))}"
+        )
     return Target(name, shape, pieces, dts.pop() if dts else None)
 
 
@@ -469,3 +471,45 @@ def _stacking(used: set[str]) -> str:
     if stacked and per_layer:
         return "mixed"
     return "stacked" if stacked else ("per-layer" if per_layer else "none")
+
+
+def architecture(framework: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """What the stored names alone say of the model (for ``inspect`` without a config):
+    layers, routed experts, MLA, q/k norms, and how the layers are stored."""
+    keys = [k for k in shapes if not _SKIP_RE.search(k)]
+    if framework == "megatron":
+        idx = {int(m[1]) for k in keys if (m := re.match(r"^decoder\.layers\.(\d+)\.", k))}
+        stacked = [k for k in keys if re.match(r"^decoder\.layers\.[A-Za-z_]", k)]
+        layers = max([shapes[k][0] for k in stacked] + [i + 1 for i in idx] + [0])
+        experts = [shapes[k] for k in keys if ".mlp.experts.experts.linear_fc1" in k]
+        n_exp = 0
+        if experts:
+            k0 = next(k for k in keys if ".mlp.experts.experts.linear_fc1" in k)
+            per_expert = re.search(r"experts\.experts\.(\d+)\.", k0) is not None
+            if per_expert:
+                found = (re.search(r"experts\.experts\.(\d+)\.", k) for k in keys)
+                n_exp = len({m[1] for m in found if m})
+            else:  # [L, E, 2F, H] stacked, [E, 2F, H] per layer
+                stacked_e = re.match(r"^decoder\.layers\.[A-Za-z_]", k0) is not None
+                n_exp = experts[0][1 if stacked_e else 0]
+        mla = any("linear_kv_down_proj" in k for k in keys)
+        qk_norm = any("q_layernorm" in k for k in keys) and not mla
+    else:
+        idx = {int(m[1]) for k in keys if (m := re.match(r"^(?:model\.)?layers\.(\d+)\.", k))}
+        layers = max(idx) + 1 if idx else 0
+        exp = [
+            shapes[k]
+            for k in keys
+            if re.search(r"moe\.(routed_experts\.inner_experts|experts)\.w1", k)
+        ]
+        n_exp = exp[0][0] if exp else 0
+        mla = any("wkv_a" in k for k in keys)
+        qk_norm = any("attention.q_norm" in k for k in keys)
+    kind = "MoE" if n_exp else "dense"
+    parts = [kind, "MLA" if mla else "", "q/k norms" if qk_norm else ""]
+    return {
+        "architecture": ", ".join(p for p in parts if p),
+        "layers": layers,
+        "routed_experts": n_exp,
+        "stored_tensors": len(keys),
+    }

@@ -52,7 +52,9 @@ from qckpt.checkpoint.training_layouts import Mapping, Piece, map_checkpoint
 from qckpt.errors import CheckpointError
 from qckpt.models import naming
 
-_TITAN_KEY = re.compile(r"^(model\.)?(tok_embeddings\.weight|layers\.\d+\.(attention|feed_forward|moe)\.)")
+_TITAN_KEY = re.compile(
+    r"^(model\.)?(tok_embeddings\.weight|layers\.\d+\.(attention|feed_forward|moe)\.)"
+)
 
 
 def megatron_config(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -179,7 +181,9 @@ def _cut(piece: Piece, prefix: str, md: Metadata) -> list[ChunkPiece]:
         lo = [max(a, int(co)) for a, co in zip(piece.src_offsets, c.offsets, strict=True)]
         hi = [
             min(a + n, int(co) + int(cn))
-            for a, n, co, cn in zip(piece.src_offsets, piece.src_sizes, c.offsets, c.sizes, strict=True)
+            for a, n, co, cn in zip(
+                piece.src_offsets, piece.src_sizes, c.offsets, c.sizes, strict=True
+            )
         ]
         if any(h <= lw for lw, h in zip(lo, hi, strict=True)):
             continue
@@ -243,7 +247,10 @@ class TrainingCheckpoint:
     def warn_leftover(self) -> None:
         """One line per stored model tensor no HF tensor uses (never dropped silently)."""
         for k in self.mapping.leftover:
-            print(f"qckpt: {self.path}: stored tensor {k} maps to no HF tensor (not read)", file=sys.stderr)
+            print(
+                f"qckpt: {self.path}: stored tensor {k} maps to no HF tensor (not read)",
+                file=sys.stderr,
+            )
 
     def stored_tensor(self, cp: ChunkPiece) -> StoredTensor | None:
         """Where a chunk's elements lie (located once; None: an archive read the plain way)."""
@@ -274,7 +281,9 @@ class TrainingCheckpoint:
             return None
         return StoredTensor(st.path, st.offset + start * st.dtype.itemsize, st.dtype, cp.dest_sizes)
 
-    def read(self, cp: ChunkPiece, offs: tuple | None = None, lens: tuple | None = None) -> torch.Tensor:
+    def read(
+        self, cp: ChunkPiece, offs: tuple | None = None, lens: tuple | None = None
+    ) -> torch.Tensor:
         """The piece's elements (or the sub-rectangle ``offs`` / ``lens`` of it, in dest
         coordinates) as a fresh tensor of that dest shape."""
         offs = offs if offs is not None else (0,) * len(cp.dest_sizes)
@@ -355,6 +364,15 @@ class TrainingCheckpoint:
                 version += f", training args in {common} (never read)"
             if hasattr(self.md, "mcore_data"):
                 version += ", mcore_data in .metadata"
+        else:
+            keys = self.md.state_dict_metadata
+            new = any(".qkv_linear." in k or ".routed_experts." in k for k in keys)
+            version = "0.3 names (qkv_linear, routed_experts)" if new else "<= 0.2 names"
+        byte_entries = sum(
+            1
+            for v in self.md.state_dict_metadata.values()
+            if not isinstance(v, TensorStorageMetadata)
+        )
         return {
             "framework": self.framework,
             "version": version,
@@ -362,7 +380,7 @@ class TrainingCheckpoint:
             "mapped_tensors": len(self.mapping.targets),
             "stored_chunks_read": sum(len(v) for v in self.pieces.values()),
             "leftover": self.mapping.leftover,
-            "skipped": len(self.mapping.skipped),
+            "not_model_entries": len(self.mapping.skipped) + byte_entries,
         }
 
 
@@ -433,7 +451,9 @@ class TrainingReader(StorageReader):
                 storage[MetadataIndex(name, torch.Size(o))] = (cp, len(s) - len(cp.dest_sizes))
         return Metadata(state_dict_metadata=sd_md, storage_data=storage)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
+    ) -> None:
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -444,7 +464,9 @@ class TrainingReader(StorageReader):
 
     def _read_item(self, req: Any, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            raise CheckpointError(f"{req.dest_index.fqn}: no byte entries are read from {self.path}")
+            raise CheckpointError(
+                f"{req.dest_index.fqn}: no byte entries are read from {self.path}"
+            )
         cp, lead = self.storage_data[req.storage_index]
         assert self.ckpt is not None
         t = self.ckpt.read(cp, tuple(req.storage_offsets)[lead:], tuple(req.lengths)[lead:])
@@ -530,18 +552,28 @@ class TrainingSource(CheckpointSource):
 
     def checkpoint(self) -> TrainingCheckpoint:
         if self._ckpt is None:
-            self._ckpt = TrainingCheckpoint(self.path, self.format, self.config, hf_targets(self.config))
+            self._ckpt = TrainingCheckpoint(
+                self.path, self.format, self.config, hf_targets(self.config)
+            )
             self._ckpt.warn_leftover()
         return self._ckpt
 
     def _list(self) -> list[Entry]:
+        """In name order: what a one-file HF dir of the same model lists (safetensors stores
+        one dtype's tensors by name), so an export made from either is the same bytes."""
         ck = self.checkpoint()
         out = []
-        for name, t in ck.mapping.targets.items():
+        for name, t in sorted(ck.mapping.targets.items()):
             first = ck.pieces[name][0]
             info = ck.md.storage_data[first.chunk]
             out.append(
-                Entry(name, stio.dtype_code(t.dtype), tuple(t.shape), str(self.path / info.relative_path), loc=name)
+                Entry(
+                    name,
+                    stio.dtype_code(t.dtype),
+                    tuple(t.shape),
+                    str(self.path / info.relative_path),
+                    loc=name,
+                )
             )
         return out
 

@@ -113,6 +113,35 @@ def inspect_dcp(path: Path) -> dict[str, Any]:
     return out
 
 
+def inspect_training(path: Path, framework: str, model: str | None = None) -> dict[str, Any]:
+    """A Megatron-Core / torchtitan checkpoint: framework, version, architecture, stacking,
+    and with ``model`` the HF tensors it maps onto (count) and what is left over (named)."""
+    from qckpt.checkpoint.training_layouts import _stacking, architecture
+    from qckpt.checkpoint.training_sources import (
+        TrainingSource,
+        _stored_tensors,
+        resolve_iteration,
+    )
+
+    root = resolve_iteration(path)
+    src_md = DCPSource(root).dcp_metadata()
+    shapes, _, _ = _stored_tensors(src_md, framework)
+    out: dict[str, Any] = {"kind": framework, "path": str(root), "framework": framework}
+    out.update(architecture(framework, shapes))
+    out["stacking"] = _stacking(set(shapes))
+    out["byte_entries"] = len(src_md.state_dict_metadata) - len(shapes)
+    out["files"] = len(list(root.glob("*.distcp")))
+    if model is None:
+        out["mapped_tensors"] = "pass --model (an HF config) to map the tensors"
+        return out
+    from qckpt.models.build import load_config
+
+    src = TrainingSource(root, framework, load_config(model))
+    out.update(src.checkpoint().describe())
+    out["model"] = str(model)
+    return out
+
+
 def inspect_hf_dir(path: Path) -> dict[str, Any]:
     if not stio.has_safetensors(path):
         raise CheckpointError(f"{path}: no .metadata (DCP) and no *.safetensors (HF) here")
@@ -187,13 +216,20 @@ def _source_layout(src: SafetensorsSource, cfg: dict[str, Any]) -> dict[str, Any
     }
 
 
-def inspect_path(path: str | Path) -> dict[str, Any]:
-    """Describe what ``path`` holds; one-line CheckpointError when it holds nothing we know."""
+def inspect_path(path: str | Path, model: str | None = None) -> dict[str, Any]:
+    """Describe what ``path`` holds; one-line CheckpointError when it holds nothing we know.
+    ``model`` (a built-in name or an HF config dir): the config a training checkpoint's
+    tensors map onto (then the mapped tensors are counted and every leftover named)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if p.is_dir():
-        if is_dcp_dir(p):
+        from qckpt.checkpoint.sources import TRAINING_FORMATS, detect_format
+
+        if is_dcp_dir(p) or (p / "latest_checkpointed_iteration.txt").is_file():
+            fmt = detect_format(p)
+            if fmt in TRAINING_FORMATS:
+                return inspect_training(p, fmt, model)
             return inspect_dcp(p)
         return inspect_hf_dir(p)
     header = stio.read_header(p)

@@ -48,7 +48,8 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     path: str = "runs/tiny/dcp"
-    format: Literal["auto", "dcp", "safetensors"] = "auto"
+    # megatron / torchtitan: a training framework's DCP dir, mapped onto model.source's HF names
+    format: Literal["auto", "dcp", "safetensors", "megatron", "torchtitan"] = "auto"
 
 
 @dataclass(kw_only=True)

@@ -190,13 +190,24 @@ def dcp_to_hf_dir(
     """
     from qckpt.checkpoint.model_files import copy_model_files
     from qckpt.checkpoint.safetensors_io import plan_shards, write_json, write_shards
-    from qckpt.checkpoint.sources import DCPSource, hf_entries, iter_hf_tensors
+    from qckpt.checkpoint.sources import (
+        TRAINING_FORMATS,
+        DCPSource,
+        hf_entries,
+        iter_hf_tensors,
+        open_source,
+        resolve_format,
+    )
 
     cfg = _config_dict(model_config)
     model_type = str(cfg.get("model_type", ""))
-    if hasattr(model_config, "to_json_string"):
-        _check_fits(dcp_dir, model_config)
-    src = DCPSource(dcp_dir)
+    fmt = resolve_format(dcp_dir)
+    if fmt in TRAINING_FORMATS:  # in HF names already; the mapping checks the fit
+        src = open_source(dcp_dir, fmt, config=model_config)
+    else:
+        if hasattr(model_config, "to_json_string"):
+            _check_fits(dcp_dir, model_config)
+        src = DCPSource(dcp_dir)
     entries = hf_entries(src.entries(), model_type)
     plan = plan_shards(([e] for e in entries), max_shard_bytes, single_file_name=True)
     out = Path(out_dir)

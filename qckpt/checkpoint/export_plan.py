@@ -207,10 +207,13 @@ class ExportPlan:
         return max(g.entry.source.nbytes for g in self.groups if g.entry is not None)
 
 
-def _open_entries(source: str | os.PathLike, source_format: str) -> tuple[CheckpointSource, list]:
-    """The source and its stored entries (metadata only)."""
+def _open_entries(
+    source: str | os.PathLike, source_format: str, model_config: Any = None
+) -> tuple[CheckpointSource, list]:
+    """The source and its stored entries (metadata only); a training checkpoint's in the HF
+    names of ``model_config``."""
     try:
-        src = open_source(source, source_format)
+        src = open_source(source, source_format, config=model_config)
         stored = src.entries()
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
@@ -310,7 +313,7 @@ def plan_export(
     target = guard([("export.output", output)], inputs)["export.output"]
     check_export_target(target, export.overwrite)
 
-    src, stored = _open_entries(source, source_format)
+    src, stored = _open_entries(source, source_format, model_config)
     entries = hf_entries(stored, model_type)
     cal, where = _calibration(calibration)
     _check_model_type(model_config, model_type)

@@ -59,6 +59,11 @@ def _fill_lazy() -> None:
     _ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
     _ALLOWED[("torch.distributed.checkpoint.planner", "LoadItemType")] = planner.LoadItemType
     _ALLOWED[("torch.distributed.checkpoint.planner", "WriteItemType")] = planner.WriteItemType
+    # Megatron-Core caches every rank's save plan in the metadata (``all_local_plans``: seen in
+    # the .metadata megatron-core 0.16.1 writes): DCP's own plain dataclasses, inert data
+    for name in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData"):
+        if hasattr(planner, name):
+            _ALLOWED[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
     for name in dir(torch):
         obj = getattr(torch, name)
         if isinstance(obj, torch.dtype):
@@ -73,6 +78,27 @@ def _fill_lazy() -> None:
 
 
 _fill_lazy()
+
+
+class InertStub:
+    """A stand-in for a training framework's class pickled into ``.metadata`` (Megatron-Core's
+    ``MCoreMetadata`` / ``MCoreSavePlan``): it keeps whatever state the pickle gives it as data
+    and runs nothing; Megatron itself is never imported. Its state is still unpickled by the
+    same allow-list, so a payload inside it is refused like anywhere else."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_args"] = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__["_state"] = state
+
+
+# Megatron-Core's dist_checkpointing/strategies/torch.py keeps these two as "dummy" classes so
+# that checkpoints holding them still unpickle (mcore v0.15 checkpoints with optimizer states)
+for _name in ("MCoreMetadata", "MCoreSavePlan"):
+    _ALLOWED[("megatron.core.dist_checkpointing.strategies.torch", _name)] = type(
+        _name, (InertStub,), {"__module__": __name__}
+    )
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
     from qckpt.checkpoint.hf_reader import HFSafetensorsReader
 
-FORMATS = ("auto", "dcp", "safetensors")
+FORMATS = ("auto", "dcp", "safetensors", "megatron", "torchtitan")
+TRAINING_FORMATS = ("megatron", "torchtitan")  # DCP dirs in a training framework's names
 
 
 def is_dcp_dir(path: str | os.PathLike) -> bool:
@@ -50,14 +51,20 @@ def is_dcp_dir(path: str | os.PathLike) -> bool:
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """``dcp`` for a dir with ``.metadata``, ``safetensors`` for one with safetensors files."""
+    """``dcp`` for a dir with ``.metadata`` in HF names, ``megatron`` / ``torchtitan`` for one
+    a training framework wrote (``training_sources.detect``), ``safetensors`` for one with
+    safetensors files."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint")
     if not p.is_dir():
         raise CheckpointError(f"{p}: a checkpoint is a directory (DCP or HF safetensors)")
+    if (p / "latest_checkpointed_iteration.txt").is_file() and not is_dcp_dir(p):
+        return "megatron"  # a Megatron save dir: its latest iter_* dir is read
     if is_dcp_dir(p):
-        return "dcp"
+        from qckpt.checkpoint.training_sources import detect
+
+        return detect(p) or "dcp"
     if stio.has_safetensors(p):
         return "safetensors"
     raise CheckpointError(f"{p}: neither a DCP checkpoint (.metadata) nor an HF safetensors dir")
@@ -389,9 +396,16 @@ class DCPSource(CheckpointSource):
         return t
 
 
-def open_source(path: str | os.PathLike, format: str = "auto") -> CheckpointSource:
-    """The source of the checkpoint at ``path`` (``format``: auto | dcp | safetensors)."""
+def open_source(
+    path: str | os.PathLike, format: str = "auto", *, config: Any = None
+) -> CheckpointSource:
+    """The source of the checkpoint at ``path`` (``format``: one of ``FORMATS``); a training
+    checkpoint (megatron, torchtitan) needs ``config``, the HF config its tensors map onto."""
     fmt = resolve_format(path, format)
+    if fmt in TRAINING_FORMATS:
+        from qckpt.checkpoint.training_sources import TrainingSource
+
+        return TrainingSource(path, fmt, config)
     return DCPSource(path) if fmt == "dcp" else SafetensorsSource(path)
 
 
@@ -477,6 +491,8 @@ def open_reader(
         raise CheckpointError(f"reader: must be fast or plain, got {reader!r}")
     fast = {"max_inflight": max_inflight, "threads": threads} if reader == "fast" else {}
     fmt = resolve_format(path, format)
+    if fmt in TRAINING_FORMATS:
+        return _training_reader(path, fmt, model, expected, fast)
     if fmt == "dcp":
         from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
 
@@ -505,6 +521,28 @@ def open_reader(
 
         return FastHFReader(path, model_type=model_type, expected=expected, **fast)
     return HFSafetensorsReader(path, model_type=model_type, expected=expected)
+
+
+def _training_reader(
+    path: str | os.PathLike,
+    fmt: str,
+    model: nn.Module | None,
+    expected: dict[str, torch.Size] | None,
+    fast: dict[str, Any],
+) -> Any:
+    """A Megatron / torchtitan dir's reader in the model's state-dict names."""
+    from qckpt.checkpoint.training_sources import FastTrainingReader, TrainingReader
+
+    config = getattr(model, "config", None)
+    if config is None:
+        raise CheckpointError(
+            f"{path}: a {fmt} checkpoint is read into a model (model.source names the HF "
+            "config its tensors map onto)"
+        )
+    if expected is None:
+        expected = {k: v.shape for k, v in model.state_dict(keep_vars=True).items()}
+    cls = FastTrainingReader if fast else TrainingReader
+    return cls(path, fmt, config=config, expected=expected, **fast)
 
 
 def _refuse_quantized_dcp(md: Any, path: str | os.PathLike) -> None:

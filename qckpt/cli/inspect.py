@@ -16,6 +16,14 @@ def inspect_cmd(
         Path, typer.Argument(help="A DCP dir, an HF/export dir, or a .safetensors file.")
     ],
     json_path: JsonOpt = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="For a Megatron / torchtitan checkpoint: the HF config (a model dir or a "
+            "built-in name) its tensors map onto.",
+        ),
+    ] = None,
 ) -> None:
     """Tell what a checkpoint, an export or a calibration file holds.
 
@@ -26,6 +34,8 @@ def inspect_cmd(
         qckpt inspect runs/tiny-moe/calib.safetensors
 
         qckpt inspect runs/tiny-moe/fp8 --json export.json
+
+        qckpt inspect megatron/iter_0001000 --model path/to/hf-config-dir
     """
     from qckpt.outputs import guard
 
@@ -33,6 +43,6 @@ def inspect_cmd(
     from qckpt.inspect import inspect_path
     from qckpt.report import render_mapping
 
-    info = inspect_path(path)
+    info = inspect_path(path, model)
     render_mapping(f"{info['kind']}: {path}", info, console=_output.out)
     _output.write_json(json_path, info)

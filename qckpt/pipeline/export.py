@@ -37,6 +37,7 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
         source_dir = source if cfg is not None and Path(source).is_dir() else None
         plan = plan_export(
             source=recipe.checkpoint.path,
+            source_format=recipe.checkpoint.format,
             calibration=calibration,
             output=recipe.export.output,
             model_type=cfg.model_type,

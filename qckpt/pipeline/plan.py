@@ -149,6 +149,7 @@ class _Planner:
             recipe.checkpoint.format,
             model_type=model_type(self.whole) or None,
             expected=expected,
+            config=getattr(self.whole, "config", None),
         )
         self._sharded: dict[tuple[int, int], nn.Module | str] = {}
         self._refusals: dict[tuple, str | None] = {}

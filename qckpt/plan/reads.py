@@ -53,12 +53,15 @@ class Reads:
     ):
         self.path, self.format, self._md, self._reader = path, fmt, md, reader
         self.fast = fast
+        self.config: Any = None  # a training checkpoint's HF config (its names' source)
 
     def using(self, reader: str) -> Reads:
         """These reads as ``load.reader`` ``reader`` does them: ``fast`` reads only the
         overlap of a DCP chunk (positional reads of the stored bytes), ``plain`` the whole
         chunk (``torch.load``)."""
-        return Reads(self.path, self.format, self._md, self._reader, fast=reader == "fast")
+        out = Reads(self.path, self.format, self._md, self._reader, fast=reader == "fast")
+        out.config = self.config
+        return out
 
     @classmethod
     def open(
@@ -68,14 +71,23 @@ class Reads:
         *,
         model_type: str | None = None,
         expected: dict[str, torch.Size] | None = None,
+        config: Any = None,
     ) -> Reads:
         """Metadata of the checkpoint at ``path``; a path that does not exist plans from the
-        model's own size (a plan must work before the checkpoint is written)."""
+        model's own size (a plan must work before the checkpoint is written). A training
+        checkpoint (megatron, torchtitan) is read in the names of ``config``."""
         if path is None or not os.path.exists(path):
             return cls(None, "none")
-        from qckpt.checkpoint.sources import open_reader, resolve_format
+        from qckpt.checkpoint.sources import TRAINING_FORMATS, open_reader, resolve_format
 
         fmt = resolve_format(path, format)
+        if fmt in TRAINING_FORMATS:
+            from qckpt.checkpoint.training_sources import TrainingReader
+
+            reader = TrainingReader(path, fmt, config=config, expected=expected)
+            out = cls(path, fmt, reader.read_metadata(), reader)
+            out.config = config
+            return out
         if fmt == "dcp":
             reader = open_reader(path, fmt)
             return cls(path, fmt, reader.read_metadata(), reader)
@@ -114,7 +126,19 @@ class Reads:
         box = _lead(region(t), len(m.size))
         if self.format == "dcp":
             return self._dcp(name, m, box)
+        if self.format in ("megatron", "torchtitan"):
+            return self._training(name, m, box)
         return self._hf(name, m, box)
+
+    def _training(self, name: str, m: Any, box: tuple) -> int:
+        """A training checkpoint's reads: each piece's overlap, read as it lies (both
+        readers read a piece's rows, never its whole stored chunk)."""
+        total = 0
+        for c in m.chunks:
+            hit = _overlap(tuple(c.offsets), tuple(c.sizes), *box)
+            if hit is not None:
+                total += math.prod(hit[1]) * m.properties.dtype.itemsize
+        return total
 
     def _dcp(self, name: str, m: Any, box: tuple) -> int:
         from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -221,6 +245,6 @@ def source_sizes(reads: Reads, whole: Any) -> tuple[int, int]:
         return max(sizes, default=0), sum(sizes)
     from qckpt.checkpoint.sources import open_source
 
-    entries = open_source(reads.path, reads.format).entries()
+    entries = open_source(reads.path, reads.format, config=reads.config).entries()
     largest = max((_value_bytes(e.shape, e.torch_dtype) for e in entries), default=0)
     return largest, sum(e.nbytes for e in entries)

@@ -8,6 +8,7 @@ import os
 from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
+from qckpt.cli._gpus import GpuUse
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
 from qckpt.outputs import guard as guard_paths
 from qckpt.outputs import recipe_inputs
@@ -41,7 +42,10 @@ def calibrate_cmd(
         outs = [("calibrate.output", r.calibrate.output), ("--json", json_path)]
         guard_paths(outs, ins, file_outputs=["calibrate.output", "--json"])
 
-    r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
+    def gpus(r: Recipe) -> GpuUse:
+        return GpuUse("load.device", r.load.device)
+
+    r = start(recipe, set_, nproc_per_node, verbose, guard=guard, gpus=gpus)
     with phases.phase(phases.STARTUP):
         from qckpt.pipeline.imports import cuda_warmup, warm_imports
 

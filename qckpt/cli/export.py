@@ -5,6 +5,7 @@ from __future__ import annotations
 from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
+from qckpt.cli._gpus import GpuUse
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
 from qckpt.outputs import check_export_target, recipe_inputs
 from qckpt.outputs import guard as guard_paths
@@ -45,7 +46,10 @@ def export_cmd(
         )
         check_export_target(r.export.output, r.export.overwrite)
 
-    r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
+    def gpus(r: Recipe) -> GpuUse:
+        return GpuUse("export.device", r.export.device, share=True)
+
+    r = start(recipe, set_, nproc_per_node, verbose, guard=guard, parallel=False, gpus=gpus)
     with phases.phase(phases.STARTUP):
         from qckpt.pipeline.imports import warm_imports
 
@@ -56,7 +60,7 @@ def export_cmd(
 
     # the ranks only agree on small things (a temp dir's name, who failed): gloo on the host,
     # whatever device quantizes
-    with world(r, "cpu") as mesh:
+    with world(r, "cpu", parallel=False) as mesh:
         rep = export(r, mesh, hooks=_output.hooks())
         with phases.phase(phases.REPORT):  # in the world: every rank's peaks are gathered
             data = _output.with_phases(rep.to_dict(), mesh)

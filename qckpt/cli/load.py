@@ -11,6 +11,7 @@ import typer
 from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
+from qckpt.cli._gpus import GpuUse
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
 from qckpt.outputs import guard as guard_paths
 from qckpt.outputs import recipe_inputs
@@ -50,7 +51,10 @@ def load_cmd(
         outs = [("--json", json_path), ("--plot", plot)]
         guard_paths(outs, recipe_inputs(r, recipe), file_outputs=["--json", "--plot"])
 
-    r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
+    def gpus(r: Recipe) -> GpuUse:
+        return GpuUse("load.device", r.load.device)
+
+    r = start(recipe, set_, nproc_per_node, verbose, guard=guard, gpus=gpus)
     if r.load.backend == "te":
         from qckpt.formats.te import require_te
 

@@ -25,7 +25,7 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     from qckpt.parallel.mesh import pick_device
 
     # first: a device that is not there is refused before any work
-    device = pick_device(recipe.export.device, key="export.device")
+    device = pick_device(recipe.export.device, key="export.device", share=True)
     # the export's seconds (and GB/s) count from here, the start of planning, to the committed
     # dir on the main rank: the same span for one process and for every rank count
     started = time.perf_counter()

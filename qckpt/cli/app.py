@@ -13,6 +13,7 @@ import typer
 from qckpt import __version__, phases
 from qckpt.cli import calibrate, check, convert, export, inspect, load, plan
 from qckpt.cli._errors import interruptible, report
+from qckpt.term import quiet_third_party
 
 app = typer.Typer(
     name="qckpt",
@@ -51,21 +52,6 @@ def _root(
     pass
 
 
-def _quiet_third_party() -> None:
-    # Libraries we import log their own optional-dependency chatter at import time; a user of
-    # qckpt should see qckpt's lines only (QCKPT_DEBUG=1 keeps everything).
-    if os.environ.get("QCKPT_DEBUG"):
-        return
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    logging.getLogger("torch").setLevel(logging.ERROR)
-
-
 def _terminate_as_interrupt() -> Any:
     """SIGTERM unwinds like Ctrl-C (temps removed, ``qckpt: interrupted``, exit 130). Not under
     torchrun: there a SIGTERM is torchrun stopping its workers, and a worker blocked in a
@@ -85,7 +71,7 @@ def _terminate_as_interrupt() -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     phases.begin()  # the command's time and memory, from the process start (issue 18)
-    _quiet_third_party()
+    quiet_third_party()
     old_term = _terminate_as_interrupt()
     from qckpt.kernel_policy import KernelPolicy, kernel_policy
 

@@ -55,6 +55,7 @@ def calibrate_cmd(
         warm_imports(r.model.source, *mods, cuda_first_use=warm or False)
         from qckpt.pipeline.calibrate import calibrate
         from qckpt.report import render_amax_report, render_command
+        from qckpt.summary import calibrate_summary
 
         # the ~400k objects the imports made live as long as the process: out of the cyclic
         # GC's sight, a full collection (one fell after the sync, where the file's 10^4 amaxes
@@ -69,9 +70,10 @@ def calibrate_cmd(
             keys += ("batches",)  # pure DP: dealt as the ranks came free, so they differ
             mine = {k: res.report.get(k) for k in (*keys, "read")}
             data = _output.with_phases({**res.report, "data": res.data}, mesh, mine)
-            if _output.speaks():
+            if _output.verbose():
                 render_amax_report(res.report)
                 render_command(data)
+            _output.summary(calibrate_summary(data, str(res.output), r.calibrate.algorithm))
             _output.write_json(json_path, data)
         n = len(res.state.amax)
         _output.result(f"wrote {res.output}: {n} amax values from {res.world_size} rank(s)")

@@ -107,8 +107,12 @@ def _report(json_path: Path | None, data: dict) -> None:
 
     with phases.phase(phases.REPORT):
         data = _output.with_phases(data)
-        if _output.speaks():
+        if _output.verbose():
             render_command(data)
+        if "src" in data:
+            from qckpt.summary import convert_summary
+
+            _output.summary(convert_summary(data))
         _output.write_json(json_path, data)
 
 

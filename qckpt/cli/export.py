@@ -57,6 +57,7 @@ def export_cmd(
         warm_imports(r.model.source, *mods, "qckpt.report")
         from qckpt.pipeline.export import export
         from qckpt.report import render_command, render_export_report
+        from qckpt.summary import export_summary
 
     # the ranks only agree on small things (a temp dir's name, who failed): gloo on the host,
     # whatever device quantizes
@@ -64,10 +65,9 @@ def export_cmd(
         rep = export(r, mesh, hooks=_output.hooks())
         with phases.phase(phases.REPORT):  # in the world: every rank's peaks are gathered
             data = _output.with_phases(rep.to_dict(), mesh)
-            if _output.speaks():
+            if _output.verbose():
                 render_export_report(rep.to_dict())
                 render_command(data)
-            for w in rep.warnings:
-                _output.log(f"warning: {w}")
+            _output.summary(export_summary(data))
             _output.write_json(json_path, data)
     _output.result(f"wrote {r.export.output} ({r.export.format}) on {rep.world_size} rank(s)")

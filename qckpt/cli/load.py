@@ -68,6 +68,7 @@ def load_cmd(
         from qckpt.pipeline.load import load
         from qckpt.plot import plot_memory
         from qckpt.report import render_command, render_load_report
+        from qckpt.summary import load_summary
 
     with world(r, r.load.device) as mesh:
         res = load(r, mesh, compare=compare, hooks=_output.hooks())
@@ -78,9 +79,10 @@ def load_cmd(
                 with atomic_file(plot, key="--plot") as tmp:
                     plot_memory(res.reports, tmp)
             data = _output.with_phases(res.to_dict(str(recipe), r.load.params), mesh)
-            if _output.speaks():
+            if _output.verbose():
                 render_load_report(data)
                 render_command(data)
+            _output.summary(load_summary(data))
             _output.write_json(json_path, data)
         first = data["runs"][0]
         _output.result(

@@ -184,7 +184,7 @@ def data_summary(cfg: DataConfig, samples: int, hooks: Hooks = SILENT) -> dict:
     """What the calibration set held; a short file is said out loud (strict: refused earlier)."""
     short = samples < cfg.num_samples
     if short:
-        hooks.log(
+        hooks.warn(
             f"[yellow]warning:[/yellow] calibrate.data.path: {cfg.path} holds {samples} samples "
             f"of {cfg.seq_len} tokens, fewer than num_samples {cfg.num_samples}; calibrating "
             "on those (calibrate.data.strict: true refuses instead)"

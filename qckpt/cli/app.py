@@ -11,7 +11,7 @@ from typing import Any
 import typer
 
 from qckpt import __version__, phases
-from qckpt.cli import calibrate, check, convert, export, inspect, load, plan
+from qckpt.cli import calibrate, check, convert, export, init, inspect, load, plan
 from qckpt.cli._errors import interruptible, report
 from qckpt.term import quiet_third_party
 
@@ -35,6 +35,7 @@ app.command("inspect")(interruptible(inspect.inspect_cmd))
 app.command("convert")(interruptible(convert.convert_cmd))
 app.command("check")(interruptible(check.check_cmd))
 app.command("plan")(interruptible(plan.plan_cmd))
+app.command("init")(interruptible(init.init_cmd))
 
 
 def _version(value: bool) -> None:

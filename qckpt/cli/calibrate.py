@@ -41,6 +41,9 @@ def calibrate_cmd(
         ins = recipe_inputs(r, recipe) + [("calibrate.data.path", r.calibrate.data.path)]
         outs = [("calibrate.output", r.calibrate.output), ("--json", json_path)]
         guard_paths(outs, ins, file_outputs=["calibrate.output", "--json"])
+        from qckpt.calib.datasets import precheck
+
+        precheck(r.calibrate.data)
 
     def gpus(r: Recipe) -> GpuUse:
         return GpuUse("load.device", r.load.device)

@@ -51,10 +51,14 @@ def export_cmd(
 
     r = start(recipe, set_, nproc_per_node, verbose, guard=guard, parallel=False, gpus=gpus)
     with phases.phase(phases.STARTUP):
+        from qckpt.checkpoint.model_record import peek, usable
         from qckpt.pipeline.imports import warm_imports
 
         mods = ("qckpt.pipeline.export", "qckpt.checkpoint.export", "qckpt.calib.state_file")
-        warm_imports(r.model.source, *mods, "qckpt.report")
+        # the calibration file knows the model's linears: no model code to import (the export
+        # imports it itself when it does not)
+        known = usable(peek(r.calibrate.output), r.model.source)
+        warm_imports(None if known else r.model.source, *mods, "qckpt.report")
         from qckpt.pipeline.export import export
         from qckpt.report import render_command, render_export_report
         from qckpt.summary import export_summary

@@ -112,8 +112,17 @@ class QuantConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    source: Literal["synthetic", "text", "tokens"] = "synthetic"
+    source: Literal["synthetic", "text", "tokens", "dataset"] = "synthetic"
     path: str | None = None
+    # source: dataset (local only): a ``datasets`` save_to_disk dir, or JSONL / Parquet / Arrow
+    # files (a file or a dir of them). column: "text" (plain text) or "messages" (chat turns,
+    # rendered with the model's chat template); unset: whichever of the two the data has
+    column: str | None = None
+    split: str = "train"  # of a save_to_disk DatasetDict
+    shuffle_seed: int | None = None  # rows shuffled with this seed before use; unset: in order
+    # true: the samples' tokens concatenated and cut into seq_len pieces; false: each sample
+    # truncated to seq_len (samples shorter than seq_len are skipped)
+    pack: bool = True
     num_samples: int = 64
     seq_len: int = 128
     batch_size: int = 4

@@ -12,7 +12,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
+if __name__ == "__main__":  # a command: quiet the libraries before torch (and tqdm) load
+    from qckpt.term import quiet_third_party
+
+    quiet_third_party()
+
+import torch  # noqa: E402
 
 
 def reference_model(dcp_dir: str | Path, model_source: str | None = None, dtype=torch.bfloat16):
@@ -69,14 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--min-cosine", type=float, default=0.99)
     args = ap.parse_args(argv)
-    import os
+    from qckpt.term import quiet_third_party, quiet_torch_logs
 
-    from qckpt.term import quiet_torch_logs
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    quiet_third_party()
     quiet_torch_logs()
-    ref = reference_model(args.reference_dcp, args.model)
-    m = compare_logits(args.export_dir, ref)
+    from qckpt.term import third_party_stderr_muted
+
+    with third_party_stderr_muted():  # compressed-tensors' progress bars ignore every switch
+        ref = reference_model(args.reference_dcp, args.model)
+        m = compare_logits(args.export_dir, ref)
     ok = m["min_cosine"] >= args.min_cosine
     print(
         f"export {args.export_dir}: next-token logits vs BF16: min cosine {m['min_cosine']:.5f} "

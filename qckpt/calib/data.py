@@ -1,4 +1,5 @@
-"""Calibration batches: synthetic, a local text file, or a local file of token ids.
+"""Calibration batches: synthetic, a local text file, a local file of token ids, or a local
+dataset (:mod:`qckpt.calib.datasets`).
 
 The global set of samples is cut into global batches first (``batch_size`` samples each, the last
 one possibly shorter) and the batches are dealt round-robin to the data ranks. So the union over
@@ -69,6 +70,10 @@ def _samples(cfg: DataConfig, *, vocab_size: int, model_source: str | None) -> t
     if cfg.source == "synthetic":
         g = torch.Generator().manual_seed(1234)
         return torch.randint(0, vocab_size, (n, seq), generator=g, dtype=torch.long)
+    if cfg.source == "dataset":  # a dataset dir or JSONL / Parquet / Arrow files
+        from qckpt.calib.datasets import dataset_samples
+
+        return dataset_samples(cfg, vocab_size=vocab_size, model_source=model_source)
     path = Path(cfg.path or "")
     if not path.is_file():
         raise CalibrationError(f"calibrate.data.path: {path} not found")

@@ -66,6 +66,8 @@ class CalibrationState:
     model_type: str = ""
     model_fingerprint: str = ""
     quant: dict[str, Any] = field(default_factory=dict)
+    # what export needs to know of the model (qckpt.checkpoint.model_record); {}: not known
+    model: dict[str, Any] = field(default_factory=dict)
 
     # the one-value float32 amaxes as Python floats, read from the file in one go
     # (load_calibration): name -> (the tensor it is the value of, its value)
@@ -98,6 +100,8 @@ def save_calibration(
         "quant": json.dumps(state.quant, sort_keys=True),
         "quantizers": json.dumps(state.quantizers, sort_keys=True),
     }
+    if state.model:
+        meta["model"] = json.dumps(state.model, sort_keys=True)
     tensors = {k: v.detach().to(torch.float32).cpu() for k, v in state.amax.items()}
     # serialized here and written by Python, so a write error is an OSError naming its errno
     # (safetensors' own file writer reports it as a SafetensorError string)
@@ -156,6 +160,7 @@ def load_calibration(path: str | os.PathLike) -> CalibrationState:
         model_type=meta.get("model_type", ""),
         model_fingerprint=meta.get("model_fingerprint", ""),
         quant=json.loads(meta.get("quant", "{}")),
+        model=json.loads(meta.get("model", "{}")),
         floats={k: (tensors[k], v) for k, v in floats.items() if k in tensors},
     )
 

@@ -92,6 +92,15 @@ def _model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[st
     return linears, routers, embeddings
 
 
+def model_modules(model_config: Any) -> tuple[set[str], set[str], list[str]]:
+    """:func:`_model_linears` of a transformers config: what calibrate records for export."""
+    return _model_linears(model_config, model_config.model_type)
+
+
+def config_dict(model_config: Any) -> dict:
+    return _config_dict(model_config)
+
+
 def _model_dtype(cfg: dict, entries: list[HFEntry]) -> torch.dtype:
     name = cfg.get("dtype") or cfg.get("torch_dtype")
     if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
@@ -300,6 +309,7 @@ def plan_export(
     export: ExportConfig,
     source_dir: str | os.PathLike | None = None,
     source_format: str = "auto",
+    modules: tuple[set[str], set[str], list[str]] | None = None,
 ) -> ExportPlan:
     """The export of ``source`` with ``calibration`` into ``output``, decided and checked.
 
@@ -323,7 +333,8 @@ def plan_export(
     cfg = _model_config_dict(model_config, source_dir)
     model_dtype = _model_dtype(cfg, entries)
     layout: Layout = make_layout(export.format, quant, model_dtype)
-    linears, routers, embeddings = _model_linears(model_config, model_type)
+    # (linears, routers, embeddings): from the calibration file when it has them, else built
+    linears, routers, embeddings = modules or _model_linears(model_config, model_type)
 
     by_pattern = ignore_matcher(quant.ignore)
 

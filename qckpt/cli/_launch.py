@@ -69,6 +69,8 @@ def relaunch(nproc: int) -> int | None:
         if started is not None:  # the ranks' start-up phase counts from this command's start
             env[STARTED_ENV] = f"{started:.3f}"
         if os.environ.get("QCKPT_LAUNCHER", "") == "torchrun":
+            # what torchrun would set for several ranks per node, set before it prints a banner
+            env.setdefault("OMP_NUM_THREADS", "1")
             cmd = [sys.executable, "-m", "qckpt.cli._torchrun", "--standalone"]
             cmd += [f"--nproc-per-node={nproc}", *args]
             code = _wait(subprocess.Popen(cmd, env=env))

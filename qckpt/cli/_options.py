@@ -39,5 +39,10 @@ NprocOpt = Annotated[
     ),
 ]
 VerboseOpt = Annotated[
-    bool, typer.Option("--verbose", "-v", help="Every rank logs its own lines, not only rank 0.")
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Show the detail: each step's lines, the full tables, every rank's own lines.",
+    ),
 ]

@@ -29,12 +29,24 @@ def set_verbose(v: bool) -> None:
     _verbose = v
 
 
+def verbose() -> bool:
+    return _verbose
+
+
+def summary(lines: list[str]) -> None:
+    """The command's short summary on stderr, once (rank 0)."""
+    if rank() == 0:
+        for line in lines:
+            err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 def speaks() -> bool:
     return rank() == 0 or _verbose
 
 
 def log(msg: str) -> None:
-    """A log line on stderr (rank 0, or every rank with a prefix under --verbose)."""
+    """A line that must be seen (a note, a warning) on stderr: rank 0, or every rank with a
+    prefix under --verbose."""
     if rank() == 0 and not _verbose:
         err.print(msg)
     elif _verbose:
@@ -58,12 +70,13 @@ def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
 
 @contextmanager
 def progress(description: str, total: int | None) -> Iterator[Any]:
-    """A progress bar on stderr (rank 0 only).
+    """A progress bar on stderr with its rate and time left (rank 0, and only on a terminal:
+    a log file or a pipe gets the summary, not a bar's redraws).
 
     Yields a callback that takes either ``(n=1)`` (advance by n) or ``(done, total, what)``
     (absolute position, for steps that know their total only once they start).
     """
-    if rank() != 0:
+    if rank() != 0 or not err.is_terminal:
         yield lambda *a: None
         return
     # imported here: a command that draws no bar (--help, check) does not pay for it
@@ -73,31 +86,44 @@ def progress(description: str, total: int | None) -> Iterator[Any]:
         Progress,
         TextColumn,
         TimeElapsedColumn,
+        TimeRemainingColumn,
     )
 
     bar = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         console=err,
         transient=True,
     )
     with bar:
-        task = bar.add_task(description, total=total)
+        task = bar.add_task(description, total=total, rate="")
 
         def update(*args: Any) -> None:
             if len(args) >= 2:
                 bar.update(task, completed=args[0], total=args[1])
             else:
                 bar.advance(task, args[0] if args else 1)
+            speed = bar.tasks[0].speed
+            if speed:
+                bar.update(task, rate=f"{speed:.1f}/s")
 
         yield update
 
 
+def detail(msg: str) -> None:
+    """A pipeline's step-by-step line: only under --verbose (the summary says what matters)."""
+    if _verbose:
+        log(msg)
+
+
 def hooks() -> Hooks:
-    """The pipeline's log lines and progress bars, drawn here."""
-    return Hooks(log=log, progress=progress)
+    """The pipeline's log lines (detail: --verbose) and progress bars, drawn here."""
+    return Hooks(log=detail, warn=log, progress=progress)
 
 
 def with_phases(

@@ -11,8 +11,9 @@ from typing import Any
 import typer
 
 from qckpt import __version__, phases
-from qckpt.cli import calibrate, check, convert, export, inspect, load, plan
+from qckpt.cli import calibrate, check, convert, export, init, inspect, load, plan
 from qckpt.cli._errors import interruptible, report
+from qckpt.term import quiet_third_party
 
 app = typer.Typer(
     name="qckpt",
@@ -34,6 +35,7 @@ app.command("inspect")(interruptible(inspect.inspect_cmd))
 app.command("convert")(interruptible(convert.convert_cmd))
 app.command("check")(interruptible(check.check_cmd))
 app.command("plan")(interruptible(plan.plan_cmd))
+app.command("init")(interruptible(init.init_cmd))
 
 
 def _version(value: bool) -> None:
@@ -49,21 +51,6 @@ def _root(
     ),
 ) -> None:
     pass
-
-
-def _quiet_third_party() -> None:
-    # Libraries we import log their own optional-dependency chatter at import time; a user of
-    # qckpt should see qckpt's lines only (QCKPT_DEBUG=1 keeps everything).
-    if os.environ.get("QCKPT_DEBUG"):
-        return
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    logging.getLogger("torch").setLevel(logging.ERROR)
 
 
 def _terminate_as_interrupt() -> Any:
@@ -85,7 +72,7 @@ def _terminate_as_interrupt() -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     phases.begin()  # the command's time and memory, from the process start (issue 18)
-    _quiet_third_party()
+    quiet_third_party()
     old_term = _terminate_as_interrupt()
     from qckpt.kernel_policy import KernelPolicy, kernel_policy
 

@@ -8,6 +8,7 @@ import os
 from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
+from qckpt.cli._gpus import GpuUse
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
 from qckpt.outputs import guard as guard_paths
 from qckpt.outputs import recipe_inputs
@@ -40,8 +41,14 @@ def calibrate_cmd(
         ins = recipe_inputs(r, recipe) + [("calibrate.data.path", r.calibrate.data.path)]
         outs = [("calibrate.output", r.calibrate.output), ("--json", json_path)]
         guard_paths(outs, ins, file_outputs=["calibrate.output", "--json"])
+        from qckpt.calib.datasets import precheck
 
-    r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
+        precheck(r.calibrate.data)
+
+    def gpus(r: Recipe) -> GpuUse:
+        return GpuUse("load.device", r.load.device)
+
+    r = start(recipe, set_, nproc_per_node, verbose, guard=guard, gpus=gpus)
     with phases.phase(phases.STARTUP):
         from qckpt.pipeline.imports import cuda_warmup, warm_imports
 
@@ -51,6 +58,7 @@ def calibrate_cmd(
         warm_imports(r.model.source, *mods, cuda_first_use=warm or False)
         from qckpt.pipeline.calibrate import calibrate
         from qckpt.report import render_amax_report, render_command
+        from qckpt.summary import calibrate_summary
 
         # the ~400k objects the imports made live as long as the process: out of the cyclic
         # GC's sight, a full collection (one fell after the sync, where the file's 10^4 amaxes
@@ -65,9 +73,10 @@ def calibrate_cmd(
             keys += ("batches",)  # pure DP: dealt as the ranks came free, so they differ
             mine = {k: res.report.get(k) for k in (*keys, "read")}
             data = _output.with_phases({**res.report, "data": res.data}, mesh, mine)
-            if _output.speaks():
+            if _output.verbose():
                 render_amax_report(res.report)
                 render_command(data)
+            _output.summary(calibrate_summary(data, str(res.output), r.calibrate.algorithm))
             _output.write_json(json_path, data)
         n = len(res.state.amax)
         _output.result(f"wrote {res.output}: {n} amax values from {res.world_size} rank(s)")

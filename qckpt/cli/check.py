@@ -47,5 +47,9 @@ def check_cmd(
     )
     for line in res.lines():
         _output.result(line)
+    from qckpt import phases
+    from qckpt.summary import figures
+
+    _output.summary(figures(phases.summary()))
     if not res.ok:
         raise typer.Exit(1)

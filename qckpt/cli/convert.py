@@ -95,7 +95,7 @@ def convert_cmd(
     # SIGTERM unwinds (removing the temp dir) in a plain run; under torchrun it must kill a rank
     # at once, even one blocked in a collective (a Python handler would wait for it to return)
     on_term = contextlib.nullcontext() if under_torchrun() else terminate_as_interrupt()
-    with world(r, "cpu") as mesh, on_term:
+    with world(r, "cpu", parallel=False) as mesh, on_term:
         convert(kind=kind, to=to, src=src, dst=dst, recipe=r, mesh=mesh, model_config=model)
     _report(json_path, {"src": str(src), "dst": str(dst), "to": to})
     _output.result(f"wrote {dst} ({to})")
@@ -107,8 +107,12 @@ def _report(json_path: Path | None, data: dict) -> None:
 
     with phases.phase(phases.REPORT):
         data = _output.with_phases(data)
-        if _output.speaks():
+        if _output.verbose():
             render_command(data)
+        if "src" in data:
+            from qckpt.summary import convert_summary
+
+            _output.summary(convert_summary(data))
         _output.write_json(json_path, data)
 
 
@@ -132,12 +136,12 @@ def _start(
         def guard(r: Recipe) -> None:
             _guard_paths(src, outs, True, model_in, r)
 
-        return start(src, set_, nproc, verbose, guard=guard)
+        return start(src, set_, nproc, verbose, guard=guard, parallel=False)
     from qckpt.recipe import recipe_from_dict
 
     # a recipe made of the arguments (an HF dir is the model), validated before any rank starts
     raw = {"model": {"source": str(src)}} if kind == "hf" else {}
-    return start_with(lambda: recipe_from_dict(raw, set_ or []), nproc, verbose)
+    return start_with(lambda: recipe_from_dict(raw, set_ or []), nproc, verbose, parallel=False)
 
 
 def _refuse_existing(dst: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
+from qckpt.cli._gpus import GpuUse
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
 from qckpt.outputs import check_export_target, recipe_inputs
 from qckpt.outputs import guard as guard_paths
@@ -45,25 +46,32 @@ def export_cmd(
         )
         check_export_target(r.export.output, r.export.overwrite)
 
-    r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
+    def gpus(r: Recipe) -> GpuUse:
+        return GpuUse("export.device", r.export.device, share=True)
+
+    r = start(recipe, set_, nproc_per_node, verbose, guard=guard, parallel=False, gpus=gpus)
     with phases.phase(phases.STARTUP):
+        from qckpt.checkpoint.model_record import peek, usable
         from qckpt.pipeline.imports import warm_imports
 
         mods = ("qckpt.pipeline.export", "qckpt.checkpoint.export", "qckpt.calib.state_file")
-        warm_imports(r.model.source, *mods, "qckpt.report")
+        # the calibration file knows the model's linears: no model code to import (the export
+        # imports it itself when it does not)
+        known = usable(peek(r.calibrate.output), r.model.source)
+        warm_imports(None if known else r.model.source, *mods, "qckpt.report")
         from qckpt.pipeline.export import export
         from qckpt.report import render_command, render_export_report
+        from qckpt.summary import export_summary
 
     # the ranks only agree on small things (a temp dir's name, who failed): gloo on the host,
     # whatever device quantizes
-    with world(r, "cpu") as mesh:
+    with world(r, "cpu", parallel=False) as mesh:
         rep = export(r, mesh, hooks=_output.hooks())
         with phases.phase(phases.REPORT):  # in the world: every rank's peaks are gathered
             data = _output.with_phases(rep.to_dict(), mesh)
-            if _output.speaks():
+            if _output.verbose():
                 render_export_report(rep.to_dict())
                 render_command(data)
-            for w in rep.warnings:
-                _output.log(f"warning: {w}")
+            _output.summary(export_summary(data))
             _output.write_json(json_path, data)
     _output.result(f"wrote {r.export.output} ({r.export.format}) on {rep.world_size} rank(s)")

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from qckpt.cli import _output
-from qckpt.cli._options import JsonOpt
+from qckpt.cli._options import JsonOpt, VerboseOpt
 
 
 def inspect_cmd(
@@ -24,6 +24,7 @@ def inspect_cmd(
             "built-in name) its tensors map onto.",
         ),
     ] = None,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Tell what a checkpoint, an export or a calibration file holds.
 
@@ -40,9 +41,17 @@ def inspect_cmd(
     from qckpt.outputs import guard
 
     guard([("--json", json_path)], [("PATH", path)], file_outputs=["--json"])
+    from qckpt import phases
     from qckpt.inspect import inspect_path
-    from qckpt.report import render_mapping
+    from qckpt.summary import figures, inspect_summary
 
     info = inspect_path(path, model)
-    render_mapping(f"{info['kind']}: {path}", info, console=_output.out)
+    if verbose:
+        from qckpt.report import render_mapping
+
+        render_mapping(f"{info['kind']}: {path}", info, console=_output.out)
+    else:
+        for line in inspect_summary(info, str(path)):
+            _output.result(line)
     _output.write_json(json_path, info)
+    _output.summary(figures(phases.summary()))

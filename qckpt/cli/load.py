@@ -11,6 +11,7 @@ import typer
 from qckpt import phases
 from qckpt.cli import _output
 from qckpt.cli._common import start, world
+from qckpt.cli._gpus import GpuUse
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
 from qckpt.outputs import guard as guard_paths
 from qckpt.outputs import recipe_inputs
@@ -50,7 +51,10 @@ def load_cmd(
         outs = [("--json", json_path), ("--plot", plot)]
         guard_paths(outs, recipe_inputs(r, recipe), file_outputs=["--json", "--plot"])
 
-    r = start(recipe, set_, nproc_per_node, verbose, guard=guard)
+    def gpus(r: Recipe) -> GpuUse:
+        return GpuUse("load.device", r.load.device)
+
+    r = start(recipe, set_, nproc_per_node, verbose, guard=guard, gpus=gpus)
     if r.load.backend == "te":
         from qckpt.formats.te import require_te
 
@@ -64,6 +68,7 @@ def load_cmd(
         from qckpt.pipeline.load import load
         from qckpt.plot import plot_memory
         from qckpt.report import render_command, render_load_report
+        from qckpt.summary import load_summary
 
     with world(r, r.load.device) as mesh:
         res = load(r, mesh, compare=compare, hooks=_output.hooks())
@@ -74,9 +79,10 @@ def load_cmd(
                 with atomic_file(plot, key="--plot") as tmp:
                     plot_memory(res.reports, tmp)
             data = _output.with_phases(res.to_dict(str(recipe), r.load.params), mesh)
-            if _output.speaks():
+            if _output.verbose():
                 render_load_report(data)
                 render_command(data)
+            _output.summary(load_summary(data))
             _output.write_json(json_path, data)
         first = data["runs"][0]
         _output.result(

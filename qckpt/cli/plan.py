@@ -102,6 +102,9 @@ def plan_cmd(
     refuse_code_in_sources(r)
     base = recipe_layout(r)
     extra = [parse_layout(spec, base) for spec in layout or []]
+    from qckpt.term import quiet_torch_logs
+
+    quiet_torch_logs()
     from qckpt.pipeline.plan import plan
     from qckpt.plan.render import render_plan
 

@@ -68,15 +68,25 @@ class Mesh:
         return self.dp_rank * self.ep + self.ep_rank
 
 
-def pick_device(device: str = "auto", key: str = "load.device") -> torch.device:
+def pick_device(
+    device: str = "auto", key: str = "load.device", share: bool = False
+) -> torch.device:
     """``device`` (auto | cpu | cuda) as this rank's device; ``key`` names the recipe field in
-    the error when CUDA is asked for and missing."""
+    the error when CUDA is asked for and missing. More ranks than GPUs: with ``share`` rank r
+    uses GPU r mod count, else a one-line error (NCCL allows no two ranks on one GPU)."""
     if device == "cpu":
         return torch.device("cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"{key}: cuda asked for but no CUDA device is available")
     if device in ("cuda", "auto") and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
+        count = torch.cuda.device_count()
+        if local >= count and not share:
+            raise UsageError(
+                f"{key}: local rank {local} has no GPU of its own ({count} visible); "
+                "start at most one rank per GPU"
+            )
+        local %= count
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")

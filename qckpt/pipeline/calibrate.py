@@ -89,10 +89,23 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     out = recipe.calibrate.output
     if mesh.is_main:
         with phases.phase(phases.WRITE):
+            state.model = _model_record(recipe.model.source)
             save_calibration(state, out)
     return CalibrateResult(
         state=state, report=report, data=data_report, output=out, world_size=mesh.world_size
     )
+
+
+def _model_record(source: str) -> dict:
+    """What export needs of the model (``qckpt.checkpoint.model_record``), so that it need not
+    import the model's code; made from a meta build of the config (the model's code is loaded
+    here anyway), as export would make it."""
+    from qckpt.checkpoint.export_plan import config_dict, model_modules
+    from qckpt.checkpoint.model_record import make_record
+    from qckpt.models.build import load_config
+
+    cfg = load_config(source)
+    return make_record(source, config_dict(cfg), model_modules(cfg))
 
 
 def _data(recipe: Recipe, mesh: Mesh, vocab_size: int, dealt: bool, hooks: Hooks):
@@ -184,7 +197,7 @@ def data_summary(cfg: DataConfig, samples: int, hooks: Hooks = SILENT) -> dict:
     """What the calibration set held; a short file is said out loud (strict: refused earlier)."""
     short = samples < cfg.num_samples
     if short:
-        hooks.log(
+        hooks.warn(
             f"[yellow]warning:[/yellow] calibrate.data.path: {cfg.path} holds {samples} samples "
             f"of {cfg.seq_len} tokens, fewer than num_samples {cfg.num_samples}; calibrating "
             "on those (calibrate.data.strict: true refuses instead)"

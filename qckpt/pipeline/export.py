@@ -21,18 +21,21 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     tensors into the shared shard files, quantizing on its GPU when ``export.device`` allows one (pick_device)."""
     from qckpt.calib.state_file import load_calibration
     from qckpt.checkpoint.export import WriteOptions, gc_paused, plan_export, write_export
+    from qckpt.checkpoint.model_record import modules_of, usable
     from qckpt.models.build import load_config
     from qckpt.parallel.mesh import pick_device
 
     # first: a device that is not there is refused before any work
-    device = pick_device(recipe.export.device, key="export.device")
+    device = pick_device(recipe.export.device, key="export.device", share=True)
     # the export's seconds (and GB/s) count from here, the start of planning, to the committed
     # dir on the main rank: the same span for one process and for every rank count
     started = time.perf_counter()
     with phases.phase(phases.PLAN), gc_paused():
         calibration = load_calibration(recipe.calibrate.output)
         source = recipe.model.source
-        cfg = load_config(source)
+        rec = calibration.model if usable(calibration.model, source) else None
+        # the calibration file knows the model: no transformers config, no meta build
+        cfg = _config_of(source, rec) if rec is not None else load_config(source)
         # a model dir's config.json, tokenizer and generation files travel with the export
         source_dir = source if cfg is not None and Path(source).is_dir() else None
         plan = plan_export(
@@ -40,11 +43,12 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
             source_format=recipe.checkpoint.format,
             calibration=calibration,
             output=recipe.export.output,
-            model_type=cfg.model_type,
+            model_type=cfg["model_type"] if isinstance(cfg, dict) else cfg.model_type,
             model_config=cfg,
             quant=recipe.quant,
             export=recipe.export,
             source_dir=source_dir,
+            modules=modules_of(rec) if rec is not None else None,
         )
     options = WriteOptions(
         device=str(device), writers=recipe.export.writers, unmap_large_allocations=True
@@ -57,3 +61,14 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
             return write_export(plan, progress=advance, started=started, mesh=mesh, options=options)
     finally:
         gc.unfreeze()
+
+
+def _config_of(source: str, rec: dict) -> dict:
+    """The model's config as a dict: the model dir's config.json (what the export writes), or
+    the one the calibration file recorded for a built-in name."""
+    path = Path(source) / "config.json"
+    if path.is_file():
+        from qckpt.checkpoint.safetensors_io import read_json
+
+        return read_json(path, what="model config")
+    return dict(rec["config"])

@@ -22,10 +22,12 @@ def _no_progress(description: str, total: int | None) -> Iterator[Callable[..., 
 
 @dataclass(frozen=True, kw_only=True)
 class Hooks:
-    """``log(line)``; ``progress(description, total)`` is a context manager yielding the
-    callback a step advances (``(n=1)``, or ``(done, total, what)``)."""
+    """``log(line)``: a step's detail; ``warn(line)``: something the user must see;
+    ``progress(description, total)`` is a context manager yielding the callback a step advances
+    (``(n=1)``, or ``(done, total, what)``)."""
 
     log: Callable[[str], None] = _no_log
+    warn: Callable[[str], None] = _no_log
     progress: Callable[[str, int | None], AbstractContextManager[Callable[..., Any]]] = _no_progress
 
 

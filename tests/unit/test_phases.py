@@ -173,7 +173,7 @@ def _run(cmd: str, *args: str, cwd) -> tuple[dict, float]:
     r = run_qckpt(cmd, *args, "--json", f"{cmd}.json", cwd=cwd)
     wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "time (s)" in r.stderr and "whole-command peaks" in r.stderr
+    assert "  time " in r.stderr and "  peak host RSS " in r.stderr  # the summary's lines
     return json.loads((cwd / f"{cmd}.json").read_text()), wall
 
 

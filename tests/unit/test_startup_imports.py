@@ -192,3 +192,72 @@ def test_cuda_first_use_runs_on_a_thread_during_the_imports_and_is_joined(monkey
     assert not imports.cuda_warmup_wanted("cpu", {"QCKPT_CUDA_WARMUP": "1"})
     assert imports.cuda_warmup_wanted("cuda", {})  # on by default
     assert not imports.cuda_warmup_wanted("cuda", {"QCKPT_CUDA_WARMUP": "0"})
+
+
+def _imports_of(argvs: dict, cwd) -> dict:
+    """{name: [exit code, which of HEAVY + transformers' modeling code it imported]}, each argv
+    run through ``main`` in a fresh process of its own."""
+    mods = (*HEAVY, "transformers.modeling_utils", "torch.distributed.checkpoint")
+    code = (
+        "import json, sys\nfrom qckpt.cli.app import main\n"
+        "try:\n    main(json.loads(sys.argv[1]))\n    rc = 0\n"
+        "except SystemExit as e:\n    rc = e.code if isinstance(e.code, int) else 1\n"
+        f"print('RESULT', json.dumps([rc, [m for m in {mods!r} if m in sys.modules]]))\n"
+    )
+    out = {}
+    for name, argv in argvs.items():
+        r = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(argv)],
+            capture_output=True, text=True, timeout=300, cwd=str(cwd),
+        )  # fmt: skip
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        assert line is not None, r.stderr[-2000:]
+        out[name] = json.loads(line[len("RESULT ") :])
+    return out
+
+
+def test_export_check_and_inspect_import_no_model_code(tmp_path):
+    """What each command that needs no model code imports (issue 30): export reads the model's
+    linears from the calibration file that calibrate wrote, so it imports torch but none of
+    transformers; check and inspect of an export or a calibration file import no torch; the
+    export is byte for byte the one made by building the model."""
+    from qckpt.calib.state_file import load_calibration, save_calibration
+    from qckpt.checkpoint.model_record import peek, usable
+    from tests._inproc import run_main
+
+    recipe = str(ROOT / "configs" / "tiny-dense.yaml")
+    sets = [
+        "--set", f"checkpoint.path={tmp_path}/dcp", "--set", f"calibrate.output={tmp_path}/c.safetensors",
+        "--set", "calibrate.data.num_samples=4",
+    ]  # fmt: skip
+    assert run_main("convert", recipe, f"{tmp_path}/dcp", *sets, cwd=tmp_path).returncode == 0
+    assert run_main("calibrate", recipe, *sets, cwd=tmp_path).returncode == 0
+    assert usable(peek(tmp_path / "c.safetensors"), "tiny-dense")
+    # the same calibration without the record: export builds the model as it always did
+    state = load_calibration(tmp_path / "c.safetensors")
+    state.model = {}
+    save_calibration(state, tmp_path / "bare.safetensors")
+    bare = [*sets, "--set", f"calibrate.output={tmp_path}/bare.safetensors"]
+    fast = [*sets, "--set", f"export.output={tmp_path}/fast"]
+    got = _imports_of(
+        {
+            "export": ["export", recipe, *fast],
+            "export, no record": [
+                "export",
+                recipe,
+                *bare,
+                "--set",
+                f"export.output={tmp_path}/slow",
+            ],
+            "check": ["check", f"{tmp_path}/fast"],
+            "inspect a calibration": ["inspect", f"{tmp_path}/c.safetensors"],
+        },
+        tmp_path,
+    )
+    assert got["export"] == [0, ["torch", "safetensors.torch", "torch.distributed.checkpoint"]], got
+    assert got["export, no record"][0] == 0
+    assert "transformers.modeling_utils" in got["export, no record"][1]
+    assert got["check"] == [0, []] and got["inspect a calibration"] == [0, []], got
+    for f in sorted(p.name for p in (tmp_path / "slow").iterdir()):
+        if f != ".qckpt-export.json":
+            assert (tmp_path / "fast" / f).read_bytes() == (tmp_path / "slow" / f).read_bytes(), f

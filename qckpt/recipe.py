@@ -142,7 +142,9 @@ class DataConfig:
 @dataclass(kw_only=True)
 class CalibrateConfig:
     data: DataConfig = field(default_factory=DataConfig)
-    algorithm: Literal["max"] = "max"
+    # max: amax = max |x|; mse: weight and static-input scales searched to minimise the
+    # quantization error (qckpt/calib/mse.py), the forwards unchanged
+    algorithm: Literal["max", "mse"] = "max"
     output: str = "runs/tiny/calib.safetensors"
     share_expert_inputs: bool = True
     # the format the weights are held in while calibrating: bf16 = the model's dtype; a quantized
@@ -161,6 +163,13 @@ class CalibrateConfig:
 
     def validate(self, path: str) -> None:
         self.data.validate(f"{path}.data")
+        if self.algorithm != "max" and (self.offload != "none" or self.weights_resident != "bf16"):
+            # the search reads each weight's own values: resident, in the model's dtype
+            raise RecipeError(
+                f"{path}.algorithm: {self.algorithm} needs {path}.offload: none and "
+                f"{path}.weights_resident: bf16 (got offload {self.offload}, weights_resident "
+                f"{self.weights_resident})"
+            )
         if self.moe_forward == "grouped" and self.weights_resident != "bf16":
             raise RecipeError(
                 f"{path}.moe_forward: grouped needs {path}.weights_resident: bf16 "

@@ -44,7 +44,7 @@ from qckpt.calib.state_file import CalibrationState, model_fingerprint, model_na
 from qckpt.calib.sync import sync_amax
 from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax, linear_shards
 from qckpt.calib.weight_amax import split_weights
-from qckpt.errors import SyncError
+from qckpt.errors import CalibrationError, SyncError
 from qckpt.formats.tensor import dequantized_compute
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
@@ -66,6 +66,7 @@ def calibrate_model(
     weight_amax: Mapping[str, torch.Tensor] | None = None,
     runner: Any = None,
     moe_forward: str = "eager",
+    algorithm: str = "max",
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
 
@@ -74,7 +75,10 @@ def calibrate_model(
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
     ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
+    ``algorithm``: ``max``, or ``mse`` (after step 4: :func:`qckpt.calib.mse_pass.run_mse`;
+    resident BF16 weights, no TP).
     """
+    _check_algorithm(algorithm, mesh, runner)
     t0 = time.perf_counter()
     share, dev = share_expert_inputs, None if runner is None else runner.device
     kw = dict(
@@ -103,12 +107,23 @@ def calibrate_model(
         qs = list(quantizers.values())
         dres, tres, tp_gathers = _sync_all(qs, mesh, tp_mods, failure)
         t_sync = time.perf_counter()
+        searched = None
+        if algorithm == "mse":
+            from qckpt.calib.mse_pass import run_mse
+
+            searched = run_mse(model, instr, batches, mesh, mine)
+            parts.update(searched.parts)
+            t_sync = time.perf_counter()
         expert_ranks = _expert_tokens(instr.experts, mesh)
         with gc_paused():
             # every amax on the host at once (a few copies), not a device read per quantizer
             amaxes = host_amaxes(qs)
             state = _state(model, qs, amaxes, quant_cfg)
             report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
+            state.algorithm = algorithm
+            report["algorithm"] = algorithm
+            if searched is not None:
+                _add_search(state, report, searched)
         parts["after_sync"] = time.perf_counter() - t_sync
         report.update(
             # dealt batches (pure DP): the ones this rank ran
@@ -118,7 +133,10 @@ def calibrate_model(
             forward_parts={k: round(v, 4) for k, v in parts.items()},
             weight_amax_here=len(mine) if mine is not None else None,
             sync_seconds=round(t_sync - t_fwd, 6),
-            sync_collectives=dres.collectives + (tres.collectives if tres else 0) + tp_gathers,
+            sync_collectives=dres.collectives
+            + (tres.collectives if tres else 0)
+            + tp_gathers
+            + (searched.collectives if searched is not None else 0),
             shared_from_layer=len(dres.shared),
         )
         if runner is not None:
@@ -126,6 +144,45 @@ def calibrate_model(
         return state, report
     finally:
         remove_quantizers(model)
+
+
+def _check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
+    if algorithm not in ("max", "mse"):
+        raise CalibrationError(f"calibrate.algorithm: {algorithm!r} is not one of max, mse")
+    if algorithm != "max" and (mesh.tp > 1 or runner is not None):
+        # a TP shard is part of a weight whose error is the whole tensor's; a layer at a
+        # time would need the search inside the runner (not built yet)
+        raise CalibrationError(
+            f"calibrate.algorithm: {algorithm} runs with parallel.tp: 1 and calibrate.offload: "
+            f"none (got tp {mesh.tp}, offload {'none' if runner is None else 'on'})"
+        )
+
+
+def _add_search(state: CalibrationState, report: dict[str, Any], searched) -> None:
+    """The searched clips into the file (beside the amaxes) and, per layer, into the report:
+    how many clips, their ratio to max calibration's amax (min / max), the summed loss at max
+    and at the choice (weights: squared error; inputs: estimated from the histogram)."""
+    from qckpt.calib.mse_pass import clip_state
+
+    amax, desc = clip_state(searched)
+    state.amax.update(amax)
+    state.quantizers.update(desc)
+    layers = report["layers"]
+    for key, clip in amax.items():
+        base = state.amax.get(key.replace("_clip_amax", "_amax"))
+        row = layers.setdefault(_layer_of(key), {}).setdefault(
+            "mse", {"clips": 0, "ratio_min": None, "ratio_max": None, "loss_max": 0.0,
+                    "loss_mse": 0.0},
+        )  # fmt: skip
+        row["clips"] += 1
+        if base is not None and float(base.max()) > 0:
+            ratio = clip.reshape(-1) / base.reshape(-1).clamp_min(1e-30)
+            lo, hi = float(ratio.min()), float(ratio.max())
+            row["ratio_min"] = lo if row["ratio_min"] is None else min(row["ratio_min"], lo)
+            row["ratio_max"] = hi if row["ratio_max"] is None else max(row["ratio_max"], hi)
+        before, after = searched.losses.get(key, (0.0, 0.0))
+        row["loss_max"] += before
+        row["loss_mse"] += after
 
 
 def _sync_all(qs: list[TensorQuantizer], mesh: Mesh, tp_mods, failure: BaseException | None):

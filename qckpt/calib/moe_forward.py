@@ -54,11 +54,16 @@ class SegmentedAmax:
         self.block = None if first.is_scalar else first.block_size[-1]
         self.shape = first.amax_shape
         self.acc: torch.Tensor | None = None
+        # tap(rows): sees the rows themselves (the mse algorithm's histograms); ``keep`` of
+        # :meth:`rows` drops rows of no local expert first
+        self.tap = None
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
+    def rows(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``|x|`` maxed over each row (and block of the row): one fused kernel, exact."""
         if x.requires_grad:
             x = x.detach()
+        if self.tap is not None:
+            self.tap(x if keep is None else x[keep])
         if self.block is not None:
             n, b = self.shape[0], self.block
             pad = n * b - x.shape[-1]
@@ -180,6 +185,7 @@ def experts_forward(mod: nn.Module, obs: ExpertsObserver, mode: str) -> Callable
         obs.count(ends)
         return run(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends)
 
+    forward.observer = obs  # what the mse algorithm's histogram pass taps
     return forward
 
 
@@ -239,12 +245,13 @@ def _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> t
         )
     token, slot = perm % t, perm // t
     x_all = hidden[token]
+    local = (ids < len(obs.ids)) if obs.partial else None
     if obs.gate_up.enabled:
-        obs.gate_up.add(obs.gate_up.rows(x_all), ids)
+        obs.gate_up.add(obs.gate_up.rows(x_all, local), ids)
     gate, up = _grouped_linear(x_all, mod.gate_up_proj, ends).chunk(2, dim=-1)
     h = mod.act_fn(gate) * up
     if obs.down.enabled:  # rows of no local expert (uninitialized) go to the unused last row
-        obs.down.add(obs.down.rows(h), ids)
+        obs.down.add(obs.down.rows(h, local), ids)
     out = _grouped_linear(h, mod.down_proj, ends) * top_k_weights[token, slot, None]
     if obs.partial:  # pairs routed to no local expert: rows the GEMMs skipped, uninitialized
         out = out.masked_fill((ids >= len(obs.ids)).unsqueeze(1), 0)

@@ -66,6 +66,10 @@ class CalibrationState:
     model_type: str = ""
     model_fingerprint: str = ""
     quant: dict[str, Any] = field(default_factory=dict)
+    # calibrate.algorithm; "mse" adds ``{module}.weight_clip_amax`` / ``input_clip_amax``: the
+    # amaxes the export makes the scales from (``weight_amax`` stays max |w|, the source
+    # guard's reference). A file without the key is a max calibration
+    algorithm: str = "max"
 
     # the one-value float32 amaxes as Python floats, read from the file in one go
     # (load_calibration): name -> (the tensor it is the value of, its value)
@@ -98,6 +102,8 @@ def save_calibration(
         "quant": json.dumps(state.quant, sort_keys=True),
         "quantizers": json.dumps(state.quantizers, sort_keys=True),
     }
+    if state.algorithm != "max":  # a max file is byte for byte what it always was
+        meta["algorithm"] = state.algorithm
     tensors = {k: v.detach().to(torch.float32).cpu() for k, v in state.amax.items()}
     # serialized here and written by Python, so a write error is an OSError naming its errno
     # (safetensors' own file writer reports it as a SafetensorError string)
@@ -156,6 +162,7 @@ def load_calibration(path: str | os.PathLike) -> CalibrationState:
         model_type=meta.get("model_type", ""),
         model_fingerprint=meta.get("model_fingerprint", ""),
         quant=json.loads(meta.get("quant", "{}")),
+        algorithm=meta.get("algorithm", "max"),
         floats={k: (tensors[k], v) for k, v in floats.items() if k in tensors},
     )
 
@@ -238,6 +245,7 @@ def calibration_differences(a: str | os.PathLike, b: str | os.PathLike) -> list[
             ("model_type", sa.model_type, sb.model_type),
             ("model_fingerprint", sa.model_fingerprint, sb.model_fingerprint),
             ("quant", sa.quant, sb.quant),
+            ("algorithm", sa.algorithm, sb.algorithm),
         )
         if x != y
     ]

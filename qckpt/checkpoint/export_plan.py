@@ -170,6 +170,27 @@ def _check_amax(
     return values
 
 
+def _with_clips(
+    cal: CalibrationState, needed: list[tuple[str, tuple[int, ...]]], values: dict, where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The amaxes the scales are made from, for a searched calibration: each needed weight /
+    input amax replaced by its ``_clip_amax`` where the file has one (of the same shape);
+    ``values`` (one-value amaxes as floats) likewise. ``cal.amax`` itself stays the guard's."""
+    amax, vals = dict(cal.amax), dict(values)
+    for key, _ in needed:
+        clip = cal.amax.get(key[: -len("_amax")] + "_clip_amax")
+        if clip is None:
+            continue
+        if clip.numel() != cal.amax[key].numel() or not bool(torch.isfinite(clip).all()):
+            raise ExportError(
+                f"{where}: {key[:-5]}_clip_amax does not match {key} or is not finite"
+            )
+        amax[key] = clip.reshape(cal.amax[key].shape)
+        if key in vals:
+            vals[key] = float(clip.reshape(()))
+    return amax, vals
+
+
 @dataclass(kw_only=True)
 class ExportPlan:
     """Everything an export decides before it writes a byte (:func:`plan_export`).
@@ -338,9 +359,12 @@ def plan_export(
         sorted(m for m in linears | routers if ignored(m)), embeddings
     )
     amax = cal.amax
+    if cal.algorithm != "max":
+        amax, values = _with_clips(cal, outs.needed, values, where)
+        layout.block_search = quant.weights.format == "nvfp4"
     if export.moe_scales == MOE_SHARED:
         modules = [g.module for g in outs.groups if g.module is not None]
-        amax = share_moe_amax(cal.amax, modules, quant, model_type, values=values)
+        amax = share_moe_amax(amax, modules, quant, model_type, values=values)
     cfg["quantization_config"] = layout.quantization_config(ignore_list)
     return ExportPlan(
         target=target,

@@ -75,6 +75,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         state, report = calibrate_model(
             model, batches, recipe.quant, mesh, share_expert_inputs=c.share_expert_inputs,
             progress=advance, weight_amax=amax, runner=runner, moe_forward=c.moe_forward,
+            algorithm=c.algorithm,
         )  # fmt: skip
     if runner is not None:
         from qckpt.pipeline.offload import held_bytes, summary

@@ -438,7 +438,6 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
     def quantize_linear(
         self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        from qckpt.formats import quantize
 
         if w.shape[1] % NVFP4_GROUP:
             raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")

@@ -67,6 +67,7 @@ def calibrate_model(
     runner: Any = None,
     moe_forward: str = "eager",
     algorithm: str = "max",
+    gptq_options: Any = None,
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
 
@@ -75,8 +76,10 @@ def calibrate_model(
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
     ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
-    ``algorithm``: ``max``, or ``mse`` (after step 4: :func:`qckpt.calib.mse_pass.run_mse`;
-    resident BF16 weights, no TP).
+    ``algorithm``: ``max``, ``mse`` (after step 4: :func:`qckpt.calib.mse_pass.run_mse`) or
+    ``gptq`` (after step 4: :func:`qckpt.calib.gptq_pass.run_gptq` with ``gptq_options``, a
+    ``GptqOptions``; the model's weights are GPTQ'd in place and this rank's share of them is
+    ``state.weights``, which the caller writes); resident BF16 weights, no TP.
     """
     _check_algorithm(algorithm, mesh, runner)
     t0 = time.perf_counter()
@@ -107,12 +110,15 @@ def calibrate_model(
         qs = list(quantizers.values())
         dres, tres, tp_gathers = _sync_all(qs, mesh, tp_mods, failure)
         t_sync = time.perf_counter()
-        searched = None
+        searched = gptqd = None
         if algorithm == "mse":
             from qckpt.calib.mse_pass import run_mse
 
             searched = run_mse(model, instr, batches, mesh, mine)
             parts.update(searched.parts)
+            t_sync = time.perf_counter()
+        elif algorithm == "gptq":
+            gptqd = _gptq(model, instr, batches, mesh, gptq_options, parts)
             t_sync = time.perf_counter()
         expert_ranks = _expert_tokens(instr.experts, mesh)
         with gc_paused():
@@ -124,6 +130,12 @@ def calibrate_model(
             report["algorithm"] = algorithm
             if searched is not None:
                 _add_search(state, report, searched)
+            if gptqd is not None:
+                from qckpt.calib.gptq_pass import tensors_to_write
+
+                state.weights = tensors_to_write(model, instr, mesh, gptqd[0])
+                for layer, row in gptqd[0].layers.items():
+                    report["layers"].setdefault(layer, {})["gptq"] = row
         parts["after_sync"] = time.perf_counter() - t_sync
         report.update(
             # dealt batches (pure DP): the ones this rank ran
@@ -136,7 +148,8 @@ def calibrate_model(
             sync_collectives=dres.collectives
             + (tres.collectives if tres else 0)
             + tp_gathers
-            + (searched.collectives if searched is not None else 0),
+            + (searched.collectives if searched is not None else 0)
+            + (gptqd[0].collectives if gptqd is not None else 0),
             shared_from_layer=len(dres.shared),
         )
         if runner is not None:
@@ -147,8 +160,8 @@ def calibrate_model(
 
 
 def _check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
-    if algorithm not in ("max", "mse"):
-        raise CalibrationError(f"calibrate.algorithm: {algorithm!r} is not one of max, mse")
+    if algorithm not in ("max", "mse", "gptq"):
+        raise CalibrationError(f"calibrate.algorithm: {algorithm!r} is not one of max, mse, gptq")
     if algorithm != "max" and (mesh.tp > 1 or runner is not None):
         # a TP shard is part of a weight whose error is the whole tensor's; a layer at a
         # time would need the search inside the runner (not built yet)
@@ -156,6 +169,36 @@ def _check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
             f"calibrate.algorithm: {algorithm} runs with parallel.tp: 1 and calibrate.offload: "
             f"none (got tp {mesh.tp}, offload {'none' if runner is None else 'on'})"
         )
+
+
+def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
+    """The gptq pass with the quantizers not observing (its forwards see quantized layers,
+    the amaxes are the max pass's; the report's token counts are put back after)."""
+    from qckpt.calib.gptq_pass import GptqOptions, run_gptq
+
+    tokens = [list(info.tokens) for info in instr.experts]
+    qs = list(instr.quantizers.values())
+    was = [q.__dict__["_enabled"] for q in qs]
+    on = {id(q) for q, w in zip(qs, was, strict=True) if w}
+    segs = [s for mod in instr.patched for s in (mod.forward.observer.gate_up,
+                                                  mod.forward.observer.down)]  # fmt: skip
+    seg_was = [s.enabled for s in segs]
+    for q in qs:
+        q.__dict__["_enabled"] = False  # not the setter: the layout did not change
+    for s in segs:
+        s.enabled = False
+    try:
+        res = run_gptq(model, instr, batches, mesh, options or GptqOptions(), on)
+        settle(model)
+    finally:
+        for q, w in zip(qs, was, strict=True):
+            q.__dict__["_enabled"] = w
+        for s, w in zip(segs, seg_was, strict=True):
+            s.enabled = w
+        for info, t in zip(instr.experts, tokens, strict=True):
+            info.tokens[:] = t
+    parts.update(res.parts)
+    return (res,)
 
 
 def _add_search(state: CalibrationState, report: dict[str, Any], searched) -> None:

@@ -212,7 +212,7 @@ def _hist_hook(add, key: str):
 
 
 def _tap(add, key: str):
-    return lambda x: add(key, x)
+    return lambda x, _ids: add(key, x)
 
 
 def _exchange(keys, hists, wkeys, wlosses, mesh: Mesh, failure, res: MseResult):

@@ -70,6 +70,12 @@ class CalibrationState:
     # amaxes the export makes the scales from (``weight_amax`` stays max |w|, the source
     # guard's reference). A file without the key is a max calibration
     algorithm: str = "max"
+    # gptq: the sidecar dir of the GPTQ'd weights (absolute once loaded; the file stores its
+    # name, beside the file) and its files (qckpt/checkpoint/gptq_source.py)
+    weights_dir: str = ""
+    weights_files: list[str] = field(default_factory=list)
+    # this rank's share of the GPTQ'd weights, before they are written (never in the file)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     # the one-value float32 amaxes as Python floats, read from the file in one go
     # (load_calibration): name -> (the tensor it is the value of, its value)
@@ -104,6 +110,9 @@ def save_calibration(
     }
     if state.algorithm != "max":  # a max file is byte for byte what it always was
         meta["algorithm"] = state.algorithm
+    if state.weights_dir:
+        meta["weights_dir"] = Path(state.weights_dir).name
+        meta["weights_files"] = json.dumps(state.weights_files)
     tensors = {k: v.detach().to(torch.float32).cpu() for k, v in state.amax.items()}
     # serialized here and written by Python, so a write error is an OSError naming its errno
     # (safetensors' own file writer reports it as a SafetensorError string)
@@ -163,6 +172,8 @@ def load_calibration(path: str | os.PathLike) -> CalibrationState:
         model_fingerprint=meta.get("model_fingerprint", ""),
         quant=json.loads(meta.get("quant", "{}")),
         algorithm=meta.get("algorithm", "max"),
+        weights_dir=str(path.parent / meta["weights_dir"]) if meta.get("weights_dir") else "",
+        weights_files=json.loads(meta.get("weights_files", "[]")),
         floats={k: (tensors[k], v) for k, v in floats.items() if k in tensors},
     )
 

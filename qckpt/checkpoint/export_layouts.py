@@ -127,10 +127,18 @@ class Layout:
     # NVFP4 block scales: the max rule (False) or searched per block (True: a calibration
     # made with calibrate.algorithm mse; :func:`qckpt.calib.mse.nvfp4_mse_quantize`)
     block_search: bool = False
+    # module -> the E4M3 block scales to write (a gptq calibration's), or None: the rule above
+    given_block_scales = None
 
-    def nvfp4(self, w: torch.Tensor, amax: torch.Tensor):
+    def nvfp4(self, w: torch.Tensor, amax: torch.Tensor, module: str = ""):
         """(packed codes, E4M3 block scales, float32 global scale) of ``w`` with global amax
-        ``amax``, the block scales as :attr:`block_search` says."""
+        ``amax``, the block scales given (:attr:`given_block_scales`) or as
+        :attr:`block_search` says."""
+        given = None if self.given_block_scales is None else self.given_block_scales(module)
+        if given is not None:
+            from qckpt.calib.gptq import nvfp4_with_scales
+
+            return nvfp4_with_scales(w, amax, given)
         if self.block_search:
             from qckpt.calib.mse import nvfp4_mse_quantize
 
@@ -441,7 +449,7 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
 
         if w.shape[1] % NVFP4_GROUP:
             raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
-        qdata, scale, gs = self.nvfp4(w, _amax_scalar(amax[f"{module}.weight_amax"]))
+        qdata, scale, gs = self.nvfp4(w, _amax_scalar(amax[f"{module}.weight_amax"]), module)
         ia = _amax_scalar(amax[f"{module}.input_amax"])
         yield f"{module}.{CT_PACKED}", qdata
         yield f"{module}.{WEIGHT_SCALE}", scale
@@ -538,7 +546,7 @@ class ModelOptLayout(Layout):
             return
         if w.shape[1] % NVFP4_GROUP:
             raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
-        qdata, scale, gs = self.nvfp4(w, wa)
+        qdata, scale, gs = self.nvfp4(w, wa, module)
         yield f"{module}.weight", qdata
         yield f"{module}.{WEIGHT_SCALE}", scale
         yield f"{module}.{WEIGHT_SCALE_2}", gs.to(torch.float32).reshape(())

@@ -333,6 +333,10 @@ def plan_export(
     src, stored = _open_entries(source, source_format)
     entries = hf_entries(stored, model_type)
     cal, where = _calibration(calibration)
+    if cal.algorithm == "gptq":  # the GPTQ'd weights in place of the checkpoint's
+        from qckpt.checkpoint.gptq_source import GptqSource
+
+        src = GptqSource(src, cal.weights_dir, cal.weights_files, model_type)
     _check_model_type(model_config, model_type)
     fingerprint = model_fingerprint((e.name, e.shape) for e in entries)
     _check_calibration(cal, model_type, fingerprint, quant, where)
@@ -359,9 +363,18 @@ def plan_export(
         sorted(m for m in linears | routers if ignored(m)), embeddings
     )
     amax = cal.amax
-    if cal.algorithm != "max":
+    if cal.algorithm == "mse":
         amax, values = _with_clips(cal, outs.needed, values, where)
         layout.block_search = quant.weights.format == "nvfp4"
+    if cal.algorithm == "gptq":
+        layout.given_block_scales = src.block_scale
+        per_tensor = quant.weights.format == "nvfp4" or quant.weights.granularity == "tensor"
+        if export.moe_scales != MOE_SHARED and per_tensor:
+            # GPTQ quantized an expert's gate and up with their shared scale
+            raise ExportError(
+                f"{where}: a gptq calibration of per-tensor weights exports with "
+                "export.moe_scales: shared (its experts' gate and up were quantized with one scale)"
+            )
     if export.moe_scales == MOE_SHARED:
         modules = [g.module for g in outs.groups if g.module is not None]
         amax = share_moe_amax(amax, modules, quant, model_type, values=values)
@@ -376,7 +389,9 @@ def plan_export(
         source_tensors=len(stored),
         groups=outs.groups,
         attn_modules=outs.attn_modules,
-        cal_amax=cal.amax,
+        # GPTQ'd weights may pass their own amax (the rounding errors it spread); they are
+        # within the scales' range, which is what the guard then checks them against
+        cal_amax=amax if cal.algorithm == "gptq" else cal.amax,
         amax=amax,
         shards=plan_shards((g.specs for g in outs.groups), export.max_shard_bytes),
         config=cfg,

@@ -152,7 +152,13 @@ class DataConfig:
 @dataclass(kw_only=True)
 class CalibrateConfig:
     data: DataConfig = field(default_factory=DataConfig)
-    algorithm: Literal["max"] = "max"
+    # max: amax = max |x|; mse: weight and static-input scales searched to minimise the
+    # quantization error (qckpt/calib/mse.py), the forwards unchanged
+    # gptq: weights quantized layer by layer with GPTQ's error compensation (gptq_* below)
+    algorithm: Literal["max", "mse", "gptq"] = "max"
+    gptq_percdamp: float = 0.01  # dampening, a fraction of the Hessian's mean diagonal
+    gptq_act_order: bool = False  # columns in order of decreasing Hessian diagonal (FP8 only)
+    gptq_block: int = 128  # columns per block of the error compensation
     output: str = "runs/tiny/calib.safetensors"
     share_expert_inputs: bool = True
     # the format the weights are held in while calibrating: bf16 = the model's dtype; a quantized
@@ -171,6 +177,17 @@ class CalibrateConfig:
 
     def validate(self, path: str) -> None:
         self.data.validate(f"{path}.data")
+        if self.algorithm != "max" and (self.offload != "none" or self.weights_resident != "bf16"):
+            # the search reads each weight's own values: resident, in the model's dtype
+            raise RecipeError(
+                f"{path}.algorithm: {self.algorithm} needs {path}.offload: none and "
+                f"{path}.weights_resident: bf16 (got offload {self.offload}, weights_resident "
+                f"{self.weights_resident})"
+            )
+        if not 0.0 <= self.gptq_percdamp <= 1.0:
+            raise RecipeError(f"{path}.gptq_percdamp: 0 .. 1, got {self.gptq_percdamp}")
+        if not 1 <= self.gptq_block <= 1 << 16:
+            raise RecipeError(f"{path}.gptq_block: 1 .. 65536, got {self.gptq_block}")
         if self.moe_forward == "grouped" and self.weights_resident != "bf16":
             raise RecipeError(
                 f"{path}.moe_forward: grouped needs {path}.weights_resident: bf16 "

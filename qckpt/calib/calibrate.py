@@ -44,7 +44,7 @@ from qckpt.calib.state_file import CalibrationState, model_fingerprint, model_na
 from qckpt.calib.sync import sync_amax
 from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax, linear_shards
 from qckpt.calib.weight_amax import split_weights
-from qckpt.errors import SyncError
+from qckpt.errors import CalibrationError, SyncError
 from qckpt.formats.tensor import dequantized_compute
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
@@ -66,6 +66,8 @@ def calibrate_model(
     weight_amax: Mapping[str, torch.Tensor] | None = None,
     runner: Any = None,
     moe_forward: str = "eager",
+    algorithm: str = "max",
+    gptq_options: Any = None,
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
 
@@ -74,7 +76,12 @@ def calibrate_model(
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
     ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
+    ``algorithm``: ``max``, ``mse`` (after step 4: :func:`qckpt.calib.mse_pass.run_mse`) or
+    ``gptq`` (after step 4: :func:`qckpt.calib.gptq_pass.run_gptq` with ``gptq_options``, a
+    ``GptqOptions``; the model's weights are GPTQ'd in place and this rank's share of them is
+    ``state.weights``, which the caller writes); resident BF16 weights, no TP.
     """
+    _check_algorithm(algorithm, mesh, runner)
     t0 = time.perf_counter()
     share, dev = share_expert_inputs, None if runner is None else runner.device
     kw = dict(
@@ -103,12 +110,32 @@ def calibrate_model(
         qs = list(quantizers.values())
         dres, tres, tp_gathers = _sync_all(qs, mesh, tp_mods, failure)
         t_sync = time.perf_counter()
+        searched = gptqd = None
+        if algorithm == "mse":
+            from qckpt.calib.mse_pass import run_mse
+
+            searched = run_mse(model, instr, batches, mesh, mine)
+            parts.update(searched.parts)
+            t_sync = time.perf_counter()
+        elif algorithm == "gptq":
+            gptqd = _gptq(model, instr, batches, mesh, gptq_options, parts)
+            t_sync = time.perf_counter()
         expert_ranks = _expert_tokens(instr.experts, mesh)
         with gc_paused():
             # every amax on the host at once (a few copies), not a device read per quantizer
             amaxes = host_amaxes(qs)
             state = _state(model, qs, amaxes, quant_cfg)
             report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
+            state.algorithm = algorithm
+            report["algorithm"] = algorithm
+            if searched is not None:
+                _add_search(state, report, searched)
+            if gptqd is not None:
+                from qckpt.calib.gptq_pass import tensors_to_write
+
+                state.weights = tensors_to_write(model, instr, mesh, gptqd[0])
+                for layer, row in gptqd[0].layers.items():
+                    report["layers"].setdefault(layer, {})["gptq"] = row
         parts["after_sync"] = time.perf_counter() - t_sync
         report.update(
             # dealt batches (pure DP): the ones this rank ran
@@ -118,7 +145,11 @@ def calibrate_model(
             forward_parts={k: round(v, 4) for k, v in parts.items()},
             weight_amax_here=len(mine) if mine is not None else None,
             sync_seconds=round(t_sync - t_fwd, 6),
-            sync_collectives=dres.collectives + (tres.collectives if tres else 0) + tp_gathers,
+            sync_collectives=dres.collectives
+            + (tres.collectives if tres else 0)
+            + tp_gathers
+            + (searched.collectives if searched is not None else 0)
+            + (gptqd[0].collectives if gptqd is not None else 0),
             shared_from_layer=len(dres.shared),
         )
         if runner is not None:
@@ -126,6 +157,75 @@ def calibrate_model(
         return state, report
     finally:
         remove_quantizers(model)
+
+
+def _check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
+    if algorithm not in ("max", "mse", "gptq"):
+        raise CalibrationError(f"calibrate.algorithm: {algorithm!r} is not one of max, mse, gptq")
+    if algorithm != "max" and (mesh.tp > 1 or runner is not None):
+        # a TP shard is part of a weight whose error is the whole tensor's; a layer at a
+        # time would need the search inside the runner (not built yet)
+        raise CalibrationError(
+            f"calibrate.algorithm: {algorithm} runs with parallel.tp: 1 and calibrate.offload: "
+            f"none (got tp {mesh.tp}, offload {'none' if runner is None else 'on'})"
+        )
+
+
+def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
+    """The gptq pass with the quantizers not observing (its forwards see quantized layers,
+    the amaxes are the max pass's; the report's token counts are put back after)."""
+    from qckpt.calib.gptq_pass import GptqOptions, run_gptq
+
+    tokens = [list(info.tokens) for info in instr.experts]
+    qs = list(instr.quantizers.values())
+    was = [q.__dict__["_enabled"] for q in qs]
+    on = {id(q) for q, w in zip(qs, was, strict=True) if w}
+    segs = [s for mod in instr.patched for s in (mod.forward.observer.gate_up,
+                                                  mod.forward.observer.down)]  # fmt: skip
+    seg_was = [s.enabled for s in segs]
+    for q in qs:
+        q.__dict__["_enabled"] = False  # not the setter: the layout did not change
+    for s in segs:
+        s.enabled = False
+    try:
+        res = run_gptq(model, instr, batches, mesh, options or GptqOptions(), on)
+        settle(model)
+    finally:
+        for q, w in zip(qs, was, strict=True):
+            q.__dict__["_enabled"] = w
+        for s, w in zip(segs, seg_was, strict=True):
+            s.enabled = w
+        for info, t in zip(instr.experts, tokens, strict=True):
+            info.tokens[:] = t
+    parts.update(res.parts)
+    return (res,)
+
+
+def _add_search(state: CalibrationState, report: dict[str, Any], searched) -> None:
+    """The searched clips into the file (beside the amaxes) and, per layer, into the report:
+    how many clips, their ratio to max calibration's amax (min / max), the summed loss at max
+    and at the choice (weights: squared error; inputs: estimated from the histogram)."""
+    from qckpt.calib.mse_pass import clip_state
+
+    amax, desc = clip_state(searched)
+    state.amax.update(amax)
+    state.quantizers.update(desc)
+    layers = report["layers"]
+    for key, clip in amax.items():
+        base = state.amax.get(key.replace("_clip_amax", "_amax"))
+        row = layers.setdefault(_layer_of(key), {}).setdefault(
+            "mse", {"clips": 0, "ratio_min": None, "ratio_max": None, "loss_max": 0.0,
+                    "loss_mse": 0.0},
+        )  # fmt: skip
+        row["clips"] += 1
+        if base is not None and float(base.max()) > 0:
+            ratio = clip.reshape(-1) / base.reshape(-1).clamp_min(1e-30)
+            lo, hi = float(ratio.min()), float(ratio.max())
+            row["ratio_min"] = lo if row["ratio_min"] is None else min(row["ratio_min"], lo)
+            row["ratio_max"] = hi if row["ratio_max"] is None else max(row["ratio_max"], hi)
+        before, after = searched.losses.get(key, (0.0, 0.0))
+        row["loss_max"] += before
+        row["loss_mse"] += after
 
 
 def _sync_all(qs: list[TensorQuantizer], mesh: Mesh, tp_mods, failure: BaseException | None):

@@ -54,11 +54,20 @@ class SegmentedAmax:
         self.block = None if first.is_scalar else first.block_size[-1]
         self.shape = first.amax_shape
         self.acc: torch.Tensor | None = None
+        # tap(rows, ids): sees the rows themselves and their local experts (the mse
+        # histograms, the gptq Hessians); ``keep`` of :meth:`rows` drops rows of no local
+        # expert first
+        self.tap = None
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``|x|`` maxed over each row (and block of the row): one fused kernel, exact."""
+    def rows(self, x: torch.Tensor, keep=None, ids=None) -> torch.Tensor:
+        """``|x|`` maxed over each row (and block of the row): one fused kernel, exact.
+        ``ids``: the rows' local experts (a tensor, or one int for all), for :attr:`tap`."""
         if x.requires_grad:
             x = x.detach()
+        if self.tap is not None:
+            if isinstance(ids, int):
+                ids = torch.full((x.shape[0],), ids, dtype=torch.int64, device=x.device)
+            self.tap(x if keep is None else x[keep], ids if keep is None else ids[keep])
         if self.block is not None:
             n, b = self.shape[0], self.block
             pad = n * b - x.shape[-1]
@@ -180,6 +189,7 @@ def experts_forward(mod: nn.Module, obs: ExpertsObserver, mode: str) -> Callable
         obs.count(ends)
         return run(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends)
 
+    forward.observer = obs  # what the mse algorithm's histogram pass taps
     return forward
 
 
@@ -191,8 +201,10 @@ def _eager(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> tor
     sizes = _sizes(cum)
     m = cum[-1]
     x_all = hidden[token[:m]]
-    if obs.gate_up.enabled:
-        obs.gate_up.add(obs.gate_up.rows(x_all), ids[:m])
+    if obs.gate_up.enabled or obs.gate_up.tap is not None:
+        red = obs.gate_up.rows(x_all, ids=ids[:m])
+        if obs.gate_up.enabled:
+            obs.gate_up.add(red, ids[:m])
     downs, start = [], 0
     for row in range(n_local):
         n = sizes[row]
@@ -203,13 +215,13 @@ def _eager(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> tor
         # quantized-resident weights: only this expert is dequantized, for its matmul
         gate, up = F.linear(x, select_dequantized(mod.gate_up_proj, row)).chunk(2, dim=-1)
         h = mod.act_fn(gate) * up
-        if obs.down.enabled:
-            downs.append(obs.down.rows(h))
+        if obs.down.enabled or obs.down.tap is not None:
+            downs.append(obs.down.rows(h, ids=row))
         h = F.linear(h, select_dequantized(mod.down_proj, row))
         h = h * top_k_weights[tok, pos, None]
         final.index_add_(0, tok, h.to(final.dtype))
         start += n
-    if downs:
+    if downs and obs.down.enabled:
         obs.down.add(torch.cat(downs), ids[:m])
     return final
 
@@ -239,12 +251,17 @@ def _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> t
         )
     token, slot = perm % t, perm // t
     x_all = hidden[token]
-    if obs.gate_up.enabled:
-        obs.gate_up.add(obs.gate_up.rows(x_all), ids)
+    local = (ids < len(obs.ids)) if obs.partial else None
+    if obs.gate_up.enabled or obs.gate_up.tap is not None:
+        red = obs.gate_up.rows(x_all, local, ids)
+        if obs.gate_up.enabled:
+            obs.gate_up.add(red, ids)
     gate, up = _grouped_linear(x_all, mod.gate_up_proj, ends).chunk(2, dim=-1)
     h = mod.act_fn(gate) * up
-    if obs.down.enabled:  # rows of no local expert (uninitialized) go to the unused last row
-        obs.down.add(obs.down.rows(h), ids)
+    if obs.down.enabled or obs.down.tap is not None:
+        red = obs.down.rows(h, local, ids)
+        if obs.down.enabled:  # rows of no local expert (uninitialized) go to the unused last row
+            obs.down.add(red, ids)
     out = _grouped_linear(h, mod.down_proj, ends) * top_k_weights[token, slot, None]
     if obs.partial:  # pairs routed to no local expert: rows the GEMMs skipped, uninitialized
         out = out.masked_fill((ids >= len(obs.ids)).unsqueeze(1), 0)

@@ -30,7 +30,8 @@ GRANULARITIES = ("tensor", "channel", "block", "dynamic_block")
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 # "output": a linear's output, per tensor (k_proj/v_proj for the KV-cache scales)
-KINDS = ("weight", "input", "output")
+# "weight_clip" / "input_clip": the mse algorithm's searched amaxes (qckpt/calib/mse_pass.py)
+KINDS = ("weight", "input", "output", "weight_clip", "input_clip")
 
 
 class AmaxBank:

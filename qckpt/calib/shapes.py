@@ -53,7 +53,7 @@ def amax_shape(
         return (shape[axis],)
     if granularity != "block":
         raise ValueError(f"unknown granularity {granularity!r}")
-    if kind != "weight":
+    if kind not in ("weight", "weight_clip"):
         return (math.ceil(shape[-1] / int(block_size[-1])),)
     if len(shape) != 2:
         raise ValueError(f"per-block amax needs a 2-D weight, got {shape}")

@@ -68,6 +68,16 @@ class CalibrationState:
     quant: dict[str, Any] = field(default_factory=dict)
     # what export needs to know of the model (qckpt.checkpoint.model_record); {}: not known
     model: dict[str, Any] = field(default_factory=dict)
+    # calibrate.algorithm; "mse" adds ``{module}.weight_clip_amax`` / ``input_clip_amax``: the
+    # amaxes the export makes the scales from (``weight_amax`` stays max |w|, the source
+    # guard's reference). A file without the key is a max calibration
+    algorithm: str = "max"
+    # gptq: the sidecar dir of the GPTQ'd weights (absolute once loaded; the file stores its
+    # name, beside the file) and its files (qckpt/checkpoint/gptq_source.py)
+    weights_dir: str = ""
+    weights_files: list[str] = field(default_factory=list)
+    # this rank's share of the GPTQ'd weights, before they are written (never in the file)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     # the one-value float32 amaxes as Python floats, read from the file in one go
     # (load_calibration): name -> (the tensor it is the value of, its value)
@@ -102,6 +112,11 @@ def save_calibration(
     }
     if state.model:
         meta["model"] = json.dumps(state.model, sort_keys=True)
+    if state.algorithm != "max":  # a max file is byte for byte what it always was
+        meta["algorithm"] = state.algorithm
+    if state.weights_dir:
+        meta["weights_dir"] = Path(state.weights_dir).name
+        meta["weights_files"] = json.dumps(state.weights_files)
     tensors = {k: v.detach().to(torch.float32).cpu() for k, v in state.amax.items()}
     # serialized here and written by Python, so a write error is an OSError naming its errno
     # (safetensors' own file writer reports it as a SafetensorError string)
@@ -161,6 +176,9 @@ def load_calibration(path: str | os.PathLike) -> CalibrationState:
         model_fingerprint=meta.get("model_fingerprint", ""),
         quant=json.loads(meta.get("quant", "{}")),
         model=json.loads(meta.get("model", "{}")),
+        algorithm=meta.get("algorithm", "max"),
+        weights_dir=str(path.parent / meta["weights_dir"]) if meta.get("weights_dir") else "",
+        weights_files=json.loads(meta.get("weights_files", "[]")),
         floats={k: (tensors[k], v) for k, v in floats.items() if k in tensors},
     )
 
@@ -243,6 +261,7 @@ def calibration_differences(a: str | os.PathLike, b: str | os.PathLike) -> list[
             ("model_type", sa.model_type, sb.model_type),
             ("model_fingerprint", sa.model_fingerprint, sb.model_fingerprint),
             ("quant", sa.quant, sb.quant),
+            ("algorithm", sa.algorithm, sb.algorithm),
         )
         if x != y
     ]

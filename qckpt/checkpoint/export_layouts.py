@@ -124,6 +124,30 @@ class Layout:
     """The export layout of one recipe; every shape is known before any tensor is read."""
 
     name: str = ""
+    # NVFP4 block scales: the max rule (False) or searched per block (True: a calibration
+    # made with calibrate.algorithm mse; :func:`qckpt.calib.mse.nvfp4_mse_quantize`)
+    block_search: bool = False
+    # module -> the E4M3 block scales to write (a gptq calibration's), or None: the rule above
+    given_block_scales = None
+
+    def nvfp4(self, w: torch.Tensor, amax: torch.Tensor, module: str = ""):
+        """(packed codes, E4M3 block scales, float32 global scale) of ``w`` with global amax
+        ``amax``, the block scales given (:attr:`given_block_scales`) or as
+        :attr:`block_search` says."""
+        given = None if self.given_block_scales is None else self.given_block_scales(module)
+        if given is not None:
+            from qckpt.calib.gptq import nvfp4_with_scales
+
+            return nvfp4_with_scales(w, amax, given)
+        if self.block_search:
+            from qckpt.calib.mse import nvfp4_mse_quantize
+
+            qdata, scale, gs, *_ = nvfp4_mse_quantize(w, amax)
+            return qdata, scale, gs
+        from qckpt.formats import quantize
+
+        q = quantize(w, "nvfp4", amax=amax)
+        return q.qdata, q.scale, q.global_scale
 
     def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
         self.quant = quant
@@ -422,15 +446,14 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
     def quantize_linear(
         self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        from qckpt.formats import quantize
 
         if w.shape[1] % NVFP4_GROUP:
             raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
-        q = quantize(w, "nvfp4", amax=_amax_scalar(amax[f"{module}.weight_amax"]))
+        qdata, scale, gs = self.nvfp4(w, _amax_scalar(amax[f"{module}.weight_amax"]), module)
         ia = _amax_scalar(amax[f"{module}.input_amax"])
-        yield f"{module}.{CT_PACKED}", q.qdata
-        yield f"{module}.{WEIGHT_SCALE}", q.scale
-        yield f"{module}.{CT_WEIGHT_GLOBAL}", _reciprocal(q.global_scale).reshape(1)
+        yield f"{module}.{CT_PACKED}", qdata
+        yield f"{module}.{WEIGHT_SCALE}", scale
+        yield f"{module}.{CT_WEIGHT_GLOBAL}", _reciprocal(gs).reshape(1)
         yield f"{module}.{CT_INPUT_GLOBAL}", _reciprocal(_over(ia, FP4_MAX * FP8_MAX)).reshape(1)
 
     def quantization_config(self, ignored: list[str]) -> dict:
@@ -523,10 +546,10 @@ class ModelOptLayout(Layout):
             return
         if w.shape[1] % NVFP4_GROUP:
             raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
-        q = quantize(w, "nvfp4", amax=wa)
-        yield f"{module}.weight", q.qdata
-        yield f"{module}.{WEIGHT_SCALE}", q.scale
-        yield f"{module}.{WEIGHT_SCALE_2}", q.global_scale.to(torch.float32).reshape(())
+        qdata, scale, gs = self.nvfp4(w, wa, module)
+        yield f"{module}.weight", qdata
+        yield f"{module}.{WEIGHT_SCALE}", scale
+        yield f"{module}.{WEIGHT_SCALE_2}", gs.to(torch.float32).reshape(())
         yield f"{module}.{INPUT_SCALE}", _over(ia, FP4_MAX * FP8_MAX)
 
     def stacks(self) -> bool:

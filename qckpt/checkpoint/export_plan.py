@@ -180,6 +180,27 @@ def _check_amax(
     return values
 
 
+def _with_clips(
+    cal: CalibrationState, needed: list[tuple[str, tuple[int, ...]]], values: dict, where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The amaxes the scales are made from, for a searched calibration: each needed weight /
+    input amax replaced by its ``_clip_amax`` where the file has one (of the same shape);
+    ``values`` (one-value amaxes as floats) likewise. ``cal.amax`` itself stays the guard's."""
+    amax, vals = dict(cal.amax), dict(values)
+    for key, _ in needed:
+        clip = cal.amax.get(key[: -len("_amax")] + "_clip_amax")
+        if clip is None:
+            continue
+        if clip.numel() != cal.amax[key].numel() or not bool(torch.isfinite(clip).all()):
+            raise ExportError(
+                f"{where}: {key[:-5]}_clip_amax does not match {key} or is not finite"
+            )
+        amax[key] = clip.reshape(cal.amax[key].shape)
+        if key in vals:
+            vals[key] = float(clip.reshape(()))
+    return amax, vals
+
+
 @dataclass(kw_only=True)
 class ExportPlan:
     """Everything an export decides before it writes a byte (:func:`plan_export`).
@@ -326,6 +347,10 @@ def plan_export(
     src, stored = _open_entries(source, source_format, model_config)
     entries = hf_entries(stored, model_type)
     cal, where = _calibration(calibration)
+    if cal.algorithm == "gptq":  # the GPTQ'd weights in place of the checkpoint's
+        from qckpt.checkpoint.gptq_source import GptqSource
+
+        src = GptqSource(src, cal.weights_dir, cal.weights_files, model_type)
     _check_model_type(model_config, model_type)
     fingerprint = model_fingerprint((e.name, e.shape) for e in entries)
     _check_calibration(cal, model_type, fingerprint, quant, where)
@@ -354,8 +379,20 @@ def plan_export(
     )
     amax = cal.amax
     modules = [g.module for g in outs.groups if g.module is not None]
+    if cal.algorithm == "mse":
+        amax, values = _with_clips(cal, outs.needed, values, where)
+        layout.block_search = quant.weights.format == "nvfp4"
+    if cal.algorithm == "gptq":
+        layout.given_block_scales = src.block_scale
+        per_tensor = quant.weights.format == "nvfp4" or quant.weights.granularity == "tensor"
+        if export.moe_scales != MOE_SHARED and per_tensor:
+            # GPTQ quantized an expert's gate and up with their shared scale
+            raise ExportError(
+                f"{where}: a gptq calibration of per-tensor weights exports with "
+                "export.moe_scales: shared (its experts' gate and up were quantized with one scale)"
+            )
     if export.moe_scales == MOE_SHARED:
-        amax = share_moe_amax(cal.amax, modules, quant, model_type, values=values)
+        amax = share_moe_amax(amax, modules, quant, model_type, values=values)
     if quant.weights.format == "nvfp4":
         kinds = ("weight",) if quant.inputs.dynamic else ("weight", "input")
         amax = share_fused_amax(amax, modules, kinds)
@@ -370,7 +407,9 @@ def plan_export(
         source_tensors=len(stored),
         groups=outs.groups,
         attn_modules=outs.attn_modules,
-        cal_amax=cal.amax,
+        # GPTQ'd weights may pass their own amax (the rounding errors it spread); they are
+        # within the scales' range, which is what the guard then checks them against
+        cal_amax=amax if cal.algorithm == "gptq" else cal.amax,
         amax=amax,
         shards=plan_shards((g.specs for g in outs.groups), export.max_shard_bytes),
         config=cfg,

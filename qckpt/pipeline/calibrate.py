@@ -75,6 +75,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         state, report = calibrate_model(
             model, batches, recipe.quant, mesh, share_expert_inputs=c.share_expert_inputs,
             progress=advance, weight_amax=amax, runner=runner, moe_forward=c.moe_forward,
+            algorithm=c.algorithm, gptq_options=_gptq_options(c),
         )  # fmt: skip
     if runner is not None:
         from qckpt.pipeline.offload import held_bytes, summary
@@ -87,6 +88,11 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
 
         hooks.log(f"parameters held: {human_bytes(report['param_bytes'])} ({resident})")
     out = recipe.calibrate.output
+    if recipe.calibrate.algorithm == "gptq":
+        with phases.phase(phases.WRITE):
+            from qckpt.calib.gptq_pass import write_weights
+
+            write_weights(state, out, mesh)
     if mesh.is_main:
         with phases.phase(phases.WRITE):
             state.model = _model_record(recipe.model.source)
@@ -106,6 +112,12 @@ def _model_record(source: str) -> dict:
 
     cfg = load_config(source)
     return make_record(source, config_dict(cfg), model_modules(cfg))
+
+
+def _gptq_options(c):
+    from qckpt.calib.gptq_pass import GptqOptions
+
+    return GptqOptions(percdamp=c.gptq_percdamp, act_order=c.gptq_act_order, block=c.gptq_block)
 
 
 def _data(recipe: Recipe, mesh: Mesh, vocab_size: int, dealt: bool, hooks: Hooks):

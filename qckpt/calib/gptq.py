@@ -1,0 +1,189 @@
+"""GPTQ for one linear: its weight quantized column by column, each column's rounding error
+spread over the columns not yet quantized through the inverse Hessian of its inputs (Frantar
+et al., 2022), in blocks of :data:`BLOCK` columns, with dampening and optional act-order.
+
+Hessians are exact by construction: the inputs are put on a fixed-point grid
+(:func:`fixed_point`: integers of at most ``bits`` bits, from a synced amax and the total token
+count) and ``X^T X`` is taken in float64, where every product and every partial sum of such
+integers is an integer below 2**53: exact in any order of summation, on any device, for any
+split of the rows over batches and ranks. A float64 all-reduce of them is exact too.
+
+The quantizer of a column is the export's: FP8 with the scale the export derives from the
+calibrated amax (per tensor / row / block), or NVFP4 with the global scale from the amax and
+each 16-column group's E4M3 scale by the max rule from the group's current values (the group's
+scales are returned: the export takes them as they are, since the final values of a group
+need not reproduce them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qckpt.formats._common import div_f32, f64_const
+from qckpt.formats.nvfp4 import E2M1_MAX, E4M3_MAX, E4M3_TINY, e2m1_codes, e2m1_values
+
+BLOCK = 128
+NVFP4_GROUP = 16
+FP8_MAX = 448.0
+
+
+def grid_bits(tokens: int) -> int:
+    """Bits per fixed-point input so that a sum of ``tokens`` products stays below 2**52."""
+    return max(1, (52 - math.ceil(math.log2(max(tokens, 2)))) // 2)
+
+
+def fixed_point(x: torch.Tensor, amax: float, bits: int) -> torch.Tensor:
+    """float64 integers ``round(x / amax * 2**bits)``, saturated at ``+-2**bits``: rows of the
+    inputs on the Hessian's grid (the same value for the same input anywhere)."""
+    top = float(2**bits)
+    g = top / amax if amax > 0 else 0.0
+    x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+    return torch.round(x * g).clamp_(-top, top)
+
+
+def hessian_add(h: torch.Tensor | None, x: torch.Tensor, amax: float, bits: int) -> torch.Tensor:
+    """``h + X^T X`` of the rows ``x`` on the grid (float64, exact: see the module doc)."""
+    xi = fixed_point(x, amax, bits)
+    part = xi.t() @ xi
+    return part if h is None else h.add_(part)
+
+
+class ColumnQuantizer:
+    """Fake quantization of columns of a ``[rows, cols]`` weight as the export quantizes."""
+
+    def __init__(self, fmt: str, granularity: str, amax: torch.Tensor, shape, block=(128, 128)):
+        rows, cols = shape
+        self.fmt, self.granularity, self.block = fmt, granularity, tuple(block)
+        a = amax.detach().to(torch.float32)
+        if fmt == "nvfp4":
+            from qckpt.formats._common import float_scale
+
+            gs = float_scale(a.reshape(()).clamp_min(1e-12), E2M1_MAX * E4M3_MAX)
+            self.gs, self.gs64 = gs, gs.to(torch.float64)
+            self.inv_gs = (1.0 / self.gs64).to(torch.float32)
+            self.block_scales = torch.empty(
+                (rows, -(-cols // NVFP4_GROUP)), dtype=torch.float8_e4m3fn
+            )
+            self._sb: torch.Tensor | None = None
+            return
+        s = div_f32(a.clamp_min(1e-12), f64_const(FP8_MAX, a.device))
+        if granularity == "tensor":
+            self.scale = s.reshape(1, 1).expand(rows, cols)
+        elif granularity == "channel":
+            self.scale = s.reshape(rows, 1).expand(rows, cols)
+        else:
+            b0, b1 = self.block
+            full = s.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+            self.scale = full[:rows, :cols]
+
+    def start_group(self, w: torch.Tensor, col: int) -> None:
+        """NVFP4: the group starting at ``col`` takes its scale from ``w`` (its current
+        columns, ``[rows, <=16]``) by the max rule."""
+        bmax = w.abs().amax(dim=1).to(torch.float32)
+        six64 = f64_const(E2M1_MAX, w.device)
+        sb = div_f32(div_f32(bmax, six64), self.gs64).clamp(E4M3_TINY, E4M3_MAX)
+        self._sb = sb.to(torch.float8_e4m3fn)
+        self.block_scales[:, col // NVFP4_GROUP] = self._sb
+
+    def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
+        """The dequantized column ``col`` (``w``: its current values, float32 ``[rows]``)."""
+        if self.fmt == "nvfp4":
+            sbf = self._sb.to(torch.float32)
+            codes = e2m1_codes((w * (self.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX))
+            return e2m1_values(codes) * (self.gs * sbf)
+        s = self.scale[:, col]
+        return (w / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+
+
+def _inverse_factor(h: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """The upper Cholesky factor of the dampened Hessian's inverse (float64)."""
+    d = h.shape[0]
+    diag = torch.diagonal(h)
+    dead = diag == 0
+    h = h.clone()
+    h[dead, dead] = 1.0  # an input column never seen: its weights are rounded, nothing spread
+    damp = percdamp * float(torch.diagonal(h).mean())
+    h += damp * torch.eye(d, dtype=h.dtype, device=h.device)
+    lower = torch.linalg.cholesky(h)
+    hinv = torch.cholesky_inverse(lower)
+    return torch.linalg.cholesky(hinv, upper=True)
+
+
+def gptq(
+    w: torch.Tensor,
+    h: torch.Tensor | None,
+    quantizer: ColumnQuantizer,
+    *,
+    percdamp: float = 0.01,
+    act_order: bool = False,
+    block: int = BLOCK,
+) -> tuple[torch.Tensor, float]:
+    """The GPTQ'd weight (dequantized values, float32 ``w.shape``) and the Hessian-weighted
+    error proxy ``sum(err**2)`` of the spread; ``h`` None or all zero (no token reached this
+    linear, a cold expert): plain rounding to nearest."""
+    rows, cols = w.shape
+    W = w.detach().to(torch.float32).clone()
+    if h is None or not bool(h.any()):
+        return round_to_nearest(W, quantizer), 0.0
+    perm = None
+    if act_order:
+        if quantizer.fmt == "nvfp4":
+            raise ValueError("act_order with NVFP4: its 16-column groups must run in order")
+        perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+        W, h = W[:, perm], h[perm][:, perm]
+        # the scale of a column follows it
+        quantizer.scale = quantizer.scale[:, perm]
+    U = _inverse_factor(h.to(torch.float64), percdamp).to(torch.float32)
+    Q = torch.zeros_like(W)
+    loss = 0.0
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        W1 = W[:, i1:i2].clone()
+        E1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if quantizer.fmt == "nvfp4" and col % NVFP4_GROUP == 0:
+                quantizer.start_group(W1[:, i : i + NVFP4_GROUP], col)
+            q = quantizer(W1[:, i].clone(), col)
+            Q[:, col] = q
+            err = (W1[:, i] - q) / U1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
+            E1[:, i] = err
+            loss += float((err * err).sum())
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    return Q, loss
+
+
+def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tensor:
+    cols = W.shape[1]
+    Q = torch.empty_like(W)
+    for col in range(cols):
+        if quantizer.fmt == "nvfp4" and col % NVFP4_GROUP == 0:
+            quantizer.start_group(W[:, col : col + NVFP4_GROUP], col)
+        Q[:, col] = quantizer(W[:, col].clone(), col)
+    return Q
+
+
+def nvfp4_with_scales(w: torch.Tensor, amax: torch.Tensor, sb: torch.Tensor):
+    """NVFP4 of 2-D ``w`` with global amax ``amax`` and the given E4M3 block scales ``sb``
+    (``[rows, ceil(cols/16)]``): (packed codes, ``sb``, global scale), the codes as the
+    formats layer computes them (``x * ((1 / gs) / sb)``, E2M1 round to nearest even)."""
+    from qckpt.formats._common import float_scale
+    from qckpt.formats._rowblock import padded_blocks
+
+    rows, cols = w.shape
+    gs = float_scale(amax.to(device=w.device, dtype=torch.float32).reshape(()), 6.0 * 448.0)
+    inv_gs = (1.0 / gs.to(torch.float64)).to(torch.float32)
+    sb = sb.to(w.device)
+    blocks = padded_blocks(w.detach(), NVFP4_GROUP)
+    rec = inv_gs / sb.to(torch.float32)
+    codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)).reshape(rows, -1)
+    if codes.shape[1] % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4))[:, : -(-cols // 2)]
+    return packed.contiguous(), sb, gs

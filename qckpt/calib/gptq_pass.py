@@ -1,0 +1,459 @@
+"""The ``gptq`` algorithm's pass inside :func:`qckpt.calib.calibrate.calibrate_model`, after the
+max calibration and its sync (so every weight amax, hence every scale, is final everywhere).
+
+Layer by layer (the model resident; each decoder layer's inputs are the outputs of the layers
+before it, already GPTQ'd): one forward per batch records layer 0's input and every layer's
+other arguments (the model's own forward builds them); then for each layer:
+
+1. its batches once, taking each linear's input amax (per expert, over its routed rows);
+   MAX over the data group (a failure flag rides in the same buffer, so a rank that failed
+   ends the run on every rank);
+2. its batches again, each linear's Hessian ``X^T X`` on the fixed-point grid of that amax
+   (:func:`qckpt.calib.gptq.hessian_add`, exact in float64); dense linears' summed over the
+   data group, experts' over the DP group (the ranks that hold the same experts: an expert
+   sees the tokens of its EP group's batches through the EP exchange). Integer-valued float64
+   sums are exact in any order: the Hessians are those of one process, bit for bit;
+3. GPTQ of every linear of the layer (:func:`qckpt.calib.gptq.gptq`): gate and up of an
+   expert share its input's Hessian; an expert that got no token anywhere is rounded to
+   nearest; the weights in the model become the dequantized GPTQ values;
+4. its batches a third time with those weights: the next layer's inputs.
+
+Every rank runs the same forwards in the same order (EP's exchanges meet), and the GPTQ of a
+module runs on every rank that holds it, on identical inputs: DP replicas agree bit for bit.
+The weights leave through :func:`tensors_to_write` (this rank's share of the sidecar).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qckpt.calib import gptq
+from qckpt.calib.instrument import Instrumentation, WeightSource
+from qckpt.calib.layerwise import _dedupe, _patched, _Stop, decoder_layers
+from qckpt.errors import CalibrationError, SyncError
+from qckpt.parallel.deadline import Deadline, deadline_of
+from qckpt.parallel.mesh import Mesh, group_device
+
+
+@dataclass
+class GptqOptions:
+    percdamp: float = 0.01
+    act_order: bool = False
+    block: int = gptq.BLOCK
+
+
+@dataclass
+class GptqResult:
+    block_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # NVFP4, by module
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # the report's rows
+    parts: dict[str, float] = field(default_factory=dict)
+    collectives: int = 0
+    done: set[str] = field(default_factory=set)  # the modules GPTQ'd here
+
+
+@dataclass
+class _Linear:
+    """One weight GPTQ runs on: its quantizer's source, and which input Hessian it takes."""
+
+    src: WeightSource
+    hkey: str  # dense: the module; experts: "{experts}:{e}:gate_up" / ":down"
+    amax: torch.Tensor  # what the export makes the scales from (see _layer_linears)
+
+
+def _batches(batches) -> list[torch.Tensor]:
+    taken = getattr(batches, "taken", None)
+    return [batches.batches[i] for i in taken] if taken is not None else list(batches)
+
+
+def run_gptq(
+    model: nn.Module,
+    instr: Instrumentation,
+    batches: Sequence[torch.Tensor],
+    mesh: Mesh,
+    opts: GptqOptions,
+    on: set[int] | None = None,
+) -> GptqResult:
+    """The pass of the module doc; raises :class:`SyncError` on every rank if any rank failed.
+    ``on``: ids of the enabled quantizers (the caller pauses them all while this runs)."""
+    res = GptqResult()
+    on = on if on is not None else {id(q) for q in instr.quantizers.values() if q.enabled}
+    t0 = time.perf_counter()
+    todo = _batches(batches)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    tokens = _total_tokens(todo, mesh, res)
+    bits = gptq.grid_bits(tokens)
+    layers_name, layers = decoder_layers(model)
+    hidden, calls = _capture(model, layers, todo, device)
+    res.parts["gptq_capture"] = time.perf_counter() - t0
+    for i, layer in enumerate(layers):
+        prefix = f"{layers_name}.{i}"
+        lin, experts = _layer_linears(instr, prefix, on)
+        t1 = time.perf_counter()
+        run = partial(_run_layer, layer, hidden, calls, i)
+        amax = _layer_amax(model, lin, experts, run, mesh, res)
+        hs = _layer_hessians(model, lin, experts, run, amax, bits, mesh, res)
+        unit = {k: (a / 2.0**bits) ** 2 for k, a in amax.items()}  # grid units -> squared values
+        row = _quantize_layer(model, lin, hs, unit, opts, res)
+        hidden = _outputs(layer, hidden, calls, i)
+        row["seconds"] = round(time.perf_counter() - t1, 4)
+        res.layers[prefix] = row
+    res.parts["gptq_layers"] = time.perf_counter() - t0 - res.parts["gptq_capture"]
+    return res
+
+
+def _total_tokens(todo, mesh: Mesh, res: GptqResult) -> int:
+    """Tokens of the whole calibration set (every rank's): the bound of the grid's sums."""
+    n = torch.tensor([sum(int(b.numel()) for b in todo)], dtype=torch.int64)
+    group = mesh.data_group
+    if group is not None:
+        n = n.to(group_device(group))
+        _reduce(n, dist.ReduceOp.SUM, group, "the gptq token count")
+        res.collectives += 1
+    return int(n.item())
+
+
+def _reduce(t: torch.Tensor, op, group, what: str) -> None:
+    dl = deadline_of(group) or Deadline(None)
+    dl.run(what, dist.all_reduce, t, op=op, group=group, error=SyncError)
+
+
+def _capture(model, layers, todo, device):
+    """Layer 0's input and each layer's other arguments, per batch, from the model's forward."""
+    n = len(layers)
+    seen: dict[int, tuple] = {}
+
+    def recorder(i: int):
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            seen[i] = (args, kwargs)
+            if i == n - 1:
+                raise _Stop
+            return args[0]
+
+        return forward
+
+    hidden, calls, prev = [], [], None
+    with _patched(layers, recorder), torch.no_grad():
+        for b in todo:
+            seen.clear()
+            try:
+                model(input_ids=b.to(device), use_cache=False)
+            except _Stop:
+                pass
+            if len(seen) != n:
+                raise CalibrationError(
+                    f"calibrate.algorithm gptq: the model's forward called {len(seen)} of its "
+                    f"{n} decoder layers"
+                )
+            per_layer = _dedupe([(seen[i][0][1:], seen[i][1]) for i in range(n)], prev)
+            prev = per_layer
+            calls.append(per_layer)
+            hidden.append(seen[0][0][0])
+    return hidden, calls
+
+
+def _run_layer(layer, hidden, calls, i) -> None:
+    with torch.no_grad():
+        for b, h in enumerate(hidden):
+            args, kwargs = calls[b][i]
+            layer(h, *args, **kwargs)
+
+
+def _outputs(layer, hidden, calls, i) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for b, h in enumerate(hidden):
+            args, kwargs = calls[b][i]
+            y = layer(h, *args, **kwargs)
+            out.append(y[0] if isinstance(y, tuple) else y)
+    return out
+
+
+def _layer_linears(instr: Instrumentation, prefix: str, on: set[int]):
+    """(the layer's GPTQ weights this rank holds, its experts modules with their observers)."""
+    inside = prefix + "."
+    downs = {
+        id(roles["down"]) for info in instr.experts for roles in info.weight_q.values()
+        if "down" in roles
+    }  # fmt: skip
+    # an expert's gate and up share one per-tensor weight scale in the export (moe_scales
+    # shared, what vLLM loads): the larger amax of the two, which GPTQ must quantize with
+    pair: dict[int, torch.Tensor] = {}
+    for info in instr.experts:
+        for roles in info.weight_q.values():
+            g, u = roles.get("gate"), roles.get("up")
+            if g is not None and u is not None and g.is_scalar and g.amax is not None:
+                top = torch.maximum(g.amax, u.amax) if u.amax is not None else g.amax
+                pair[id(g)] = pair[id(u)] = top
+    _share_fused_nvfp4(instr, on, inside, pair)
+    lin: list[_Linear] = []
+    for src in instr.weights:
+        q = src.quantizer
+        if id(q) not in on or not q.name.startswith(inside):
+            continue
+        amax = pair.get(id(q), q.amax)
+        if q.expert_layer is None:
+            lin.append(_Linear(src, q.name, amax))
+        else:
+            side = "down" if id(q) in downs else "gate_up"
+            lin.append(_Linear(src, f"{q.expert_layer}:{q.expert}:{side}", amax))
+    experts = [
+        (info, mod.forward.observer)
+        for info, mod in zip(instr.experts, instr.patched, strict=True)
+        if info.module_name.startswith(inside)
+    ]
+    return lin, experts
+
+
+def _dense_modules(model, lin: list[_Linear]) -> dict[str, nn.Module]:
+    names = {x.hkey for x in lin if ":" not in x.hkey}
+    return {n: m for n, m in model.named_modules() if n in names}
+
+
+def _hook_all(model, lin, experts, dense_fn, expert_fn) -> list:
+    """Pre-hooks on the dense linears (``dense_fn(key, x)``) and taps on the experts
+    (``expert_fn(key_prefix, local_ids, x, ids)``); returns what to undo."""
+    undo = []
+    for name, mod in _dense_modules(model, lin).items():
+
+        def hook(_m, args, name=name):
+            if args:
+                dense_fn(name, args[0])
+
+        undo.append(mod.register_forward_pre_hook(hook))
+    for info, obs in experts:
+        for side, seg in (("gate_up", obs.gate_up), ("down", obs.down)):
+
+            def tap(x, ids, info=info, side=side):
+                expert_fn(info, side, x, ids)
+
+            seg.tap = tap
+            undo.append(seg)
+    return undo
+
+
+def _unhook(undo) -> None:
+    for u in undo:
+        if hasattr(u, "remove"):
+            u.remove()
+        else:
+            u.tap = None
+
+
+def _per_expert(x: torch.Tensor, ids: torch.Tensor):
+    """(local row, its rows of ``x``) for each local expert in ``ids`` (sorted by expert)."""
+    if x.shape[0] == 0:
+        return
+    uniq, counts = torch.unique_consecutive(ids, return_counts=True)
+    start = 0
+    for r, n in zip(uniq.tolist(), counts.tolist(), strict=True):
+        yield r, x[start : start + n]
+        start += n
+
+
+def _share_fused_nvfp4(instr, on, inside: str, pair: dict[int, torch.Tensor]) -> None:
+    """NVFP4: the linears vLLM fuses (q/k/v, gate/up) get one global scale in the export, the
+    largest amax of the group (qckpt/checkpoint/fused_scales.py), so GPTQ quantizes with it."""
+    from qckpt.checkpoint.fused_scales import fused_parts
+
+    dense = {
+        q.name: q
+        for src in instr.weights
+        if (q := src.quantizer).expert_layer is None
+        and id(q) in on
+        and q.name.startswith(inside)
+        and q.format == "nvfp4"
+        and q.amax is not None
+    }
+    for group in fused_parts(list(dense)):
+        top = torch.stack([dense[n].amax.float().reshape(()) for n in group]).max()
+        for n in group:
+            pair[id(dense[n])] = top.reshape(dense[n].amax.shape).to(dense[n].amax.dtype)
+
+
+def _amax_keys(lin: list[_Linear], experts) -> list[str]:
+    """Every input amax of the layer in one order on every rank: dense, then every global
+    expert's two sides (remote ones included)."""
+    keys = sorted({x.hkey for x in lin if ":" not in x.hkey})
+    for info, _ in experts:
+        for e in range(info.num_experts):
+            keys += [f"{info.module_name}:{e}:gate_up", f"{info.module_name}:{e}:down"]
+    return keys
+
+
+def _layer_amax(model, lin, experts, run, mesh: Mesh, res: GptqResult) -> dict[str, float]:
+    """Step 1: every input amax of the layer, MAX over the data group (+ a failure flag)."""
+    got: dict[str, torch.Tensor] = {}
+
+    def put(key: str, x: torch.Tensor) -> None:
+        a = torch.linalg.vector_norm(x.detach().float(), float("inf")) if x.numel() else None
+        if a is not None:
+            got[key] = a if key not in got else torch.maximum(got[key], a)
+
+    def dense(name, x):
+        put(name, x)
+
+    def expert(info, side, x, ids):
+        for r, rows in _per_expert(x, ids):
+            put(f"{info.module_name}:{info.local_ids[r]}:{side}", rows)
+
+    keys = _amax_keys(lin, experts)
+    failure = None
+    undo = _hook_all(model, lin, experts, dense, expert)
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - told to the others through the flag below
+        failure = exc
+    finally:
+        _unhook(undo)
+    buf = torch.zeros(len(keys) + 1, dtype=torch.float32)
+    for j, k in enumerate(keys):
+        if k in got:
+            buf[j] = got[k].cpu()
+    buf[-1] = 1.0 if failure is not None else 0.0
+    group = mesh.data_group
+    if group is not None:
+        buf = buf.to(group_device(group))
+        _reduce(buf, dist.ReduceOp.MAX, group, "the gptq input amaxes over the data group")
+        res.collectives += 1
+        buf = buf.cpu()
+    if failure is not None:
+        raise failure
+    if float(buf[-1]):
+        raise SyncError("calibrate.algorithm gptq: another rank failed (see its log); giving up")
+    return dict(zip(keys, buf[:-1].tolist(), strict=True))
+
+
+def _layer_hessians(model, lin, experts, run, amax, bits, mesh: Mesh, res: GptqResult):
+    """Step 2: the layer's Hessians on the grid, summed over the ranks that share them."""
+    hs: dict[str, torch.Tensor] = {}
+
+    def add(key: str, x: torch.Tensor) -> None:
+        if x.numel() and amax.get(key, 0.0) > 0:
+            hs[key] = gptq.hessian_add(hs.get(key), x, amax[key], bits)
+
+    def dense(name, x):
+        add(name, x)
+
+    def expert(info, side, x, ids):
+        for r, rows in _per_expert(x, ids):
+            add(f"{info.module_name}:{info.local_ids[r]}:{side}", rows)
+
+    undo = _hook_all(model, lin, experts, dense, expert)
+    try:
+        run()
+    finally:
+        _unhook(undo)
+    dense_keys = sorted({x.hkey for x in lin if ":" not in x.hkey})
+    expert_keys = sorted({x.hkey for x in lin if ":" in x.hkey})
+    _sum(hs, dense_keys, lin, mesh.data_group, res)
+    _sum(hs, expert_keys, lin, mesh.dp_group if mesh.ep > 1 else mesh.data_group, res)
+    return hs
+
+
+def _sum(hs, keys, lin, group, res: GptqResult) -> None:
+    """Sum the Hessians ``keys`` over ``group`` in one float64 all-reduce (zeros for none)."""
+    if group is None or dist.get_world_size(group) == 1 or not keys:
+        return
+    dims = {x.hkey: x.src.quantizer.shape[1] for x in lin}
+    sizes = [dims[k] ** 2 for k in keys]
+    flat = torch.zeros(sum(sizes), dtype=torch.float64)
+    at = 0
+    for k, n in zip(keys, sizes, strict=True):
+        if k in hs:
+            flat[at : at + n] = hs[k].reshape(-1).cpu()
+        at += n
+    flat = flat.to(group_device(group))
+    _reduce(flat, dist.ReduceOp.SUM, group, "the gptq Hessians")
+    res.collectives += 1
+    flat = flat.cpu()
+    at = 0
+    for k, n in zip(keys, sizes, strict=True):
+        part = flat[at : at + n]
+        if bool(part.any()):
+            hs[k] = part.view(dims[k], dims[k])
+        at += n
+
+
+def _quantize_layer(model, lin: list[_Linear], hs, unit, opts: GptqOptions, res: GptqResult):
+    """Step 3: GPTQ of every weight of the layer; the weights in the model replaced. The row
+    for the report: the output error over the calibration tokens (sum of squares), rounded to
+    nearest vs GPTQ'd, over the linears some token reached."""
+    row = {"linears": 0, "rounded": 0, "loss_rtn": 0.0, "loss_gptq": 0.0}
+    with torch.no_grad():
+        for x in lin:
+            _gptq_one(model, x, hs.get(x.hkey), unit.get(x.hkey, 0.0), opts, res, row)
+    return row
+
+
+def _gptq_one(model, x: _Linear, h, unit: float, opts, res: GptqResult, row: dict) -> None:
+    q = x.src.quantizer
+    w = x.src.take(model.get_parameter(x.src.param))
+    gran = "tensor" if q.format == "nvfp4" else q.granularity
+    make = partial(gptq.ColumnQuantizer, q.format, gran, x.amax, tuple(w.shape), q.block_size)
+    cq = make()
+    new, _ = gptq.gptq(w, h, cq, percdamp=opts.percdamp, act_order=opts.act_order, block=opts.block)
+    if h is not None:  # the output error on the calibration tokens, rounded vs GPTQ'd
+        rtn = gptq.round_to_nearest(w.detach().float().clone(), make())
+        row["loss_rtn"] += unit * _out_err(rtn - w.float(), h)
+        row["loss_gptq"] += unit * _out_err(new - w.float(), h)
+    else:
+        row["rounded"] += 1
+    w.copy_(new.to(w.dtype))
+    if q.format == "nvfp4":
+        res.block_scales[q.name] = cq.block_scales.clone()
+    res.done.add(q.name)
+    row["linears"] += 1
+
+
+def _out_err(d: torch.Tensor, h: torch.Tensor) -> float:
+    """``sum((X dW^T)**2)`` on the grid: the output error over the calibration tokens."""
+    d = d.to(torch.float64)
+    return float(((d @ h.to(d.device)) * d).sum())
+
+
+def tensors_to_write(model, instr: Instrumentation, mesh: Mesh, res: GptqResult):
+    """This rank's share of the GPTQ sidecar: the first DP rank of each EP rank writes its
+    experts, the first of all (EP rank 0 too) the dense linears; name -> host tensor."""
+    out: dict[str, torch.Tensor] = {}
+    if mesh.dp_rank != 0:
+        return out
+    for src in instr.weights:
+        q = src.quantizer
+        if q.name not in res.done or (q.expert_layer is None and mesh.ep_rank != 0):
+            continue
+        w = src.take(model.get_parameter(src.param))
+        out[f"{q.name}.weight"] = w.detach().cpu().contiguous().clone()
+        if q.name in res.block_scales:
+            out[f"{q.name}.weight_block_scale"] = res.block_scales[q.name]
+    return out
+
+
+def write_weights(state, out: str, mesh: Mesh) -> None:
+    """The GPTQ'd weights beside the calibration file ``out`` (``<out>.gptq/``, one file per
+    EP rank, written by its first DP rank; see qckpt/checkpoint/gptq_source.py); the file
+    names go into ``state`` (the same on every rank); stale files of an earlier run removed."""
+    from pathlib import Path
+
+    from safetensors.torch import save
+
+    from qckpt.atomic import write_bytes
+
+    root = Path(str(out) + ".gptq")
+    state.weights_dir = str(root)
+    state.weights_files = [f"ep{r:03d}.safetensors" for r in range(mesh.ep)]
+    root.mkdir(parents=True, exist_ok=True)
+    if mesh.dp_rank == 0:
+        mine = root / state.weights_files[mesh.ep_rank]
+        write_bytes(mine, save(state.weights, metadata={"format": "pt"}), key="calibrate.output")
+    if mesh.is_main:
+        for f in root.glob("*.safetensors"):
+            if f.name not in state.weights_files:
+                f.unlink()

@@ -1,0 +1,213 @@
+"""``calibrate.algorithm: mse``: scales searched to minimise the quantization error.
+
+Weights (a function of the weight alone, so the same on any rank that holds it):
+
+* FP8 ``tensor`` / ``channel`` / ``block``: each group's (the tensor's, a row's, a block's)
+  clip amax is ``r * amax`` for the ratio ``r`` of :data:`WEIGHT_RATIOS` whose squared error
+  ``sum((w - dq(q(w)))**2)`` over the group is least (ties: the larger ratio; ``r = 1`` is
+  max calibration, so the search is never worse than max on this measure). The scale the
+  export derives is ``clip / 448``, as from an amax.
+* NVFP4: per 16-block, the E4M3 block scale among the max rule's scale and its neighbours
+  (:data:`BLOCK_STEPS` E4M3 steps around it) with the least squared error of the block, for
+  a global scale ``clip / (6 * 448)``; the clip is ``r * amax`` for the ratio of
+  :data:`GLOBAL_RATIOS` whose blocks' total error is least. The export makes the block scales
+  again from the weight and the stored clip with :func:`nvfp4_mse_quantize` (the same
+  function), so nothing but the clip is carried.
+
+Every error is a sum in float64 of squares of float64 differences; a block's 16 squares are
+added as a fixed tree of elementwise additions (8 + 8, 4 + 4, ...), so the NVFP4 block
+choice is the same on any device; a weight's FP8 sums are ``torch.sum`` on one device.
+
+Static inputs (FP8 ``tensor``): from a histogram of ``|x|`` over :data:`HIST_BINS` bins with
+fixed edges ``[0, amax]`` (the synced amax): counts are integers, summed exactly over ranks in
+any order, and the search over :data:`INPUT_RATIOS` runs on the host from the summed counts,
+so every rank finds the same clip. A bin stands for its centre.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qckpt.formats._common import div_f32, f64_const, float_scale
+from qckpt.formats._rowblock import padded_blocks, row_chunks, rows2d
+from qckpt.formats.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, E4M3_TINY, e2m1_codes, e2m1_values
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+WEIGHT_RATIOS = tuple(1.0 - k / 32 for k in range(16))  # 1.0 .. 0.53
+GLOBAL_RATIOS = tuple(1.0 - k / 16 for k in range(6))  # 1.0 .. 0.69
+INPUT_RATIOS = tuple(1.0 - k / 64 for k in range(48))  # 1.0 .. 0.27
+# E4M3 steps from the max rule's block scale: 0 first (ties keep it), then smaller, then larger
+BLOCK_STEPS = (0, -1, -2, -3, -4, -5, -6, 1)
+HIST_BINS = 2048
+_E4M3_MIN_CODE = 0x08  # 2**-6, the smallest normal: the max rule's floor
+_E4M3_MAX_CODE = 0x7E  # 448
+_CHUNK = 1 << 17  # elements per chunk of the NVFP4 search (x 8 candidates at once)
+
+
+def _ratio_amax(amax: torch.Tensor, r: float) -> torch.Tensor:
+    """float32 ``r * amax`` rounded once (the product in float64)."""
+    return (amax.to(torch.float64) * r).to(torch.float32)
+
+
+def _fp8_dq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 fake quantization of float32 ``x`` with float32 ``scale`` (broadcast), as the
+    export quantizes (true division, saturation at 448)."""
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32) * scale
+
+
+def _groups(w: torch.Tensor, granularity: str, block: tuple[int, int]) -> torch.Tensor:
+    """float32 ``[groups, elems]``: the tensor (one group), its rows, or its blocks (padded
+    with zeros, which quantize to zero at any scale)."""
+    x = w.detach().to(torch.float32)
+    if granularity == "tensor":
+        return x.reshape(1, -1)
+    if granularity == "channel":
+        return x.reshape(x.shape[0], -1)
+    r, c = x.shape
+    b0, b1 = block
+    n0, n1 = -(-r // b0), -(-c // b1)
+    x = torch.nn.functional.pad(x, (0, n1 * b1 - c, 0, n0 * b0 - r))
+    return x.reshape(n0, b0, n1, b1).permute(0, 2, 1, 3).reshape(n0 * n1, b0 * b1)
+
+
+def fp8_weight_clip(
+    w: torch.Tensor, amax: torch.Tensor, granularity: str, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, float, float]:
+    """The clip amax of ``w`` (the shape of ``amax``) and the error at max and at the clip
+    (sums over the tensor). ``amax``: max calibration's, at the same granularity."""
+    g = _groups(w, granularity, block)
+    a = amax.detach().to(device=g.device, dtype=torch.float32).reshape(-1)
+    best_err = best = None
+    err_max = 0.0
+    for r in WEIGHT_RATIOS:
+        clip = _ratio_amax(a, r)
+        scale = div_f32(clip.clamp_min(1e-12), f64_const(FP8_MAX, g.device)).reshape(-1, 1)
+        d = g - _fp8_dq(g, scale)
+        err = (d.to(torch.float64) ** 2).sum(dim=1)
+        if best is None:
+            best, best_err, err_max = clip, err, float(err.sum())
+            continue
+        better = err < best_err
+        best = torch.where(better, clip, best)
+        best_err = torch.where(better, err, best_err)
+    return best.reshape(amax.shape).cpu(), err_max, float(best_err.sum())
+
+
+def _e4m3_step(sb: torch.Tensor, step: int) -> torch.Tensor:
+    """The E4M3 value ``step`` codes from positive ``sb`` (consecutive codes of positive
+    normals are consecutive values), kept within the max rule's range [2**-6, 448]."""
+    if step == 0:
+        return sb
+    code = sb.view(torch.uint8).to(torch.int16) + step
+    code = code.clamp_(_E4M3_MIN_CODE, _E4M3_MAX_CODE).to(torch.uint8)
+    return code.view(FP8)
+
+
+def _block_error(blocks: torch.Tensor, sb: torch.Tensor, gs: torch.Tensor, inv_gs) -> tuple:
+    """(codes, float64 squared error per block) of ``blocks`` [R, nb, 16] at block scales
+    ``sb`` (E4M3 [R, nb]); the codes as the formats layer computes them."""
+    sbf = sb.to(torch.float32)
+    rec = inv_gs / sbf
+    codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX))
+    dq = e2m1_values(codes) * (gs * sbf).unsqueeze(-1)
+    d = blocks.to(torch.float64) - dq.to(torch.float64)
+    sq = d * d
+    while sq.shape[-1] > 1:  # a fixed tree of elementwise additions: the same on every device
+        half = sq.shape[-1] // 2
+        sq = sq[..., :half] + sq[..., half:]
+    return codes, sq[..., 0]
+
+
+def _nvfp4_scalars(amax: torch.Tensor, device: torch.device):
+    """(gs, gs as float64, fl32(1 / gs)) for global amax ``amax``, as the formats layer."""
+    gs = float_scale(amax.to(device=device, dtype=torch.float32).reshape(()), E2M1_MAX * E4M3_MAX)
+    gs64 = gs.to(torch.float64)
+    return gs, gs64, (1.0 / gs64).to(torch.float32)
+
+
+def _nvfp4_chunk(c: torch.Tensor, gs, gs64, inv_gs):
+    """The searched block scales, codes and error per block of a ``[R, K]`` chunk, and the
+    max rule's error per block. Every candidate at once (a leading dim of
+    :data:`BLOCK_STEPS`); ``argmin`` takes the first least error: the max rule on a tie."""
+    blocks = padded_blocks(c, BLOCK)
+    bmax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
+    six64 = f64_const(E2M1_MAX, c.device)
+    base = div_f32(div_f32(bmax, six64), gs64).clamp(E4M3_TINY, E4M3_MAX).to(FP8)
+    sbs = torch.stack([_e4m3_step(base, s).view(torch.uint8) for s in BLOCK_STEPS]).view(FP8)
+    codes, err = _block_error(blocks.unsqueeze(0), sbs, gs, inv_gs)
+    pick = err.argmin(dim=0, keepdim=True)  # [1, R, nb]
+    best_err = err.gather(0, pick)[0]
+    best_sb = sbs.view(torch.uint8).gather(0, pick)[0].view(FP8)
+    best_codes = codes.gather(0, pick.unsqueeze(-1).expand(1, *codes.shape[1:]))[0]
+    return best_sb, best_codes, best_err, err[0]
+
+
+def nvfp4_mse_quantize(w: torch.Tensor, clip: torch.Tensor):
+    """NVFP4 of 2-D ``w`` with global amax ``clip`` and searched block scales: (packed codes
+    uint8 ``[R, ceil(K/2)]``, E4M3 scales ``[R, ceil(K/16)]``, global scale float32 ``()``,
+    the error (float) with searched and with max-rule block scales). The layout is the formats
+    layer's nvfp4 (low nibble first)."""
+    x2 = rows2d(w.detach())
+    r, k = x2.shape
+    gs, gs64, inv_gs = _nvfp4_scalars(clip, x2.device)
+    packed = torch.empty((r, -(-k // 2)), dtype=torch.uint8, device=x2.device)
+    scales = torch.empty((r, -(-k // BLOCK)), dtype=FP8, device=x2.device)
+    err = err0 = 0.0
+    for lo, hi in row_chunks(r, k, _CHUNK):
+        sb, codes, e, e0 = _nvfp4_chunk(x2[lo:hi], gs, gs64, inv_gs)
+        codes = codes.reshape(hi - lo, -1)
+        if codes.shape[1] % 2:
+            codes = torch.nn.functional.pad(codes, (0, 1))
+        packed[lo:hi] = (codes[:, 0::2] | (codes[:, 1::2] << 4))[:, : packed.shape[1]]
+        scales[lo:hi] = sb
+        err, err0 = err + float(e.sum()), err0 + float(e0.sum())
+    return packed, scales, gs, err, err0
+
+
+def nvfp4_weight_clip(w: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    """The global clip amax of ``w`` (ratios :data:`GLOBAL_RATIOS`, each with searched block
+    scales) and the error at max calibration (max-rule block scales) and at the choice."""
+    a = amax.detach().to(torch.float32).reshape(())
+    best, best_err, err_max = a, math.inf, None
+    for r in GLOBAL_RATIOS:
+        clip = _ratio_amax(a, r)
+        *_, err, err0 = nvfp4_mse_quantize(w, clip)
+        if err_max is None:
+            err_max = err0
+        if err < best_err:
+            best, best_err = clip, err
+    return best.cpu(), float(err_max), float(best_err)
+
+
+# -- inputs: histograms with fixed edges ---------------------------------------------------------
+
+
+def histogram(x: torch.Tensor, amax: float, bins: int = HIST_BINS) -> torch.Tensor:
+    """int64 counts of ``|x|`` in ``bins`` equal bins over ``[0, amax]`` (values at or past
+    ``amax`` in the last bin), on ``x``'s device."""
+    a = x.detach().reshape(-1).abs().to(torch.float32)
+    idx = (a * (bins / amax)).floor_().clamp_(0, bins - 1).to(torch.int64)
+    return torch.bincount(idx, minlength=bins)
+
+
+def input_clip(counts: torch.Tensor, amax: float) -> tuple[float, float, float]:
+    """The clip amax of a static FP8 per-tensor input from its summed histogram (host, float64:
+    the same on every rank), with the estimated error at max and at the clip."""
+    n = counts.to(torch.float64).cpu()
+    bins = n.numel()
+    v = (torch.arange(bins, dtype=torch.float64) + 0.5) * (amax / bins)
+    v32 = v.to(torch.float32)
+    best, best_err, err_max = amax, math.inf, None
+    for r in INPUT_RATIOS:
+        clip = _ratio_amax(torch.tensor(amax), r)
+        scale = div_f32(clip.clamp_min(1e-12), f64_const(FP8_MAX, torch.device("cpu")))
+        d = v - _fp8_dq(v32, scale).to(torch.float64)
+        err = float((n * d * d).sum())
+        if err_max is None:
+            err_max = err
+        if err < best_err:
+            best, best_err = float(clip), err
+    return best, float(err_max), float(best_err)

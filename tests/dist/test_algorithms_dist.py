@@ -1,0 +1,129 @@
+"""calibrate.algorithm under DP / EP / DP x EP (gloo): the export is the one process's, byte for
+byte, on the tiny MoE with cold experts (experts 5-7 never routed to), for every algorithm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.dist._harness import shared_world
+
+pytestmark = pytest.mark.timeout(400)
+DATA = {"source": "synthetic", "num_samples": 8, "seq_len": 16, "batch_size": 2}
+QUANTS = {
+    # per-channel FP8 weights, static per-tensor FP8 inputs: weight clips per row, input clips
+    # from the summed histograms (experts: one per layer side)
+    "fp8_channel": {
+        "weights": {"format": "fp8", "granularity": "channel"},
+        "inputs": {"format": "fp8", "granularity": "tensor"},
+    },
+    # NVFP4 W4A4: global weight clip + per-16-block scales searched (again, in the export)
+    "nvfp4": {"weights": {"format": "nvfp4"}, "inputs": {"format": "nvfp4"}},
+}
+COLD = [5, 6, 7]
+
+
+def _recipe(quant: str, algorithm: str):
+    from qckpt.recipe import recipe_from_dict
+
+    q = {**QUANTS[quant], "ignore": ["lm_head", "*.mlp.gate"]}
+    return recipe_from_dict({"quant": q, "calibrate": {"data": DATA, "algorithm": algorithm}})
+
+
+def sc_calibrate(rank, world, ep, quant, algorithm, out):
+    """Calibrate the seeded tiny MoE (cold experts) over this world; rank 0 writes ``out``."""
+    from qckpt.calib.calibrate import calibrate_model
+    from qckpt.calib.data import calibration_batches
+    from qckpt.calib.state_file import save_calibration
+    from qckpt.parallel.mesh import Mesh, init_mesh
+    from qckpt.pipeline.model import build
+    from tests.dist.test_ep_calibration import _starve_experts
+
+    r = _recipe(quant, algorithm)
+    mesh = init_mesh(ep=ep, timeout_s=10, device="cpu") if world > 1 else Mesh()
+    starve = lambda m: _starve_experts(m, cold=COLD)  # noqa: E731
+    model = build("tiny-moe", mesh, seeded=True, before_shard=starve).model
+    batches = calibration_batches(
+        r.calibrate.data,
+        vocab_size=256,
+        data_rank=mesh.data_rank,
+        data_world=mesh.data_parallel_size,
+    )
+    state, report = calibrate_model(model, batches, r.quant, mesh, algorithm=algorithm)
+    if rank == 0:
+        save_calibration(state, out)
+    return {"layers": report["layers"], "collectives": report["sync_collectives"]}
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    from qckpt.models.build import build_model
+
+    root = tmp_path_factory.mktemp("algos")
+    build_model("tiny-moe", dtype="bfloat16", seed=0).save_pretrained(root / "hf")
+    return root / "hf"
+
+
+def _export(hf: Path, cal: Path, out: Path, quant: str, algorithm: str) -> dict[str, bytes]:
+    from qckpt.models.build import build_model
+    from tests.unit._export_fixtures import run_export
+
+    model = build_model("tiny-moe", dtype="bfloat16", seed=0)
+    run_export(model, hf, cal, out, _recipe(quant, algorithm).quant)
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+@pytest.mark.parametrize("quant", sorted(QUANTS))
+def test_mse_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, tmp_path, quant):
+    from qckpt.calib.state_file import calibration_differences
+
+    one = tmp_path / "one.safetensors"
+    ref = sc_calibrate(0, 1, 1, quant, "mse", one)
+    # the search did something a user sees: some clip below max, a lower loss than max's
+    rows = [row["mse"] for row in ref["layers"].values() if "mse" in row]
+    assert rows and any(r["ratio_min"] < 1.0 for r in rows)
+    assert sum(r["loss_mse"] for r in rows) < sum(r["loss_max"] for r in rows)
+    ref_files = _export(hf, one, tmp_path / "x-one", quant, "mse")
+    for n, ep in ((2, 1), (2, 2), (4, 2)):  # DP2, EP2, DP2 x EP2
+        cal = tmp_path / f"w{n}ep{ep}.safetensors"
+        out = shared_world(n).run(sc_calibrate, ep, quant, "mse", cal, deadline_s=240)
+        assert all(o.ok for o in out), [o.traceback for o in out if not o.ok]
+        assert calibration_differences(one, cal) == [], (n, ep)
+        files = _export(hf, cal, tmp_path / f"x-{n}-{ep}", quant, "mse")
+        assert files == ref_files, (n, ep)
+        # every rank reports the same search (losses are the owners', summed exactly)
+        assert all(o.value["layers"] == out[0].value["layers"] for o in out)
+
+
+def test_mse_export_differs_from_max_and_lowers_weight_error(hf, tmp_path):
+    """The export writes the searched scales: the NVFP4 export's block scales are not the max
+    rule's, and dequantized weights are closer to the BF16 ones."""
+    import torch
+    from safetensors.torch import load_file
+
+    from qckpt.calib.mse import nvfp4_mse_quantize  # noqa: F401 - the function the export uses
+    from qckpt.formats.nvfp4 import e2m1_values
+
+    err = {}
+    for algo in ("max", "mse"):
+        cal = tmp_path / f"{algo}.safetensors"
+        sc_calibrate(0, 1, 1, "nvfp4", algo, cal)
+        _export(hf, cal, tmp_path / f"x-{algo}", "nvfp4", algo)
+        sd = {}
+        for p in (tmp_path / f"x-{algo}").glob("*.safetensors"):
+            sd.update(load_file(str(p)))
+        src = load_file(str(hf / "model.safetensors"))
+        total = 0.0
+        for k in sd:
+            if not k.endswith(".weight_packed") or ".experts." in k:
+                continue
+            m = k[: -len(".weight_packed")]
+            p = sd[k]
+            codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], -1)
+            s = sd[f"{m}.weight_scale"].float() / sd[f"{m}.weight_global_scale"].float()
+            dq = e2m1_values(codes).view(p.shape[0], -1, 16) * s.unsqueeze(-1)
+            w = src[f"{m}.weight"].float()
+            total += float(((dq.reshape(w.shape) - w) ** 2).sum())
+        err[algo] = total
+    assert err["mse"] < 0.95 * err["max"], err

@@ -12,6 +12,7 @@ import typer
 
 from qckpt import __version__, phases
 from qckpt.cli import calibrate, check, convert, export, inspect, load, plan
+from qckpt.cli import eval as eval_
 from qckpt.cli._errors import interruptible, report
 
 app = typer.Typer(
@@ -34,6 +35,7 @@ app.command("inspect")(interruptible(inspect.inspect_cmd))
 app.command("convert")(interruptible(convert.convert_cmd))
 app.command("check")(interruptible(check.check_cmd))
 app.command("plan")(interruptible(plan.plan_cmd))
+app.command("eval")(interruptible(eval_.eval_cmd))
 
 
 def _version(value: bool) -> None:

@@ -6,6 +6,7 @@ Both models are resident on the device at once (the export's quantized linears i
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -89,24 +90,41 @@ def _warnings(fig: dict[str, Any], unit: str) -> list[str]:
 
 
 def _run(
-    src: nn.Module, exp: nn.Module, win: Windows, opts: EvalOptions, dev: torch.device, step: Any
+    src: Callable[[], nn.Module],
+    exp: nn.Module,
+    win: Windows,
+    opts: EvalOptions,
+    dev: torch.device,
+    step: Any,
+    cache: dict | None,
 ) -> metrics.Sums:
+    """Batch by batch: the source's logits and layer outputs (from ``cache`` when it holds
+    them, else computed, and kept there when a cache is given), then the export's."""
     sums = metrics.Sums()
-    taps = _LayerTap(src), _LayerTap(exp)
+    tap_e, tap_s, model = _LayerTap(exp), None, None
     try:
         with torch.no_grad():
             for i in range(0, win.ids.shape[0], opts.batch_size):
                 batch = win.ids[i : i + opts.batch_size].to(dev)
-                ls = src(batch[:, :-1]).logits
+                key = (i, tuple(win.starts[i : i + opts.batch_size]))
+                got = None if cache is None else cache.get(key)
+                if got is None:
+                    if model is None:
+                        model = src()
+                        tap_s = _LayerTap(model)
+                    got = (model(batch[:, :-1]).logits, tap_s.take())
+                    if cache is not None:
+                        cache[key] = got
                 le = exp(batch[:, :-1]).logits
-                sums.add_logits(ls, le, batch[:, 1:])
-                for j, (hs, he) in enumerate(zip(taps[0].take(), taps[1].take(), strict=True)):
+                sums.add_logits(got[0], le, batch[:, 1:])
+                for j, (hs, he) in enumerate(zip(got[1], tap_e.take(), strict=True)):
                     sums.add_layer(j, hs, he)
                 sums.nbytes += sum(win.nbytes[i : i + opts.batch_size])
                 step(int(batch.shape[0]))
     finally:
-        for t in taps:
-            t.close()
+        for t in (tap_e, tap_s):
+            if t is not None:
+                t.close()
     return sums
 
 
@@ -117,8 +135,11 @@ def evaluate(
     opts: EvalOptions,
     progress: Callable[[int], None] | None = None,
     log: Callable[[str], None] | None = None,
+    cache: dict | None = None,
 ) -> dict[str, Any]:
-    """The report of ``qckpt eval`` (a JSON-able dict)."""
+    """The report of ``qckpt eval`` (a JSON-able dict). ``cache``: a dict kept by the caller
+    across calls with the same source, data and options (the source's outputs are computed
+    once; a benchmark of several exports uses it)."""
     t0 = time.perf_counter()
     scheme = read_scheme(export_dir)
     src_cfg = _check_same_model(export_dir, source_dir)
@@ -137,10 +158,12 @@ def evaluate(
         f"source {source_dir}, export {export_dir} ({scheme.layout.describe()}); "
         f"{win.ids.shape[0]} windows of {win.ids.shape[1]} from {data}; {dtype} on {dev}"
     )
-    src = load_model(source_dir, dtype, dev)
     exp, counts = load_emulated(scheme, dtype, dev)
     t_load = time.perf_counter()
-    sums = _run(src, exp, win, opts, dev, progress or (lambda n: None))
+    if cache is not None:
+        cache = cache.setdefault((str(source_dir), str(data), str(dev), str(dtype)), {})
+    step = progress or (lambda n: None)
+    sums = _run(lambda: load_model(source_dir, dtype, dev), exp, win, opts, dev, step, cache)
     unit = "token" if win.kind == "tokens" else "byte"
     fig = metrics.figures(sums, unit, opts.top_layers)
     return {
@@ -163,4 +186,39 @@ def evaluate(
         **fig,
         "warnings": _warnings(fig, unit),
         "seconds": {"load": t_load - t0, "forward": time.perf_counter() - t_load},
+    }
+
+
+def score_model(model_dir: Path, data: Path, opts: EvalOptions) -> dict[str, Any]:
+    """One model's bits per byte (per token for token-id data) and perplexity on the windows:
+    a plain dir as transformers computes it, a quantized one with its weights dequantized
+    (weight-only: inputs unquantized)."""
+    cfg = _read_json(model_dir / "config.json") or {}
+    win = make_windows(
+        data,
+        vocab_size=int(cfg.get("vocab_size") or 0),
+        tokenizer=tokenizer_of(model_dir),
+        windows=opts.windows,
+        seq_len=opts.seq_len,
+        seed=opts.seed,
+    )
+    dev = pick_device(opts.device)
+    model = load_model(model_dir, _model_dtype(cfg), dev)
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, win.ids.shape[0], opts.batch_size):
+            b = win.ids[i : i + opts.batch_size].to(dev)
+            logits = model(b[:, :-1]).logits.float()
+            nll += float(
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), b[:, 1:].reshape(-1), reduction="sum"
+                )
+            )
+            tokens += int(b[:, 1:].numel())
+    unit = "token" if win.kind == "tokens" else "byte"
+    return {
+        f"bits_per_{unit}": metrics.per_byte(nll, sum(win.nbytes)),
+        "perplexity": math.exp(nll / max(tokens, 1)),
+        "tokens": tokens,
+        "unit": unit,
     }

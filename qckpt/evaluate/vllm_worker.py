@@ -1,6 +1,6 @@
 """One vLLM engine in its own process: the prompt log-probabilities of the eval windows.
 
-    python -m qckpt.evaluate.vllm_worker MODEL_DIR WINDOWS.pt OUT.pt TOP_K
+    python -m qckpt.evaluate.vllm_worker MODEL_DIR WINDOWS.pt OUT.pt TOP_K [GPU_FRACTION]
 
 ``WINDOWS.pt``: an int64 tensor [windows, seq_len + 1]. ``OUT.pt``: ``target`` [w, t] (the
 log-probability of each next token), ``top_ids`` / ``top_logprobs`` [w, t, k] (vLLM's top-k by
@@ -32,6 +32,8 @@ def _rows(
 
 def main(argv: list[str]) -> int:
     model_dir, windows_path, out_path, k = argv[0], argv[1], argv[2], int(argv[3])
+    # the share of the GPU this engine may take (several engines at once: a benchmark)
+    extra = {"gpu_memory_utilization": float(argv[4])} if len(argv) > 4 else {}
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -45,6 +47,7 @@ def main(argv: list[str]) -> int:
         max_logprobs=k,
         max_model_len=int(win.shape[1]) + 1,
         seed=0,
+        **extra,
     )
     t1 = time.perf_counter()
     params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, temperature=0.0)

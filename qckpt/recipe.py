@@ -242,6 +242,9 @@ class EvalConfig:
     batch_size: int = 16
     device: Literal["auto", "cpu", "cuda"] = "auto"
     top_layers: int = 3  # how many of the layers whose outputs moved most the report names
+    # none: source and export resident at once | layer: one decoder layer at a time on the
+    # device (models larger than it; the same figures)
+    offload: Literal["none", "layer"] = "none"
 
     def validate(self, path: str) -> None:
         for name, hi in (

@@ -88,6 +88,10 @@ def eval_cmd(
     seed: Annotated[int | None, typer.Option(min=0, help="Window draw seed (7).")] = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Windows per forward (16).")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda.")] = None,
+    offload: Annotated[
+        str | None,
+        typer.Option(help="none (both models resident) | layer (one decoder layer at a time)."),
+    ] = None,
     client: Annotated[
         str, typer.Option(help="qckpt (emulated here) | vllm (served by vLLM, when installed).")
     ] = "qckpt",
@@ -120,6 +124,10 @@ def eval_cmd(
         if device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"--device: auto, cpu or cuda; got {device!r}")
         opts = replace(opts, device=device)
+    if offload is not None:
+        if offload not in ("none", "layer"):
+            raise UsageError(f"--offload: none or layer; got {offload!r}")
+        opts = replace(opts, offload=offload)
     if client not in ("qckpt", "vllm"):
         raise UsageError(f"--client: qckpt or vllm; got {client!r}")
     _guard(json_path, export_dir, source_dir, data_path)

@@ -42,49 +42,64 @@ def model_config(path: Path) -> Any:
     return cfg
 
 
-def _empty_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _empty_meta(path: Path, dtype: torch.dtype) -> nn.Module:
+    """The dir's model on the meta device (nothing allocated)."""
     from transformers import AutoModelForCausalLM
 
     cfg = model_config(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=False)
-    materialize(model, device)
     return model.eval()
 
 
-def _fill(model: nn.Module, path: Path, mtype: str) -> tuple[Any, SafetensorsFetch]:
-    """Every state-dict tensor from the dir (quantized weights dequantized in the model dtype)."""
-    sd = model.state_dict()
-    expected = {k: v.shape for k, v in sd.items()}
-    layout, source, raw = hf_source(path, model_type=mtype, expected=expected)
-    fetch = SafetensorsFetch(path, raw)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    with torch.no_grad():
-        for name, dst in sd.items():
-            entry = layout.get(name)
-            if entry is None:
-                if tied and name.endswith("lm_head.weight"):
-                    continue
-                raise CheckpointError(f"{path}: {name} is missing from the checkpoint")
-            if tuple(entry.shape) != tuple(dst.shape):
-                raise CheckpointError(
-                    f"{path}: {name} has shape {tuple(entry.shape)}, the model {tuple(dst.shape)}"
-                )
-            for piece in entry.pieces:
-                at = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.sizes, strict=True))
-                region = dst[at][(0,) * piece.lead]
-                if piece.quant is not None:
-                    dequantize_into(region, piece.quant, fetch)
-                else:
-                    region.copy_(fetch(piece.key, None, None).reshape(region.shape))
-    return source, fetch
+def _empty_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    model = _empty_meta(path, dtype)
+    materialize(model, device)
+    return model
+
+
+class DirTensors:
+    """A model dir's tensors under the model's state-dict names (fused experts assembled,
+    quantized weights dequantized in the model dtype), filled into a module or a part of it."""
+
+    def __init__(self, path: Path, model: nn.Module) -> None:
+        self.path = path
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        mtype = getattr(model.config, "model_type", "")
+        self.layout, self.source, raw = hf_source(path, model_type=mtype, expected=expected)
+        self.fetch = SafetensorsFetch(path, raw)
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+
+    def fill(self, module: nn.Module, prefix: str = "") -> None:
+        """Every tensor of ``module`` (named ``prefix + name`` in the model) from the dir."""
+        with torch.no_grad():
+            for name, dst in module.state_dict().items():
+                self._fill_one(prefix + name, dst)
+
+    def _fill_one(self, name: str, dst: torch.Tensor) -> None:
+        entry = self.layout.get(name)
+        if entry is None:
+            if self.tied and name.endswith("lm_head.weight"):
+                return
+            raise CheckpointError(f"{self.path}: {name} is missing from the checkpoint")
+        if tuple(entry.shape) != tuple(dst.shape):
+            raise CheckpointError(
+                f"{self.path}: {name} has shape {tuple(entry.shape)}, the model {tuple(dst.shape)}"
+            )
+        for piece in entry.pieces:
+            at = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.sizes, strict=True))
+            region = dst[at][(0,) * piece.lead]
+            if piece.quant is not None:
+                dequantize_into(region, piece.quant, self.fetch)
+            else:
+                region.copy_(self.fetch(piece.key, None, None).reshape(region.shape))
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A model dir's model with its weights (a quantized dir: dequantized, as transformers'
     weight-only dequantization gives them)."""
     model = _empty_model(path, dtype, device)
-    _fill(model, path, getattr(model.config, "model_type", ""))
+    DirTensors(path, model).fill(model)
     return model
 
 
@@ -95,23 +110,28 @@ def _weight32(scheme: ExportScheme, fetch: SafetensorsFetch, name: str, like: to
     return dequantize(w, fetch, torch.float32).to(like.device), w
 
 
-def _emulate_linears(model: nn.Module, scheme: ExportScheme, fetch: SafetensorsFetch) -> int:
+def _emulate_linears(
+    root: nn.Module, scheme: ExportScheme, fetch: SafetensorsFetch, prefix: str = ""
+) -> int:
     count = 0
-    for name, mod in list(model.named_modules()):
+    for local, mod in list(root.named_modules()):
+        name = prefix + local
         if not isinstance(mod, nn.Linear) or f"{name}.weight" not in scheme.weights:
             continue
         w32, _ = _weight32(scheme, fetch, f"{name}.weight", mod.weight)
         new = EmulatedLinear(w32, mod.bias, scheme.inputs.get(name, InputQuant("none")))
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
+        parent_name, _, leaf = local.rpartition(".")
+        setattr(root.get_submodule(parent_name) if parent_name else root, leaf, new)
         count += 1
     return count
 
 
-def _emulate_experts(model: nn.Module, scheme: ExportScheme, fetch: SafetensorsFetch) -> int:
-    mtype = getattr(model.config, "model_type", "")
+def _emulate_experts(
+    root: nn.Module, scheme: ExportScheme, fetch: SafetensorsFetch, mtype: str, prefix: str = ""
+) -> int:
     count = 0
-    for name, mod in list(model.named_modules()):
+    for local, mod in list(root.named_modules()):
+        name = prefix + local
         if not naming.is_fused_experts(mod):
             continue
         slices = naming.expert_slices(name, mtype, mod.gate_up_proj.shape, mod.down_proj.shape)
@@ -139,17 +159,31 @@ def _emulate_experts(model: nn.Module, scheme: ExportScheme, fetch: SafetensorsF
     return count
 
 
-def _apply_kv(model: nn.Module, scheme: ExportScheme) -> int:
-    if not scheme.kv:
-        return 0
+def _apply_kv(root: nn.Module, scheme: ExportScheme, prefix: str = "") -> int:
     hit = 0
-    for name, mod in model.named_modules():
-        if name in scheme.kv:
-            mod.qckpt_kv_scales = scheme.kv[name]
+    for local, mod in root.named_modules():
+        if prefix + local in scheme.kv:
+            mod.qckpt_kv_scales = scheme.kv[prefix + local]
             hit += 1
-    if hit:
-        model.set_attn_implementation(register_kv_attention())
     return hit
+
+
+def emulate(
+    root: nn.Module, scheme: ExportScheme, fetch: SafetensorsFetch, mtype: str, prefix: str = ""
+) -> dict[str, int]:
+    """Replace the quantized linears / experts of ``root`` (named ``prefix + name`` in the
+    model) by emulating ones and attach its KV-cache scales; what was emulated, counted."""
+    return {
+        "linears": _emulate_linears(root, scheme, fetch, prefix),
+        "experts": _emulate_experts(root, scheme, fetch, mtype, prefix),
+        "kv_cache_layers": _apply_kv(root, scheme, prefix),
+    }
+
+
+def use_kv_attention(model: nn.Module, scheme: ExportScheme) -> None:
+    """The model's attention through the FP8 KV cache where the export has KV scales."""
+    if scheme.kv:
+        model.set_attn_implementation(register_kv_attention())
 
 
 def load_emulated(
@@ -157,13 +191,11 @@ def load_emulated(
 ) -> tuple[nn.Module, dict[str, int]]:
     """The export's model as a serving stack computes it; with counts of what was emulated."""
     model = _empty_model(scheme.path, dtype, device)
-    _, fetch = _fill(model, scheme.path, getattr(model.config, "model_type", ""))
-    counts = {
-        "linears": _emulate_linears(model, scheme, fetch),
-        "experts": _emulate_experts(model, scheme, fetch),
-        "kv_cache_layers": _apply_kv(model, scheme),
-    }
-    fetch.close()
+    tensors = DirTensors(scheme.path, model)
+    tensors.fill(model)
+    counts = emulate(model, scheme, tensors.fetch, getattr(model.config, "model_type", ""))
+    use_kv_attention(model, scheme)
+    tensors.fetch.close()
     if counts["linears"] + counts["experts"] == 0:
         raise CheckpointError(f"{scheme.path}: no quantized linear of the export is in the model")
     return model, counts

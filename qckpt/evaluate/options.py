@@ -14,6 +14,7 @@ class EvalOptions:
     batch_size: int = 16
     device: str = "auto"
     top_layers: int = 3
+    offload: str = "none"  # none: both models resident | layer: one decoder layer at a time
 
 
 def options_from(ev: Any) -> EvalOptions:
@@ -25,4 +26,5 @@ def options_from(ev: Any) -> EvalOptions:
         batch_size=ev.batch_size,
         device=ev.device,
         top_layers=ev.top_layers,
+        offload=ev.offload,
     )

@@ -158,12 +158,20 @@ def evaluate(
         f"source {source_dir}, export {export_dir} ({scheme.layout.describe()}); "
         f"{win.ids.shape[0]} windows of {win.ids.shape[1]} from {data}; {dtype} on {dev}"
     )
-    exp, counts = load_emulated(scheme, dtype, dev)
-    t_load = time.perf_counter()
-    if cache is not None:
-        cache = cache.setdefault((str(source_dir), str(data), str(dev), str(dtype)), {})
     step = progress or (lambda n: None)
-    sums = _run(lambda: load_model(source_dir, dtype, dev), exp, win, opts, dev, step, cache)
+    if opts.offload == "layer":
+        from qckpt.evaluate.layerwise import run_layerwise
+
+        t_load = time.perf_counter()
+        sums, counts = run_layerwise(
+            source_dir, scheme, win.ids, win.nbytes, opts.batch_size, dtype, dev, step
+        )
+    else:
+        exp, counts = load_emulated(scheme, dtype, dev)
+        t_load = time.perf_counter()
+        if cache is not None:
+            cache = cache.setdefault((str(source_dir), str(data), str(dev), str(dtype)), {})
+        sums = _run(lambda: load_model(source_dir, dtype, dev), exp, win, opts, dev, step, cache)
     unit = "token" if win.kind == "tokens" else "byte"
     fig = metrics.figures(sums, unit, opts.top_layers)
     return {

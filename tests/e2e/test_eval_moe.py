@@ -78,3 +78,16 @@ def test_expert_input_scales_are_shared_per_layer_as_vllm_shares_them(moe_export
             assert float(scheme.inputs[f"{pre}.{e}.{proj}"].scale) == max(map(float, gate_up))
         assert float(scheme.inputs[f"{pre}.{e}.down_proj"].scale) == max(map(float, down))
     assert set(scheme.kv) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+
+
+def test_layer_by_layer_gives_the_resident_figures_bit_for_bit(moe_export):
+    from qckpt.evaluate.options import EvalOptions
+    from qckpt.evaluate.run import evaluate
+
+    src, exp, data = moe_export
+    kw = {"windows": 4, "seq_len": 64, "batch_size": 2}
+    a = evaluate(exp, src, data, EvalOptions(**kw))
+    b = evaluate(exp, src, data, EvalOptions(**kw, offload="layer"))
+    keys = ("source_bits_per_byte", "export_bits_per_byte", "kl_mean", "top1_agreement")
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert a["layers"] == b["layers"] and a["emulated"] == b["emulated"]

@@ -221,3 +221,14 @@ def test_cli_refusals_are_one_line(args, code, says):
     assert r.returncode == code, r.stderr
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("qckpt: error: ") and says in err[0], r.stderr
+
+
+def test_layer_by_layer_gives_the_resident_figures_on_nvfp4(exports):
+    from qckpt.evaluate.options import EvalOptions
+    from qckpt.evaluate.run import evaluate
+
+    kw = {"windows": 2, "batch_size": 1}
+    a = evaluate(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw))
+    b = evaluate(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw, offload="layer"))
+    for k in ("source_bits_per_byte", "export_bits_per_byte", "kl_mean", "layers"):
+        assert a[k] == b[k], k

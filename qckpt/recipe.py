@@ -257,6 +257,36 @@ class ExportConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    """``qckpt eval``'s held-out data: text (its bytes are the token ids of a byte-vocabulary
+    model; else the source's tokenizer reads it) or token ids (``.npy`` / ``.pt``). The window
+    defaults are the shared quality set's protocol (64 windows of 512 + 1, seed 7)."""
+
+    path: str | None = None
+    windows: int = 64
+    seq_len: int = 512
+    seed: int = 7
+    batch_size: int = 16
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    top_layers: int = 3  # how many of the layers whose outputs moved most the report names
+    # none: source and export resident at once | layer: one decoder layer at a time on the
+    # device (models larger than it; the same figures)
+    offload: Literal["none", "layer"] = "none"
+
+    def validate(self, path: str) -> None:
+        for name, hi in (
+            ("windows", MAX_SAMPLES),
+            ("seq_len", MAX_SEQ_LEN),
+            ("batch_size", MAX_SAMPLES),
+            ("top_layers", 10**6),
+        ):
+            _in_range(f"{path}.{name}", getattr(self, name), 1, hi, f"1 .. {hi}")
+        _in_range(f"{path}.seed", self.seed, 0, SEED_MAX, "0 .. 2**64-1")
+        if self.path is not None and not self.path.strip():
+            raise RecipeError(f"{path}.path: empty; name the held-out data file")
+
+
+@dataclass(kw_only=True)
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -265,6 +295,19 @@ class Recipe:
     calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self, path: str) -> None:
+        held, calib = self.eval.path, self.calibrate.data.path
+        if (
+            held
+            and calib
+            and Path(held).expanduser().resolve() == Path(calib).expanduser().resolve()
+        ):
+            raise RecipeError(
+                "eval.path: is the calibration file (calibrate.data.path); evaluate on data "
+                "the calibration never saw"
+            )
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.I)

@@ -12,6 +12,7 @@ import typer
 
 from qckpt import __version__, phases
 from qckpt.cli import calibrate, check, convert, export, init, inspect, load, plan
+from qckpt.cli import eval as eval_
 from qckpt.cli._errors import interruptible, report
 from qckpt.term import quiet_third_party
 
@@ -36,6 +37,7 @@ app.command("convert")(interruptible(convert.convert_cmd))
 app.command("check")(interruptible(check.check_cmd))
 app.command("plan")(interruptible(plan.plan_cmd))
 app.command("init")(interruptible(init.init_cmd))
+app.command("eval")(interruptible(eval_.eval_cmd))
 
 
 def _version(value: bool) -> None:

@@ -26,6 +26,8 @@ def test_commands_that_need_no_model_import_no_torch(tmp_path):
         "export help": (["export", "--help"], 0),
         "convert help": (["convert", "--help"], 0),
         "check of a dir that is no export": (["check", str(tmp_path / "empty")], 1),
+        "eval of a missing export": (["eval", str(tmp_path / "missing")], 2),
+        "eval help": (["eval", "--help"], 0),
         "a bad recipe value": (["load", str(bad)], 2),
         "--json onto the recipe": (["load", str(good), "--json", str(good)], 2),
         "convert --json onto its recipe": (

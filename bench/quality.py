@@ -1,0 +1,359 @@
+"""The quality benchmark: every export layout x format of a trained model, held-out bits per
+byte through ``qckpt eval``, through transformers and through vLLM, side by side.
+
+    python -m bench.quality [--model llama=../shared/quality/models/llama-textlm]
+        [--model qwen3moe=DIR] [--extra NAME=DIR ...] [--windows 64] [--work /tmp/qckpt-quality]
+        [--doc docs/QUALITY.md] [--json out.json] [--no-vllm] [--vllm-parallel N]
+
+For each ``--model NAME=DIR`` (an HF dir of BF16 safetensors; default: the shared Llama), each
+variant of :data:`VARIANTS` is calibrated on 128 x 512 bytes of ``calib.bin`` (``max``, batches
+of 16) and exported (``qckpt calibrate`` and ``qckpt export``, all of one model in one process),
+then measured on the held-out windows of the shared README (``heldout.bin``, 64 x 513, seed 7):
+
+* ``qckpt eval``: the export emulated from its own files as a serving stack computes it (with
+  mean KL(source || export) and top-1 agreement);
+* transformers: ``AutoModelForCausalLM.from_pretrained(EXPORT)`` (compressed-tensors' own
+  quantizer; ModelOpt dirs are skipped: transformers has no ModelOpt quantizer and would read
+  the codes as weights);
+* vLLM (when importable): the export served, prompt log-probabilities (one process per engine;
+  ``--vllm-parallel N`` runs N engines at once, each with 0.85/N of the GPU).
+
+``--extra NAME=DIR``: another tool's export (llm-compressor's, ModelOpt's) of one of the models
+(the one whose config.json matches), measured the same three ways. The table of each model goes
+into ``--doc`` between markers named by the model and the machine, with the date, the machine
+and the command; a run on another machine adds its own table, it never replaces this one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import platform
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+QUALITY = ROOT.parent / "shared" / "quality"
+
+# name -> (export.format, (weights format, granularity), (inputs format, granularity, dynamic))
+VARIANTS: dict[str, tuple[str, tuple[str, str], tuple[str, str, bool]]] = {
+    "compressed-tensors FP8 per-tensor, static inputs": (
+        "compressed-tensors",
+        ("fp8", "tensor"),
+        ("fp8", "tensor", False),
+    ),
+    "compressed-tensors FP8 per-channel, dynamic per-token inputs": (
+        "compressed-tensors",
+        ("fp8", "channel"),
+        ("fp8", "tensor", True),
+    ),
+    "compressed-tensors FP8 block 128x128, dynamic per-group inputs": (
+        "compressed-tensors",
+        ("fp8", "block"),
+        ("fp8", "block", True),
+    ),
+    "compressed-tensors NVFP4 W4A4": (
+        "compressed-tensors",
+        ("nvfp4", "tensor"),
+        ("nvfp4", "tensor", False),
+    ),
+    "ModelOpt FP8": ("modelopt", ("fp8", "tensor"), ("fp8", "tensor", False)),
+    "ModelOpt FP8_PER_CHANNEL_PER_TOKEN": ("modelopt", ("fp8", "channel"), ("fp8", "tensor", True)),
+    "ModelOpt NVFP4": ("modelopt", ("nvfp4", "tensor"), ("nvfp4", "tensor", False)),
+}
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def _recipe(model: Path, work: Path, name: str, calib_bin: Path, heldout: Path) -> Path:
+    fmt, w, i = VARIANTS[name]
+    out = work / _slug(name)
+    text = f"""
+model: {{source: {model}}}
+checkpoint: {{path: {model}}}
+quant:
+  weights: {{format: {w[0]}, granularity: {w[1]}}}
+  inputs: {{format: {i[0]}, granularity: {i[1]}, dynamic: {str(i[2]).lower()}}}
+  ignore: ["lm_head", "*.mlp.gate"]
+calibrate:
+  data: {{source: text, path: {calib_bin}, num_samples: 128, seq_len: 512, batch_size: 16}}
+  output: {out}.calib.safetensors
+export: {{format: {fmt}, output: {out}, overwrite: true}}
+eval: {{path: {heldout}}}
+"""
+    path = work / f"{_slug(name)}.yaml"
+    path.write_text(text)
+    return path
+
+
+def make_exports(model: Path, work: Path, calib_bin: Path, heldout: Path) -> dict[str, Path]:
+    """Calibrate and export every variant (one process for all: one start-up)."""
+    work.mkdir(parents=True, exist_ok=True)
+    recipes = [str(_recipe(model, work, n, calib_bin, heldout)) for n in VARIANTS]
+    code = (
+        "import sys\nfrom qckpt.cli.app import main\n"
+        "for r in sys.argv[1:]:\n"
+        "    for cmd in ('calibrate', 'export'):\n"
+        "        try:\n            main([cmd, r])\n"
+        "        except SystemExit as e:\n"
+        "            if e.code not in (0, None):\n"
+        "                sys.exit(f'{cmd} {r}: exit {e.code}')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code, *recipes], cwd=ROOT, text=True)
+    if p.returncode:
+        raise SystemExit(f"calibrate/export failed for {model} (exit {p.returncode})")
+    return {n: work / _slug(n) for n in VARIANTS}
+
+
+def _windows(model: Path, heldout: Path, windows: int) -> Any:
+    from qckpt.checkpoint.quantized_sources import _read_json
+    from qckpt.evaluate.windows import make_windows, tokenizer_of
+
+    cfg = _read_json(model / "config.json") or {}
+    return make_windows(
+        heldout, vocab_size=int(cfg["vocab_size"]), tokenizer=tokenizer_of(model), windows=windows
+    )
+
+
+def transformers_bpb(path: Path, win: Any, device: str) -> float | str:
+    """Bits per byte of ``path`` loaded by transformers (its own quantizer), or why not."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    if (path / "hf_quant_config.json").is_file():
+        return "n/a: no ModelOpt quantizer in transformers"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(device)
+        nll = 0.0
+        with torch.no_grad():
+            for i in range(0, win.ids.shape[0], 16):
+                b = win.ids[i : i + 16].to(device)
+                logits = model(b[:, :-1]).logits.float()
+                nll += float(
+                    F.cross_entropy(logits.flatten(0, 1), b[:, 1:].reshape(-1), reduction="sum")
+                )
+    except Exception as exc:  # a loader that refuses the dir is a result of the benchmark
+        return "fails: " + " ".join(str(exc).split())[:120]
+    return nll / math.log(2) / sum(win.nbytes)
+
+
+def vllm_runs(dirs: dict[str, Path], win: Any, k: int, parallel: int) -> dict[str, Any]:
+    """Each dir served by vLLM (:mod:`qckpt.evaluate.vllm_worker`), up to ``parallel`` at once."""
+    import torch
+
+    tmp = Path(tempfile.mkdtemp(prefix="qckpt-quality-vllm-"))
+    wpath = tmp / "windows.pt"
+    torch.save(win.ids, wpath)
+    util = f"{0.85 / parallel:.3f}"
+
+    def one(item: tuple[str, Path]) -> tuple[str, Any]:
+        name, d = item
+        out = tmp / f"{_slug(name)}.pt"
+        env_cmd = [sys.executable, "-m", "qckpt.evaluate.vllm_worker", str(d), str(wpath)]
+        r = subprocess.run(
+            [*env_cmd, str(out), str(k), util], capture_output=True, text=True, cwd=ROOT
+        )
+        if r.returncode or not out.is_file():
+            return name, "fails: " + " | ".join((r.stderr or r.stdout).strip().splitlines()[-2:])[
+                :160
+            ]
+        return name, torch.load(out, weights_only=True)
+
+    with ThreadPoolExecutor(parallel) as pool:
+        return dict(pool.map(one, dirs.items()))
+
+
+def measure_model(
+    label: str, model: Path, exports: dict[str, Path], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    import torch
+
+    from qckpt.evaluate.options import EvalOptions
+    from qckpt.evaluate.run import evaluate
+    from qckpt.evaluate.vllm_client import _figures, vllm_available
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    win = _windows(model, args.heldout, args.windows)
+    opts = EvalOptions(windows=args.windows, device=device)
+    cache: dict = {}
+    rows: list[dict[str, Any]] = [{"export": "BF16 source", "dir": str(model)}]
+    for name, d in exports.items():
+        rep = evaluate(d, model, args.heldout, opts, cache=cache)
+        rows[0]["qckpt"] = rep["source_bits_per_byte"]
+        rows.append(
+            {
+                "export": name,
+                "dir": str(d),
+                "qckpt": rep["export_bits_per_byte"],
+                "kl": rep["kl_mean"],
+                "top1": rep["top1_agreement"],
+                "moved": rep["layers_moved_most"],
+            }
+        )
+        print(f"[{label}] {name}: qckpt eval {rep['export_bits_per_byte']:.4f}", flush=True)
+    for row in rows:
+        row["transformers"] = transformers_bpb(Path(row["dir"]), win, device)
+        print(f"[{label}] {row['export']}: transformers {row['transformers']}", flush=True)
+    if args.no_vllm or not vllm_available():
+        note = "not measured (no vLLM on this machine)" if not args.no_vllm else "not measured"
+        for row in rows:
+            row["vllm"] = note
+        return rows
+    served = vllm_runs(
+        {r["export"]: Path(r["dir"]) for r in rows}, win, args.top_k, args.vllm_parallel
+    )
+    src = served["BF16 source"]
+    for row in rows:
+        got = served[row["export"]]
+        if isinstance(got, str) or isinstance(src, str):
+            row["vllm"] = got if isinstance(got, str) else "source not served"
+            continue
+        fig = _figures(src, got, win.ids, sum(win.nbytes), "byte", args.top_k)
+        row["vllm"] = fig["export_bits_per_byte"]
+        if row["export"] == "BF16 source":
+            row["vllm"] = fig["source_bits_per_byte"]
+        else:
+            row["vllm_kl_topk"], row["vllm_top1"] = fig["kl_mean"], fig["top1_agreement"]
+        print(f"[{label}] {row['export']}: vLLM {row['vllm']}", flush=True)
+    return rows
+
+
+def _cell(v: Any, base: Any) -> str:
+    if not isinstance(v, float):
+        return str(v) if v is not None else ""
+    if isinstance(base, float) and base > 0:
+        return f"{v:.4f} ({(v / base - 1) * 100:+.2f} %)"
+    return f"{v:.4f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = rows[0]
+    out = [
+        "| export | qckpt eval | KL (qckpt eval) | top-1 (qckpt eval) | transformers | vLLM |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        kl = f"{r['kl']:.5f}" if isinstance(r.get("kl"), float) else "-"
+        top1 = f"{r['top1'] * 100:.2f} %" if isinstance(r.get("top1"), float) else "-"
+        first = r is base
+        cells = [
+            _cell(r.get("qckpt"), None if first else base.get("qckpt")),
+            kl,
+            top1,
+            _cell(r.get("transformers"), None if first else base.get("transformers")),
+            _cell(r.get("vllm"), None if first else base.get("vllm")),
+        ]
+        out.append(f"| {r['export']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} (CUDA)"
+    except ImportError:
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU ({cpu})"
+
+
+def update_doc(doc: Path, label: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    where = "gpu" if "CUDA" in machine() else "cpu"
+    start, end = f"<!-- quality:{label}:{where}:start -->", f"<!-- quality:{label}:{where}:end -->"
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    block = "\n".join(
+        [
+            start,
+            f"### {label} on {machine()}",
+            "",
+            f"{when}; `python -m bench.quality {' '.join(args.argv)}`; held-out bits per byte "
+            f"({args.windows} windows of 513 bytes of `heldout.bin`, seed 7), relative to the BF16 "
+            "source of the same column.",
+            "",
+            table(rows),
+            end,
+        ]
+    )
+    text = doc.read_text() if doc.is_file() else "# Quality\n\n"
+    if start in text and end in text:
+        head, _, rest = text.partition(start)
+        _, _, tail = rest.partition(end)
+        text = head + block + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(text)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", action="append", default=[], metavar="NAME=DIR")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR")
+    ap.add_argument("--calib", type=Path, default=QUALITY / "calib.bin")
+    ap.add_argument("--heldout", type=Path, default=QUALITY / "heldout.bin")
+    ap.add_argument("--windows", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=20)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/qckpt-quality"))
+    ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "QUALITY.md")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--vllm-parallel", type=int, default=1)
+    args = ap.parse_args(argv)
+    args.argv = argv
+    args.model = args.model or [f"llama={QUALITY / 'models' / 'llama-textlm'}"]
+    return args
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, Path]:
+    out = {}
+    for it in items:
+        name, sep, path = it.partition("=")
+        if not sep or not name or not Path(path).is_dir():
+            raise SystemExit(f"{flag} {it}: expected NAME=DIR with an existing DIR")
+        out[name] = Path(path)
+    return out
+
+
+def _same_model(a: Path, b: Path) -> bool:
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+    ca, cb = (json.loads((p / "config.json").read_text()) for p in (a, b))
+    return all(ca.get(k) == cb.get(k) for k in keys)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    models, extras = _pairs(args.model, "--model"), _pairs(args.extra, "--extra")
+    report = {}
+    for label, model in models.items():
+        exports = make_exports(model, args.work / label, args.calib, args.heldout)
+        exports |= {n: d for n, d in extras.items() if _same_model(model, d)}
+        rows = measure_model(label, model, exports, args)
+        update_doc(args.doc, label, rows, args)
+        report[label] = rows
+        print(table(rows), flush=True)
+    if args.json:
+        args.json.write_text(
+            json.dumps({"machine": machine(), "models": report}, indent=2, default=str)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,30 @@
+"""``qckpt eval``'s options (torch-free: the CLI checks them before anything heavy loads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class EvalOptions:
+    windows: int = 64
+    seq_len: int = 512
+    seed: int = 7
+    batch_size: int = 16
+    device: str = "auto"
+    top_layers: int = 3
+    offload: str = "none"  # none: both models resident | layer: one decoder layer at a time
+
+
+def options_from(ev: Any) -> EvalOptions:
+    """The options of a recipe's ``eval:`` section (:class:`qckpt.recipe.EvalConfig`)."""
+    return EvalOptions(
+        windows=ev.windows,
+        seq_len=ev.seq_len,
+        seed=ev.seed,
+        batch_size=ev.batch_size,
+        device=ev.device,
+        top_layers=ev.top_layers,
+        offload=ev.offload,
+    )

@@ -1,0 +1,198 @@
+"""What a serving stack reads from an export dir: per quantized linear, its weight storage
+(:mod:`qckpt.checkpoint.quantized_sources`) and how its input is quantized; the KV-cache scales.
+
+From the export's own files only (``config.json``'s ``quantization_config``,
+``hf_quant_config.json``, the tensors), never from qckpt's calibration state:
+
+* compressed-tensors: each linear's ``config_groups`` entry (``targets``: ``Linear``, a module
+  name or ``re:`` regex) gives its ``input_activations``: none (weight-only), FP8 ``tensor``
+  static (``{m}.input_scale``) or dynamic, ``token`` dynamic, ``group`` dynamic
+  (``group_size``), or NVFP4 ``tensor_group`` (``{m}.input_global_scale``, which multiplies the
+  block scales). KV: ``{attn}.k_scale`` / ``{attn}.v_scale``.
+* ModelOpt: ``quant_algo`` ``FP8`` (static ``{m}.input_scale``), ``FP8_PER_CHANNEL_PER_TOKEN``
+  (dynamic per-token), ``NVFP4`` (``{m}.input_scale`` = amax / (6 * 448); the global scale the
+  kernels use is its float32 reciprocal, as vLLM computes it). KV: ``{attn}.k_proj.k_scale``.
+
+MoE experts (``{...}.experts.{e}.{proj}``): static input scales are shared per layer as vLLM's
+fused-MoE layers share them: the largest over the layer's experts for gate and up (one input),
+and for down (for NVFP4 the smallest global scale, i.e. the largest amax).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qckpt.checkpoint.hf_reader import hf_index
+from qckpt.checkpoint.quantized_sources import (
+    QuantWeight,
+    SafetensorsFetch,
+    SourceLayout,
+    _read_json,
+    source_layout,
+)
+from qckpt.errors import CheckpointError
+from qckpt.evaluate.act_quant import InputQuant
+
+_EXPERT = re.compile(r"^(?P<pre>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
+_GATE_UP = ("gate_proj", "up_proj", "w1", "w3")
+
+
+@dataclass
+class ExportScheme:
+    """The export as a client runs it."""
+
+    path: Path
+    layout: SourceLayout
+    weights: dict[str, QuantWeight]  # "{module}.weight" -> storage
+    inputs: dict[str, InputQuant]  # module -> its input quantization
+    kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    index: dict[str, Any] = field(default_factory=dict)
+
+    def fetch(self) -> SafetensorsFetch:
+        return SafetensorsFetch(self.path, self.index)
+
+    def summary(self) -> dict[str, Any]:
+        modes: dict[str, int] = {}
+        for q in self.inputs.values():
+            modes[q.describe()] = modes.get(q.describe(), 0) + 1
+        return {
+            **self.layout.summary(),
+            "input_quantization": dict(sorted(modes.items())),
+            "kv_cache_scales": len(self.kv),
+        }
+
+
+def _target_matches(target: str, module: str) -> bool:
+    if target == "Linear":
+        return True
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target or module.endswith("." + target)
+
+
+def _ct_group_of(groups: dict[str, Any], module: str) -> dict[str, Any] | None:
+    with_weights = [g for g in groups.values() if isinstance(g, dict) and g.get("weights")]
+    if len(with_weights) == 1:
+        return with_weights[0]
+    for g in with_weights:
+        if any(_target_matches(str(t), module) for t in g.get("targets") or []):
+            return g
+    return None
+
+
+def _scalar(fetch: SafetensorsFetch, key: str, module: str) -> torch.Tensor:
+    if key not in fetch.index:
+        raise CheckpointError(f"{fetch.root}: {module} has static input quantization but no {key}")
+    t = fetch(key, None, None).to(torch.float32)
+    if t.numel() != 1:
+        raise CheckpointError(f"{fetch.root}: {key} must hold one value, has {t.numel()}")
+    return t.reshape(())
+
+
+def _ct_input(args: dict[str, Any] | None, module: str, fetch: SafetensorsFetch) -> InputQuant:
+    if not args:
+        return InputQuant("none")
+    bits, typ, strat, dyn = args.get("num_bits"), args.get("type"), args.get("strategy"), None
+    dyn = args.get("dynamic")
+    where = f"{fetch.root}: {module}: input_activations"
+    if (bits, typ) == (8, "float"):
+        if strat == "tensor" and dyn is False:
+            return InputQuant("fp8_static", _scalar(fetch, f"{module}.input_scale", module))
+        if strat == "tensor" and dyn is True:
+            return InputQuant("fp8_tensor_dynamic")
+        if strat == "token" and dyn is True:
+            return InputQuant("fp8_token")
+        if strat == "group" and dyn is True and isinstance(args.get("group_size"), int):
+            return InputQuant("fp8_group", group=int(args["group_size"]))
+    if (bits, typ, strat) == (4, "float", "tensor_group") and dyn == "local":
+        return InputQuant("nvfp4", _scalar(fetch, f"{module}.input_global_scale", module))
+    raise CheckpointError(
+        f"{where}: {bits}-bit {typ} strategy {strat!r} dynamic {dyn!r} is not an input "
+        "quantization qckpt eval emulates"
+    )
+
+
+def _modelopt_input(algo: str, module: str, fetch: SafetensorsFetch) -> InputQuant:
+    if algo == "FP8":
+        return InputQuant("fp8_static", _scalar(fetch, f"{module}.input_scale", module))
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return InputQuant("fp8_token")
+    s = _scalar(fetch, f"{module}.input_scale", module)
+    return InputQuant("nvfp4", torch.ones((), dtype=torch.float32) / s)
+
+
+def _modelopt_algo(path: Path) -> str:
+    hq = _read_json(path / "hf_quant_config.json") or {}
+    qc = (_read_json(path / "config.json") or {}).get("quantization_config") or {}
+    return str((hq.get("quantization") or {}).get("quant_algo") or qc.get("quant_algo"))
+
+
+def _share_experts(inputs: dict[str, InputQuant]) -> dict[str, InputQuant]:
+    """Static expert input scales made one per layer and input (gate+up, down), as vLLM does."""
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for m, q in inputs.items():
+        hit = _EXPERT.match(m)
+        if hit and q.scale is not None:
+            groups.setdefault((hit["pre"], hit["proj"] in _GATE_UP), []).append(m)
+    out = dict(inputs)
+    for members in groups.values():
+        scales = torch.stack([inputs[m].scale for m in members])  # type: ignore[misc]
+        mode = inputs[members[0]].mode
+        shared = scales.min() if mode == "nvfp4" else scales.max()
+        for m in members:
+            out[m] = InputQuant(mode, shared)
+    return out
+
+
+def _kv_scales(fetch: SafetensorsFetch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key in fetch.index:
+        for suffix, v_key in ((".k_proj.k_scale", ".v_proj.v_scale"), (".k_scale", ".v_scale")):
+            if key.endswith(suffix):
+                attn = key[: -len(suffix)]
+                if attn + v_key in fetch.index and attn not in out:
+                    k = fetch(key, None, None).to(torch.float32).reshape(-1).max()
+                    v = fetch(attn + v_key, None, None).to(torch.float32).reshape(-1).max()
+                    out[attn] = (k, v)
+                break
+    return out
+
+
+def read_scheme(path: str | Path) -> ExportScheme:
+    """The export at ``path`` as a client runs it; CheckpointError (one line) for a dir that is
+    not a quantized export qckpt eval emulates."""
+    p = Path(path)
+    index = hf_index(p)
+    layout = source_layout(p, index)
+    if not layout.quantized:
+        raise CheckpointError(f"{p}: not a quantized export (no quantization_config)")
+    fetch = SafetensorsFetch(p, index)
+    inputs: dict[str, InputQuant] = {}
+    if layout.name == "compressed-tensors":
+        qc = (_read_json(p / "config.json") or {}).get("quantization_config") or {}
+        groups = qc.get("config_groups") or {}
+        for name in layout.weights:
+            module = name[: -len(".weight")]
+            g = _ct_group_of(groups, module)
+            inputs[module] = _ct_input((g or {}).get("input_activations"), module, fetch)
+    elif layout.name == "modelopt":
+        algo = _modelopt_algo(p)
+        for name in layout.weights:
+            module = name[: -len(".weight")]
+            inputs[module] = _modelopt_input(algo, module, fetch)
+    else:
+        for name in layout.weights:  # DeepSeek-style block FP8: dynamic per-group 128 inputs
+            inputs[name[: -len(".weight")]] = InputQuant("fp8_group", group=128)
+    return ExportScheme(
+        path=p,
+        layout=layout,
+        weights=dict(layout.weights),
+        inputs=_share_experts(inputs),
+        kv=_kv_scales(fetch),
+        index=index,
+    )

@@ -1,0 +1,71 @@
+"""One vLLM engine in its own process: the prompt log-probabilities of the eval windows.
+
+    python -m qckpt.evaluate.vllm_worker MODEL_DIR WINDOWS.pt OUT.pt TOP_K [GPU_FRACTION]
+
+``WINDOWS.pt``: an int64 tensor [windows, seq_len + 1]. ``OUT.pt``: ``target`` [w, t] (the
+log-probability of each next token), ``top_ids`` / ``top_logprobs`` [w, t, k] (vLLM's top-k by
+rank), ``seconds`` (engine start, prompts). A process per engine, so that each one's GPU memory
+is freed when it exits, whatever vLLM keeps alive.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _rows(
+    plp: list, ids: list[int], k: int
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    target, top_ids, top_lp = [], [], []
+    for pos in range(1, len(ids)):
+        d = plp[pos]
+        target.append(float(d[ids[pos]].logprob))
+        ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in d.items()), key=lambda r: r[0])
+        ranked = [r for r in ranked if r[0] is not None and r[0] <= k][:k]
+        while len(ranked) < k:  # never expected; keeps the tensor rectangular
+            ranked.append((k + 1, -1, float("-inf")))
+        top_ids.append([int(r[1]) for r in ranked])
+        top_lp.append([float(r[2]) for r in ranked])
+    return target, top_ids, top_lp
+
+
+def main(argv: list[str]) -> int:
+    model_dir, windows_path, out_path, k = argv[0], argv[1], argv[2], int(argv[3])
+    # the share of the GPU this engine may take (several engines at once: a benchmark)
+    extra = {"gpu_memory_utilization": float(argv[4])} if len(argv) > 4 else {}
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    win = torch.load(windows_path, weights_only=True)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model_dir,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_logprobs=k,
+        max_model_len=int(win.shape[1]) + 1,
+        seed=0,
+        **extra,
+    )
+    t1 = time.perf_counter()
+    params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False, temperature=0.0)
+    prompts = [TokensPrompt(prompt_token_ids=w.tolist()) for w in win]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    t2 = time.perf_counter()
+    rows = [_rows(o.prompt_logprobs, w.tolist(), k) for o, w in zip(outs, win, strict=True)]
+    torch.save(
+        {
+            "target": torch.tensor([r[0] for r in rows], dtype=torch.float64),
+            "top_ids": torch.tensor([r[1] for r in rows], dtype=torch.long),
+            "top_logprobs": torch.tensor([r[2] for r in rows], dtype=torch.float64),
+            "seconds": {"engine_start": t1 - t0, "prompts": t2 - t1},
+        },
+        out_path,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,234 @@
+"""``qckpt eval`` on the shared quality model (a small Llama trained on Python text): the BF16
+source gives the README's figure, each of qckpt's exports stays within its tolerance of it, a
+broken export is caught, and the command's exits and messages.
+
+One calibration (128 x 512 bytes of ``calib.bin``, per-tensor weights, static inputs) is run for
+the module; the other variants' calibration files are derived from it: their input amaxes are
+the same observations, and a ``max`` weight amax is the weights' own abs-max per tensor,
+channel or block. Exports and the source's outputs are shared by the tests of this module.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import ROOT, run_qckpt
+
+QUALITY = ROOT.parent / "shared" / "quality"
+MODEL = QUALITY / "models" / "llama-textlm"
+HELDOUT = QUALITY / "heldout.bin"
+
+pytestmark = pytest.mark.skipif(not MODEL.is_dir(), reason="../shared/quality is not here")
+
+FP8_TOL, NVFP4_TOL = 0.005, 0.03
+FEW = 8  # windows where the exact README figure is not needed
+
+# name -> (export.format, weights, inputs)
+VARIANTS = {
+    "ct-fp8-tensor": ("compressed-tensors", ("fp8", "tensor"), ("fp8", "tensor", False)),
+    "ct-fp8-channel": ("compressed-tensors", ("fp8", "channel"), ("fp8", "tensor", True)),
+    "ct-fp8-block": ("compressed-tensors", ("fp8", "block"), ("fp8", "block", True)),
+    "ct-nvfp4": ("compressed-tensors", ("nvfp4", "tensor"), ("nvfp4", "tensor", False)),
+    "modelopt-fp8": ("modelopt", ("fp8", "tensor"), ("fp8", "tensor", False)),
+    "modelopt-nvfp4": ("modelopt", ("nvfp4", "tensor"), ("nvfp4", "tensor", False)),
+}
+
+
+def _recipe(tmp: Path, name: str, fmt: str, w: tuple, i: tuple, calib: Path) -> Path:
+    text = f"""
+model: {{source: {MODEL}}}
+checkpoint: {{path: {MODEL}}}
+quant:
+  weights: {{format: {w[0]}, granularity: {w[1]}}}
+  inputs: {{format: {i[0]}, granularity: {i[1]}, dynamic: {str(i[2]).lower()}}}
+  ignore: ["lm_head"]
+calibrate:
+  data: {{source: text, path: {QUALITY / "calib.bin"}, num_samples: 128, seq_len: 512,
+          batch_size: 16}}
+  output: {calib}
+export: {{format: {fmt}, output: {tmp / name}}}
+eval: {{path: {HELDOUT}, windows: 2}}
+"""
+    path = tmp / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def _weight_amax(w: torch.Tensor, granularity: str) -> torch.Tensor:
+    a = w.float().abs()
+    if granularity == "tensor":
+        return a.amax()
+    if granularity == "channel":
+        return a.amax(dim=1)
+    r, c = w.shape
+    pad = torch.zeros(-(-r // 128) * 128, -(-c // 128) * 128)
+    pad[:r, :c] = a
+    return pad.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).amax(dim=(1, 3))
+
+
+def _derive(base: Path, out: Path, w: tuple, i: tuple) -> None:
+    from qckpt.calib.state_file import load_calibration, save_calibration
+
+    state = load_calibration(base)
+    weights = load_file(str(MODEL / "model.safetensors"))
+    for key in list(state.amax):
+        if key.endswith(".weight_amax"):
+            state.amax[key] = _weight_amax(weights[key[: -len("_amax")]], w[1])
+    state.quant["weights"] = {**state.quant["weights"], "format": w[0], "granularity": w[1]}
+    state.quant["inputs"] = {
+        **state.quant["inputs"],
+        "format": i[0],
+        "granularity": i[1],
+        "dynamic": i[2],
+    }
+    save_calibration(state, out)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("quality")
+    base = tmp / "calib-base.safetensors"
+    fmt, w, i = VARIANTS["ct-fp8-tensor"]
+    r = run_qckpt("calibrate", str(_recipe(tmp, "base", fmt, w, i, base)), timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    recipes = []
+    for name, (fmt, w, i) in VARIANTS.items():
+        calib = tmp / f"calib-{name}.safetensors"
+        _derive(base, calib, w, i)
+        recipes.append(str(_recipe(tmp, name, fmt, w, i, calib)))
+    # every export in one process: one interpreter and torch start-up for all six
+    code = (
+        "import sys\nfrom qckpt.cli.app import main\n"
+        "for r in sys.argv[1:]:\n"
+        "    try:\n        main(['export', r])\n"
+        "    except SystemExit as e:\n        assert e.code in (0, None), (r, e.code)\n"
+    )
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", code, *recipes], capture_output=True, text=True, timeout=900
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return {name: tmp / name for name in VARIANTS} | {"_tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def source_cache() -> dict:
+    return {}
+
+
+def _eval(export: Path, cache: dict | None, windows: int = FEW) -> dict:
+    from qckpt.evaluate.options import EvalOptions
+    from qckpt.evaluate.run import evaluate
+
+    return evaluate(export, MODEL, HELDOUT, EvalOptions(windows=windows), cache=cache)
+
+
+def test_the_bf16_source_gives_the_readmes_bits_per_byte():
+    from qckpt.evaluate.options import EvalOptions
+    from qckpt.evaluate.run import score_model
+
+    got = score_model(MODEL, HELDOUT, EvalOptions())  # 64 windows of 513, seed 7
+    assert got["unit"] == "byte" and got["tokens"] == 64 * 512
+    assert abs(got["bits_per_byte"] - 1.0927) <= 0.0005, got
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_each_export_stays_within_its_tolerance_of_the_source(exports, source_cache, name):
+    rep = _eval(exports[name], source_cache)
+    tol = NVFP4_TOL if "nvfp4" in name else FP8_TOL
+    src, exp = rep["source_bits_per_byte"], rep["export_bits_per_byte"]
+    assert abs(exp / src - 1.0) < tol, (name, src, exp)
+    assert rep["emulated"]["linears"] == 42  # every linear but lm_head, emulated
+    want = {"ct-fp8-tensor": "fp8 static per-tensor", "ct-fp8-channel": "fp8 dynamic per-token"}
+    want |= {"ct-fp8-block": "fp8 dynamic per-group 128", "modelopt-fp8": "fp8 static per-tensor"}
+    mode = want.get(name, "nvfp4 per-16 under a static global scale")
+    assert rep["scheme"]["input_quantization"] == {mode: 42}
+    top1, kl = (0.90, 0.05) if "nvfp4" in name else (0.95, 0.01)
+    assert rep["top1_agreement"] > top1 and 0.0 < rep["kl_mean"] < kl, rep
+    assert rep["warnings"] == []
+    assert len(rep["layers"]) == 6 and len(rep["layers_moved_most"]) == 3
+
+
+def _broken(exports: dict, how: str) -> Path:
+    dst = exports["_tmp"] / f"broken-{how}"
+    if dst.exists():
+        return dst
+    shutil.copytree(exports["ct-fp8-tensor"], dst)
+    f = dst / "model-00001-of-00001.safetensors"
+    t = load_file(str(f))
+    g = torch.Generator().manual_seed(0)
+    for k in list(t):
+        if how == "scales" and k.endswith(".weight_scale"):
+            t[k] = t[k] * 4
+        if how == "shuffled" and t[k].dtype == torch.float8_e4m3fn:
+            flat = t[k].view(torch.uint8).reshape(-1)
+            perm = torch.randperm(flat.numel(), generator=g)
+            t[k] = flat[perm].reshape(t[k].shape).view(torch.float8_e4m3fn)
+    save_file(t, str(f), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_broken_export_is_caught_with_a_clear_figure(exports, source_cache):
+    rep = _eval(_broken(exports, "shuffled"), source_cache, windows=2)
+    assert rep["export_bits_per_byte"] > 1.5 * rep["source_bits_per_byte"]
+    assert rep["top1_agreement"] < 0.7
+    assert any("above the source" in w for w in rep["warnings"])
+
+
+def test_cli_reports_warns_and_fails_above_a_threshold(exports, tmp_path):
+    out = tmp_path / "eval.json"
+    bad = _broken(exports, "scales")
+    args = ["eval", str(bad), "--source", str(MODEL), "--data", str(HELDOUT), "--windows", "2"]
+    r = run_qckpt(*args, "--json", str(out), "--fail-above", "10")
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("source  ") and lines[1].startswith("export  ")
+    assert "warning: the export's bits per byte are" in r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["relative_increase"] > 0.10 and rep["data"]["windows"] == 2
+    assert "phases" in rep and "peaks" in rep
+
+
+def test_cli_from_a_recipe(exports):
+    recipe = exports["_tmp"] / "ct-fp8-channel.yaml"
+    r = run_qckpt("eval", str(recipe))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "KL(source || export)" in r.stdout and "top-1 agreement" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["/nonexistent/export"], 2, "not found"),
+        (["{model}"], 2, "needs --source MODEL_DIR and --data FILE"),
+        (["{model}", "--source", "{model}", "--data", "{data}"], 1, "not a quantized export"),
+        (["{model}", "--source", "{model}", "--data", "/nope.bin"], 2, "--data: /nope.bin"),
+        (["{model}", "--source", "{model}", "--data", "{data}", "--client", "x"], 2, "--client"),
+    ],
+    ids=["missing", "no-source", "not-an-export", "no-data", "bad-client"],
+)
+def test_cli_refusals_are_one_line(args, code, says):
+    fill = {"model": str(MODEL), "data": str(HELDOUT)}
+    r = run_qckpt("eval", *[a.format(**fill) for a in args])
+    assert r.returncode == code, r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("qckpt: error: ") and says in err[0], r.stderr
+
+
+def test_layer_by_layer_gives_the_resident_figures_on_nvfp4(exports):
+    from qckpt.evaluate.options import EvalOptions
+    from qckpt.evaluate.run import evaluate
+
+    kw = {"windows": 2, "batch_size": 1}
+    a = evaluate(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw))
+    b = evaluate(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw, offload="layer"))
+    for k in ("source_bits_per_byte", "export_bits_per_byte", "kl_mean", "layers"):
+        assert a[k] == b[k], k

@@ -88,6 +88,12 @@ def _rate(nbytes: int | float | None, seconds: float | None) -> str:
     return f"{human_bytes(nbytes)} in {seconds:.2f} s ({nbytes / seconds / 1e9:.2f} GB/s)"
 
 
+def _speed(nbytes: int | float | None, seconds: float | None) -> str:
+    if not nbytes or not seconds:
+        return ""
+    return f" in {seconds:.2f} s ({nbytes / seconds / 1e9:.2f} GB/s of source)"
+
+
 def _finish(lines: list[str], data: dict[str, Any], warnings: list[str]) -> list[str]:
     peak, warn = peak_line(data)
     lines += [f"  {peak}", f"  {time_line(data)}"]
@@ -154,7 +160,8 @@ def export_summary(data: dict[str, Any]) -> list[str]:
         f"on {data.get('world_size', 1)} rank(s)",
         f"  output {data.get('output')} ({data.get('shards', '?')} shard(s), "
         f"{human_bytes(data.get('bytes_written'))})",
-        f"  read {_rate(data.get('bytes_read'), data.get('seconds'))}",
+        f"  {human_bytes(data.get('bytes_read'))} read, {human_bytes(data.get('bytes_written'))} "
+        f"written{_speed(data.get('bytes_read'), data.get('seconds'))}",
     ]
     warnings = list(data.get("warnings") or [])
     held, bound = data.get("write_rss_anon_bytes"), data.get("host_bound_bytes")

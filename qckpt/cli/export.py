@@ -58,6 +58,10 @@ def export_cmd(
         # the calibration file knows the model's linears: no model code to import (the export
         # imports it itself when it does not)
         known = usable(peek(r.calibrate.output), r.model.source)
+        from qckpt.checkpoint.sources import is_dcp_dir
+
+        if is_dcp_dir(r.checkpoint.path):  # its reader, in the start-up, not in the export's time
+            mods += ("torch.distributed.checkpoint",)
         warm_imports(None if known else r.model.source, *mods, "qckpt.report")
         from qckpt.pipeline.export import export
         from qckpt.report import render_command, render_export_report

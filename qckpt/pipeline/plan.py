@@ -292,10 +292,19 @@ class _Planner:
         return self._refusals[key]
 
     def _export(self, ranks: list[tuple[int, int, int, int]]) -> list[RankFigures]:
-        largest, total = self.reads.source_sizes(self.whole)
+        largest, total, count = self.reads.source_stats(self.whole)
+        # quantized on a GPU when the plan is for GPUs (--gpu-memory) and the recipe lets it
+        dev = self.recipe.export.device
+        cuda = dev == "cuda" or (dev == "auto" and self.device_bytes is not None)
+        dcp = self.reads.path is not None and self.reads.format == "dcp"
         return [
             export_figures(
-                rank=rank, largest=largest, bytes_read=split_evenly(total, self.world, rank)
+                rank=rank,
+                largest=largest,
+                bytes_read=split_evenly(total, self.world, rank),
+                tensors=count,
+                dcp=dcp,
+                cuda=cuda,
             ).judge(self.device_bytes, self.host_share)
             for rank, *_ in ranks
         ]

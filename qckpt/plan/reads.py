@@ -105,6 +105,10 @@ class Reads:
         return f"{self.format} checkpoint {self.path} ({layout})"
 
     def source_sizes(self, whole: Any) -> tuple[int, int]:
+        return source_sizes(self, whole)[:2]
+
+    def source_stats(self, whole: Any) -> tuple[int, int, int]:
+        """(largest value bytes, total bytes stored, how many tensors) of an export's reads."""
         return source_sizes(self, whole)
 
     def _name(self, t: Held) -> str:
@@ -230,10 +234,10 @@ def _value_bytes(shape: Any, dtype: torch.dtype) -> int:
     return math.prod(int(s) for s in shape) * dtype.itemsize
 
 
-def source_sizes(reads: Reads, whole: Any) -> tuple[int, int]:
-    """(largest tensor's value bytes, total bytes stored) of what an export reads: the
-    checkpoint's tensors (as its source lists them: a quantized weight's value in float32), or,
-    with no checkpoint, the whole model's at its dtype."""
+def source_sizes(reads: Reads, whole: Any) -> tuple[int, int, int]:
+    """(largest tensor's value bytes, total bytes stored, tensor count) of what an export
+    reads: the checkpoint's tensors (as its source lists them: a quantized weight's value in
+    float32), or, with no checkpoint, the whole model's at its dtype."""
     if reads.path is None:  # the HF BF16 checkpoint it would be: fused experts per expert
         from qckpt.models.build import model_type
         from qckpt.models.naming import hf_tensors
@@ -242,9 +246,9 @@ def source_sizes(reads: Reads, whole: Any) -> tuple[int, int]:
         sd = whole.state_dict()
         views = [v for k, t in sd.items() for _, v in hf_tensors(k, t, mt)]
         sizes = [_value_bytes(v.shape, v.dtype) for v in views]
-        return max(sizes, default=0), sum(sizes)
+        return max(sizes, default=0), sum(sizes), len(sizes)
     from qckpt.checkpoint.sources import open_source
 
     entries = open_source(reads.path, reads.format, config=reads.config).entries()
     largest = max((_value_bytes(e.shape, e.torch_dtype) for e in entries), default=0)
-    return largest, sum(e.nbytes for e in entries)
+    return largest, sum(e.nbytes for e in entries), len(entries)

@@ -116,3 +116,39 @@ def test_verbose_keeps_the_tables(runs):
     _, _, verbose = runs
     assert verbose.returncode == 0
     assert "quant_method" in verbose.stdout and "shard_metadata" in verbose.stdout
+
+
+def test_a_run_as_a_user_runs_it_prints_only_qckpts_lines(runs):
+    """In a process of its own (what a terminal shows: libraries' warnings and logs included):
+    the summary and the result, nothing of torch, torchao or transformers."""
+    from tests.conftest import run_qckpt
+
+    d, _, _ = runs
+    sets = [
+        "--set", f"checkpoint.path={d}/dcp", "--set", f"calibrate.output={d}/calib.safetensors",
+        "--set", f"export.output={d}/fp8-again",
+    ]  # fmt: skip
+    r = run_qckpt("export", RECIPE, *sets, cwd=d)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines and lines[0].startswith("export: "), r.stderr
+    assert all(ln.startswith("  ") for ln in lines[1:]), r.stderr
+    assert r.stdout.strip() == f"wrote {d}/fp8-again (compressed-tensors) on 1 rank(s)"
+
+
+def test_progress_bars_show_rate_and_eta_on_a_terminal_only(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from qckpt.cli import _output
+
+    for terminal in (True, False):
+        buf = io.StringIO()
+        con = Console(file=buf, force_terminal=terminal, width=120)
+        monkeypatch.setattr(_output, "err", con)
+        with _output.progress("exporting", 4) as advance:
+            for _ in range(4):
+                advance()
+        text = buf.getvalue()
+        assert ("eta" in text and "/s" in text) if terminal else text == "", (terminal, text)

@@ -2,7 +2,7 @@ import pytest
 
 from tests.conftest import run_qckpt
 
-COMMANDS = ["load", "calibrate", "export", "inspect", "convert", "check"]
+COMMANDS = ["load", "calibrate", "export", "inspect", "convert", "check", "init"]
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)

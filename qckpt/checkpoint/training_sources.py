@@ -297,7 +297,11 @@ class TrainingCheckpoint:
             block = block.reshape(d // 2, 2, -1).transpose(0, 1).reshape(block.shape)
         return block.reshape(tuple(lens))
 
-    def _read_rect(self, cp: ChunkPiece, offs: tuple, lens: tuple) -> torch.Tensor:
+    def _read_rect(
+        self, cp: ChunkPiece, offs: tuple, lens: tuple, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The rectangle ``offs`` / ``lens`` of the piece's chunk; read straight into ``out``
+        (a contiguous tensor of its dtype and element count) when it is one run there."""
         st = self.stored_tensor(cp)
         shape = cp.chunk_sizes
         if st is None:
@@ -311,19 +315,25 @@ class TrainingCheckpoint:
         first = sum(o * s for o, s in zip(offs, strides, strict=True))
         last = sum((o + n - 1) * s for o, n, s in zip(offs, lens, strides, strict=True))
         n = last - first + 1
-        buf = torch.empty(n, dtype=st.dtype)
+        direct = (
+            out is not None
+            and n == math.prod(lens)
+            and out.is_contiguous()
+            and out.dtype == st.dtype
+            and out.numel() == n
+        )
+        buf = out.view(-1) if direct else torch.empty(n, dtype=st.dtype)
         with stio.open_regular(st.path) as f:
             view = memoryview(buf.view(torch.uint8).numpy())
-            got = 0
+            got, pos = 0, st.offset + first * st.dtype.itemsize
             while got < len(view):
-                k = os.preadv(f.fileno(), [view[got:]], st.offset + first * st.dtype.itemsize + got)
+                k = os.preadv(f.fileno(), [view[got:]], pos + got)
                 if k <= 0:
                     raise CheckpointError(f"{st.path}: truncated data for {cp.stored}")
                 got += k
         if n == math.prod(lens):
             return buf
-        full = torch.as_strided(buf, tuple(lens), tuple(strides))
-        return full.clone()
+        return torch.as_strided(buf, tuple(lens), tuple(strides)).clone()
 
     def _torch_load(self, cp: ChunkPiece) -> torch.Tensor:
         info = self.md.storage_data[cp.chunk]
@@ -348,6 +358,11 @@ class TrainingCheckpoint:
             dst = out
             for d, (o, n) in enumerate(zip(cp.dest_offsets, cp.dest_sizes, strict=True)):
                 dst = dst.narrow(d, o, n)
+            if not cp.interleave and dst.is_contiguous():  # the bytes land in place
+                t = self._read_rect(cp, cp.offsets, cp.sizes, out=dst)
+                if t.data_ptr() != dst.data_ptr():  # not one run: read aside, copied
+                    dst.copy_(t.reshape(dst.shape))
+                continue
             dst.copy_(self.read(cp))
         return out
 

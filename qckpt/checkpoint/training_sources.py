@@ -574,11 +574,13 @@ class TrainingSource(CheckpointSource):
         return self._ckpt
 
     def _list(self) -> list[Entry]:
-        """In name order: what a one-file HF dir of the same model lists (safetensors stores
-        one dtype's tensors by name), so an export made from either is the same bytes."""
+        """In the order a one-file HF dir of the same model lists them (safetensors stores the
+        wider dtypes first, each dtype's tensors by name), so an export made from either is the
+        same bytes."""
         ck = self.checkpoint()
         out = []
-        for name, t in sorted(ck.mapping.targets.items()):
+        order = sorted(ck.mapping.targets.items(), key=lambda kv: (_dtype_rank(kv[1].dtype), kv[0]))
+        for name, t in order:
             first = ck.pieces[name][0]
             info = ck.md.storage_data[first.chunk]
             out.append(
@@ -595,6 +597,12 @@ class TrainingSource(CheckpointSource):
     def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
         del pinned  # pieces are assembled on the host
         return self.checkpoint().assemble(entry.loc)
+
+
+def _dtype_rank(dtype: torch.dtype) -> tuple[int, int]:
+    """safetensors' file order: dtypes from the widest down (its Dtype enum, descending:
+    BF16 before F16 among two-byte floats), then names."""
+    return (-dtype.itemsize, 0 if dtype == torch.bfloat16 else 1)
 
 
 def open_training_json(path: str | os.PathLike) -> dict[str, Any]:

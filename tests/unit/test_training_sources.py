@@ -350,3 +350,51 @@ def test_cli_export_and_inspect_from_a_megatron_fixture(tmp_path):
     run_export(m, MEGATRON / "moe_ep2", cal, ref, q, source_dir=MEGATRON / "moe_hf")
     for p in ref.iterdir():
         assert (tmp_path / "out" / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+# ---- DeepSeek-V3 (MLA, dense then MoE layers, shared experts, expert bias): generated only --------
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from transformers import DeepseekV3Config
+
+    root = tmp_path_factory.mktemp("deepseek")
+    cfg = DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, tie_word_embeddings=False,
+        max_position_embeddings=512, rope_scaling=None,
+    )  # fmt: skip
+    cfg.save_pretrained(root / "cfg")
+    m = build_model(str(root / "cfg"), dtype="bfloat16", seed=0)
+    with torch.no_grad():  # a bias that is not all zeros
+        for k, v in m.named_buffers():
+            if k.endswith("e_score_correction_bias"):
+                v.copy_(torch.linspace(-1, 1, v.numel()))
+    hf = hf_state(m)
+    m.save_pretrained(root / "hf")
+    # per-layer keys (what Megatron writes for a dense-then-MoE stack) with TE names, and the
+    # stacked-where-possible mix with local names
+    pl = write_megatron(hf, m.config, root / "mc-pl", stacked=False)
+    mixed = write_megatron(hf, m.config, root / "mc-mixed", te=False)
+    return {"model": m, "hf": hf, "hf_dir": root / "hf", "per_layer": pl, "mixed": mixed}
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "mixed"])
+def test_deepseek_layout_reads_loads_and_exports_as_the_hf_form(deepseek, kind, tmp_path):
+    d = deepseek
+    src = open_source(d[kind], config=d["model"].config)
+    got = _entries(src)
+    assert got.keys() == d["hf"].keys()
+    for k, v in d["hf"].items():
+        assert torch.equal(bits(got[k]), bits(v)), k
+    assert src.checkpoint().mapping.stacking == ("per-layer" if kind == "per_layer" else "mixed")
+    q = quant_config("tensor")
+    cal = write_calibration(tmp_path, d["model"], q)
+    run_export(d["model"], d["hf_dir"], cal, tmp_path / "a", q)
+    run_export(d["model"], d[kind], cal, tmp_path / "b", q)
+    for p in (tmp_path / "a").iterdir():
+        assert (tmp_path / "b" / p.name).read_bytes() == p.read_bytes(), p.name

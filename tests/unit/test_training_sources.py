@@ -398,3 +398,48 @@ def test_deepseek_layout_reads_loads_and_exports_as_the_hf_form(deepseek, kind, 
     run_export(d["model"], d[kind], cal, tmp_path / "b", q)
     for p in (tmp_path / "a").iterdir():
         assert (tmp_path / "b" / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+# ---- calibrate, plan, inspect -----------------------------------------------------------------
+
+
+def test_calibrate_from_megatron_writes_the_hf_sources_file(made, tmp_path):
+    """Layer-by-layer (each layer's weights read through the training reader when it runs);
+    a resident calibration's read is the load the tests above check."""
+    from qckpt.parallel.mesh import Mesh
+    from qckpt.pipeline.calibrate import calibrate
+    from qckpt.pipeline.plan import plan
+    from qckpt.recipe import load_recipe
+    from tests.conftest import ROOT
+
+    d = made["tiny-moe"]
+    files = []
+    for i, path in enumerate((d["hf_dir"], d["stacked"])):
+        sets = [f"checkpoint.path={path}", f"calibrate.output={tmp_path / f'c{i}.safetensors'}",
+                "calibrate.offload=layer", "calibrate.data.num_samples=8"]  # fmt: skip
+        r = load_recipe(str(ROOT / "configs" / "tiny-moe.yaml"), sets)
+        calibrate(r, Mesh())
+        files.append(load_file(str(tmp_path / f"c{i}.safetensors")))
+        # the plan reads the training checkpoint's pieces: the model's own bytes, as for HF
+        reads = plan(r, nproc_per_node=1).rows["load"][0].bytes_read
+        if i == 0:
+            hf_reads = reads
+    assert files[0].keys() == files[1].keys()
+    for k in files[0]:
+        assert torch.equal(bits(files[0][k]), bits(files[1][k])), k
+    assert reads == hf_reads
+
+
+def test_inspect_names_framework_version_architecture_and_stacking():
+    from qckpt.inspect import inspect_path
+
+    info = inspect_path(MEGATRON / "moe_ep2", str(MEGATRON / "moe_hf"))
+    assert info["framework"] == "megatron" and info["stacking"] == "stacked"
+    assert info["architecture"] == "MoE, q/k norms" and info["routed_experts"] == 8
+    assert info["layers"] == 2 and info["mapped_tensors"] == 69 and info["leftover"] == []
+    assert info["version"].startswith("torch_dist v1, training args in common.pt (never read)")
+    bare = inspect_path(MEGATRON / "dense_tp2")
+    assert bare["architecture"] == "dense" and "--model" in bare["mapped_tensors"]
+    titan = inspect_path(TITAN / "qwen3_moe", str(TITAN / "qwen3_moe_hf"))
+    assert titan["framework"] == "torchtitan" and titan["version"].startswith("0.3 names")
+    assert titan["leftover"] == ["layers.0.moe.expert_bias_E", "layers.1.moe.expert_bias_E"]

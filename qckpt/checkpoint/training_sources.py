@@ -46,6 +46,7 @@ from torch.futures import Future
 
 from qckpt.checkpoint import safetensors_io as stio
 from qckpt.checkpoint.dcp_reader import read_checked_metadata
+from qckpt.checkpoint.quantized_sources import refuse_quantized_dcp
 from qckpt.checkpoint.sources import CheckpointSource, Entry
 from qckpt.checkpoint.torch_save_layout import StoredTensor, locate_tensor
 from qckpt.checkpoint.training_layouts import Mapping, Piece, map_checkpoint
@@ -238,6 +239,9 @@ class TrainingCheckpoint:
         self.md = read_checked_metadata(self.path)
         shapes, dtypes, self.prefix = _stored_tensors(self.md, framework)
         self.mapping: Mapping = map_checkpoint(framework, config, targets, shapes, dtypes)
+        # FP8 parameters saved as their codes (scales elsewhere): no layout of ours reads them
+        used = {p.stored for t in self.mapping.targets.values() for p in t.pieces}
+        refuse_quantized_dcp({self.prefix + k: dtypes[k] for k in used}, str(self.path))
         self.pieces = {
             name: [cp for p in t.pieces for cp in _cut(p, self.prefix, self.md)]
             for name, t in self.mapping.targets.items()

@@ -309,6 +309,17 @@ def test_a_leftover_tensor_is_named_and_a_missing_one_is_an_error(made, tmp_path
         open_source(extra, config=made["tiny-moe"]["model"].config).entries()
 
 
+def test_fp8_parameters_stored_as_codes_are_refused(made, tmp_path):
+    d = made["tiny-dense"]
+    hf = dict(d["hf"])
+    for i in range(2):  # stacked over the layers: every layer's o_proj
+        name = f"model.layers.{i}.self_attn.o_proj.weight"
+        hf[name] = hf[name].to(torch.float8_e4m3fn)
+    mc = write_megatron(hf, d["model"].config, tmp_path / "fp8")
+    with pytest.raises(CheckpointError, match=r"unknown quantized layout: .*float8"):
+        open_source(mc, config=d["model"].config).entries()
+
+
 def _merge(dst: Path, add: Path) -> None:
     """Add ``add``'s one tensor (and data file) to the DCP dir ``dst``."""
     a = pickle.loads((add / ".metadata").read_bytes())

@@ -136,6 +136,13 @@ def megatron_layer(hf: dict, cfg: Any, i: int, *, te: bool, glu_split: bool) -> 
         out["mlp.shared_experts.linear_fc1.weight"] = (fc1, "glu")
         out["mlp.shared_experts.linear_fc2.weight"] = (hf[f"{sh}.down_proj.weight"], 1)
     n = sum(1 for k in hf if k.startswith(f"{p}.mlp.experts.") and k.endswith(".down_proj.weight"))
+    if glu_split:  # singleton_local_shards: one key per expert, fc1 as weight_w / weight_v
+        for e in range(n):
+            x = f"{p}.mlp.experts.{e}"
+            out[f"mlp.experts.experts.{e}.linear_fc1.weight_w"] = (hf[f"{x}.gate_proj.weight"], 0)
+            out[f"mlp.experts.experts.{e}.linear_fc1.weight_v"] = (hf[f"{x}.up_proj.weight"], 0)
+            out[f"mlp.experts.experts.{e}.linear_fc2.weight"] = (hf[f"{x}.down_proj.weight"], 1)
+        return out
     fc1 = [
         torch.cat(
             [hf[f"{p}.mlp.experts.{e}.gate_proj.weight"], hf[f"{p}.mlp.experts.{e}.up_proj.weight"]]

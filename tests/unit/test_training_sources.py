@@ -5,7 +5,8 @@ Real fixtures (tests/fixtures/megatron, tests/fixtures/torchtitan: written by me
 Megatron's fp32 logits on fixed tokens, torchtitan's ``to_hf``. Generated fixtures
 (tests/training_fixtures.py: plain DCP in the same layouts, from a tiny HF model's weights)
 cover the variants the real ones do not (per-layer keys, local norm names, the fc1
-weight_w/weight_v split, padded vocab, TP and EP chunks) and the byte-for-byte export and
+weight_w/weight_v split and one key per expert (singleton_local_shards), padded vocab, TP and
+EP chunks, DeepSeek-V3's MLA and mixed stacks) and the byte-for-byte export and
 bit-for-bit load comparisons against the HF form of the same weights.
 """
 

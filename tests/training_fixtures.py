@@ -66,21 +66,57 @@ def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, extra])
 
 
+def _mla(hf: dict, p: str, te: bool) -> dict:
+    """DeepSeek-V3's MLA projections under Megatron's names (one to one; the up projections
+    split in TP rows, the norms fused into them under TE's names)."""
+    a = f"{p}.self_attn"
+    out = {
+        "self_attention.linear_kv_down_proj.weight": (hf[f"{a}.kv_a_proj_with_mqa.weight"], None),
+        "self_attention.linear_kv_up_proj.weight": (hf[f"{a}.kv_b_proj.weight"], 0),
+        "self_attention.linear_proj.weight": (hf[f"{a}.o_proj.weight"], 1),
+    }
+    kv_norm = (
+        "self_attention.linear_kv_up_proj.layer_norm_weight"
+        if te
+        else "self_attention.kv_layernorm.weight"
+    )
+    out[kv_norm] = (hf[f"{a}.kv_a_layernorm.weight"], None)
+    if f"{a}.q_a_proj.weight" in hf:
+        out["self_attention.linear_q_down_proj.weight"] = (hf[f"{a}.q_a_proj.weight"], None)
+        out["self_attention.linear_q_up_proj.weight"] = (hf[f"{a}.q_b_proj.weight"], 0)
+        q_norm = (
+            "self_attention.linear_q_up_proj.layer_norm_weight"
+            if te
+            else "self_attention.q_layernorm.weight"
+        )
+        out[q_norm] = (hf[f"{a}.q_a_layernorm.weight"], None)
+    else:
+        out["self_attention.linear_q_proj.weight"] = (hf[f"{a}.q_proj.weight"], 0)
+    return out
+
+
 def megatron_layer(hf: dict, cfg: Any, i: int, *, te: bool, glu_split: bool) -> dict:
     """One layer's Megatron tensors (local names -> (tensor, TP axis or None))."""
     p = f"model.layers.{i}"
     out: dict[str, tuple[torch.Tensor, int | None]] = {}
     moe = f"{p}.mlp.gate.weight" in hf
-    out["self_attention.linear_qkv.weight"] = (_qkv(hf, p, cfg), 0)
-    out["self_attention.linear_proj.weight"] = (hf[f"{p}.self_attn.o_proj.weight"], 1)
+    mla = f"{p}.self_attn.kv_a_proj_with_mqa.weight" in hf
+    if mla:
+        out.update(_mla(hf, p, te))
+    else:
+        out["self_attention.linear_qkv.weight"] = (_qkv(hf, p, cfg), 0)
+        out["self_attention.linear_proj.weight"] = (hf[f"{p}.self_attn.o_proj.weight"], 1)
     if f"{p}.self_attn.q_norm.weight" in hf:
         out["self_attention.q_layernorm.weight"] = (hf[f"{p}.self_attn.q_norm.weight"], None)
         out["self_attention.k_layernorm.weight"] = (hf[f"{p}.self_attn.k_norm.weight"], None)
     ln1, ln2 = hf[f"{p}.input_layernorm.weight"], hf[f"{p}.post_attention_layernorm.weight"]
-    out["self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"] = (
-        ln1,
-        None,
+    # MLA keeps its input norm apart (no fused QKV linear carries it)
+    ln1_name = (
+        "self_attention.linear_qkv.layer_norm_weight"
+        if te and not mla
+        else "input_layernorm.weight"
     )
+    out[ln1_name] = (ln1, None)
     te_mlp = te and not moe  # TE fuses the pre-MLP norm into a dense fc1 only
     out["mlp.linear_fc1.layer_norm_weight" if te_mlp else "pre_mlp_layernorm.weight"] = (ln2, None)
     if not moe:
@@ -92,7 +128,21 @@ def megatron_layer(hf: dict, cfg: Any, i: int, *, te: bool, glu_split: bool) -> 
         out["mlp.linear_fc2.weight"] = (hf[f"{p}.mlp.down_proj.weight"], 1)
         return out
     out["mlp.router.weight"] = (hf[f"{p}.mlp.gate.weight"], None)
+    if f"{p}.mlp.gate.e_score_correction_bias" in hf:
+        out["mlp.router.expert_bias"] = (hf[f"{p}.mlp.gate.e_score_correction_bias"], None)
+    if f"{p}.mlp.shared_experts.gate_proj.weight" in hf:
+        sh = f"{p}.mlp.shared_experts"
+        fc1 = torch.cat([hf[f"{sh}.gate_proj.weight"], hf[f"{sh}.up_proj.weight"]])
+        out["mlp.shared_experts.linear_fc1.weight"] = (fc1, "glu")
+        out["mlp.shared_experts.linear_fc2.weight"] = (hf[f"{sh}.down_proj.weight"], 1)
     n = sum(1 for k in hf if k.startswith(f"{p}.mlp.experts.") and k.endswith(".down_proj.weight"))
+    if glu_split:  # singleton_local_shards: one key per expert, fc1 as weight_w / weight_v
+        for e in range(n):
+            x = f"{p}.mlp.experts.{e}"
+            out[f"mlp.experts.experts.{e}.linear_fc1.weight_w"] = (hf[f"{x}.gate_proj.weight"], 0)
+            out[f"mlp.experts.experts.{e}.linear_fc1.weight_v"] = (hf[f"{x}.up_proj.weight"], 0)
+            out[f"mlp.experts.experts.{e}.linear_fc2.weight"] = (hf[f"{x}.down_proj.weight"], 1)
+        return out
     fc1 = [
         torch.cat(
             [hf[f"{p}.mlp.experts.{e}.gate_proj.weight"], hf[f"{p}.mlp.experts.{e}.up_proj.weight"]]

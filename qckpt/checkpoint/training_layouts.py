@@ -348,6 +348,14 @@ _TITAN_LAYER = {
     "mlp.shared_experts.gate_proj.weight": ["moe.shared_experts.w1.weight"],
     "mlp.shared_experts.up_proj.weight": ["moe.shared_experts.w3.weight"],
     "mlp.shared_experts.down_proj.weight": ["moe.shared_experts.w2.weight"],
+    # MLA (torchtitan's DeepSeek-V3 adapter's names; mapped from the names alone, unchecked
+    # against a torchtitan run)
+    "self_attn.q_a_proj.weight": ["attention.wq_a.weight"],
+    "self_attn.q_a_layernorm.weight": ["attention.q_norm.weight"],
+    "self_attn.q_b_proj.weight": ["attention.wq_b.weight"],
+    "self_attn.kv_a_proj_with_mqa.weight": ["attention.wkv_a.weight"],
+    "self_attn.kv_a_layernorm.weight": ["attention.kv_norm.weight", "kv_norm.weight"],
+    "self_attn.kv_b_proj.weight": ["attention.wkv_b.weight"],
 }
 # routed experts, [E, F, H] (w1, w3) and [E, H, F] (w2): named ``moe.experts.w1`` by torchtitan
 # up to 0.2, ``moe.routed_experts.inner_experts.w1_EFD`` by 0.3

@@ -46,6 +46,7 @@ from torch.futures import Future
 
 from qckpt.checkpoint import safetensors_io as stio
 from qckpt.checkpoint.dcp_reader import read_checked_metadata
+from qckpt.checkpoint.quantized_sources import refuse_quantized_dcp
 from qckpt.checkpoint.sources import CheckpointSource, Entry
 from qckpt.checkpoint.torch_save_layout import StoredTensor, locate_tensor
 from qckpt.checkpoint.training_layouts import Mapping, Piece, map_checkpoint
@@ -238,6 +239,9 @@ class TrainingCheckpoint:
         self.md = read_checked_metadata(self.path)
         shapes, dtypes, self.prefix = _stored_tensors(self.md, framework)
         self.mapping: Mapping = map_checkpoint(framework, config, targets, shapes, dtypes)
+        # FP8 parameters saved as their codes (scales elsewhere): no layout of ours reads them
+        used = {p.stored for t in self.mapping.targets.values() for p in t.pieces}
+        refuse_quantized_dcp({self.prefix + k: dtypes[k] for k in used}, str(self.path))
         self.pieces = {
             name: [cp for p in t.pieces for cp in _cut(p, self.prefix, self.md)]
             for name, t in self.mapping.targets.items()
@@ -297,7 +301,11 @@ class TrainingCheckpoint:
             block = block.reshape(d // 2, 2, -1).transpose(0, 1).reshape(block.shape)
         return block.reshape(tuple(lens))
 
-    def _read_rect(self, cp: ChunkPiece, offs: tuple, lens: tuple) -> torch.Tensor:
+    def _read_rect(
+        self, cp: ChunkPiece, offs: tuple, lens: tuple, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The rectangle ``offs`` / ``lens`` of the piece's chunk; read straight into ``out``
+        (a contiguous tensor of its dtype and element count) when it is one run there."""
         st = self.stored_tensor(cp)
         shape = cp.chunk_sizes
         if st is None:
@@ -311,19 +319,25 @@ class TrainingCheckpoint:
         first = sum(o * s for o, s in zip(offs, strides, strict=True))
         last = sum((o + n - 1) * s for o, n, s in zip(offs, lens, strides, strict=True))
         n = last - first + 1
-        buf = torch.empty(n, dtype=st.dtype)
+        direct = (
+            out is not None
+            and n == math.prod(lens)
+            and out.is_contiguous()
+            and out.dtype == st.dtype
+            and out.numel() == n
+        )
+        buf = out.view(-1) if direct else torch.empty(n, dtype=st.dtype)
         with stio.open_regular(st.path) as f:
             view = memoryview(buf.view(torch.uint8).numpy())
-            got = 0
+            got, pos = 0, st.offset + first * st.dtype.itemsize
             while got < len(view):
-                k = os.preadv(f.fileno(), [view[got:]], st.offset + first * st.dtype.itemsize + got)
+                k = os.preadv(f.fileno(), [view[got:]], pos + got)
                 if k <= 0:
                     raise CheckpointError(f"{st.path}: truncated data for {cp.stored}")
                 got += k
         if n == math.prod(lens):
             return buf
-        full = torch.as_strided(buf, tuple(lens), tuple(strides))
-        return full.clone()
+        return torch.as_strided(buf, tuple(lens), tuple(strides)).clone()
 
     def _torch_load(self, cp: ChunkPiece) -> torch.Tensor:
         info = self.md.storage_data[cp.chunk]
@@ -348,6 +362,11 @@ class TrainingCheckpoint:
             dst = out
             for d, (o, n) in enumerate(zip(cp.dest_offsets, cp.dest_sizes, strict=True)):
                 dst = dst.narrow(d, o, n)
+            if not cp.interleave and dst.is_contiguous():  # the bytes land in place
+                t = self._read_rect(cp, cp.offsets, cp.sizes, out=dst)
+                if t.data_ptr() != dst.data_ptr():  # not one run: read aside, copied
+                    dst.copy_(t.reshape(dst.shape))
+                continue
             dst.copy_(self.read(cp))
         return out
 
@@ -559,11 +578,13 @@ class TrainingSource(CheckpointSource):
         return self._ckpt
 
     def _list(self) -> list[Entry]:
-        """In name order: what a one-file HF dir of the same model lists (safetensors stores
-        one dtype's tensors by name), so an export made from either is the same bytes."""
+        """In the order a one-file HF dir of the same model lists them (safetensors stores the
+        wider dtypes first, each dtype's tensors by name), so an export made from either is the
+        same bytes."""
         ck = self.checkpoint()
         out = []
-        for name, t in sorted(ck.mapping.targets.items()):
+        order = sorted(ck.mapping.targets.items(), key=lambda kv: (_dtype_rank(kv[1].dtype), kv[0]))
+        for name, t in order:
             first = ck.pieces[name][0]
             info = ck.md.storage_data[first.chunk]
             out.append(
@@ -580,6 +601,12 @@ class TrainingSource(CheckpointSource):
     def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
         del pinned  # pieces are assembled on the host
         return self.checkpoint().assemble(entry.loc)
+
+
+def _dtype_rank(dtype: torch.dtype) -> tuple[int, int]:
+    """safetensors' file order: dtypes from the widest down (its Dtype enum, descending:
+    BF16 before F16 among two-byte floats), then names."""
+    return (-dtype.itemsize, 0 if dtype == torch.bfloat16 else 1)
 
 
 def open_training_json(path: str | os.PathLike) -> dict[str, Any]:

@@ -5,7 +5,8 @@ Real fixtures (tests/fixtures/megatron, tests/fixtures/torchtitan: written by me
 Megatron's fp32 logits on fixed tokens, torchtitan's ``to_hf``. Generated fixtures
 (tests/training_fixtures.py: plain DCP in the same layouts, from a tiny HF model's weights)
 cover the variants the real ones do not (per-layer keys, local norm names, the fc1
-weight_w/weight_v split, padded vocab, TP and EP chunks) and the byte-for-byte export and
+weight_w/weight_v split and one key per expert (singleton_local_shards), padded vocab, TP and
+EP chunks, DeepSeek-V3's MLA and mixed stacks) and the byte-for-byte export and
 bit-for-bit load comparisons against the HF form of the same weights.
 """
 
@@ -309,6 +310,17 @@ def test_a_leftover_tensor_is_named_and_a_missing_one_is_an_error(made, tmp_path
         open_source(extra, config=made["tiny-moe"]["model"].config).entries()
 
 
+def test_fp8_parameters_stored_as_codes_are_refused(made, tmp_path):
+    d = made["tiny-dense"]
+    hf = dict(d["hf"])
+    for i in range(2):  # stacked over the layers: every layer's o_proj
+        name = f"model.layers.{i}.self_attn.o_proj.weight"
+        hf[name] = hf[name].to(torch.float8_e4m3fn)
+    mc = write_megatron(hf, d["model"].config, tmp_path / "fp8")
+    with pytest.raises(CheckpointError, match=r"unknown quantized layout: .*float8"):
+        open_source(mc, config=d["model"].config).entries()
+
+
 def _merge(dst: Path, add: Path) -> None:
     """Add ``add``'s one tensor (and data file) to the DCP dir ``dst``."""
     a = pickle.loads((add / ".metadata").read_bytes())
@@ -350,3 +362,96 @@ def test_cli_export_and_inspect_from_a_megatron_fixture(tmp_path):
     run_export(m, MEGATRON / "moe_ep2", cal, ref, q, source_dir=MEGATRON / "moe_hf")
     for p in ref.iterdir():
         assert (tmp_path / "out" / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+# ---- DeepSeek-V3 (MLA, dense then MoE layers, shared experts, expert bias): generated only --------
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from transformers import DeepseekV3Config
+
+    root = tmp_path_factory.mktemp("deepseek")
+    cfg = DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, tie_word_embeddings=False,
+        max_position_embeddings=512, rope_scaling=None,
+    )  # fmt: skip
+    cfg.save_pretrained(root / "cfg")
+    m = build_model(str(root / "cfg"), dtype="bfloat16", seed=0)
+    with torch.no_grad():  # a bias that is not all zeros
+        for k, v in m.named_buffers():
+            if k.endswith("e_score_correction_bias"):
+                v.copy_(torch.linspace(-1, 1, v.numel()))
+    hf = hf_state(m)
+    m.save_pretrained(root / "hf")
+    # per-layer keys (what Megatron writes for a dense-then-MoE stack) with TE names, and the
+    # stacked-where-possible mix with local names
+    pl = write_megatron(hf, m.config, root / "mc-pl", stacked=False)
+    mixed = write_megatron(hf, m.config, root / "mc-mixed", te=False)
+    return {"model": m, "hf": hf, "hf_dir": root / "hf", "per_layer": pl, "mixed": mixed}
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "mixed"])
+def test_deepseek_layout_reads_loads_and_exports_as_the_hf_form(deepseek, kind, tmp_path):
+    d = deepseek
+    src = open_source(d[kind], config=d["model"].config)
+    got = _entries(src)
+    assert got.keys() == d["hf"].keys()
+    for k, v in d["hf"].items():
+        assert torch.equal(bits(got[k]), bits(v)), k
+    assert src.checkpoint().mapping.stacking == ("per-layer" if kind == "per_layer" else "mixed")
+    q = quant_config("tensor")
+    cal = write_calibration(tmp_path, d["model"], q)
+    run_export(d["model"], d["hf_dir"], cal, tmp_path / "a", q)
+    run_export(d["model"], d[kind], cal, tmp_path / "b", q)
+    for p in (tmp_path / "a").iterdir():
+        assert (tmp_path / "b" / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+# ---- calibrate, plan, inspect -----------------------------------------------------------------
+
+
+def test_calibrate_from_megatron_writes_the_hf_sources_file(made, tmp_path):
+    """Layer-by-layer (each layer's weights read through the training reader when it runs);
+    a resident calibration's read is the load the tests above check."""
+    from qckpt.parallel.mesh import Mesh
+    from qckpt.pipeline.calibrate import calibrate
+    from qckpt.pipeline.plan import plan
+    from qckpt.recipe import load_recipe
+    from tests.conftest import ROOT
+
+    d = made["tiny-moe"]
+    files = []
+    for i, path in enumerate((d["hf_dir"], d["stacked"])):
+        sets = [f"checkpoint.path={path}", f"calibrate.output={tmp_path / f'c{i}.safetensors'}",
+                "calibrate.offload=layer", "calibrate.data.num_samples=8"]  # fmt: skip
+        r = load_recipe(str(ROOT / "configs" / "tiny-moe.yaml"), sets)
+        calibrate(r, Mesh())
+        files.append(load_file(str(tmp_path / f"c{i}.safetensors")))
+        # the plan reads the training checkpoint's pieces: the model's own bytes, as for HF
+        reads = plan(r, nproc_per_node=1).rows["load"][0].bytes_read
+        if i == 0:
+            hf_reads = reads
+    assert files[0].keys() == files[1].keys()
+    for k in files[0]:
+        assert torch.equal(bits(files[0][k]), bits(files[1][k])), k
+    assert reads == hf_reads
+
+
+def test_inspect_names_framework_version_architecture_and_stacking():
+    from qckpt.inspect import inspect_path
+
+    info = inspect_path(MEGATRON / "moe_ep2", str(MEGATRON / "moe_hf"))
+    assert info["framework"] == "megatron" and info["stacking"] == "stacked"
+    assert info["architecture"] == "MoE, q/k norms" and info["routed_experts"] == 8
+    assert info["layers"] == 2 and info["mapped_tensors"] == 69 and info["leftover"] == []
+    assert info["version"].startswith("torch_dist v1, training args in common.pt (never read)")
+    bare = inspect_path(MEGATRON / "dense_tp2")
+    assert bare["architecture"] == "dense" and "--model" in bare["mapped_tensors"]
+    titan = inspect_path(TITAN / "qwen3_moe", str(TITAN / "qwen3_moe_hf"))
+    assert titan["framework"] == "torchtitan" and titan["version"].startswith("0.3 names")
+    assert titan["leftover"] == ["layers.0.moe.expert_bias_E", "layers.1.moe.expert_bias_E"]

@@ -1,0 +1,290 @@
+"""``qckpt export`` straight from a Megatron-Core checkpoint vs the two-step path through HF BF16.
+
+    python -m bench.megatron_export --work /data/mc --json megatron_export.json            # 61 GB
+    python -m bench.megatron_export --work /data/mc --layers 12 --json megatron_export.json  # 16 GB
+
+1. A Qwen3-30B-A3B-shaped checkpoint (hidden 2048, 48 layers, 32 heads / 4 KV groups of 128,
+   128 experts of 768, vocab 151936 padded to 152064; 61 GB BF16) is written in the layout
+   megatron-core 0.16.1 writes for it (tests/fixtures/megatron: stacked layers, TE norm names,
+   experts on an expert axis with fc1 in two row fragments, embeddings TP2-split), one chunk at
+   a time straight into ``.distcp`` files (plain DCP: ``torch.save`` records and a pickled
+   ``Metadata``), so writing it needs no model in memory. Values: one random base per chunk
+   shape, scaled per chunk (cheap, finite, distinct); norms are ones.
+2. A calibration file from the checkpoint's own weights (per-tensor weight amax, inputs 4.0).
+3. One step: ``qckpt export`` with ``checkpoint.format: megatron`` (timed, its ``--json`` report:
+   seconds, peak host RSS / anonymous memory, device peak).
+4. Two steps: ``qckpt convert MC HF --to hf --model CFG`` (the BF16 HF copy, timed, peak RSS),
+   then ``qckpt export`` from it; the HF copy is deleted after.
+5. Both exports' files are hashed: they must be byte-identical ("same_files").
+
+Disk: the checkpoint, plus an export (FP8: ~31 GB), plus during step 4 the HF copy (61 GB):
+about 155 GB for 48 layers (nvidia-h200-x4 or larger, or ``--layers 16`` on a 64 GB disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def qwen3_30b_config(layers: int, tiny: bool = False):
+    from transformers import Qwen3MoeConfig
+
+    if tiny:  # the same code path at a size a CPU test runs in seconds
+        return Qwen3MoeConfig(
+            vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+            norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16",
+        )  # fmt: skip
+    return Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6, dtype="bfloat16",
+    )  # fmt: skip
+
+
+def _layout(cfg, tp: int, ep: int) -> list[tuple[str, tuple, list[tuple[tuple, tuple]]]]:
+    """(stored name, global shape, [(chunk offsets, chunk sizes)]) as megatron-core saves them."""
+    L, H, E = cfg.num_hidden_layers, cfg.hidden_size, cfg.num_experts
+    F, D = cfg.moe_intermediate_size, cfg.head_dim
+    rows_qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D
+    vp = -(-cfg.vocab_size // (128 * tp)) * 128 * tp
+    out = []
+
+    def split(name, shape, lead, axis, parts):  # noqa: ANN001, ANN202
+        chunks = []
+        idx = [()]
+        for n in shape[:lead]:
+            idx = [(*a, j) for a in idx for j in range(n)]
+        local = shape[lead:]
+        for ix in idx:
+            size = local[axis] // parts
+            for p in range(parts):
+                offs = [0] * len(local)
+                offs[axis] = p * size
+                sizes = list(local)
+                sizes[axis] = size
+                chunks.append(((*ix, *offs), (*(1,) * lead, *sizes)))
+        out.append((name, tuple(shape), chunks))
+
+    split("embedding.word_embeddings.weight", (vp, H), 0, 0, tp)
+    split("output_layer.weight", (vp, H), 0, 0, tp)
+    split("decoder.final_layernorm.weight", (H,), 0, 0, 1)
+    pre = "decoder.layers."
+    split(pre + "self_attention.linear_qkv.layer_norm_weight", (L, H), 1, 0, 1)
+    split(pre + "self_attention.linear_qkv.weight", (L, rows_qkv, H), 1, 0, tp)
+    split(pre + "self_attention.linear_proj.weight", (L, H, cfg.num_attention_heads * D), 1, 1, tp)
+    split(pre + "self_attention.q_layernorm.weight", (L, D), 1, 0, 1)
+    split(pre + "self_attention.k_layernorm.weight", (L, D), 1, 0, 1)
+    split(pre + "mlp.linear_fc1.layer_norm_weight", (L, H), 1, 0, 1)
+    split(pre + "mlp.router.weight", (L, E, H), 1, 0, 1)
+    # experts: one chunk per (layer, expert), fc1 in two row fragments (the swiglu factory)
+    split(pre + "mlp.experts.experts.linear_fc1.weight", (L, E, 2 * F, H), 2, 0, 2)
+    split(pre + "mlp.experts.experts.linear_fc2.weight", (L, E, H, F), 2, 0, 1)
+    del ep  # expert parallelism changes which rank wrote a chunk, not the chunks
+    return out
+
+
+def write_layout(out: Path, cfg, tp: int = 2, ep: int = 8, files: int = 8) -> int:
+    """The checkpoint at ``out``, streamed chunk by chunk; returns its bytes."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    out.mkdir(parents=True, exist_ok=True)
+    handles = [open(out / f"__{r}_0.distcp", "wb") for r in range(files)]
+    sd_md, storage, total, k = {}, {}, 0, 0
+    bases: dict[tuple, torch.Tensor] = {}
+    g = torch.Generator().manual_seed(0)
+    try:
+        for name, shape, chunks in _layout(cfg, tp, ep):
+            norm = "norm" in name
+            metas = []
+            for offs, sizes in chunks:
+                if norm:
+                    t = torch.ones(sizes, dtype=torch.bfloat16)
+                else:
+                    if sizes not in bases:
+                        bases[sizes] = (torch.randn(sizes, generator=g) * 0.02).to(torch.bfloat16)
+                    t = bases[sizes] * (1.0 + (k % 97) / 97.0)
+                buf = io.BytesIO()
+                torch.save(t.contiguous(), buf)
+                data = buf.getbuffer()
+                f = handles[k % files]
+                pos = f.tell()
+                f.write(data)
+                storage[MetadataIndex(name, torch.Size(offs))] = _StorageInfo(
+                    f"__{k % files}_0.distcp", pos, len(data)
+                )
+                metas.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
+                total += t.numel() * 2
+                k += 1
+            sd_md[name] = TensorStorageMetadata(
+                TensorProperties(dtype=torch.bfloat16), torch.Size(shape), metas
+            )
+    finally:
+        for f in handles:
+            f.close()
+    md = Metadata(state_dict_metadata=sd_md, storage_data=storage, storage_meta=StorageMeta())
+    (out / ".metadata").write_bytes(pickle.dumps(md))
+    (out / "metadata.json").write_text(json.dumps({
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+        "common_backend": "torch", "common_backend_version": 1,
+    }))  # fmt: skip
+    return total
+
+
+def make_calibration(mc: Path, cfg_dir: Path, out: Path) -> Path:
+    """Per-tensor weight amax from the Megatron checkpoint itself (read through qckpt)."""
+    import torch
+
+    from qckpt.calib.state_file import CalibrationState, model_fingerprint, save_calibration
+    from qckpt.checkpoint.export_plan import _model_linears
+    from qckpt.checkpoint.sources import open_source
+    from qckpt.models.build import load_config
+    from qckpt.models.naming import ignored
+    from qckpt.recipe import QuantConfig
+
+    cfg = load_config(str(cfg_dir))
+    mt, q = cfg.model_type, QuantConfig()
+    src = open_source(mc, "megatron", config=cfg)
+    linears, routers, _ = _model_linears(cfg, mt)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    amax = {}
+    for e, t in src.iter_tensors():
+        module, _, leaf = e.name.rpartition(".")
+        if leaf == "weight" and t.dim() == 2 and module in linears and module not in routers:
+            if not ignored(module, q.ignore):
+                amax[f"{module}.weight_amax"] = t.to(dev).abs().amax().float().cpu()
+                amax[f"{module}.input_amax"] = torch.tensor(4.0)
+    from dataclasses import asdict
+
+    state = CalibrationState(
+        amax=amax, model_type=mt, quant=asdict(q),
+        model_fingerprint=model_fingerprint((e.name, e.shape) for e in src.entries()),
+    )  # fmt: skip
+    return save_calibration(state, out)
+
+
+def _cli(args: list[str], report: Path, cwd: Path) -> dict:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "qckpt", *args, "--json", str(report)],
+                          cwd=cwd, capture_output=True, text=True, env=env)  # fmt: skip
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"qckpt {args[0]} failed:\n{proc.stderr[-3000:]}")
+    return {"wall_seconds": round(wall, 3), "report": json.loads(report.read_text())}
+
+
+def _recipe(work: Path, cfg_dir: Path, src: Path, fmt: str, cal: Path, out: Path, args) -> Path:
+    r = work / f"export-{fmt}.yaml"
+    r.write_text(
+        f"model: {{source: {json.dumps(str(cfg_dir))}}}\n"
+        f"checkpoint: {{path: {json.dumps(str(src))}, format: {fmt}}}\n"
+        f"calibrate: {{output: {json.dumps(str(cal))}}}\n"
+        f"export: {{output: {json.dumps(str(out))}, format: {args.format}, device: {args.device}}}\n"
+    )
+    return r
+
+
+def _peaks(rep: dict) -> dict:
+    peaks = rep.get("peaks", {})
+    keys = ("seconds", "gbps", "peak_rss_bytes", "peak_rss_anon_bytes", "write_rss_anon_bytes",
+            "host_bound_bytes", "device_peak_bytes")  # fmt: skip
+    out = {k: rep[k] for k in keys if k in rep}
+    out.update({k: v for k, v in peaks.items() if "peak" in k})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.export import _digests
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--work", required=True, help="a dir on the disk to measure (kept: the checkpoint)"
+    )
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument(
+        "--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"]
+    )
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--tiny", action="store_true", help="a small model: checks the script on a CPU")
+    args = ap.parse_args(argv)
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = qwen3_30b_config(args.layers, args.tiny)
+    cfg_dir, mc = work / "hf-config", work / f"mc-{args.layers}l"
+    cfg_dir.mkdir(exist_ok=True)
+    (cfg_dir / "config.json").write_text(cfg.to_json_string())
+    result: dict = {"layers": args.layers}
+    if not (mc / ".metadata").exists():
+        t0 = time.perf_counter()
+        result["checkpoint_bytes"] = write_layout(mc, cfg)
+        result["write_layout_seconds"] = round(time.perf_counter() - t0, 1)
+    cal = work / f"calib-{args.layers}l.safetensors"
+    if not cal.exists():
+        make_calibration(mc, cfg_dir, cal)
+    out1 = work / "export-one-step"
+    shutil.rmtree(out1, ignore_errors=True)
+    one = _cli(
+        ["export", str(_recipe(work, cfg_dir, mc, "megatron", cal, out1, args))],
+        work / "one.json",
+        work,
+    )
+    result["one_step"] = {"export": {"wall_seconds": one["wall_seconds"], **_peaks(one["report"])}}
+    d1 = _digests(out1)
+    shutil.rmtree(out1)
+    hf, out2 = work / "hf-bf16", work / "export-two-step"
+    shutil.rmtree(hf, ignore_errors=True)
+    shutil.rmtree(out2, ignore_errors=True)
+    conv = _cli(
+        ["convert", str(mc), str(hf), "--to", "hf", "--model", str(cfg_dir)],
+        work / "conv.json",
+        work,
+    )
+    two = _cli(
+        ["export", str(_recipe(work, cfg_dir, hf, "safetensors", cal, out2, args))],
+        work / "two.json",
+        work,
+    )
+    result["two_step"] = {
+        "convert": {"wall_seconds": conv["wall_seconds"], **_peaks(conv["report"])},
+        "export": {"wall_seconds": two["wall_seconds"], **_peaks(two["report"])},
+        "hf_copy_bytes": sum(p.stat().st_size for p in hf.iterdir()),
+    }
+    result["same_files"] = _digests(out2) == d1
+    shutil.rmtree(hf)
+    shutil.rmtree(out2)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0 if result["same_files"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -54,7 +54,7 @@ def build_model(
     weights: str = "seeded",
     dtype: str = "bfloat16",
     seed: int = 0,
-    device: str | None = None,
+    device: str | torch.device | None = None,
     mesh: Mesh | None = None,
     ignore: Collection[str] = (),
     backend: str = "native",

@@ -164,7 +164,7 @@ def make_calibration_for(src: Path, out: Path) -> Path:
     import torch
 
     from qckpt.calib.state_file import CalibrationState, model_fingerprint, save_calibration
-    from qckpt.checkpoint.export_plan import _model_linears
+    from qckpt.checkpoint.export_plan import model_modules
     from qckpt.checkpoint.sources import SafetensorsSource, hf_entries, iter_hf_tensors
     from qckpt.models.build import load_config
     from qckpt.models.naming import ignored
@@ -175,7 +175,7 @@ def make_calibration_for(src: Path, out: Path) -> Path:
     q = QuantConfig()
     source = SafetensorsSource(src)
     entries = hf_entries(source.entries(), mt)
-    linears, routers, _ = _model_linears(cfg, mt)
+    linears, routers, _ = model_modules(cfg)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     amax: dict[str, torch.Tensor] = {}
     for he, t in iter_hf_tensors(source, entries, mt):

@@ -34,7 +34,7 @@ import torch
 from qckpt.formats import FORMATS, KernelPolicy, _common, kernel_policy, quantize
 
 
-def _timer(device: torch.device):  # noqa: ANN202
+def timer(device: torch.device):  # noqa: ANN202
     if device.type == "cuda":
 
         def run(fn, iters: int) -> list[float]:  # noqa: ANN001
@@ -63,7 +63,7 @@ def _timer(device: torch.device):  # noqa: ANN202
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    run = _timer(device)
+    run = timer(device)
     modes = args.modes or (["eager", "compiled", "triton"] if device.type == "cuda" else ["eager"])
     rows: list[dict[str, Any]] = []
     for mib in args.sizes:

@@ -139,8 +139,8 @@ def make_sources(work: Path, layers: int, small: bool) -> dict:
     """The BF16 dir, its blockwise-FP8 copy, and one NVFP4 calibration file per source."""
     import torch
 
-    from qckpt.calib.state_file import CalibrationState, model_fingerprint, save_calibration
-    from qckpt.formats import quantize
+    from qckpt import quantize, save_calibration
+    from qckpt.calib.state_file import CalibrationState, model_fingerprint
 
     cfg = _config(layers, small)
     bf16, fp8 = work / "bf16", work / "fp8-blockwise"
@@ -202,8 +202,7 @@ def child_load(src: str, params: str) -> dict:
     import psutil
     import torch
 
-    from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.models.build import build_model
+    from qckpt import build_model, load_checkpoint
     from qckpt.models.quantize_params import quantize_model_params
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -249,7 +248,7 @@ def child_load(src: str, params: str) -> dict:
 def child_export(src: str, cal: str, out: str) -> dict:
     import psutil
 
-    from qckpt.checkpoint.export import export_checkpoint
+    from qckpt import export_checkpoint
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig, QuantConfig, TensorQuantConfig
 

@@ -42,9 +42,8 @@ VARIANTS = [
 def run_variant(recipe, v: dict) -> dict:
     import torch
 
+    from qckpt import LoadOptions, init_mesh, load_checkpoint
     from qckpt.checkpoint import fast_read
-    from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.parallel.mesh import init_mesh
     from qckpt.pipeline.load import build_for_load
 
     old_switch, old_chunk = sys.getswitchinterval(), fast_read.CHUNK_BYTES
@@ -57,14 +56,13 @@ def run_variant(recipe, v: dict) -> dict:
     fast_read.READ_AHEAD_BYTES = v.get("ahead", old_ahead)
     try:
         t0, c0 = time.perf_counter(), time.thread_time()
-        rep = load_checkpoint(
-            built.model,
-            recipe.checkpoint.path,
+        opts = LoadOptions(
             format=recipe.checkpoint.format,
             reader=v.get("reader", "fast"),
             max_inflight=v.get("inflight", recipe.load.max_inflight),
             read_threads=v.get("threads"),
         )
+        rep = load_checkpoint(built.model, recipe.checkpoint.path, opts)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
@@ -92,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    from qckpt.recipe import load_recipe
+    from qckpt import load_recipe
 
     recipe = load_recipe(args.recipe, args.sets)
     keep = None if args.only is None else set(args.only.split(","))

@@ -159,7 +159,7 @@ def _export_diff(out: Path, ref: Path) -> dict:
 def run_model(source: str, work: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from qckpt.models.build import build_model
+    from qckpt import build_model
     from qckpt.parallel.mesh import Mesh
     from qckpt.pipeline.calibrate import calibrate
     from qckpt.pipeline.export import export

@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from bench.formats import _timer
+from bench.formats import timer
 from qckpt.formats import _triton, quantize
 
 
 def _time(fn, iters: int) -> float:  # noqa: ANN001
     """Median seconds of ``fn`` by CUDA events, after one warm-up call (bench/formats.py's timer)."""
     fn()
-    return statistics.median(_timer(torch.device("cuda"))(fn, iters))
+    return statistics.median(timer(torch.device("cuda"))(fn, iters))
 
 
 def sweep(mib: float, iters: int) -> dict[str, Any]:

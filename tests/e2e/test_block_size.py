@@ -14,11 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qckpt.calib.calibrate import calibrate_model
-from qckpt.calib.state_file import save_calibration
-from qckpt.checkpoint.export import export_checkpoint
-from qckpt.models.build import build_model
-from qckpt.parallel.mesh import init_mesh
+from qckpt import build_model, calibrate_model, export_checkpoint, init_mesh, save_calibration
 from qckpt.recipe import recipe_from_dict
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"  # [64, 64]

@@ -15,9 +15,7 @@ import json
 import pytest
 import torch
 
-from qckpt.check import check_export
-from qckpt.checkpoint.load import load_checkpoint
-from qckpt.models.build import build_model
+from qckpt import build_model, check_export, load_checkpoint
 from tests import quantized_fixtures as fx
 from tests.unit._export_fixtures import make_calibration, quant_config, run_export
 from tests.unit.test_quantized_sources import loaded_hf, same_bits, stored
@@ -94,8 +92,7 @@ def test_moe_export_is_what_compressed_tensors_decompresses(tmp_path):
 def test_blockwise_fp8_to_ct_nvfp4_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    from qckpt.calib.calibrate import calibrate_model
-    from qckpt.parallel.mesh import init_mesh
+    from qckpt import calibrate_model, init_mesh
     from tests.unit._export_fixtures import calib_inputs
 
     src, model = _source_model(tmp_path, "tiny-dense")
@@ -132,8 +129,8 @@ def test_blockwise_fp8_to_ct_nvfp4_loads_in_transformers(tmp_path):
 
 
 def test_ct_nvfp4_refuses_what_it_cannot_write():
+    from qckpt import ExportError
     from qckpt.checkpoint.export_layouts import make_layout
-    from qckpt.errors import ExportError
 
     q = quant_config(fmt="nvfp4", inputs="token")  # dynamic NVFP4 inputs: no global input scale
     with pytest.raises(ExportError, match="writes NVFP4 .* with weights and static inputs nvfp4"):

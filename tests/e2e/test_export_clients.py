@@ -24,8 +24,7 @@ import json
 import pytest
 import torch
 
-from qckpt.calib.calibrate import calibrate_model
-from qckpt.parallel.mesh import init_mesh
+from qckpt import calibrate_model, init_mesh
 from tests.unit._export_fixtures import (
     calib_inputs,
     hf_state,

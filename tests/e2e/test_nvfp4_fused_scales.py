@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qckpt.check import check_export
+from qckpt import check_export
 from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
 from tests.unit.test_quantized_sources import stored
 

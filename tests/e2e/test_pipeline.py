@@ -9,7 +9,7 @@ import sys
 import pytest
 from safetensors import safe_open
 
-from qckpt.recipe import load_recipe
+from qckpt import load_recipe
 from tests.conftest import ROOT, run_qckpt
 
 

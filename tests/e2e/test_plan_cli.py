@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from qckpt.models.build import build_model
+from qckpt import build_model
 from tests.conftest import ROOT, run_qckpt
 
 pytestmark = pytest.mark.timeout(300)

@@ -60,10 +60,7 @@ def _ok(res) -> None:
 def test_blockwise_fp8_source_calibrates_exports_and_converts(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from qckpt.calib.calibrate import calibrate_model
-    from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.models.build import build_model
-    from qckpt.parallel.mesh import init_mesh
+    from qckpt import build_model, calibrate_model, init_mesh, load_checkpoint
     from tests.unit._export_fixtures import calib_inputs, quant_config, run_export
 
     src = fx.blockwise_fp8(fx.bf16_dir(tmp_path), tmp_path / "bw", (32, 32))

@@ -1,7 +1,8 @@
 """The layering of ``qckpt/``, read from the source with ``ast``: no module imports a layer above it.
 
 cli -> pipeline -> checkpoint -> calib -> (parallel, models) -> formats; ``report``/``verify``
-sit beside the library and under the CLI; only the CLI calls the pipeline. A lazy import inside a function counts as much as one at the top.
+sit beside the library and under the CLI; only the CLI and the front door (``qckpt/api.py``,
+beside the CLI) call the pipeline, and nothing inside the package imports the front door. A lazy import inside a function counts as much as one at the top.
 """
 
 from __future__ import annotations
@@ -72,11 +73,21 @@ def test_only_the_cli_imports_the_cli():
 
 
 def test_only_the_cli_calls_the_pipeline():
-    allowed = ("cli/", "pipeline/", "__main__.py")
+    allowed = ("cli/", "pipeline/", "__main__.py", "api.py")
     bad = {
         _rel(p): hits
         for p in _modules()
         if not _rel(p).startswith(allowed) and (hits := _hits(_imports(p), ("qckpt.pipeline",)))
+    }
+    assert not bad, bad
+
+
+def test_nothing_inside_the_package_imports_the_front_door():
+    # qckpt/__init__.py names qckpt.api in strings (a lazy lookup), not in an import
+    bad = {
+        _rel(p): hits
+        for p in _modules()
+        if _rel(p) != "api.py" and (hits := _hits(_imports(p), ("qckpt.api",)))
     }
     assert not bad, bad
 

@@ -377,25 +377,7 @@ def plan_export(
     ignore_list = layout.ignore_entries(
         sorted(m for m in linears | routers if ignored(m)), embeddings
     )
-    amax = cal.amax
-    modules = [g.module for g in outs.groups if g.module is not None]
-    if cal.algorithm == "mse":
-        amax, values = _with_clips(cal, outs.needed, values, where)
-        layout.block_search = quant.weights.format == "nvfp4"
-    if cal.algorithm == "gptq":
-        layout.given_block_scales = src.block_scale
-        per_tensor = quant.weights.format == "nvfp4" or quant.weights.granularity == "tensor"
-        if export.moe_scales != MOE_SHARED and per_tensor:
-            # GPTQ quantized an expert's gate and up with their shared scale
-            raise ExportError(
-                f"{where}: a gptq calibration of per-tensor weights exports with "
-                "export.moe_scales: shared (its experts' gate and up were quantized with one scale)"
-            )
-    if export.moe_scales == MOE_SHARED:
-        amax = share_moe_amax(amax, modules, quant, model_type, values=values)
-    if quant.weights.format == "nvfp4":
-        kinds = ("weight",) if quant.inputs.dynamic else ("weight", "input")
-        amax = share_fused_amax(amax, modules, kinds)
+    amax = _export_amax(cal, outs, values, where, layout, src, quant, export, model_type)
     cfg["quantization_config"] = layout.quantization_config(ignore_list)
     return ExportPlan(
         target=target,
@@ -417,3 +399,28 @@ def plan_export(
         quantized_linears=outs.quantized,
         source_dir=source_dir,
     )
+
+
+def _export_amax(cal, outs, values, where, layout, src, quant, export, model_type):  # noqa: ANN001
+    """The amaxes the export makes its scales from: the algorithm's (mse clips; gptq's block
+    scales set on the layout), then MoE sharing, then one NVFP4 global per fused weight."""
+    amax = cal.amax
+    modules = [g.module for g in outs.groups if g.module is not None]
+    if cal.algorithm == "mse":
+        amax, values = _with_clips(cal, outs.needed, values, where)
+        layout.block_search = quant.weights.format == "nvfp4"
+    if cal.algorithm == "gptq":
+        layout.given_block_scales = src.block_scale
+        per_tensor = quant.weights.format == "nvfp4" or quant.weights.granularity == "tensor"
+        if export.moe_scales != MOE_SHARED and per_tensor:
+            # GPTQ quantized an expert's gate and up with their shared scale
+            raise ExportError(
+                f"{where}: a gptq calibration of per-tensor weights exports with "
+                "export.moe_scales: shared (its experts' gate and up were quantized with one scale)"
+            )
+    if export.moe_scales == MOE_SHARED:
+        amax = share_moe_amax(amax, modules, quant, model_type, values=values)
+    if quant.weights.format == "nvfp4":
+        kinds = ("weight",) if quant.inputs.dynamic else ("weight", "input")
+        amax = share_fused_amax(amax, modules, kinds)
+    return amax

@@ -171,6 +171,9 @@ def read_scheme(path: str | Path) -> ExportScheme:
     layout = source_layout(p, index)
     if not layout.quantized:
         raise CheckpointError(f"{p}: not a quantized export (no quantization_config)")
+    smooth = [k for k in index if k.endswith(".pre_quant_scale")]
+    if smooth:  # a per-channel input multiplier (AWQ / SmoothQuant) this emulation does not apply
+        raise CheckpointError(f"{p}: {smooth[0]}: pre-quantization scales are not emulated")
     fetch = SafetensorsFetch(p, index)
     inputs: dict[str, InputQuant] = {}
     if layout.name == "compressed-tensors":

@@ -232,3 +232,26 @@ def test_layer_by_layer_gives_the_resident_figures_on_nvfp4(exports):
     b = evaluate(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw, offload="layer"))
     for k in ("source_bits_per_byte", "export_bits_per_byte", "kl_mean", "layers"):
         assert a[k] == b[k], k
+
+
+def test_cli_recipe_refusals(tmp_path):
+    base = f"model: {{source: {MODEL}}}\ncheckpoint: {{path: {MODEL}}}\n"
+    cases = {
+        "no eval.path": (base, "eval.path: required by qckpt eval"),
+        "a DCP checkpoint": (
+            f"model: {{source: tiny-dense}}\ncheckpoint: {{path: {tmp_path}}}\n"
+            f"eval: {{path: {HELDOUT}}}\n",
+            "is not an HF safetensors dir",
+        ),
+        "held-out = calibration": (
+            base + f"calibrate: {{data: {{source: text, path: {HELDOUT}}}}}\n"
+            f"eval: {{path: {HELDOUT}}}\n",
+            "eval.path: is the calibration file",
+        ),
+    }
+    for name, (text, says) in cases.items():
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(text)
+        r = run_qckpt("eval", str(recipe))
+        assert r.returncode == 2, (name, r.stderr)
+        assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)

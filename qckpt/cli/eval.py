@@ -92,6 +92,12 @@ def eval_cmd(
         str | None,
         typer.Option(help="none (both models resident) | layer (one decoder layer at a time)."),
     ] = None,
+    fused: Annotated[
+        str | None,
+        typer.Option(
+            help="vllm (one scale per fused q/k/v, gate/up weight, as vLLM loads it) | as-stored."
+        ),
+    ] = None,
     client: Annotated[
         str, typer.Option(help="qckpt (emulated here) | vllm (served by vLLM, when installed).")
     ] = "qckpt",
@@ -128,6 +134,10 @@ def eval_cmd(
         if offload not in ("none", "layer"):
             raise UsageError(f"--offload: none or layer; got {offload!r}")
         opts = replace(opts, offload=offload)
+    if fused is not None:
+        if fused not in ("vllm", "as-stored"):
+            raise UsageError(f"--fused: vllm or as-stored; got {fused!r}")
+        opts = replace(opts, fused=fused)
     if client not in ("qckpt", "vllm"):
         raise UsageError(f"--client: qckpt or vllm; got {client!r}")
     _guard(json_path, export_dir, source_dir, data_path)

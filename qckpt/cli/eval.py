@@ -124,6 +124,33 @@ def eval_cmd(
         qckpt eval runs/llama/fp8 --source models/llama --data heldout.bin --client vllm
     """
     opts, export_dir, source_dir, data_path = _resolve(target, source, data, set_)
+    opts = _override(opts, windows, seq_len, seed, batch_size, device, offload, fused)
+    if client not in ("qckpt", "vllm"):
+        raise UsageError(f"--client: qckpt or vllm; got {client!r}")
+    _guard(json_path, export_dir, source_dir, data_path)
+    rep = _evaluate(client, export_dir, source_dir, data_path, opts, top_k)
+    with phases.phase(phases.REPORT):
+        _output.write_json(json_path, _output.with_phases(rep))
+    for line in _summary(rep):
+        _output.result(line)
+    for w in rep.get("warnings") or []:
+        _output.log(f"warning: {w}")
+    inc = rep.get("relative_increase")
+    if fail_above is not None and inc is not None and inc * 100 > fail_above:
+        raise typer.Exit(1)
+
+
+def _override(
+    opts: Any,
+    windows: int | None,
+    seq_len: int | None,
+    seed: int | None,
+    batch_size: int | None,
+    device: str | None,
+    offload: str | None,
+    fused: str | None,
+) -> Any:
+    """The options with the flags the user gave (each checked) in place of the recipe's."""
     given = {"windows": windows, "seq_len": seq_len, "seed": seed, "batch_size": batch_size}
     opts = replace(opts, **{k: v for k, v in given.items() if v is not None})
     if device is not None:
@@ -138,19 +165,7 @@ def eval_cmd(
         if fused not in ("vllm", "as-stored"):
             raise UsageError(f"--fused: vllm or as-stored; got {fused!r}")
         opts = replace(opts, fused=fused)
-    if client not in ("qckpt", "vllm"):
-        raise UsageError(f"--client: qckpt or vllm; got {client!r}")
-    _guard(json_path, export_dir, source_dir, data_path)
-    rep = _evaluate(client, export_dir, source_dir, data_path, opts, top_k)
-    with phases.phase(phases.REPORT):
-        _output.write_json(json_path, _output.with_phases(rep))
-    for line in _summary(rep):
-        _output.result(line)
-    for w in rep.get("warnings") or []:
-        _output.log(f"warning: {w}")
-    inc = rep.get("relative_increase")
-    if fail_above is not None and inc is not None and inc * 100 > fail_above:
-        raise typer.Exit(1)
+    return opts
 
 
 def _resolve(

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +95,16 @@ eval: {{path: {heldout}}}
     return path
 
 
-def make_exports(model: Path, work: Path, calib_bin: Path, heldout: Path) -> dict[str, Path]:
-    """Calibrate and export every variant (one process for all: one start-up)."""
+def make_exports(
+    model: Path, work: Path, calib_bin: Path, heldout: Path, reuse: bool = False
+) -> dict[str, Path]:
+    """Calibrate and export every variant (one process for all: one start-up); ``reuse``: keep
+    the exports a previous run left in ``work``."""
     work.mkdir(parents=True, exist_ok=True)
-    recipes = [str(_recipe(model, work, n, calib_bin, heldout)) for n in VARIANTS]
+    names = [n for n in VARIANTS if not (reuse and (work / _slug(n) / "config.json").is_file())]
+    recipes = [str(_recipe(model, work, n, calib_bin, heldout)) for n in names]
+    if not recipes:
+        return {n: work / _slug(n) for n in VARIANTS}
     code = (
         "import sys\nfrom qckpt.cli.app import main\n"
         "for r in sys.argv[1:]:\n"
@@ -189,16 +196,20 @@ def measure_model(
     for name, d in exports.items():
         rep = evaluate(d, model, args.heldout, opts, cache=cache)
         rows[0]["qckpt"] = rep["source_bits_per_byte"]
-        rows.append(
-            {
-                "export": name,
-                "dir": str(d),
-                "qckpt": rep["export_bits_per_byte"],
-                "kl": rep["kl_mean"],
-                "top1": rep["top1_agreement"],
-                "moved": rep["layers_moved_most"],
-            }
-        )
+        row = {
+            "export": name,
+            "dir": str(d),
+            "qckpt": rep["export_bits_per_byte"],
+            "kl": rep["kl_mean"],
+            "top1": rep["top1_agreement"],
+            "moved": rep["layers_moved_most"],
+            "warnings": rep["warnings"],
+        }
+        sch = rep["scheme"]
+        if sch["fused_fp8_requantized"] or sch["fused_nvfp4_global_scale_replaced"]:
+            stored = evaluate(d, model, args.heldout, replace(opts, fused="as-stored"), cache=cache)
+            row["qckpt_as_stored"] = stored["export_bits_per_byte"]
+        rows.append(row)
         print(f"[{label}] {name}: qckpt eval {rep['export_bits_per_byte']:.4f}", flush=True)
     for row in rows:
         row["transformers"] = transformers_bpb(Path(row["dir"]), win, device)
@@ -238,8 +249,9 @@ def _cell(v: Any, base: Any) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]
     out = [
-        "| export | qckpt eval | KL (qckpt eval) | top-1 (qckpt eval) | transformers | vLLM |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| export | qckpt eval | KL (qckpt eval) | top-1 (qckpt eval) | qckpt eval, fused shards "
+        "as stored | transformers | vLLM |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         kl = f"{r['kl']:.5f}" if isinstance(r.get("kl"), float) else "-"
@@ -249,6 +261,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             _cell(r.get("qckpt"), None if first else base.get("qckpt")),
             kl,
             top1,
+            _cell(r.get("qckpt_as_stored"), None if first else base.get("qckpt"))
+            if "qckpt_as_stored" in r
+            else ("-" if first else "same"),
             _cell(r.get("transformers"), None if first else base.get("transformers")),
             _cell(r.get("vllm"), None if first else base.get("vllm")),
         ]
@@ -315,6 +330,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--vllm-parallel", type=int, default=1)
+    ap.add_argument("--reuse", action="store_true", help="keep exports already in --work")
     args = ap.parse_args(argv)
     args.argv = argv
     args.model = args.model or [f"llama={QUALITY / 'models' / 'llama-textlm'}"]
@@ -342,7 +358,7 @@ def main(argv: list[str]) -> int:
     models, extras = _pairs(args.model, "--model"), _pairs(args.extra, "--extra")
     report = {}
     for label, model in models.items():
-        exports = make_exports(model, args.work / label, args.calib, args.heldout)
+        exports = make_exports(model, args.work / label, args.calib, args.heldout, args.reuse)
         exports |= {n: d for n, d in extras.items() if _same_model(model, d)}
         rows = measure_model(label, model, exports, args)
         update_doc(args.doc, label, rows, args)

@@ -272,6 +272,9 @@ class EvalConfig:
     # none: source and export resident at once | layer: one decoder layer at a time on the
     # device (models larger than it; the same figures)
     offload: Literal["none", "layer"] = "none"
+    # fused linears (q/k/v, gate/up): vllm = one scale per fused weight, as vLLM makes it at
+    # load | as-stored = each shard with its own scales, as the files mean them
+    fused: Literal["vllm", "as-stored"] = "vllm"
 
     def validate(self, path: str) -> None:
         for name, hi in (

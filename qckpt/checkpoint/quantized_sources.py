@@ -350,7 +350,7 @@ def _compressed_tensors(index: Index, qc: dict[str, Any]) -> SourceLayout:
 def _modelopt(index: Index, qc: dict[str, Any] | None, hq: dict[str, Any] | None) -> SourceLayout:
     q = (hq or {}).get("quantization") or {}
     algo = q.get("quant_algo") or (qc or {}).get("quant_algo")
-    if algo == "FP8":
+    if algo in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):  # per-tensor / per-channel weight_scale
         weights = _fp8_weights(index, "_scale", [("tensor", None), ("channel", None)])
     elif algo == "NVFP4":
         group = q.get("group_size") or (qc or {}).get("group_size") or NVFP4_GROUP
@@ -359,7 +359,8 @@ def _modelopt(index: Index, qc: dict[str, Any] | None, hq: dict[str, Any] | None
         weights = _nvfp4_weights(index, "weight", "weight_scale_2", False)
     else:
         raise CheckpointError(
-            f"modelopt quant_algo {algo!r}: not a source layout qckpt reads (FP8, NVFP4)"
+            f"modelopt quant_algo {algo!r}: not a source layout qckpt reads (FP8, "
+            "FP8_PER_CHANNEL_PER_TOKEN, NVFP4)"
         )
     return SourceLayout(name="modelopt", detail=str(algo), weights=weights)
 

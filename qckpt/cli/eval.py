@@ -92,6 +92,12 @@ def eval_cmd(
         str | None,
         typer.Option(help="none (both models resident) | layer (one decoder layer at a time)."),
     ] = None,
+    fused: Annotated[
+        str | None,
+        typer.Option(
+            help="vllm (one scale per fused q/k/v, gate/up weight, as vLLM loads it) | as-stored."
+        ),
+    ] = None,
     client: Annotated[
         str, typer.Option(help="qckpt (emulated here) | vllm (served by vLLM, when installed).")
     ] = "qckpt",
@@ -118,16 +124,7 @@ def eval_cmd(
         qckpt eval runs/llama/fp8 --source models/llama --data heldout.bin --client vllm
     """
     opts, export_dir, source_dir, data_path = _resolve(target, source, data, set_)
-    given = {"windows": windows, "seq_len": seq_len, "seed": seed, "batch_size": batch_size}
-    opts = replace(opts, **{k: v for k, v in given.items() if v is not None})
-    if device is not None:
-        if device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"--device: auto, cpu or cuda; got {device!r}")
-        opts = replace(opts, device=device)
-    if offload is not None:
-        if offload not in ("none", "layer"):
-            raise UsageError(f"--offload: none or layer; got {offload!r}")
-        opts = replace(opts, offload=offload)
+    opts = _override(opts, windows, seq_len, seed, batch_size, device, offload, fused)
     if client not in ("qckpt", "vllm"):
         raise UsageError(f"--client: qckpt or vllm; got {client!r}")
     _guard(json_path, export_dir, source_dir, data_path)
@@ -141,6 +138,34 @@ def eval_cmd(
     inc = rep.get("relative_increase")
     if fail_above is not None and inc is not None and inc * 100 > fail_above:
         raise typer.Exit(1)
+
+
+def _override(
+    opts: Any,
+    windows: int | None,
+    seq_len: int | None,
+    seed: int | None,
+    batch_size: int | None,
+    device: str | None,
+    offload: str | None,
+    fused: str | None,
+) -> Any:
+    """The options with the flags the user gave (each checked) in place of the recipe's."""
+    given = {"windows": windows, "seq_len": seq_len, "seed": seed, "batch_size": batch_size}
+    opts = replace(opts, **{k: v for k, v in given.items() if v is not None})
+    if device is not None:
+        if device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device: auto, cpu or cuda; got {device!r}")
+        opts = replace(opts, device=device)
+    if offload is not None:
+        if offload not in ("none", "layer"):
+            raise UsageError(f"--offload: none or layer; got {offload!r}")
+        opts = replace(opts, offload=offload)
+    if fused is not None:
+        if fused not in ("vllm", "as-stored"):
+            raise UsageError(f"--fused: vllm or as-stored; got {fused!r}")
+        opts = replace(opts, fused=fused)
+    return opts
 
 
 def _resolve(

@@ -20,6 +20,7 @@ from qckpt.checkpoint.quantized_sources import SafetensorsFetch, dequantize, deq
 from qckpt.errors import CheckpointError, UsageError
 from qckpt.evaluate.act_quant import InputQuant
 from qckpt.evaluate.emulated import EmulatedLinear, emulated_experts_forward, register_kv_attention
+from qckpt.evaluate.fused import GlobalScaleFetch, requantized
 from qckpt.evaluate.scheme import ExportScheme
 from qckpt.models import naming
 from qckpt.models.build import materialize
@@ -104,9 +105,15 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Modul
 
 
 def _weight32(scheme: ExportScheme, fetch: SafetensorsFetch, name: str, like: torch.Tensor):
+    """A linear's weight as the client holds it, float32 (fused shards as vLLM fuses them)."""
     w = scheme.weights.get(name)
     if w is None:
         return like.detach().to(torch.float32), None
+    module = name[: -len(".weight")]
+    if module in scheme.requant:
+        return requantized(w, fetch, scheme.requant[module]).to(like.device), w
+    if module in scheme.nvfp4_global:
+        fetch = GlobalScaleFetch(fetch, {w.global_scale: scheme.nvfp4_global[module]})
     return dequantize(w, fetch, torch.float32).to(like.device), w
 
 

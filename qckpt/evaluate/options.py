@@ -15,6 +15,9 @@ class EvalOptions:
     device: str = "auto"
     top_layers: int = 3
     offload: str = "none"  # none: both models resident | layer: one decoder layer at a time
+    # fused linears (q/k/v, gate/up): vllm = one scale per fused weight as vLLM makes it at
+    # load | as-stored = every shard with its own scales, as the files mean them
+    fused: str = "vllm"
 
 
 def options_from(ev: Any) -> EvalOptions:
@@ -27,4 +30,5 @@ def options_from(ev: Any) -> EvalOptions:
         device=ev.device,
         top_layers=ev.top_layers,
         offload=ev.offload,
+        fused=ev.fused,
     )

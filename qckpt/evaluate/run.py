@@ -141,7 +141,7 @@ def evaluate(
     across calls with the same source, data and options (the source's outputs are computed
     once; a benchmark of several exports uses it)."""
     t0 = time.perf_counter()
-    scheme = read_scheme(export_dir)
+    scheme = read_scheme(export_dir, opts.fused)
     src_cfg = _check_same_model(export_dir, source_dir)
     tok = tokenizer_of(source_dir) or tokenizer_of(export_dir)
     win = make_windows(
@@ -192,7 +192,7 @@ def evaluate(
         "dtype": str(dtype).replace("torch.", ""),
         "options": asdict(opts),
         **fig,
-        "warnings": _warnings(fig, unit),
+        "warnings": scheme.notes + _warnings(fig, unit),
         "seconds": {"load": t_load - t0, "forward": time.perf_counter() - t_load},
     }
 

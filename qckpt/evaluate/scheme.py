@@ -37,6 +37,7 @@ from qckpt.checkpoint.quantized_sources import (
 )
 from qckpt.errors import CheckpointError
 from qckpt.evaluate.act_quant import InputQuant
+from qckpt.evaluate.fused import fused_groups, plan_fused
 
 _EXPERT = re.compile(r"^(?P<pre>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
 _GATE_UP = ("gate_proj", "up_proj", "w1", "w3")
@@ -52,6 +53,10 @@ class ExportScheme:
     inputs: dict[str, InputQuant]  # module -> its input quantization
     kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     index: dict[str, Any] = field(default_factory=dict)
+    # what vLLM does to fused linears at load (qckpt.evaluate.fused)
+    requant: dict[str, torch.Tensor] = field(default_factory=dict)
+    nvfp4_global: dict[str, torch.Tensor] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def fetch(self) -> SafetensorsFetch:
         return SafetensorsFetch(self.path, self.index)
@@ -64,6 +69,8 @@ class ExportScheme:
             **self.layout.summary(),
             "input_quantization": dict(sorted(modes.items())),
             "kv_cache_scales": len(self.kv),
+            "fused_fp8_requantized": len(self.requant),
+            "fused_nvfp4_global_scale_replaced": len(self.nvfp4_global),
         }
 
 
@@ -149,6 +156,21 @@ def _share_experts(inputs: dict[str, InputQuant]) -> dict[str, InputQuant]:
     return out
 
 
+def _share_fused(inputs: dict[str, InputQuant], weights: dict) -> dict[str, InputQuant]:
+    """Static input scales of a fused dense group (q/k/v, gate/up: one input) made one, as vLLM
+    makes them: the max (FP8 ``input_scale``, compressed-tensors' NVFP4 global scale) of the
+    values the files hold."""
+    out = dict(inputs)
+    for members in fused_groups(weights):
+        qs = [inputs.get(m) for m in members]
+        if ".experts." in members[0] or any(q is None or q.scale is None for q in qs):
+            continue
+        shared = torch.stack([q.scale for q in qs]).max()  # type: ignore[union-attr]
+        for m, q in zip(members, qs, strict=True):
+            out[m] = InputQuant(q.mode, shared)  # type: ignore[union-attr]
+    return out
+
+
 def _kv_scales(fetch: SafetensorsFetch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for key in fetch.index:
@@ -163,14 +185,18 @@ def _kv_scales(fetch: SafetensorsFetch) -> dict[str, tuple[torch.Tensor, torch.T
     return out
 
 
-def read_scheme(path: str | Path) -> ExportScheme:
+def read_scheme(path: str | Path, fused: str = "vllm") -> ExportScheme:
     """The export at ``path`` as a client runs it; CheckpointError (one line) for a dir that is
-    not a quantized export qckpt eval emulates."""
+    not a quantized export qckpt eval emulates. ``fused``: ``vllm`` (fused linears get one scale
+    each, as vLLM gives them: :mod:`qckpt.evaluate.fused`) or ``as-stored``."""
     p = Path(path)
     index = hf_index(p)
     layout = source_layout(p, index)
     if not layout.quantized:
         raise CheckpointError(f"{p}: not a quantized export (no quantization_config)")
+    smooth = [k for k in index if k.endswith(".pre_quant_scale")]
+    if smooth:  # a per-channel input multiplier (AWQ / SmoothQuant) this emulation does not apply
+        raise CheckpointError(f"{p}: {smooth[0]}: pre-quantization scales are not emulated")
     fetch = SafetensorsFetch(p, index)
     inputs: dict[str, InputQuant] = {}
     if layout.name == "compressed-tensors":
@@ -188,11 +214,20 @@ def read_scheme(path: str | Path) -> ExportScheme:
     else:
         for name in layout.weights:  # DeepSeek-style block FP8: dynamic per-group 128 inputs
             inputs[name[: -len(".weight")]] = InputQuant("fp8_group", group=128)
+    requant, nvfp4_global, notes = plan_fused(layout.weights, fetch)
+    inputs = _share_experts(inputs)
+    if fused == "as-stored":
+        requant, nvfp4_global, notes = {}, {}, []
+    else:
+        inputs = _share_fused(inputs, layout.weights)
     return ExportScheme(
         path=p,
         layout=layout,
         weights=dict(layout.weights),
-        inputs=_share_experts(inputs),
+        inputs=inputs,
         kv=_kv_scales(fetch),
         index=index,
+        requant=requant,
+        nvfp4_global=nvfp4_global,
+        notes=notes,
     )

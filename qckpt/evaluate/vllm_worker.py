@@ -30,10 +30,31 @@ def _rows(
     return target, top_ids, top_lp
 
 
+def _kv_fp8(model_dir: str) -> bool:
+    """Whether the export carries FP8 KV-cache scales: vLLM uses them only when asked for an
+    FP8 cache (``kv_cache_dtype="fp8"``)."""
+    import json
+    from pathlib import Path
+
+    d = Path(model_dir)
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+    if (cfg.get("quantization_config") or {}).get("kv_cache_scheme"):
+        return True
+    hq = d / "hf_quant_config.json"
+    algo = (
+        (json.loads(hq.read_text()).get("quantization") or {}).get("kv_cache_quant_algo")
+        if hq.is_file()
+        else None
+    )
+    return algo == "FP8"
+
+
 def main(argv: list[str]) -> int:
     model_dir, windows_path, out_path, k = argv[0], argv[1], argv[2], int(argv[3])
     # the share of the GPU this engine may take (several engines at once: a benchmark)
-    extra = {"gpu_memory_utilization": float(argv[4])} if len(argv) > 4 else {}
+    extra: dict = {"gpu_memory_utilization": float(argv[4])} if len(argv) > 4 else {}
+    if _kv_fp8(model_dir):
+        extra["kv_cache_dtype"] = "fp8"
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

@@ -124,11 +124,20 @@ def source_cache() -> dict:
     return {}
 
 
-def _eval(export: Path, cache: dict | None, windows: int = FEW) -> dict:
+def _eval(export: Path, cache: dict | None, windows: int = FEW, fused: str = "vllm") -> dict:
     from qckpt.evaluate.options import EvalOptions
     from qckpt.evaluate.run import evaluate
 
-    return evaluate(export, MODEL, HELDOUT, EvalOptions(windows=windows), cache=cache)
+    opts = EvalOptions(windows=windows, fused=fused)
+    return evaluate(export, MODEL, HELDOUT, opts, cache=cache)
+
+
+# NVFP4 shards (q/k/v, gate/up) computed as vLLM loads them (one global scale per fused weight)
+# and as stored: qckpt's export gives them one global scale, so the two agree (before it did,
+# vLLM served them as garbage: issue 26, 4.78 bits/byte in vLLM 0.26)
+CASES = [pytest.param(n, "vllm", id=n) for n in VARIANTS] + [
+    pytest.param(n, "as-stored", id=f"{n}-as-stored") for n in VARIANTS if "nvfp4" in n
+]
 
 
 def test_the_bf16_source_gives_the_readmes_bits_per_byte():
@@ -140,9 +149,9 @@ def test_the_bf16_source_gives_the_readmes_bits_per_byte():
     assert abs(got["bits_per_byte"] - 1.0927) <= 0.0005, got
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_each_export_stays_within_its_tolerance_of_the_source(exports, source_cache, name):
-    rep = _eval(exports[name], source_cache)
+@pytest.mark.parametrize(("name", "fused"), CASES)
+def test_each_export_stays_within_its_tolerance_of_the_source(exports, source_cache, name, fused):
+    rep = _eval(exports[name], source_cache, fused=fused)
     tol = NVFP4_TOL if "nvfp4" in name else FP8_TOL
     src, exp = rep["source_bits_per_byte"], rep["export_bits_per_byte"]
     assert abs(exp / src - 1.0) < tol, (name, src, exp)
@@ -155,6 +164,50 @@ def test_each_export_stays_within_its_tolerance_of_the_source(exports, source_ca
     assert rep["top1_agreement"] > top1 and 0.0 < rep["kl_mean"] < kl, rep
     assert rep["warnings"] == []
     assert len(rep["layers"]) == 6 and len(rep["layers_moved_most"]) == 3
+
+
+def test_fused_shards_are_computed_as_vllm_loads_them(exports):
+    """FP8 per-tensor q/k/v (gate/up) requantized to the group's largest scale through float16
+    (vLLM's requantize_with_max_scale); NVFP4 shards all computed with the largest global scale,
+    with a warning when that is not their own."""
+    from qckpt.evaluate.fused import requantized
+    from qckpt.evaluate.scheme import read_scheme
+
+    fp8 = read_scheme(exports["ct-fp8-tensor"])
+    f = fp8.fetch()
+    attn = "model.layers.0.self_attn"
+    scales = {p: f(f"{attn}.{p}_proj.weight_scale", None, None).float().reshape(()) for p in "qkv"}
+    smax = max(scales.values())
+    for p, s in scales.items():
+        mod = f"{attn}.{p}_proj"
+        assert (mod in fp8.requant) == (s != smax) and (s == smax or fp8.requant[mod] == smax)
+        if s != smax:
+            codes = f(f"{mod}.weight", None, None)
+            dq = (codes.float() * s.half().float()).half()  # both in float16, product rounded
+            ref = (dq.float() * (1.0 / smax)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+            got = requantized(fp8.weights[f"{mod}.weight"], f, smax)
+            assert torch.equal(got, ref * smax)
+    # qckpt's NVFP4 export: one global scale per fused weight, nothing recomputed
+    nv = read_scheme(exports["ct-nvfp4"])
+    assert nv.nvfp4_global == {} and not any("NVFP4 global" in n for n in nv.notes)
+    # another tool's export whose gate and up disagree: both computed with the larger, and said
+    bad = exports["_tmp"] / "nvfp4-split-globals"
+    if not bad.exists():
+        shutil.copytree(exports["ct-nvfp4"], bad)
+        f = next(bad.glob("*.safetensors"))
+        t = load_file(str(f))
+        t["model.layers.0.mlp.up_proj.weight_global_scale"] *= 2
+        save_file(t, str(f), metadata={"format": "pt"})
+    nv = read_scheme(bad)
+    g = nv.fetch()
+    mlp = "model.layers.0.mlp"
+    gs = {p: float(g(f"{mlp}.{p}_proj.weight_global_scale", None, None)) for p in ("gate", "up")}
+    used = max(gs.values())
+    for p, v in gs.items():
+        assert (f"{mlp}.{p}_proj" in nv.nvfp4_global) == (v != used)
+    assert any("different NVFP4 global scales" in n for n in nv.notes)
+    stored = read_scheme(bad, fused="as-stored")
+    assert stored.nvfp4_global == {} and stored.notes == []
 
 
 def _broken(exports: dict, how: str) -> Path:
@@ -232,3 +285,26 @@ def test_layer_by_layer_gives_the_resident_figures_on_nvfp4(exports):
     b = evaluate(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw, offload="layer"))
     for k in ("source_bits_per_byte", "export_bits_per_byte", "kl_mean", "layers"):
         assert a[k] == b[k], k
+
+
+def test_cli_recipe_refusals(tmp_path):
+    base = f"model: {{source: {MODEL}}}\ncheckpoint: {{path: {MODEL}}}\n"
+    cases = {
+        "no eval.path": (base, "eval.path: required by qckpt eval"),
+        "a DCP checkpoint": (
+            f"model: {{source: tiny-dense}}\ncheckpoint: {{path: {tmp_path}}}\n"
+            f"eval: {{path: {HELDOUT}}}\n",
+            "is not an HF safetensors dir",
+        ),
+        "held-out = calibration": (
+            base + f"calibrate: {{data: {{source: text, path: {HELDOUT}}}}}\n"
+            f"eval: {{path: {HELDOUT}}}\n",
+            "eval.path: is the calibration file",
+        ),
+    }
+    for name, (text, says) in cases.items():
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(text)
+        r = run_qckpt("eval", str(recipe))
+        assert r.returncode == 2, (name, r.stderr)
+        assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, (name, r.stderr)

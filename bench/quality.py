@@ -157,6 +157,8 @@ def vllm_runs(dirs: dict[str, Path], win: Any, k: int, parallel: int) -> dict[st
     """Each dir served by vLLM (:mod:`qckpt.evaluate.vllm_worker`), up to ``parallel`` at once."""
     import torch
 
+    from qckpt.evaluate.vllm_client import worker_env
+
     tmp = Path(tempfile.mkdtemp(prefix="qckpt-quality-vllm-"))
     wpath = tmp / "windows.pt"
     torch.save(win.ids, wpath)
@@ -167,7 +169,11 @@ def vllm_runs(dirs: dict[str, Path], win: Any, k: int, parallel: int) -> dict[st
         out = tmp / f"{_slug(name)}.pt"
         env_cmd = [sys.executable, "-m", "qckpt.evaluate.vllm_worker", str(d), str(wpath)]
         r = subprocess.run(
-            [*env_cmd, str(out), str(k), util], capture_output=True, text=True, cwd=ROOT
+            [*env_cmd, str(out), str(k), util],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=worker_env(),
         )
         if r.returncode or not out.is_file():
             return name, "fails: " + " | ".join((r.stderr or r.stdout).strip().splitlines()[-2:])[

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,9 +33,37 @@ from typing import Any
 from qckpt.errors import QckptError, UsageError
 from qckpt.evaluate.options import EvalOptions
 
+# the settings vLLM 0.26 needs on a machine without flashinfer, one engine per process
+# (shared/device-vllm's README); a user's own values win
+VLLM_ENV = {
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "NCCL_NVLS_ENABLE": "0",
+}
+
+
+def vllm_site() -> str | None:
+    """``QCKPT_VLLM_SITE``: a dir that holds vLLM and its pinned packages (kept off the main
+    process's path: they pin other versions of compressed-tensors and friends)."""
+    site = os.environ.get("QCKPT_VLLM_SITE")
+    return site if site and Path(site, "vllm").is_dir() else None
+
 
 def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+    return vllm_site() is not None or importlib.util.find_spec("vllm") is not None
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a vLLM worker: qckpt importable, the vLLM site first when there is
+    one, :data:`VLLM_ENV` where the user set nothing."""
+    env = {**VLLM_ENV, **os.environ}
+    root = str(Path(__file__).resolve().parents[2])
+    parts = [p for p in (vllm_site(), root, os.environ.get("PYTHONPATH")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    return env
 
 
 def _serve(model_dir: Path, windows: Path, out: Path, k: int, log: Callable[[str], None]) -> Any:
@@ -42,7 +71,7 @@ def _serve(model_dir: Path, windows: Path, out: Path, k: int, log: Callable[[str
 
     log(f"vLLM: serving {model_dir}")
     cmd = [sys.executable, "-m", "qckpt.evaluate.vllm_worker", str(model_dir), str(windows)]
-    r = subprocess.run([*cmd, str(out), str(k)], capture_output=True, text=True)
+    r = subprocess.run([*cmd, str(out), str(k)], capture_output=True, text=True, env=worker_env())
     if r.returncode != 0 or not out.is_file():
         tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-3:])
         raise QckptError(f"vLLM could not serve {model_dir} (exit {r.returncode}): {tail}")

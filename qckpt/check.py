@@ -50,9 +50,9 @@ from qckpt.checkpoint.layout_names import (
     MO_NVFP4,
     MODELOPT_FILE,
     NVFP4_GROUP,
-    SCALE_FUSED_GROUPS,
     WEIGHT_SCALE,
     WEIGHT_SCALE_2,
+    fused_parts,
 )
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -523,13 +523,9 @@ def _check_fused_globals(
     parts with different ones are served scaled by the ratio of their amaxes: garbage."""
     if scheme.weight != "nvfp4":
         return
-    groups: dict[tuple[str, int], list[str]] = {}
-    for m in quantized:
-        parent, _, leaf = m.rpartition(".")
-        for gi, group in enumerate(SCALE_FUSED_GROUPS):
-            if leaf in group:
-                groups.setdefault((parent, gi), []).append(leaf)
-    for (parent, _), leaves in sorted(groups.items()):
+    for group in sorted(fused_parts(sorted(quantized))):
+        parent = group[0].rpartition(".")[0]
+        leaves = [m.rpartition(".")[2] for m in group]
         ts = [tensors.get(f"{parent}.{leaf}.{scheme.global_leaf}") for leaf in sorted(leaves)]
         if len(ts) < 2 or any(t is None or t.nbytes != 4 or t.dtype != "F32" for t in ts):
             continue  # a missing or malformed one is reported by _check_module

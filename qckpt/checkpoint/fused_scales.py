@@ -16,18 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from qckpt.checkpoint.layout_names import SCALE_FUSED_GROUPS
+from qckpt.checkpoint.layout_names import fused_parts
 
-
-def fused_parts(modules: list[str]) -> list[list[str]]:
-    """The modules that a client fuses into one weight, grouped (groups of two or more only)."""
-    by_parent: dict[tuple[str, int], list[str]] = {}
-    for m in modules:
-        parent, _, leaf = m.rpartition(".")
-        for gi, group in enumerate(SCALE_FUSED_GROUPS):
-            if leaf in group:
-                by_parent.setdefault((parent, gi), []).append(m)
-    return [sorted(ms) for ms in by_parent.values() if len(ms) > 1]
+__all__ = ["fused_parts", "share_fused_amax"]
 
 
 def share_fused_amax(

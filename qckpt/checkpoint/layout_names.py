@@ -57,6 +57,18 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1",
 SCALE_FUSED_GROUPS = (*FUSED_GROUPS, ("q_a_proj", "kv_a_proj_with_mqa"))
 
 
+def fused_parts(modules) -> list[list[str]]:  # noqa: ANN001 (any iterable of module names)
+    """The modules that a client fuses into one weight (:data:`SCALE_FUSED_GROUPS` under one
+    parent), grouped; groups of two or more only, each sorted."""
+    by_parent: dict[tuple[str, int], list[str]] = {}
+    for m in modules:
+        parent, _, leaf = m.rpartition(".")
+        for gi, group in enumerate(SCALE_FUSED_GROUPS):
+            if leaf in group:
+                by_parent.setdefault((parent, gi), []).append(m)
+    return [sorted(ms) for ms in by_parent.values() if len(ms) > 1]
+
+
 def modelopt_config_groups(algo: str) -> dict | None:
     """ModelOpt 0.47's ``config_groups`` for a quant_algo (None: it writes none)."""
     if algo == MO_FP8:

@@ -22,7 +22,7 @@ from qckpt.evaluate import metrics
 from qckpt.evaluate.build import load_emulated, load_model
 from qckpt.evaluate.options import EvalOptions
 from qckpt.evaluate.scheme import read_scheme
-from qckpt.evaluate.windows import Windows, make_windows, tokenizer_of
+from qckpt.evaluate.windows import Windows, data_section, make_windows, tokenizer_of
 
 # past these the report says the export is broken, not merely lossy
 WARN_INCREASE = 0.10
@@ -178,13 +178,7 @@ def evaluate(
         "client": "qckpt",
         "export": str(export_dir),
         "source": str(source_dir),
-        "data": {
-            "path": str(data),
-            "kind": win.kind,
-            "windows": int(win.ids.shape[0]),
-            "seq_len": int(win.ids.shape[1] - 1),
-            "seed": win.seed,
-        },
+        "data": data_section(win, data),
         "unit": unit,
         "scheme": scheme.summary(),
         "emulated": counts,

@@ -135,7 +135,7 @@ def evaluate_vllm(
     import torch
 
     from qckpt.checkpoint.quantized_sources import _read_json
-    from qckpt.evaluate.windows import make_windows, tokenizer_of
+    from qckpt.evaluate.windows import data_section, make_windows, tokenizer_of
 
     cfg = _read_json(source_dir / "config.json") or {}
     tok = tokenizer_of(source_dir)
@@ -160,13 +160,7 @@ def evaluate_vllm(
         "client": "vllm",
         "export": str(export_dir),
         "source": str(source_dir),
-        "data": {
-            "path": str(data),
-            "kind": win.kind,
-            "windows": int(win.ids.shape[0]),
-            "seq_len": int(win.ids.shape[1] - 1),
-            "seed": win.seed,
-        },
+        "data": data_section(win, data),
         "unit": unit,
         "top_k": top_k,
         "options": asdict(opts),

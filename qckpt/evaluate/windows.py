@@ -108,3 +108,14 @@ def make_windows(
     else:
         nbytes = [seq_len] * windows
     return Windows(ids=win, nbytes=nbytes, kind=kind, source=str(path), seed=seed, starts=starts)
+
+
+def data_section(win, data) -> dict:  # noqa: ANN001 (Windows, a path)
+    """The report's ``data``: which windows of which file were scored."""
+    return {
+        "path": str(data),
+        "kind": win.kind,
+        "windows": int(win.ids.shape[0]),
+        "seq_len": int(win.ids.shape[1] - 1),
+        "seed": win.seed,
+    }

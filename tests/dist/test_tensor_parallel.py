@@ -308,7 +308,7 @@ def test_cli_tp2_writes_the_one_rank_file(tmp_path):
     cmds = [
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         + ["-m", "qckpt", "calibrate", recipe, *sets, "--set", f"calibrate.output={tp2}"]
-        + ["--set", "parallel.tp=2"],
+        + ["--set", "parallel.tp=2", "-v"],  # -v: the step lines name the TP split
         [sys.executable, "-m", "qckpt", "calibrate", recipe, *sets]
         + ["--set", f"calibrate.output={one}"],
     ]

@@ -175,6 +175,8 @@ def _apply_algorithm(algorithm, res, state, report, model, instr, mesh: Mesh) ->
         state.weights = tensors_to_write(model, instr, mesh, res)
         for layer, row in res.layers.items():
             report["layers"].setdefault(layer, {})["gptq"] = row
+        report["gptq_hessian_bytes"] = res.hessian_bytes
+        report["gptq_hessian_bytes_bound"] = res.hessian_bytes_bound
 
 
 def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):

@@ -57,6 +57,10 @@ class GptqResult:
     parts: dict[str, float] = field(default_factory=dict)
     collectives: int = 0
     done: set[str] = field(default_factory=set)  # the modules GPTQ'd here
+    # the largest layer's Hessians on this rank: held (linears that got tokens) and at most
+    # (every linear of the layer: what ``qckpt plan`` predicts)
+    hessian_bytes: int = 0
+    hessian_bytes_bound: int = 0
 
 
 @dataclass
@@ -100,6 +104,12 @@ def run_gptq(
         run = partial(_run_layer, layer, hidden, calls, i)
         amax = _layer_amax(model, lin, experts, run, mesh, res)
         hs = _layer_hessians(model, lin, experts, run, amax, bits, mesh, res)
+        held = sum(h.numel() * h.element_size() for h in hs.values())
+        dims = {x.hkey: x.src.quantizer.shape[1] for x in lin}
+        res.hessian_bytes = max(res.hessian_bytes, held)
+        res.hessian_bytes_bound = max(
+            res.hessian_bytes_bound, sum(8 * d * d for d in dims.values())
+        )
         unit = {k: (a / 2.0**bits) ** 2 for k, a in amax.items()}  # grid units -> squared values
         row = _quantize_layer(model, lin, hs, unit, opts, res)
         hidden = _outputs(layer, hidden, calls, i)

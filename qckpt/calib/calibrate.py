@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from qckpt import phases
 from qckpt.calib.instrument import (
     calibrate_weights,
     insert_quantizers,
@@ -153,14 +154,15 @@ def _algorithm(algorithm, model, instr, batches, mesh: Mesh, mine, gptq_options,
     mse: :func:`qckpt.calib.mse_pass.run_mse`; gptq: :func:`qckpt.calib.gptq_pass.run_gptq`
     (``gptq_options``: a ``GptqOptions``), the model's weights GPTQ'd in place. Resident BF16
     weights, no TP (:func:`_check_algorithm`)."""
-    if algorithm == "mse":
-        from qckpt.calib.mse_pass import run_mse
+    with phases.phase(phases.ALGORITHM):  # the phase breakdown's line for its extra cost
+        if algorithm == "mse":
+            from qckpt.calib.mse_pass import run_mse
 
-        res = run_mse(model, instr, batches, mesh, mine)
-        parts.update(res.parts)
-        return res
-    if algorithm == "gptq":
-        return _gptq(model, instr, batches, mesh, gptq_options, parts)
+            res = run_mse(model, instr, batches, mesh, mine)
+            parts.update(res.parts)
+            return res
+        if algorithm == "gptq":
+            return _gptq(model, instr, batches, mesh, gptq_options, parts)
     return None
 
 

@@ -73,6 +73,9 @@ def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
     from qckpt.recipe import recipe_from_dict
 
     tag = f"{config}-{algorithm}"
+    # gptq+mse: GPTQ with each NVFP4 group's scale searched (calibrate.gptq_block_scales: mse)
+    extra = {"gptq_block_scales": "mse"} if algorithm == "gptq+mse" else {}
+    algorithm = algorithm.split("+")[0]
     recipe = recipe_from_dict(
         {
             "model": {"source": str(MODEL)},
@@ -82,6 +85,7 @@ def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
                 "data": {"source": "tokens", "path": str(tokens), "num_samples": 128,
                          "seq_len": 512, "batch_size": 8},
                 "algorithm": algorithm,
+                **extra,
                 "output": str(work / f"{tag}.safetensors"),
             },
             "export": {"output": str(work / tag), "format": "compressed-tensors"},

@@ -53,9 +53,18 @@ def hessian_add(h: torch.Tensor | None, x: torch.Tensor, amax: float, bits: int)
 class ColumnQuantizer:
     """Fake quantization of columns of a ``[rows, cols]`` weight as the export quantizes."""
 
-    def __init__(self, fmt: str, granularity: str, amax: torch.Tensor, shape, block=(128, 128)):
+    def __init__(
+        self,
+        fmt: str,
+        granularity: str,
+        amax: torch.Tensor,
+        shape,
+        block=(128, 128),
+        search: bool = False,
+    ):
         rows, cols = shape
         self.fmt, self.granularity, self.block = fmt, granularity, tuple(block)
+        self.search = search  # NVFP4: each group's scale searched (mse) instead of the max rule
         a = amax.detach().to(torch.float32)
         if fmt == "nvfp4":
             from qckpt.formats._common import float_scale
@@ -80,7 +89,15 @@ class ColumnQuantizer:
 
     def start_group(self, w: torch.Tensor, col: int) -> None:
         """NVFP4: the group starting at ``col`` takes its scale from ``w`` (its current
-        columns, ``[rows, <=16]``) by the max rule."""
+        columns, ``[rows, <=16]``) by the max rule, or searched (:attr:`search`: the E4M3
+        scale of least squared error over the group's current values, ``qckpt.calib.mse``)."""
+        if self.search:
+            from qckpt.calib.mse import _nvfp4_chunk
+
+            sb, *_ = _nvfp4_chunk(w.to(torch.float32), self.gs, self.gs64, self.inv_gs)
+            self._sb = sb[:, 0]
+            self.block_scales[:, col // NVFP4_GROUP] = self._sb
+            return
         bmax = w.abs().amax(dim=1).to(torch.float32)
         six64 = f64_const(E2M1_MAX, w.device)
         sb = div_f32(div_f32(bmax, six64), self.gs64).clamp(E4M3_TINY, E4M3_MAX)

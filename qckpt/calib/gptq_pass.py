@@ -48,6 +48,7 @@ class GptqOptions:
     percdamp: float = 0.01
     act_order: bool = False
     block: int = gptq.BLOCK
+    block_search: bool = False  # NVFP4: group scales searched (mse) instead of the max rule
 
 
 @dataclass
@@ -386,8 +387,9 @@ def _gptq_one(model, x: _Linear, h, unit: float, opts, res: GptqResult, row: dic
     q = x.src.quantizer
     w = x.src.take(model.get_parameter(x.src.param))
     gran = "tensor" if q.format == "nvfp4" else q.granularity
-    make = partial(gptq.ColumnQuantizer, q.format, gran, x.amax, tuple(w.shape), q.block_size)
-    cq = make()
+    shape = tuple(w.shape)
+    make = partial(gptq.ColumnQuantizer, q.format, gran, x.amax, shape, q.block_size)
+    cq = make(search=opts.block_search)
     new, _ = gptq.gptq(w, h, cq, percdamp=opts.percdamp, act_order=opts.act_order, block=opts.block)
     if h is not None:  # the output error on the calibration tokens, rounded vs GPTQ'd
         rtn = gptq.round_to_nearest(w.detach().float().clone(), make())

@@ -110,11 +110,12 @@ def test_gptq_lowers_the_output_error_against_round_to_nearest(fmt, gran):
         assert err(qa) < 0.5 * err(rtn)
 
 
-def test_the_export_writes_gptqs_codes_from_its_bf16_weights_and_block_scales():
+@pytest.mark.parametrize("search", [False, True])
+def test_the_export_writes_gptqs_codes_from_its_bf16_weights_and_block_scales(search):
     x = _correlated(512, 64)
     w = 0.05 * torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
     h = gptq.hessian_add(None, x, float(x.abs().max()), gptq.grid_bits(512))
-    cq = gptq.ColumnQuantizer("nvfp4", "tensor", w.abs().max(), tuple(w.shape))
+    cq = gptq.ColumnQuantizer("nvfp4", "tensor", w.abs().max(), tuple(w.shape), search=search)
     q, _ = gptq.gptq(w, h, cq)
     stored = q.to(torch.bfloat16)  # what the sidecar holds
     packed, sb, gs = gptq.nvfp4_with_scales(stored.float(), w.abs().max(), cq.block_scales)

@@ -444,7 +444,7 @@ def write_weights(state, out: str, mesh: Mesh) -> None:
     if mesh.dp_rank == 0:
         mine = root / state.weights_files[mesh.ep_rank]
         write_bytes(mine, save(state.weights, metadata={"format": "pt"}), key="calibrate.output")
-    if mesh.is_main:
-        for f in root.glob("*.safetensors"):
+    if mesh.is_main:  # an earlier run's files of more EP ranks (never a peer's temp file)
+        for f in root.glob("ep[0-9][0-9][0-9].safetensors"):
             if f.name not in state.weights_files:
-                f.unlink()
+                f.unlink(missing_ok=True)

@@ -73,6 +73,9 @@ def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
     from qckpt.recipe import recipe_from_dict
 
     tag = f"{config}-{algorithm}"
+    # gptq+mse: GPTQ with each NVFP4 group's scale searched (calibrate.gptq_block_scales: mse)
+    extra = {"gptq_block_scales": "mse"} if algorithm == "gptq+mse" else {}
+    algorithm = algorithm.split("+")[0]
     recipe = recipe_from_dict(
         {
             "model": {"source": str(MODEL)},
@@ -82,6 +85,7 @@ def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
                 "data": {"source": "tokens", "path": str(tokens), "num_samples": 128,
                          "seq_len": 512, "batch_size": 8},
                 "algorithm": algorithm,
+                **extra,
                 "output": str(work / f"{tag}.safetensors"),
             },
             "export": {"output": str(work / tag), "format": "compressed-tensors"},
@@ -128,7 +132,9 @@ def _fake_inputs(model, export_dir: Path, config: str) -> list:
     return handles
 
 
-def _measure(export_dir: Path, config: str, windows: torch.Tensor, work: Path) -> dict:
+def _measure(
+    export_dir: Path, config: str, windows: torch.Tensor, work: Path, weights_only: bool = False
+) -> dict:
     from transformers import AutoModelForCausalLM
 
     from qckpt.checkpoint.dequantize_dir import dequantize_dir
@@ -138,6 +144,8 @@ def _measure(export_dir: Path, config: str, windows: torch.Tensor, work: Path) -
     dequantize_dir(export_dir, deq, dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
     out = {"weights": bits_per_byte(model, windows)}
+    if weights_only:
+        return out
     handles = _fake_inputs(model, export_dir, config)
     out["W4A4" if config == "nvfp4" else "W8A8"] = bits_per_byte(model, windows)
     for h in handles:
@@ -150,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--algorithms", default="max,mse")
     p.add_argument("--configs", default="nvfp4,fp8")
     p.add_argument("--windows", type=int, default=64)
+    p.add_argument("--weights-only", action="store_true", help="no W4A4 / W8A8 evaluation")
     p.add_argument("--json")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM
@@ -164,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         tokens = _calib_tokens(work)
         for config in args.configs.split(","):
             for algo in args.algorithms.split(","):
-                got = _measure(_run(config, algo, work, tokens), config, windows, work)
+                run = _run(config, algo, work, tokens)
+                got = _measure(run, config, windows, work, args.weights_only)
                 rel = {k: 100 * (v / result["bf16"] - 1) for k, v in got.items()}
                 result["runs"][f"{config}/{algo}"] = {"bpb": got, "increase_pct": rel}
                 line = ", ".join(f"{k} {v:.4f} (+{rel[k]:.3f} %)" for k, v in got.items())

@@ -42,10 +42,13 @@ READ = "read"  # the checkpoint read into the model (the streaming quantize incl
 DATA = "data"  # calibration batches made or read
 FORWARD = "forward"  # calibration: quantizers in, weight amax, the forwards
 SYNC = "sync"  # amax sync and barriers between ranks
+ALGORITHM = "algorithm"  # calibrate.algorithm's pass after the amax sync (mse, gptq)
 PLAN = "plan"  # an export's plan: metadata, calibration file, checks
 WRITE = "write"  # files written (an export reads and quantizes as it writes)
 REPORT = "report"  # reports rendered and written
-NAMES = (STARTUP, WORLD, BUILD, QUANTIZE, READ, DATA, FORWARD, SYNC, PLAN, WRITE, REPORT)
+NAMES = (
+    STARTUP, WORLD, BUILD, QUANTIZE, READ, DATA, FORWARD, SYNC, ALGORITHM, PLAN, WRITE, REPORT
+)  # fmt: skip
 
 # the parts of the start-up (``startup_part``); they divide it, they do not end it
 BEFORE_MAIN = "before_main"  # process (or launcher) start -> the CLI's main(): interpreter, CLI

@@ -159,6 +159,9 @@ class CalibrateConfig:
     gptq_percdamp: float = 0.01  # dampening, a fraction of the Hessian's mean diagonal
     gptq_act_order: bool = False  # columns in order of decreasing Hessian diagonal (FP8 only)
     gptq_block: int = 128  # columns per block of the error compensation
+    # NVFP4 weights: each 16-column group's E4M3 scale by the max rule (max) or searched for
+    # the least squared error of the group's current values (mse), as GPTQ reaches it
+    gptq_block_scales: Literal["max", "mse"] = "max"
     output: str = "runs/tiny/calib.safetensors"
     share_expert_inputs: bool = True
     # the format the weights are held in while calibrating: bf16 = the model's dtype; a quantized

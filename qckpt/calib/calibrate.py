@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from qckpt import phases
 from qckpt.calib.instrument import (
     calibrate_weights,
     insert_quantizers,
@@ -76,22 +77,17 @@ def calibrate_model(
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
     ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
-    ``algorithm``: ``max``, ``mse`` (after step 4: :func:`qckpt.calib.mse_pass.run_mse`) or
-    ``gptq`` (after step 4: :func:`qckpt.calib.gptq_pass.run_gptq` with ``gptq_options``, a
-    ``GptqOptions``; the model's weights are GPTQ'd in place and this rank's share of them is
-    ``state.weights``, which the caller writes); resident BF16 weights, no TP.
+    ``algorithm``: ``max`` | ``mse`` | ``gptq`` (``gptq_options``), run after step 4 (see
+    :func:`_algorithm`; gptq's weights: ``state.weights``, this rank's, for the caller to write).
     """
     _check_algorithm(algorithm, mesh, runner)
     t0 = time.perf_counter()
-    share, dev = share_expert_inputs, None if runner is None else runner.device
-    kw = dict(
-        share_expert_inputs=share, calib_dtype=calib_dtype, device=dev, moe_forward=moe_forward
-    )
-    # the collector paused where tens of thousands of objects are made (a quantizer per linear
-    # and expert; the report's rows): each full collection walks the model's whole heap. Never
-    # over the forwards, whose cycles may hold device memory
+    dev = None if runner is None else runner.device
+    kw = dict(share_expert_inputs=share_expert_inputs, calib_dtype=calib_dtype, device=dev)
+    # the GC paused where 10,000s of objects are made (quantizers, the report's rows): each
+    # full collection walks the model's heap. Never over forwards (cycles hold device memory)
     with gc_paused():
-        quantizers = insert_quantizers(model, quant_cfg, **kw)
+        quantizers = insert_quantizers(model, quant_cfg, moe_forward=moe_forward, **kw)
     parts = {"insert": time.perf_counter() - t0}
     try:
         instr = instrumentation(model)
@@ -110,33 +106,17 @@ def calibrate_model(
         qs = list(quantizers.values())
         dres, tres, tp_gathers = _sync_all(qs, mesh, tp_mods, failure)
         t_sync = time.perf_counter()
-        searched = gptqd = None
-        if algorithm == "mse":
-            from qckpt.calib.mse_pass import run_mse
-
-            searched = run_mse(model, instr, batches, mesh, mine)
-            parts.update(searched.parts)
-            t_sync = time.perf_counter()
-        elif algorithm == "gptq":
-            gptqd = _gptq(model, instr, batches, mesh, gptq_options, parts)
-            t_sync = time.perf_counter()
+        # the algorithm's own work (and collectives), apart from the amax sync's
+        algo = _algorithm(algorithm, model, instr, batches, mesh, mine, gptq_options, parts)
+        t_after = time.perf_counter()
         expert_ranks = _expert_tokens(instr.experts, mesh)
         with gc_paused():
             # every amax on the host at once (a few copies), not a device read per quantizer
             amaxes = host_amaxes(qs)
             state = _state(model, qs, amaxes, quant_cfg)
             report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
-            state.algorithm = algorithm
-            report["algorithm"] = algorithm
-            if searched is not None:
-                _add_search(state, report, searched)
-            if gptqd is not None:
-                from qckpt.calib.gptq_pass import tensors_to_write
-
-                state.weights = tensors_to_write(model, instr, mesh, gptqd[0])
-                for layer, row in gptqd[0].layers.items():
-                    report["layers"].setdefault(layer, {})["gptq"] = row
-        parts["after_sync"] = time.perf_counter() - t_sync
+            _apply_algorithm(algorithm, algo, state, report, model, instr, mesh)
+        parts["after_sync"] = time.perf_counter() - t_after
         report.update(
             # dealt batches (pure DP): the ones this rank ran
             batches=len(getattr(batches, "taken", batches)),
@@ -145,11 +125,9 @@ def calibrate_model(
             forward_parts={k: round(v, 4) for k, v in parts.items()},
             weight_amax_here=len(mine) if mine is not None else None,
             sync_seconds=round(t_sync - t_fwd, 6),
-            sync_collectives=dres.collectives
-            + (tres.collectives if tres else 0)
-            + tp_gathers
-            + (searched.collectives if searched is not None else 0)
-            + (gptqd[0].collectives if gptqd is not None else 0),
+            sync_collectives=dres.collectives + (tres.collectives if tres else 0) + tp_gathers,
+            algorithm_seconds=round(t_after - t_sync, 4),
+            algorithm_collectives=0 if algo is None else algo.collectives,
             shared_from_layer=len(dres.shared),
         )
         if runner is not None:
@@ -169,6 +147,38 @@ def _check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
             f"calibrate.algorithm: {algorithm} runs with parallel.tp: 1 and calibrate.offload: "
             f"none (got tp {mesh.tp}, offload {'none' if runner is None else 'on'})"
         )
+
+
+def _algorithm(algorithm, model, instr, batches, mesh: Mesh, mine, gptq_options, parts):
+    """The algorithm's pass after the amax sync (None for max); its pieces into ``parts``.
+    mse: :func:`qckpt.calib.mse_pass.run_mse`; gptq: :func:`qckpt.calib.gptq_pass.run_gptq`
+    (``gptq_options``: a ``GptqOptions``), the model's weights GPTQ'd in place. Resident BF16
+    weights, no TP (:func:`_check_algorithm`)."""
+    with phases.phase(phases.ALGORITHM):  # the phase breakdown's line for its extra cost
+        if algorithm == "mse":
+            from qckpt.calib.mse_pass import run_mse
+
+            res = run_mse(model, instr, batches, mesh, mine)
+            parts.update(res.parts)
+            return res
+        if algorithm == "gptq":
+            return _gptq(model, instr, batches, mesh, gptq_options, parts)
+    return None
+
+
+def _apply_algorithm(algorithm, res, state, report, model, instr, mesh: Mesh) -> None:
+    """What the algorithm found, into the file's state and the report's layers."""
+    state.algorithm = report["algorithm"] = algorithm
+    if algorithm == "mse":
+        _add_search(state, report, res)
+    elif algorithm == "gptq":
+        from qckpt.calib.gptq_pass import tensors_to_write
+
+        state.weights = tensors_to_write(model, instr, mesh, res)
+        for layer, row in res.layers.items():
+            report["layers"].setdefault(layer, {})["gptq"] = row
+        report["gptq_hessian_bytes"] = res.hessian_bytes
+        report["gptq_hessian_bytes_bound"] = res.hessian_bytes_bound
 
 
 def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
@@ -198,7 +208,7 @@ def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
         for info, t in zip(instr.experts, tokens, strict=True):
             info.tokens[:] = t
     parts.update(res.parts)
-    return (res,)
+    return res
 
 
 def _add_search(state: CalibrationState, report: dict[str, Any], searched) -> None:

@@ -53,9 +53,18 @@ def hessian_add(h: torch.Tensor | None, x: torch.Tensor, amax: float, bits: int)
 class ColumnQuantizer:
     """Fake quantization of columns of a ``[rows, cols]`` weight as the export quantizes."""
 
-    def __init__(self, fmt: str, granularity: str, amax: torch.Tensor, shape, block=(128, 128)):
+    def __init__(
+        self,
+        fmt: str,
+        granularity: str,
+        amax: torch.Tensor,
+        shape,
+        block=(128, 128),
+        search: bool = False,
+    ):
         rows, cols = shape
         self.fmt, self.granularity, self.block = fmt, granularity, tuple(block)
+        self.search = search  # NVFP4: each group's scale searched (mse) instead of the max rule
         a = amax.detach().to(torch.float32)
         if fmt == "nvfp4":
             from qckpt.formats._common import float_scale
@@ -80,7 +89,15 @@ class ColumnQuantizer:
 
     def start_group(self, w: torch.Tensor, col: int) -> None:
         """NVFP4: the group starting at ``col`` takes its scale from ``w`` (its current
-        columns, ``[rows, <=16]``) by the max rule."""
+        columns, ``[rows, <=16]``) by the max rule, or searched (:attr:`search`: the E4M3
+        scale of least squared error over the group's current values, ``qckpt.calib.mse``)."""
+        if self.search:
+            from qckpt.calib.mse import _nvfp4_chunk
+
+            sb, *_ = _nvfp4_chunk(w.to(torch.float32), self.gs, self.gs64, self.inv_gs)
+            self._sb = sb[:, 0]
+            self.block_scales[:, col // NVFP4_GROUP] = self._sb
+            return
         bmax = w.abs().amax(dim=1).to(torch.float32)
         six64 = f64_const(E2M1_MAX, w.device)
         sb = div_f32(div_f32(bmax, six64), self.gs64).clamp(E4M3_TINY, E4M3_MAX)
@@ -137,7 +154,7 @@ def gptq(
         quantizer.scale = quantizer.scale[:, perm]
     U = _inverse_factor(h.to(torch.float64), percdamp).to(torch.float32)
     Q = torch.zeros_like(W)
-    loss = 0.0
+    loss = W.new_zeros(())  # on the device: no host wait per column
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
         W1 = W[:, i1:i2].clone()
@@ -152,21 +169,31 @@ def gptq(
             err = (W1[:, i] - q) / U1[i, i]
             W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
             E1[:, i] = err
-            loss += float((err * err).sum())
+            loss += (err * err).sum()
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
-    return Q, loss
+    return Q, float(loss)
 
 
 def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tensor:
-    cols = W.shape[1]
-    Q = torch.empty_like(W)
-    for col in range(cols):
-        if quantizer.fmt == "nvfp4" and col % NVFP4_GROUP == 0:
-            quantizer.start_group(W[:, col : col + NVFP4_GROUP], col)
-        Q[:, col] = quantizer(W[:, col].clone(), col)
-    return Q
+    """Every column rounded to nearest with ``quantizer``'s scales, at once (what GPTQ's
+    column loop gives with nothing spread); NVFP4's block scales by the max rule, kept."""
+    rows, cols = W.shape
+    if quantizer.fmt != "nvfp4":
+        s = quantizer.scale
+        return (W / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+    from qckpt.formats._rowblock import padded_blocks
+
+    blocks = padded_blocks(W, NVFP4_GROUP)  # [rows, nb, 16]
+    bmax = blocks.abs().amax(dim=-1)
+    six64 = f64_const(E2M1_MAX, W.device)
+    sb = div_f32(div_f32(bmax, six64), quantizer.gs64).clamp(E4M3_TINY, E4M3_MAX)
+    sb = sb.to(torch.float8_e4m3fn)
+    quantizer.block_scales.copy_(sb)
+    sbf = sb.to(torch.float32).unsqueeze(-1)
+    codes = e2m1_codes((blocks * (quantizer.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX))
+    return (e2m1_values(codes) * (quantizer.gs * sbf)).reshape(rows, -1)[:, :cols]
 
 
 def nvfp4_with_scales(w: torch.Tensor, amax: torch.Tensor, sb: torch.Tensor):

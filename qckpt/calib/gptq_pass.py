@@ -48,6 +48,7 @@ class GptqOptions:
     percdamp: float = 0.01
     act_order: bool = False
     block: int = gptq.BLOCK
+    block_search: bool = False  # NVFP4: group scales searched (mse) instead of the max rule
 
 
 @dataclass
@@ -57,6 +58,10 @@ class GptqResult:
     parts: dict[str, float] = field(default_factory=dict)
     collectives: int = 0
     done: set[str] = field(default_factory=set)  # the modules GPTQ'd here
+    # the largest layer's Hessians on this rank: held (linears that got tokens) and at most
+    # (every linear of the layer: what ``qckpt plan`` predicts)
+    hessian_bytes: int = 0
+    hessian_bytes_bound: int = 0
 
 
 @dataclass
@@ -100,6 +105,12 @@ def run_gptq(
         run = partial(_run_layer, layer, hidden, calls, i)
         amax = _layer_amax(model, lin, experts, run, mesh, res)
         hs = _layer_hessians(model, lin, experts, run, amax, bits, mesh, res)
+        held = sum(h.numel() * h.element_size() for h in hs.values())
+        dims = {x.hkey: x.src.quantizer.shape[1] for x in lin}
+        res.hessian_bytes = max(res.hessian_bytes, held)
+        res.hessian_bytes_bound = max(
+            res.hessian_bytes_bound, sum(8 * d * d for d in dims.values())
+        )
         unit = {k: (a / 2.0**bits) ** 2 for k, a in amax.items()}  # grid units -> squared values
         row = _quantize_layer(model, lin, hs, unit, opts, res)
         hidden = _outputs(layer, hidden, calls, i)
@@ -397,8 +408,9 @@ def _gptq_one(model, x: _Linear, h, unit: float, opts, res: GptqResult, row: dic
     q = x.src.quantizer
     w = x.src.take(model.get_parameter(x.src.param))
     gran = "tensor" if q.format == "nvfp4" else q.granularity
-    make = partial(gptq.ColumnQuantizer, q.format, gran, x.amax, tuple(w.shape), q.block_size)
-    cq = make()
+    shape = tuple(w.shape)
+    make = partial(gptq.ColumnQuantizer, q.format, gran, x.amax, shape, q.block_size)
+    cq = make(search=opts.block_search)
     new, _ = gptq.gptq(w, h, cq, percdamp=opts.percdamp, act_order=opts.act_order, block=opts.block)
     if h is not None:  # the output error on the calibration tokens, rounded vs GPTQ'd
         rtn = gptq.round_to_nearest(w.detach().float().clone(), make())
@@ -453,7 +465,7 @@ def write_weights(state, out: str, mesh: Mesh) -> None:
     if mesh.dp_rank == 0:
         mine = root / state.weights_files[mesh.ep_rank]
         write_bytes(mine, save(state.weights, metadata={"format": "pt"}), key="calibrate.output")
-    if mesh.is_main:
-        for f in root.glob("*.safetensors"):
+    if mesh.is_main:  # an earlier run's files of more EP ranks (never a peer's temp file)
+        for f in root.glob("ep[0-9][0-9][0-9].safetensors"):
             if f.name not in state.weights_files:
-                f.unlink()
+                f.unlink(missing_ok=True)

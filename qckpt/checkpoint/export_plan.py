@@ -180,6 +180,33 @@ def _check_amax(
     return values
 
 
+def _gptq_source(src, cal: CalibrationState, model_type: str):
+    """A gptq calibration's GPTQ'd weights in place of the checkpoint's; else ``src``."""
+    if cal.algorithm != "gptq":
+        return src
+    from qckpt.checkpoint.gptq_source import GptqSource
+
+    return GptqSource(src, cal.weights_dir, cal.weights_files, model_type)
+
+
+def _algorithm_amax(cal, needed, values, layout: Layout, src, quant, export, where: str):
+    """(amaxes, their float values) the scales are made from, and the layout told where its
+    NVFP4 block scales come from, for the calibration's algorithm (see ``CalibrationState``)."""
+    if cal.algorithm == "mse":
+        layout.block_search = quant.weights.format == "nvfp4"
+        return _with_clips(cal, needed, values, where)
+    if cal.algorithm == "gptq":
+        layout.given_block_scales = src.block_scale
+        per_tensor = quant.weights.format == "nvfp4" or quant.weights.granularity == "tensor"
+        if export.moe_scales != MOE_SHARED and per_tensor:
+            # GPTQ quantized an expert's gate and up with their shared scale
+            raise ExportError(
+                f"{where}: a gptq calibration of per-tensor weights exports with "
+                "export.moe_scales: shared (its experts' gate and up were quantized with one scale)"
+            )
+    return cal.amax, values
+
+
 def _with_clips(
     cal: CalibrationState, needed: list[tuple[str, tuple[int, ...]]], values: dict, where: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -347,10 +374,7 @@ def plan_export(
     src, stored = _open_entries(source, source_format, model_config)
     entries = hf_entries(stored, model_type)
     cal, where = _calibration(calibration)
-    if cal.algorithm == "gptq":  # the GPTQ'd weights in place of the checkpoint's
-        from qckpt.checkpoint.gptq_source import GptqSource
-
-        src = GptqSource(src, cal.weights_dir, cal.weights_files, model_type)
+    src = _gptq_source(src, cal, model_type)
     _check_model_type(model_config, model_type)
     fingerprint = model_fingerprint((e.name, e.shape) for e in entries)
     _check_calibration(cal, model_type, fingerprint, quant, where)
@@ -377,7 +401,8 @@ def plan_export(
     ignore_list = layout.ignore_entries(
         sorted(m for m in linears | routers if ignored(m)), embeddings
     )
-    amax = _export_amax(cal, outs, values, where, layout, src, quant, export, model_type)
+    amax, values = _algorithm_amax(cal, outs.needed, values, layout, src, quant, export, where)
+    amax = _shared_amax(amax, values, outs, quant, export, model_type)
     cfg["quantization_config"] = layout.quantization_config(ignore_list)
     return ExportPlan(
         target=target,
@@ -401,23 +426,10 @@ def plan_export(
     )
 
 
-def _export_amax(cal, outs, values, where, layout, src, quant, export, model_type):  # noqa: ANN001
-    """The amaxes the export makes its scales from: the algorithm's (mse clips; gptq's block
-    scales set on the layout), then MoE sharing, then one NVFP4 global per fused weight."""
-    amax = cal.amax
+def _shared_amax(amax, values, outs, quant, export, model_type):  # noqa: ANN001
+    """The amaxes shared as clients load them: MoE experts' (``export.moe_scales: shared``), then
+    one NVFP4 global per weight a client fuses (q/k/v, gate/up: ``fused_scales``)."""
     modules = [g.module for g in outs.groups if g.module is not None]
-    if cal.algorithm == "mse":
-        amax, values = _with_clips(cal, outs.needed, values, where)
-        layout.block_search = quant.weights.format == "nvfp4"
-    if cal.algorithm == "gptq":
-        layout.given_block_scales = src.block_scale
-        per_tensor = quant.weights.format == "nvfp4" or quant.weights.granularity == "tensor"
-        if export.moe_scales != MOE_SHARED and per_tensor:
-            # GPTQ quantized an expert's gate and up with their shared scale
-            raise ExportError(
-                f"{where}: a gptq calibration of per-tensor weights exports with "
-                "export.moe_scales: shared (its experts' gate and up were quantized with one scale)"
-            )
     if export.moe_scales == MOE_SHARED:
         amax = share_moe_amax(amax, modules, quant, model_type, values=values)
     if quant.weights.format == "nvfp4":

@@ -70,7 +70,9 @@ class GptqSource(CheckpointSource):
         return bool(hits and hits[0])
 
     def span(self, e: Entry):
-        return None if self.overridden(e) else self.base.span(e)
+        if self.overridden(e) or not hasattr(self.base, "span"):
+            return None  # read through read(): the bulk path would take the original's bytes
+        return self.base.span(e)
 
     def read_span(self, entries: list[Entry], pinned: bool = False) -> torch.Tensor:
         return self.base.read_span(entries, pinned=pinned)

@@ -117,7 +117,12 @@ def _model_record(source: str) -> dict:
 def _gptq_options(c):
     from qckpt.calib.gptq_pass import GptqOptions
 
-    return GptqOptions(percdamp=c.gptq_percdamp, act_order=c.gptq_act_order, block=c.gptq_block)
+    return GptqOptions(
+        percdamp=c.gptq_percdamp,
+        act_order=c.gptq_act_order,
+        block=c.gptq_block,
+        block_search=c.gptq_block_scales == "mse",
+    )
 
 
 def _data(recipe: Recipe, mesh: Mesh, vocab_size: int, dealt: bool, hooks: Hooks):

@@ -273,15 +273,23 @@ class _Planner:
         # the resident load reads with the recipe's reader; calibrate.offload's layer reads
         # with load_checkpoint's default one (fast)
         reader = self.recipe.load.reader if off.mode == "none" else "fast"
-        return calibrate_figures(
+        shape = self.calib_shape(layout)
+        out = calibrate_figures(
             held,
             self.reads.using(reader) if reads else None,
-            self.calib_shape(layout),
+            shape,
             rank=rank,
             samples=samples,
             offload=off,
             max_inflight=self._inflight(),
         )
+        if self.recipe.calibrate.algorithm == "gptq":
+            from qckpt.models.naming import ignored
+            from qckpt.plan.predict import gptq_bytes
+
+            patterns = list(self.recipe.quant.ignore)
+            out.gptq_bytes = gptq_bytes(held, shape, samples, lambda m: ignored(m, patterns))
+        return out
 
     def refusal(self, layout: Layout, params: str, held: list[Held]) -> str | None:
         """The sharded load's refusal of a split inside a scale block of ``params``

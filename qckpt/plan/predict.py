@@ -15,6 +15,10 @@ The rules are the commands' own documented bounds; where one says "about", so do
   the next one being read), and keeps the activations between layers: this rank's samples x
   seq_len x hidden x dtype bytes. The forward's own working set (one batch) is an estimate
   (:func:`forward_bytes`).
+* ``calibrate.algorithm: gptq`` (``gptq_bytes``): the Hessians of one decoder layer at a time,
+  this rank's linears only (a dense linear's ``in^2``, an expert's ``hidden^2`` for gate/up
+  and ``inter^2`` for down), float64, twice (the sums and the all-reduce's buffer), plus the
+  layer inputs and outputs of this rank's samples (``2 x samples x seq_len x hidden``).
 * ``export``: no model on the device; per rank, at most 2 x the largest tensor + 256 MiB of
   memory (the export's documented bound), and its share of the reads.
 
@@ -57,6 +61,7 @@ class RankFigures:
     activation_bytes: int  # kept on the device between layers (offload)
     bytes_read: int
     forward_bytes: int = 0  # one batch's forward working set (an estimate, see forward_bytes)
+    gptq_bytes: int = 0  # calibrate.algorithm gptq: one layer's Hessians and the layer I/O
     host_bytes: int = 0  # host memory the command holds beyond the page cache
     peak_bytes: int = 0
     fits: bool | None = None
@@ -74,6 +79,7 @@ class RankFigures:
             + self.transient_bytes
             + self.activation_bytes
             + self.forward_bytes
+            + self.gptq_bytes
             + self.slack_bytes
         )
         self.fits = None if device_bytes is None else self.peak_bytes <= device_bytes
@@ -222,6 +228,31 @@ def calibrate_figures(
         bytes_read=_read(reads, read),
         host_bytes=host,
     )
+
+
+def gptq_hessian_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
+    """The largest layer's Hessian bytes (float64) on a rank holding ``tensors``: one per
+    quantized linear of the layer, ``in^2`` (experts: per local expert, gate and up sharing
+    one); routers and anything ``ignored`` (its module name) take none."""
+    per_layer: dict[int, int] = {}
+    for t in tensors:
+        if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
+            continue
+        module = t.name.rpartition(".")[0]
+        if ignored(module) or module.endswith((".mlp.gate", ".router")):
+            continue
+        if len(t.shape) == 3:  # fused experts [E, out, in]: one Hessian of in^2 per expert
+            n = t.shape[0] * t.shape[2] ** 2
+        else:
+            n = t.shape[1] ** 2
+        per_layer[t.layer] = per_layer.get(t.layer, 0) + 8 * n
+    return max(per_layer.values(), default=0)
+
+
+def gptq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) -> int:
+    """What ``calibrate.algorithm: gptq`` adds on a rank (see the module doc)."""
+    io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
+    return 2 * gptq_hessian_bytes(tensors, ignored) + io
 
 
 def export_host_bytes(*, largest: int, tensors: int, dcp: bool, cuda: bool) -> int:

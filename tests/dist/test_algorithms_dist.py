@@ -51,6 +51,10 @@ def sc_calibrate(rank, world, ep, quant, algorithm, out):
         data_world=mesh.data_parallel_size,
     )
     state, report = calibrate_model(model, batches, r.quant, mesh, algorithm=algorithm)
+    if algorithm == "gptq":  # every writer rank (first DP rank of each EP rank) writes its part
+        from qckpt.calib.gptq_pass import write_weights
+
+        write_weights(state, out, mesh)
     if rank == 0:
         save_calibration(state, out)
     return {"layers": report["layers"], "collectives": report["sync_collectives"]}
@@ -74,26 +78,77 @@ def _export(hf: Path, cal: Path, out: Path, quant: str, algorithm: str) -> dict[
     return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
 
 
-@pytest.mark.parametrize("quant", sorted(QUANTS))
-def test_mse_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, tmp_path, quant):
+def _search_rows(layers: dict, algorithm: str) -> list[dict]:
+    return [row[algorithm] for row in layers.values() if algorithm in row]
+
+
+def _strip(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+@pytest.mark.parametrize(("algorithm", "quant"), [("mse", q) for q in sorted(QUANTS)]
+                         + [("gptq", "nvfp4")])  # fmt: skip
+def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, tmp_path, algorithm, quant):
     from qckpt.calib.state_file import calibration_differences
 
     one = tmp_path / "one.safetensors"
-    ref = sc_calibrate(0, 1, 1, quant, "mse", one)
-    # the search did something a user sees: some clip below max, a lower loss than max's
-    rows = [row["mse"] for row in ref["layers"].values() if "mse" in row]
-    assert rows and any(r["ratio_min"] < 1.0 for r in rows)
-    assert sum(r["loss_mse"] for r in rows) < sum(r["loss_max"] for r in rows)
-    ref_files = _export(hf, one, tmp_path / "x-one", quant, "mse")
+    ref = sc_calibrate(0, 1, 1, quant, algorithm, one)
+    # the algorithm did something a user sees: some clip below max / a lower output error
+    rows = _search_rows(ref["layers"], algorithm)
+    if algorithm == "mse":
+        assert rows and any(r["ratio_min"] < 1.0 for r in rows)
+        assert sum(r["loss_mse"] for r in rows) < sum(r["loss_max"] for r in rows)
+    else:  # every layer: GPTQ's output error under rounding's; the cold experts rounded
+        assert len(rows) == 2 and all(r["loss_gptq"] < r["loss_rtn"] for r in rows)
+        assert all(r["rounded"] == 3 * len(COLD) for r in rows)
+    ref_files = _export(hf, one, tmp_path / "x-one", quant, algorithm)
     for n, ep in ((2, 1), (2, 2), (4, 2)):  # DP2, EP2, DP2 x EP2
         cal = tmp_path / f"w{n}ep{ep}.safetensors"
-        out = shared_world(n).run(sc_calibrate, ep, quant, "mse", cal, deadline_s=240)
+        out = shared_world(n).run(sc_calibrate, ep, quant, algorithm, cal, deadline_s=240)
         assert all(o.ok for o in out), [o.traceback for o in out if not o.ok]
         assert calibration_differences(one, cal) == [], (n, ep)
-        files = _export(hf, cal, tmp_path / f"x-{n}-{ep}", quant, "mse")
+        files = _export(hf, cal, tmp_path / f"x-{n}-{ep}", quant, algorithm)
         assert files == ref_files, (n, ep)
-        # every rank reports the same search (losses are the owners', summed exactly)
-        assert all(o.value["layers"] == out[0].value["layers"] for o in out)
+        if algorithm == "mse":  # every rank reports the same search (owners' losses, summed)
+            assert all(o.value["layers"] == out[0].value["layers"] for o in out)
+        elif ep == 1:  # gptq: each rank's own linears (DP replicas: the same ones, same loss)
+            rows = [_search_rows(o.value["layers"], "gptq") for o in out]
+            for r in rows:
+                for row in r:
+                    row.pop("seconds")
+            assert rows[0] == rows[1] == _strip(_search_rows(ref["layers"], "gptq"))
+
+
+def sc_dies_mid_gptq(rank, world, tmp):
+    """Rank 1 dies in the middle of the GPTQ pass (the second layer's first forward)."""
+    import os
+
+    from qckpt.calib import gptq_pass
+
+    real = gptq_pass._run_layer
+
+    def run_layer(layer, hidden, calls, i):
+        if rank == 1 and i == 1:
+            os._exit(3)
+        return real(layer, hidden, calls, i)
+
+    gptq_pass._run_layer = run_layer
+    return sc_calibrate(rank, world, 1, "nvfp4", "gptq", Path(tmp) / "c.safetensors")
+
+
+def test_a_rank_killed_mid_gptq_ends_the_others_within_the_timeout(tmp_path):
+    import time
+
+    from tests.dist._harness import run_once
+
+    t0 = time.monotonic()
+    out = run_once(sc_dies_mid_gptq, 2, str(tmp_path), timeout_s=10, deadline_s=120)
+    took = time.monotonic() - t0
+    assert out[1].exitcode == 3
+    assert not out[0].ok and out[0].exitcode == 1, out[0]
+    assert out[0].error_type in ("SyncError", "PeerError"), out[0].error
+    assert "\n" not in out[0].error and "gptq" in out[0].error, out[0].error
+    assert took < 60, took
 
 
 def test_mse_export_differs_from_max_and_lowers_weight_error(hf, tmp_path):

@@ -1,0 +1,124 @@
+"""The math of calibrate.algorithm mse and gptq on small tensors (no model, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qckpt.calib import gptq, mse
+from qckpt.formats import quantize
+from qckpt.formats.nvfp4 import e2m1_values
+
+
+def _heavy(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Weights with outliers (a Student-t), where clipping pays."""
+    torch.manual_seed(seed)
+    return (0.02 * torch.distributions.StudentT(3.0).sample((rows, cols))).to(torch.bfloat16)
+
+
+def _fp8_err(w: torch.Tensor, amax: torch.Tensor, gran: str, block=(32, 32)) -> float:
+    g = mse._groups(w, gran, block)
+    s = (amax.reshape(-1, 1).double() / 448).float()
+    return float(((g - mse._fp8_dq(g, s)).double() ** 2).sum())
+
+
+def _amax(w: torch.Tensor, gran: str, block=(32, 32)) -> torch.Tensor:
+    from qckpt.calib.shapes import amax_shape
+
+    shape = amax_shape(gran, "weight", tuple(w.shape), block)
+    return mse._groups(w, gran, block).abs().amax(dim=1).reshape(shape)
+
+
+@pytest.mark.parametrize("gran", ["tensor", "channel", "block"])
+def test_fp8_mse_clip_is_never_worse_than_max(gran):
+    w = _heavy(64, 96)
+    amax = _amax(w, gran)
+    clip, err_max, err_mse = mse.fp8_weight_clip(w, amax, gran, (32, 32))
+    assert clip.shape == amax.shape and bool((clip <= amax).all())
+    # the errors it reports are the errors of those scales, measured apart
+    assert err_max == pytest.approx(_fp8_err(w, amax, gran), rel=1e-9)
+    assert err_mse == pytest.approx(_fp8_err(w, clip, gran), rel=1e-9)
+    assert err_mse <= err_max
+
+
+def test_nvfp4_block_search_lowers_the_error_and_decodes_to_its_own_values():
+    w = _heavy(32, 64)
+    a = w.float().abs().max()
+    packed, scales, gs, err, err0 = mse.nvfp4_mse_quantize(w, a)
+    ref = quantize(w, "nvfp4", amax=a)  # the max rule: the formats layer
+    assert torch.equal(gs, ref.global_scale)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(32, -1)
+    dq = e2m1_values(codes).view(32, -1, 16) * (gs * scales.float()).unsqueeze(-1)
+    assert float(((dq.reshape(32, -1) - w.float()).double() ** 2).sum()) == pytest.approx(err)
+    ref_dq = ref.dequantize(torch.float32)
+    assert err0 == pytest.approx(float(((ref_dq - w.float()).double() ** 2).sum()))
+    assert err < 0.95 * err0
+    clip, e_max, e_best = mse.nvfp4_weight_clip(w, a)
+    assert float(clip) <= float(a) and e_best <= err and e_max == pytest.approx(err0)
+
+
+def test_input_histograms_sum_exactly_in_any_split_and_the_clip_beats_max():
+    torch.manual_seed(0)
+    x = torch.distributions.StudentT(2.5).sample((4096,))
+    amax = float(x.abs().max())
+    whole = mse.histogram(x, amax)
+    parts = mse.histogram(x[:1000], amax) + mse.histogram(x[1000:], amax)
+    assert whole.dtype == torch.int64 and torch.equal(whole, parts)
+    assert int(whole.sum()) == x.numel()
+    clip, err_max, err_clip = mse.input_clip(whole, amax)
+    assert clip < amax and err_clip < err_max
+
+
+def _correlated(n: int, d: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(n, 16, generator=g) @ torch.randn(16, d, generator=g)
+    return (base + 0.3 * torch.randn(n, d, generator=g)).to(torch.bfloat16).float()
+
+
+def test_hessian_on_the_grid_is_the_same_for_any_split_of_the_rows():
+    x = _correlated(600, 48)
+    amax, bits = float(x.abs().max()), gptq.grid_bits(600)
+    h = gptq.hessian_add(None, x, amax, bits)
+    for cut in (1, 299, 599):
+        split = gptq.hessian_add(gptq.hessian_add(None, x[cut:], amax, bits), x[:cut], amax, bits)
+        assert torch.equal(h, split)
+    # the grid's sums stay exact: every entry an integer below 2**53
+    assert bool((h == h.round()).all()) and float(h.abs().max()) < 2**53
+
+
+@pytest.mark.parametrize(("fmt", "gran"), [("fp8", "tensor"), ("fp8", "channel"), ("nvfp4", "")])
+def test_gptq_lowers_the_output_error_against_round_to_nearest(fmt, gran):
+    x = _correlated(1024, 128)
+    w = 0.05 * torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
+    h = gptq.hessian_add(None, x, float(x.abs().max()), gptq.grid_bits(1024))
+    amax = w.abs().amax(dim=1) if gran == "channel" else w.abs().max()
+
+    def quantizer():
+        return gptq.ColumnQuantizer(fmt, gran or "tensor", amax, tuple(w.shape))
+
+    rtn = gptq.round_to_nearest(w.clone(), quantizer())
+    q, _ = gptq.gptq(w, h, quantizer())
+
+    def err(v):
+        return float(((x @ (v - w).t()) ** 2).mean())
+
+    assert err(q) < 0.5 * err(rtn)
+    # no Hessian (a cold expert): rounding to nearest, exactly
+    assert torch.equal(gptq.gptq(w, None, quantizer())[0], rtn)
+    if fmt == "fp8":
+        qa, _ = gptq.gptq(w, h, quantizer(), act_order=True)
+        assert err(qa) < 0.5 * err(rtn)
+
+
+@pytest.mark.parametrize("search", [False, True])
+def test_the_export_writes_gptqs_codes_from_its_bf16_weights_and_block_scales(search):
+    x = _correlated(512, 64)
+    w = 0.05 * torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+    h = gptq.hessian_add(None, x, float(x.abs().max()), gptq.grid_bits(512))
+    cq = gptq.ColumnQuantizer("nvfp4", "tensor", w.abs().max(), tuple(w.shape), search=search)
+    q, _ = gptq.gptq(w, h, cq)
+    stored = q.to(torch.bfloat16)  # what the sidecar holds
+    packed, sb, gs = gptq.nvfp4_with_scales(stored.float(), w.abs().max(), cq.block_scales)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(32, -1)
+    dq = (e2m1_values(codes).view(32, -1, 16) * (gs * sb.float()).unsqueeze(-1)).reshape(32, -1)
+    assert torch.equal(dq, q)  # the very values GPTQ chose, not re-rounded ones

@@ -1,0 +1,69 @@
+"""calibrate.algorithm gptq through ``qckpt calibrate``'s and ``qckpt export``'s library calls
+(tiny MoE, one process): the sidecar of GPTQ'd weights, the export that reads it, and ``qckpt
+plan``'s prediction of the Hessians' memory against what the run held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qckpt.checkpoint.convert import save_model_dcp
+from qckpt.models.build import build_model
+from qckpt.parallel.mesh import Mesh
+from qckpt.pipeline.calibrate import calibrate
+from qckpt.pipeline.export import export
+from qckpt.pipeline.plan import plan
+from qckpt.recipe import load_recipe
+from tests.conftest import ROOT
+
+RECIPE = str(ROOT / "configs" / "tiny-moe.yaml")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gptq")
+    save_model_dcp(build_model("tiny-moe", seed=0), d / "dcp")
+    r = load_recipe(
+        RECIPE,
+        [
+            f"checkpoint.path={d / 'dcp'}",
+            "calibrate.algorithm=gptq",
+            f"calibrate.output={d / 'calib.safetensors'}",
+            f"export.output={d / 'out'}",
+        ],
+    )
+    return d, r, calibrate(r, Mesh())
+
+
+def test_the_export_writes_the_gptq_weights_not_the_checkpoints(run):
+    d, r, got = run
+    side = load_file(str(d / "calib.safetensors.gptq" / "ep000.safetensors"))
+    assert len(side) == 2 * 4 + 2 * 8 * 3  # 2 layers: q/k/v/o and 8 experts x gate/up/down
+    export(r, None)
+    out = {}
+    for f in (d / "out").glob("*.safetensors"):
+        out.update(load_file(str(f)))
+    src = build_model("tiny-moe", seed=0).state_dict()
+    rows = [got.report["layers"][f"model.layers.{i}"]["gptq"] for i in range(2)]
+    assert all(row["loss_gptq"] < row["loss_rtn"] for row in rows)
+    for m in ("model.layers.1.self_attn.o_proj", "model.layers.0.mlp.experts.2.down_proj"):
+        w = side[f"{m}.weight"].float()
+        dq = out[f"{m}.weight"].float() * out[f"{m}.weight_scale"].float()
+        # the export dequantizes to the GPTQ'd weights (within the scale's bf16 rounding) ...
+        assert torch.allclose(dq, w, rtol=2**-7, atol=0), m
+        # ... which are not the checkpoint's weights rounded to nearest
+        name = f"{m}.weight" if "experts" not in m else None
+        if name is not None:
+            s = out[f"{m}.weight_scale"].float()
+            rtn = (src[name].float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert not torch.equal(rtn.view(torch.uint8), out[f"{m}.weight"].view(torch.uint8))
+
+
+def test_plan_predicts_the_hessians_the_run_held(run):
+    d, r, got = run
+    (row,) = plan(r, nproc_per_node=1).rows["calibrate"]
+    data = r.calibrate.data
+    io = 2 * data.num_samples * data.seq_len * 64 * 2  # hidden 64, bf16
+    assert got.report["gptq_hessian_bytes"] <= got.report["gptq_hessian_bytes_bound"]
+    assert row.gptq_bytes == 2 * got.report["gptq_hessian_bytes_bound"] + io

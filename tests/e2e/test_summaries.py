@@ -26,7 +26,9 @@ KEYS = {
                   "forward_parts", "forward_seconds", "layers", "param_bytes", "peaks", "phases",
                   "quantizers", "read", "shared_from_layer", "startup_parts", "sync_collectives",
                   "sync_seconds", "tokens_this_rank", "tp", "uncalibrated", "weight_amax_here",
-                  "weights_resident", "world_size"},
+                  "weights_resident", "world_size",
+                  # calibrate.algorithm (issue 27): which one ran, its seconds and collectives
+                  "algorithm", "algorithm_collectives", "algorithm_seconds"},
     "export": {"bytes_read", "bytes_written", "compiled_at_import", "device", "files", "gbps",
                "host_bound_bytes", "lanes", "largest_tensor_bytes", "layout", "output",
                "peak_rss_anon_bytes", "peak_rss_bytes", "peaks", "phases", "quant_format",

@@ -27,6 +27,9 @@ ALLOWED = {
     # owned by other work in progress (issue 26 / 30), not converted here
     "bench/quality.py": "quantized_sources._read_json, vllm_client._figures",
     "tests/e2e/test_one_recipe.py": "cli._gpus",
+    # merged from parallel work (issues 29 / 30) after this test was written; to convert
+    "bench/megatron_export.py": "DCP's _StorageInfo, training_layouts' privates, export._digests",
+    "tests/e2e/test_summaries.py": "cli._output (what the summary prints through)",
 }
 
 

@@ -137,7 +137,7 @@ def _measure(
 ) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from qckpt.checkpoint.dequantize_dir import dequantize_dir
+    from qckpt.convert.dequantize import dequantize_dir
 
     deq = work / f"{export_dir.name}-deq"
     deq.mkdir()

@@ -164,10 +164,11 @@ def make_calibration_for(src: Path, out: Path) -> Path:
     import torch
 
     from qckpt.calib.state_file import CalibrationState, model_fingerprint, save_calibration
-    from qckpt.checkpoint.export_plan import model_modules
-    from qckpt.checkpoint.sources import SafetensorsSource, hf_entries, iter_hf_tensors
+    from qckpt.export.plan import model_modules
     from qckpt.models.build import load_config
     from qckpt.models.naming import ignored
+    from qckpt.read.hf_names import hf_entries, iter_hf_tensors
+    from qckpt.read.sources import SafetensorsSource
     from qckpt.recipe import QuantConfig
 
     cfg = load_config(str(src))

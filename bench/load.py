@@ -40,11 +40,11 @@ from torch import nn
 
 from bench.read_ceiling import read_ceiling
 from qckpt import formats
-from qckpt.checkpoint.convert import save_model_dcp
-from qckpt.checkpoint.fast_read import DEFAULT_MAX_INFLIGHT
-from qckpt.checkpoint.load import LoadReport, load_checkpoint
+from qckpt.convert.dcp import save_model_dcp
+from qckpt.load.loader import LoadReport, load_checkpoint
 from qckpt.models.quantize_params import quantize_model_params
 from qckpt.plot import plot_memory
+from qckpt.read.fast_read import DEFAULT_MAX_INFLIGHT
 
 MiB = 2**20
 SLACK = 64 * MiB
@@ -118,7 +118,7 @@ def stock_dcp_seconds(ckpt: Path, layers: int, dim: int, device: torch.device) -
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from qckpt.checkpoint.safe_metadata import SafeFileSystemReader
+    from qckpt.storage.dcp_metadata import SafeFileSystemReader
 
     m = Stack(layers, dim, device)
     release(device)

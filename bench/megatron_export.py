@@ -158,16 +158,16 @@ def make_calibration(mc: Path, cfg_dir: Path, out: Path) -> Path:
     import torch
 
     from qckpt.calib.state_file import CalibrationState, model_fingerprint, save_calibration
-    from qckpt.checkpoint.export_plan import _model_linears
-    from qckpt.checkpoint.sources import open_source
+    from qckpt.export.plan import model_linears
     from qckpt.models.build import load_config
     from qckpt.models.naming import ignored
+    from qckpt.read.readers import open_source
     from qckpt.recipe import QuantConfig
 
     cfg = load_config(str(cfg_dir))
     mt, q = cfg.model_type, QuantConfig()
     src = open_source(mc, "megatron", config=cfg)
-    linears, routers, _ = _model_linears(cfg, mt)
+    linears, routers, _ = model_linears(cfg, mt)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     amax = {}
     for e, t in src.iter_tensors():

@@ -121,10 +121,10 @@ def make_exports(
 
 
 def _windows(model: Path, heldout: Path, windows: int) -> Any:
-    from qckpt.checkpoint.quantized_sources import _read_json
     from qckpt.evaluate.windows import make_windows, tokenizer_of
+    from qckpt.layouts.source_layout import read_json_if_any
 
-    cfg = _read_json(model / "config.json") or {}
+    cfg = read_json_if_any(model / "config.json") or {}
     return make_windows(
         heldout, vocab_size=int(cfg["vocab_size"]), tokenizer=tokenizer_of(model), windows=windows
     )

@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._memory import reset_rss_peak, rss_peak
+from bench._memory import reset_peak_rss
+from qckpt.memory import peak_rss
 
 REPO = Path(__file__).resolve().parents[1]
 IGNORE = ["lm_head", "*.mlp.gate"]
@@ -216,11 +217,11 @@ def child_load(src: str, params: str) -> dict:
     # the whole child's peaks so far (imports, the seeded build), read before the phase counters
     # are reset: the whole-command peak is the max of this and the load phase's peak
     build_dev = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
-    build_host = rss_peak()
+    build_host = peak_rss()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     base_dev = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
-    reset_rss_peak()
+    reset_peak_rss()
     base = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     rep = load_checkpoint(model, src)
@@ -238,8 +239,8 @@ def child_load(src: str, params: str) -> dict:
         if dev.type == "cuda"
         else None,
         "transient_bytes": rep.transient_bytes,
-        "host_peak_delta": rss_peak() - base,
-        "host_peak_whole": max(build_host, rss_peak()),
+        "host_peak_delta": peak_rss() - base,
+        "host_peak_whole": max(build_host, peak_rss()),
         "copied": rep.copied_tensors,
         "layout": rep.source_layout,
     }
@@ -258,8 +259,8 @@ def child_export(src: str, cal: str, out: str) -> dict:
         inputs=TensorQuantConfig(format="nvfp4", granularity="tensor", dynamic=False),
         ignore=list(IGNORE),
     )
-    build_host = rss_peak()
-    reset_rss_peak()
+    build_host = peak_rss()
+    reset_peak_rss()
     base = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     rep = export_checkpoint(
@@ -275,8 +276,8 @@ def child_export(src: str, cal: str, out: str) -> dict:
     return {
         "seconds": time.perf_counter() - t0,
         "bytes_written": rep.bytes_written,
-        "host_peak_delta": rss_peak() - base,
-        "host_peak_whole": max(build_host, rss_peak()),
+        "host_peak_delta": peak_rss() - base,
+        "host_peak_whole": max(build_host, peak_rss()),
     }
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from qckpt.checkpoint.fast_read import CHUNK_BYTES, _byte_view, default_threads
+from qckpt.read.fast_io import byte_view
+from qckpt.read.read_sizes import CHUNK_BYTES, default_threads
 
 
 def _data_files(root: Path) -> list[Path]:
@@ -64,7 +65,7 @@ def _run(pieces: list, threads: int, total: int, device: torch.device | None) ->
                 local.ev = None
         if device is not None and local.ev is not None:
             local.ev.synchronize()
-        view = _byte_view(local.buf[:n])
+        view = byte_view(local.buf[:n])
         done = 0
         while done < n:
             done += os.preadv(fds[f], [view[done:]], pos + done)

@@ -43,8 +43,8 @@ def run_variant(recipe, v: dict) -> dict:
     import torch
 
     from qckpt import LoadOptions, init_mesh, load_checkpoint
-    from qckpt.checkpoint import fast_read
     from qckpt.pipeline.load import build_for_load
+    from qckpt.read import fast_read
 
     old_switch, old_chunk = sys.getswitchinterval(), fast_read.CHUNK_BYTES
     old_ahead = fast_read.READ_AHEAD_BYTES

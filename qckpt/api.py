@@ -26,12 +26,12 @@ if TYPE_CHECKING:
     from torch import nn
 
     from qckpt.calib.state_file import CalibrationState
-    from qckpt.checkpoint.export import ExportReport, WriteOptions
-    from qckpt.checkpoint.export_plan import ExportPlan
-    from qckpt.checkpoint.load import LoadReport
-    from qckpt.checkpoint.sources import CheckpointSource
     from qckpt.evaluate.options import EvalOptions
+    from qckpt.export.plan import ExportPlan
+    from qckpt.export.writer import ExportReport, WriteOptions
+    from qckpt.load.loader import LoadReport
     from qckpt.parallel.mesh import Mesh
+    from qckpt.read.source import CheckpointSource
     from qckpt.recipe import DataConfig, ExportConfig, QuantConfig
 
 WEIGHTS = ("seeded", "empty")
@@ -120,7 +120,7 @@ def load_checkpoint(
     world. ``progress(n)``: called per tensor. ``tap(name, value)``: sees each high-precision
     value before it is quantized. ``only``: the state-dict names to fill.
     """
-    from qckpt.checkpoint.load import load_checkpoint as load
+    from qckpt.load.loader import load_checkpoint as load
 
     o = options or LoadOptions()
     return load(
@@ -254,7 +254,7 @@ def plan_export(
     for a refused target, a calibration of another model or format, or a recipe the layout
     cannot express.
     """
-    from qckpt.checkpoint.export_plan import plan_export as plan
+    from qckpt.export.plan import plan_export as plan
 
     args = _export_args(model_config, model_type, export, source_dir)
     return plan(
@@ -284,7 +284,7 @@ def export_checkpoint(
 ) -> ExportReport:
     """:func:`plan_export`, then :func:`write_export`: the files in a temp dir beside
     ``output``, checked and renamed to it at the end (nothing half-written on a failure)."""
-    from qckpt.checkpoint.export import write_export
+    from qckpt.export.writer import write_export
 
     t0 = time.perf_counter()
     plan = plan_export(
@@ -308,7 +308,7 @@ def open_checkpoint(
     dtypes), ``read(entry)``, ``iter_tensors()``; a quantized source's tensors come back
     dequantized. A training checkpoint (``megatron``, ``torchtitan``) needs ``model_config``
     (as in :func:`plan_export`): the HF model its tensors map onto."""
-    from qckpt.checkpoint.sources import open_source
+    from qckpt.read.readers import open_source
 
     config = None if model_config is None else _config_and_dir(model_config)[0]
     return open_source(path, format, config=config)

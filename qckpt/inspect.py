@@ -11,9 +11,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from qckpt.checkpoint import safetensors_io as stio
-from qckpt.checkpoint.sources import DCPSource, SafetensorsSource, is_dcp_dir
 from qckpt.errors import CheckpointError
+from qckpt.read.detect import is_dcp_dir
+from qckpt.read.sources import DCPSource, SafetensorsSource
+from qckpt.storage import safetensors as stio
+from qckpt.storage.files import open_regular, read_json
 
 # Importing this module must not import torch: inspecting an HF dir or a calibration file reads
 # JSON headers (and a few float32 values) only. DCP metadata needs torch's classes to unpickle.
@@ -49,7 +51,7 @@ def _amax_values(header: stio.Header) -> dict[str, list[float]] | None:
     if any(t.dtype != "F32" for t in header.tensors):
         return None
     out: dict[str, list[float]] = {}
-    with stio.open_regular(header.path) as f:
+    with open_regular(header.path) as f:
         for t in header.tensors:
             f.seek(t.begin)
             a = array("f")
@@ -109,26 +111,23 @@ def inspect_dcp(path: Path) -> dict[str, Any]:
     out["max_chunks_per_tensor"] = max((e["chunks"] for e in entries.values()), default=0)
     cfg = path / "config.json"
     if cfg.exists():
-        out["model_type"] = stio.read_json(cfg, what="model config").get("model_type")
+        out["model_type"] = read_json(cfg, what="model config").get("model_type")
     return out
 
 
 def inspect_training(path: Path, framework: str, model: str | None = None) -> dict[str, Any]:
     """A Megatron-Core / torchtitan checkpoint: framework, version, architecture, stacking,
     and with ``model`` the HF tensors it maps onto (count) and what is left over (named)."""
-    from qckpt.checkpoint.training_layouts import _stacking, architecture
-    from qckpt.checkpoint.training_sources import (
-        TrainingSource,
-        _stored_tensors,
-        resolve_iteration,
-    )
+    from qckpt.layouts.training import architecture, stacking
+    from qckpt.read.detect import resolve_iteration
+    from qckpt.read.training_sources import TrainingSource, stored_tensors
 
     root = resolve_iteration(path)
     src_md = DCPSource(root).dcp_metadata()
-    shapes, _, _ = _stored_tensors(src_md, framework)
+    shapes, _, _ = stored_tensors(src_md, framework)
     out: dict[str, Any] = {"kind": framework, "path": str(root), "framework": framework}
     out.update(architecture(framework, shapes))
-    out["stacking"] = _stacking(set(shapes))
+    out["stacking"] = stacking(set(shapes))
     out["byte_entries"] = len(src_md.state_dict_metadata) - len(shapes)
     out["files"] = len(list(root.glob("*.distcp")))
     if model is None:
@@ -152,7 +151,7 @@ def inspect_hf_dir(path: Path) -> dict[str, Any]:
     out.update(_summarize_tensors(entries))
     out.update(_quant_summary(path))
     out["scales"] = sum(1 for k in entries if k.endswith(("_scale", "_scale_2")))
-    cfg = stio.read_json(path / "config.json") if (path / "config.json").exists() else {}
+    cfg = read_json(path / "config.json") if (path / "config.json").exists() else {}
     out["source_layout"] = _source_layout(src, cfg)
     if (path / stio.INDEX_NAME).exists():
         out["index"] = True
@@ -165,7 +164,7 @@ def _quant_summary(path: Path) -> dict[str, Any]:
     """model_type and, for an export, its quantization config (config.json, hf_quant_config)."""
     out: dict[str, Any] = {}
     if (path / "config.json").exists():
-        cfg = stio.read_json(path / "config.json", what="model config")
+        cfg = read_json(path / "config.json", what="model config")
         out["model_type"] = cfg.get("model_type")
         qc = cfg.get("quantization_config")
         if isinstance(qc, dict) and qc:
@@ -183,7 +182,7 @@ def _quant_summary(path: Path) -> dict[str, Any]:
             }
             out["ignore"] = qc.get("ignore") or qc.get("exclude_modules")
     if (path / "hf_quant_config.json").exists():
-        q = stio.read_json(path / "hf_quant_config.json", what="ModelOpt config")
+        q = read_json(path / "hf_quant_config.json", what="ModelOpt config")
         q = q.get("quantization") if isinstance(q.get("quantization"), dict) else {}
         out["kind"] = "export"
         out["quant_method"] = out.get("quant_method") or "modelopt"
@@ -204,7 +203,7 @@ def _source_layout(src: SafetensorsSource, cfg: dict[str, Any]) -> dict[str, Any
         return {"layout": "unknown", "refused": str(exc)}
     if layout is not None:
         return layout.summary()
-    # nothing quantized: the summary quantized_sources gives a plain dir, without torch
+    # nothing quantized: the summary qckpt.layouts gives a plain dir, without torch
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     return {
         "layout": "plain",
@@ -224,7 +223,7 @@ def inspect_path(path: str | Path, model: str | None = None) -> dict[str, Any]:
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if p.is_dir():
-        from qckpt.checkpoint.sources import TRAINING_FORMATS, detect_format
+        from qckpt.read.detect import TRAINING_FORMATS, detect_format
 
         if is_dcp_dir(p) or (p / "latest_checkpointed_iteration.txt").is_file():
             fmt = detect_format(p)

@@ -16,6 +16,7 @@ Peaks are never reset: the device peak is ``torch.cuda.max_memory_allocated`` re
 time; the host peak is VmHWM (the kernel's high-water mark of the resident set); the peak of the
 anonymous resident memory (``RssAnon``: what the process allocated, apart from the file pages
 that reading a checkpoint maps) has no kernel high-water mark, so a daemon thread samples it.
+The host figures are :mod:`qckpt.memory`'s, as a load's and an export's are.
 
 Torch-free: importable by commands that never load torch.
 """
@@ -32,6 +33,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
+
+from qckpt import memory
 
 # the phase names every command reports in (a command reports those it went through)
 STARTUP = "startup"  # process start -> the command's world: interpreter, imports, recipe, checks
@@ -107,31 +110,6 @@ def _started_age() -> tuple[float, str]:
     return time.perf_counter() - _imported_at, "qckpt's import (no /proc here)"
 
 
-def status_kib(*keys: str) -> dict[str, int]:
-    """Fields of /proc/self/status in bytes ({} where there is none)."""
-    out: dict[str, int] = {}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            k, _, v = line.partition(":")
-            if k in keys:
-                out[k] = int(v.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
-
-
-def host_peak_rss() -> int:
-    """The process's peak resident set in bytes: VmHWM. Not ``ru_maxrss``: Linux carries that
-    over fork+exec, so a child started by a big parent would report the parent's peak."""
-    hwm = status_kib("VmHWM").get("VmHWM")
-    if hwm is not None:
-        return hwm
-    import resource
-
-    scale = 1 if sys.platform == "darwin" else 1024
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
-
-
 def _cuda() -> Any:
     """torch.cuda when this process already uses CUDA; never imports torch."""
     torch = sys.modules.get("torch")
@@ -147,28 +125,6 @@ def _sync_device() -> None:
     cuda = _cuda()
     if cuda is not None:
         cuda.synchronize()
-
-
-class _AnonSampler(threading.Thread):
-    """Samples RssAnon every ``every`` seconds; its maximum is the anonymous-memory peak."""
-
-    def __init__(self, every: float) -> None:
-        super().__init__(name="qckpt-anon-rss", daemon=True)
-        self.every = every
-        self.peak = 0
-        self._halt = threading.Event()
-
-    def sample(self) -> None:
-        v = status_kib("RssAnon").get("RssAnon", 0)
-        self.peak = max(self.peak, v)
-
-    def run(self) -> None:
-        while not self._halt.wait(self.every):
-            self.sample()
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.sample()
 
 
 class Recorder:
@@ -189,10 +145,9 @@ class Recorder:
         # the kernel (not when a thread's arena gives pages back with MADV_DONTNEED), so it can
         # read below a value seen earlier; the whole command's peak is never below a window's
         self.rss_seen = 0
-        self.sampler = _AnonSampler(sample_anon_s) if sample_anon_s else None
+        self.sampler = memory.AnonPeak(sample_anon_s) if sample_anon_s else None
         if self.sampler is not None:
-            self.sampler.sample()
-            self.sampler.start()
+            self.sampler.start_thread()
 
     def enter(self, name: str) -> None:
         _sync_device()
@@ -239,9 +194,9 @@ class Recorder:
 
     def peaks(self) -> dict[str, Any]:
         """The whole command's peaks so far (nothing here is ever reset)."""
-        out: dict[str, Any] = {"host_peak_rss_bytes": max(host_peak_rss(), self.rss_seen)}
+        out: dict[str, Any] = {"host_peak_rss_bytes": max(memory.peak_rss(), self.rss_seen)}
         if self.sampler is not None:
-            self.sampler.sample()
+            self.sampler.sample(force=True)
             out["host_peak_anon_bytes"] = self.sampler.peak
             out["host_anon_sampled_every_s"] = self.sampler.every
         cuda = _cuda()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from qckpt.errors import UsageError
 
 if TYPE_CHECKING:
-    from qckpt.checkpoint.load import LoadReport
+    from qckpt.load.loader import LoadReport
 
 
 def plot_memory(reports: list[LoadReport] | LoadReport, path: str | os.PathLike) -> Path:

@@ -24,8 +24,8 @@ def reference_model(dcp_dir: str | Path, model_source: str | None = None, dtype=
     """The unquantized model with the checkpoint's own values (read through the safe reader)."""
     import torch.distributed.checkpoint as dcp
 
-    from qckpt.checkpoint.safe_metadata import SafeFileSystemReader
     from qckpt.models.build import build_model, materialize
+    from qckpt.storage.dcp_metadata import SafeFileSystemReader
 
     source = model_source or str(dcp_dir)
     # on meta, then allocated: the checkpoint fills every tensor (DCP refuses one it lacks),

@@ -271,8 +271,8 @@ def _per_expert(x: torch.Tensor, ids: torch.Tensor):
 
 def _share_fused_nvfp4(instr, on, inside: str, pair: dict[int, torch.Tensor]) -> None:
     """NVFP4: the linears vLLM fuses (q/k/v, gate/up) get one global scale in the export, the
-    largest amax of the group (qckpt/checkpoint/fused_scales.py), so GPTQ quantizes with it."""
-    from qckpt.checkpoint.fused_scales import fused_parts
+    largest amax of the group (qckpt.export.shared_scales.share_fused_amax), so GPTQ quantizes with it."""
+    from qckpt.models.fused import fused_parts
 
     dense = {
         q.name: q

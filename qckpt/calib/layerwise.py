@@ -133,7 +133,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 class LayerwiseRunner:
     """Steps 2-3 of :func:`qckpt.calib.calibrate.calibrate_model` one decoder layer at a time.
 
-    ``weights`` supplies the weights (``qckpt.checkpoint.layer_weights``); ``activations`` says
+    ``weights`` supplies the weights (``qckpt.load.layer_weights``); ``activations`` says
     where the layer outputs wait between layers: ``device``, or ``host`` (pinned under CUDA).
     """
 

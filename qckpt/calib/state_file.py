@@ -66,7 +66,7 @@ class CalibrationState:
     model_type: str = ""
     model_fingerprint: str = ""
     quant: dict[str, Any] = field(default_factory=dict)
-    # what export needs to know of the model (qckpt.checkpoint.model_record); {}: not known
+    # what export needs to know of the model (qckpt.export.model_record); {}: not known
     model: dict[str, Any] = field(default_factory=dict)
     # calibrate.algorithm; "mse" adds ``{module}.weight_clip_amax`` / ``input_clip_amax``: the
     # amaxes the export makes the scales from (``weight_amax`` stays max |w|, the source

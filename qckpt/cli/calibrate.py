@@ -52,7 +52,7 @@ def calibrate_cmd(
     with phases.phase(phases.STARTUP):
         from qckpt.pipeline.imports import cuda_warmup, warm_imports
 
-        mods = ("qckpt.pipeline.calibrate", "qckpt.checkpoint.load", "qckpt.calib.calibrate")
+        mods = ("qckpt.pipeline.calibrate", "qckpt.load.loader", "qckpt.calib.calibrate")
         mods += ("qckpt.calib.data", "qckpt.calib.state_file")
         warm = cuda_warmup(r, "calibrate", os.environ)
         warm_imports(r.model.source, *mods, cuda_first_use=warm or False)

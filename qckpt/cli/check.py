@@ -26,7 +26,7 @@ def check_cmd(
 
         qckpt check runs/tiny-moe/fp8 --json check.json
     """
-    from qckpt.check import check_export
+    from qckpt.layouts.check import check_export
 
     if not path.is_dir():
         raise typer.BadParameter(f"{path}: not a directory", param_hint="PATH")

@@ -71,7 +71,7 @@ def convert_cmd(
     model_in = [("--model", model)] if model and os.path.lexists(model) else []
     outs = [("DST", dst), ("--json", json_path)]
     _guard_paths(src, outs, is_recipe, model_in, None)
-    from qckpt.checkpoint.sources import is_dcp_dir
+    from qckpt.read.detect import is_dcp_dir
 
     kind = "recipe" if is_recipe else ("dcp" if is_dcp_dir(src) else "hf")
     to = to or ("hf" if kind == "dcp" else "dcp")
@@ -89,7 +89,7 @@ def convert_cmd(
         from qckpt.pipeline.imports import warm_imports
 
         source = None if kind == "dcp" else r.model.source
-        warm_imports(source, "qckpt.pipeline.convert", "qckpt.checkpoint.convert")
+        warm_imports(source, "qckpt.pipeline.convert", "qckpt.convert.dcp")
         from qckpt.pipeline.convert import convert
 
     # SIGTERM unwinds (removing the temp dir) in a plain run; under torchrun it must kill a rank
@@ -150,7 +150,7 @@ def _refuse_existing(dst: Path) -> None:
 
 
 def _quantized_hf(src: Path) -> bool:
-    from qckpt.checkpoint.sources import SafetensorsSource
+    from qckpt.read.sources import SafetensorsSource
 
     if not src.is_dir():
         return False
@@ -160,7 +160,7 @@ def _quantized_hf(src: Path) -> bool:
 
 def _dequantize_hf(src: Path, dst: Path, dtype: str, json_path: Path | None) -> None:
     """A quantized HF dir -> a plain HF dir of ``dtype``, streaming, written then renamed."""
-    from qckpt.checkpoint.dequantize_dir import DTYPES
+    from qckpt.convert.dequantize import DTYPES
     from qckpt.pipeline.convert import dequantize_hf
 
     if dtype not in DTYPES:

@@ -51,14 +51,14 @@ def export_cmd(
 
     r = start(recipe, set_, nproc_per_node, verbose, guard=guard, parallel=False, gpus=gpus)
     with phases.phase(phases.STARTUP):
-        from qckpt.checkpoint.model_record import peek, usable
+        from qckpt.export.model_record import peek, usable
         from qckpt.pipeline.imports import warm_imports
 
-        mods = ("qckpt.pipeline.export", "qckpt.checkpoint.export", "qckpt.calib.state_file")
+        mods = ("qckpt.pipeline.export", "qckpt.export.writer", "qckpt.calib.state_file")
         # the calibration file knows the model's linears: no model code to import (the export
         # imports it itself when it does not)
         known = usable(peek(r.calibrate.output), r.model.source)
-        from qckpt.checkpoint.sources import is_dcp_dir
+        from qckpt.read.detect import is_dcp_dir
 
         if is_dcp_dir(r.checkpoint.path):  # its reader, in the start-up, not in the export's time
             mods += ("torch.distributed.checkpoint",)

@@ -62,7 +62,7 @@ def load_cmd(
     with phases.phase(phases.STARTUP):
         from qckpt.pipeline.imports import cuda_warmup, warm_imports
 
-        mods = ("qckpt.pipeline.load", "qckpt.checkpoint.load", "qckpt.plot", "qckpt.report")
+        mods = ("qckpt.pipeline.load", "qckpt.load.loader", "qckpt.plot", "qckpt.report")
         warm = cuda_warmup(r, "load", os.environ)
         warm_imports(r.model.source, *mods, cuda_first_use=warm or False)
         from qckpt.pipeline.load import load

@@ -15,16 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from qckpt.checkpoint.hf_reader import hf_source
-from qckpt.checkpoint.quantized_sources import SafetensorsFetch, dequantize, dequantize_into
 from qckpt.errors import CheckpointError, UsageError
 from qckpt.evaluate.act_quant import InputQuant
 from qckpt.evaluate.emulated import EmulatedLinear, emulated_experts_forward, register_kv_attention
 from qckpt.evaluate.fused import GlobalScaleFetch, requantized
 from qckpt.evaluate.scheme import ExportScheme
+from qckpt.layouts.dequantize import dequantize, dequantize_into
 from qckpt.models import naming
 from qckpt.models.build import materialize
 from qckpt.models.remote_code import refuse_custom_code
+from qckpt.read.hf_reader import hf_source
+from qckpt.storage.slices import SafetensorsFetch
 
 
 def model_config(path: Path) -> Any:

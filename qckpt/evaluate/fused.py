@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from qckpt.checkpoint.layout_names import FUSED_GROUPS
-from qckpt.checkpoint.quantized_sources import QuantWeight
+from qckpt.layouts.source_layout import QuantWeight
+from qckpt.models.fused import FUSED_GROUPS
 
 FP8 = torch.float8_e4m3fn
 

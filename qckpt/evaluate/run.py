@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from qckpt.checkpoint.quantized_sources import _model_dtype, _read_json
 from qckpt.errors import UsageError
 from qckpt.evaluate import metrics
 from qckpt.evaluate.build import load_emulated, load_model
 from qckpt.evaluate.options import EvalOptions
 from qckpt.evaluate.scheme import read_scheme
 from qckpt.evaluate.windows import Windows, data_section, make_windows, tokenizer_of
+from qckpt.layouts.source_layout import model_dtype, read_json_if_any
 
 # past these the report says the export is broken, not merely lossy
 WARN_INCREASE = 0.10
@@ -39,8 +39,8 @@ def pick_device(device: str) -> torch.device:
 
 
 def _check_same_model(export_dir: Path, source_dir: Path) -> dict[str, Any]:
-    exp = _read_json(export_dir / "config.json") or {}
-    src = _read_json(source_dir / "config.json")
+    exp = read_json_if_any(export_dir / "config.json") or {}
+    src = read_json_if_any(source_dir / "config.json")
     if src is None:
         raise UsageError(f"{source_dir}: no config.json (the source must be an HF model dir)")
     diff = [k for k in _SAME_ARCH if k in src and k in exp and src[k] != exp[k]]
@@ -153,7 +153,7 @@ def evaluate(
         seed=opts.seed,
     )
     dev = pick_device(opts.device)
-    dtype = _model_dtype(src_cfg)
+    dtype = model_dtype(src_cfg)
     (log or (lambda m: None))(
         f"source {source_dir}, export {export_dir} ({scheme.layout.describe()}); "
         f"{win.ids.shape[0]} windows of {win.ids.shape[1]} from {data}; {dtype} on {dev}"
@@ -195,7 +195,7 @@ def score_model(model_dir: Path, data: Path, opts: EvalOptions) -> dict[str, Any
     """One model's bits per byte (per token for token-id data) and perplexity on the windows:
     a plain dir as transformers computes it, a quantized one with its weights dequantized
     (weight-only: inputs unquantized)."""
-    cfg = _read_json(model_dir / "config.json") or {}
+    cfg = read_json_if_any(model_dir / "config.json") or {}
     win = make_windows(
         data,
         vocab_size=int(cfg.get("vocab_size") or 0),
@@ -205,7 +205,7 @@ def score_model(model_dir: Path, data: Path, opts: EvalOptions) -> dict[str, Any
         seed=opts.seed,
     )
     dev = pick_device(opts.device)
-    model = load_model(model_dir, _model_dtype(cfg), dev)
+    model = load_model(model_dir, model_dtype(cfg), dev)
     nll, tokens = 0.0, 0
     with torch.no_grad():
         for i in range(0, win.ids.shape[0], opts.batch_size):

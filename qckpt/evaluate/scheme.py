@@ -1,5 +1,5 @@
 """What a serving stack reads from an export dir: per quantized linear, its weight storage
-(:mod:`qckpt.checkpoint.quantized_sources`) and how its input is quantized; the KV-cache scales.
+(:mod:`qckpt.layouts.source_layout`) and how its input is quantized; the KV-cache scales.
 
 From the export's own files only (``config.json``'s ``quantization_config``,
 ``hf_quant_config.json``, the tensors), never from qckpt's calibration state:
@@ -27,17 +27,13 @@ from typing import Any
 
 import torch
 
-from qckpt.checkpoint.hf_reader import hf_index
-from qckpt.checkpoint.quantized_sources import (
-    QuantWeight,
-    SafetensorsFetch,
-    SourceLayout,
-    _read_json,
-    source_layout,
-)
 from qckpt.errors import CheckpointError
 from qckpt.evaluate.act_quant import InputQuant
 from qckpt.evaluate.fused import fused_groups, plan_fused
+from qckpt.layouts.registry import source_layout
+from qckpt.layouts.source_layout import QuantWeight, SourceLayout, read_json_if_any
+from qckpt.read.hf_reader import hf_index
+from qckpt.storage.slices import SafetensorsFetch
 
 _EXPERT = re.compile(r"^(?P<pre>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
 _GATE_UP = ("gate_proj", "up_proj", "w1", "w3")
@@ -134,8 +130,8 @@ def _modelopt_input(algo: str, module: str, fetch: SafetensorsFetch) -> InputQua
 
 
 def _modelopt_algo(path: Path) -> str:
-    hq = _read_json(path / "hf_quant_config.json") or {}
-    qc = (_read_json(path / "config.json") or {}).get("quantization_config") or {}
+    hq = read_json_if_any(path / "hf_quant_config.json") or {}
+    qc = (read_json_if_any(path / "config.json") or {}).get("quantization_config") or {}
     return str((hq.get("quantization") or {}).get("quant_algo") or qc.get("quant_algo"))
 
 
@@ -200,7 +196,7 @@ def read_scheme(path: str | Path, fused: str = "vllm") -> ExportScheme:
     fetch = SafetensorsFetch(p, index)
     inputs: dict[str, InputQuant] = {}
     if layout.name == "compressed-tensors":
-        qc = (_read_json(p / "config.json") or {}).get("quantization_config") or {}
+        qc = (read_json_if_any(p / "config.json") or {}).get("quantization_config") or {}
         groups = qc.get("config_groups") or {}
         for name in layout.weights:
             module = name[: -len(".weight")]

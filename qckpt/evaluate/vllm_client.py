@@ -134,10 +134,10 @@ def evaluate_vllm(
         raise UsageError("--client vllm runs on the GPU; drop --device cpu")
     import torch
 
-    from qckpt.checkpoint.quantized_sources import _read_json
     from qckpt.evaluate.windows import data_section, make_windows, tokenizer_of
+    from qckpt.layouts.source_layout import read_json_if_any
 
-    cfg = _read_json(source_dir / "config.json") or {}
+    cfg = read_json_if_any(source_dir / "config.json") or {}
     tok = tokenizer_of(source_dir)
     win = make_windows(
         data,

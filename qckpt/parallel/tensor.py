@@ -19,7 +19,7 @@ embeddings, norms and ``lm_head``.
 
 Parameter names are unchanged. The weight of each sharded ``nn.Linear`` (and a column-parallel
 bias) gets a :class:`qckpt.parallel.shard.ShardSpec` (kind ``tp``, dim 0 column / 1 row, the
-whole weight's shape), which the loader (:func:`qckpt.checkpoint.load.tensor_shards`: read only this block of
+whole weight's shape), which the loader (:func:`qckpt.load.preflight.tensor_shards`: read only this block of
 the checkpoint's tensor) and the calibrator (:func:`qckpt.calib.tp_gather.gather_sharded_amax`) read. Works on the meta
 device, so a rank allocates only its shards.
 

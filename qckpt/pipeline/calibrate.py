@@ -103,11 +103,11 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
 
 
 def _model_record(source: str) -> dict:
-    """What export needs of the model (``qckpt.checkpoint.model_record``), so that it need not
+    """What export needs of the model (``qckpt.export.model_record``), so that it need not
     import the model's code; made from a meta build of the config (the model's code is loaded
     here anyway), as export would make it."""
-    from qckpt.checkpoint.export_plan import config_dict, model_modules
-    from qckpt.checkpoint.model_record import make_record
+    from qckpt.export.model_record import make_record
+    from qckpt.export.plan import config_dict, model_modules
     from qckpt.models.build import load_config
 
     cfg = load_config(source)
@@ -157,7 +157,7 @@ def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
     quantized-resident model (else None), and what this rank read (bytes, split or not)."""
     from qckpt.calib.calibrate import wait_device
     from qckpt.calib.weight_amax import CheckpointWeightAmax
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from qckpt.pipeline import dp_read
 
     hooks.log(f"reading weights from {recipe.checkpoint.path}")

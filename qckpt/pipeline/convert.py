@@ -52,7 +52,7 @@ def convert(
 
 
 def _dcp_to_hf(src: Path, tmp: Path, mesh: Mesh, model_config: str | None) -> None:
-    from qckpt.checkpoint.convert import dcp_to_hf_dir
+    from qckpt.convert.dcp import dcp_to_hf_dir
     from qckpt.models.build import load_config
 
     cfg_src = model_config or (str(src) if (src / "config.json").is_file() else None)
@@ -65,8 +65,8 @@ def _dcp_to_hf(src: Path, tmp: Path, mesh: Mesh, model_config: str | None) -> No
 
 def _model_to(to: str, kind: str, src: Path, tmp: Path, recipe: Recipe, mesh: Mesh) -> None:
     """A recipe's seeded model (or an HF dir's weights, ``kind="hf"``) into ``tmp``."""
-    from qckpt.checkpoint.convert import hf_dir_to_dcp, save_model_dcp
-    from qckpt.checkpoint.model_files import copy_model_files
+    from qckpt.convert.dcp import hf_dir_to_dcp, save_model_dcp
+    from qckpt.storage.model_files import copy_model_files
 
     # the whole model on every rank: save_model_dcp splits the rows over the ranks itself
     m = recipe.model
@@ -90,7 +90,7 @@ def _model_to(to: str, kind: str, src: Path, tmp: Path, recipe: Recipe, mesh: Me
 def dequantize_hf(src: Path, dst: Path, dtype: str) -> dict:
     """A quantized HF dir -> a plain HF dir of ``dtype``, streaming, written then renamed;
     returns ``dequantize_dir``'s counts."""
-    from qckpt.checkpoint.dequantize_dir import DTYPES, dequantize_dir
+    from qckpt.convert.dequantize import DTYPES, dequantize_dir
 
     with (
         phases.phase(phases.WRITE),

@@ -20,10 +20,12 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     returns the ``ExportReport``. Every rank of ``mesh`` calls it: each writes its share of the
     tensors into the shared shard files, quantizing on its GPU when ``export.device`` allows one (pick_device)."""
     from qckpt.calib.state_file import load_calibration
-    from qckpt.checkpoint.export import WriteOptions, gc_paused, plan_export, write_export
-    from qckpt.checkpoint.model_record import modules_of, usable
+    from qckpt.export.model_record import modules_of, usable
+    from qckpt.export.plan import plan_export
+    from qckpt.export.writer import WriteOptions, write_export
     from qckpt.models.build import load_config
     from qckpt.parallel.mesh import pick_device
+    from qckpt.phases import gc_paused
 
     # first: a device that is not there is refused before any work
     device = pick_device(recipe.export.device, key="export.device", share=True)
@@ -68,7 +70,7 @@ def _config_of(source: str, rec: dict) -> dict:
     the one the calibration file recorded for a built-in name."""
     path = Path(source) / "config.json"
     if path.is_file():
-        from qckpt.checkpoint.safetensors_io import read_json
+        from qckpt.storage.files import read_json
 
         return read_json(path, what="model config")
     return dict(rec["config"])

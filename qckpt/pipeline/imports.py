@@ -24,7 +24,7 @@ from typing import Any
 from qckpt import phases
 
 # the fast read's sizes without its engine (which imports torch.distributed.checkpoint)
-from qckpt.checkpoint import read_sizes
+from qckpt.read import read_sizes
 
 # the CLI's switch for the start-up's CUDA warm-up (on for CUDA commands; 0 turns it off)
 CUDA_WARMUP_ENV = "QCKPT_CUDA_WARMUP"

@@ -56,11 +56,11 @@ def load(recipe: Recipe, mesh: Mesh, *, compare: bool = False, hooks: Hooks = SI
     ``compare`` also runs the other mode (bulk vs stream) on a fresh model. Under
     ``parallel.ep`` / ``parallel.tp`` each rank builds, allocates and reads only its experts
     and TP blocks, exactly as ``calibrate`` does; its quantized parameters equal the matching
-    slices of a one-rank load (``checkpoint.shard_scales``), and its report says what it holds.
+    slices of a one-rank load (``qckpt.load.shard_scales``), and its report says what it holds.
     Built on meta and allocated straight into its quantized parameters (no BF16 copy, no
     random init: the checkpoint fills it all).
     """
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
 
     lo = recipe.load
     if lo.backend == "te" and (mesh.ep > 1 or mesh.tp > 1):
@@ -99,7 +99,7 @@ def build_for_load(recipe: Recipe, mesh: Mesh, **param_opts: Any) -> Built:
     (``param_opts``: format options such as ``block_size``, for library callers), built on
     meta and allocated straight in their format. A fp8_delayed scale that a build did make
     (a seeded build) is made the whole tensor's; a fresh one takes the load's whole amax."""
-    from qckpt.checkpoint.shard_scales import agree_delayed_state
+    from qckpt.load.shard_scales import agree_delayed_state
 
     lo = recipe.load
     built = build(

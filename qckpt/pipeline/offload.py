@@ -1,6 +1,6 @@
 """``calibrate.offload: layer | host``: the model stays on meta and calibrates one decoder layer
 at a time (:mod:`qckpt.calib.layerwise`), its weights read from the checkpoint per layer
-(``layer``) or held in host memory (``host``, :mod:`qckpt.checkpoint.layer_weights`)."""
+(``layer``) or held in host memory (``host``, :mod:`qckpt.load.layer_weights`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def runner_for(recipe: Recipe, mesh: Mesh, model, hooks: Hooks = SILENT):
     """The :class:`LayerwiseRunner` for the recipe's ``calibrate.offload`` (``host``: the
     decoder layers are read into host memory here, before calibration starts)."""
     from qckpt.calib.layerwise import LayerwiseRunner, decoder_layers
-    from qckpt.checkpoint.layer_weights import CheckpointLayers, HostLayers
+    from qckpt.load.layer_weights import CheckpointLayers, HostLayers
 
     cal = recipe.calibrate
     disk = CheckpointLayers(

@@ -293,7 +293,7 @@ class _Planner:
 
     def refusal(self, layout: Layout, params: str, held: list[Held]) -> str | None:
         """The sharded load's refusal of a split inside a scale block of ``params``
-        (``checkpoint.shard_scales.check_blocks``, asked with meta tensors), or None."""
+        (``qckpt.load.shard_scales.check_blocks``, asked with meta tensors), or None."""
         key = (layout.ep, layout.tp, params)
         if key not in self._refusals:
             self._refusals[key] = _block_refusal(held)
@@ -409,7 +409,7 @@ def plan(
 
 def _block_refusal(held: list[Held]) -> str | None:
     from qckpt import formats
-    from qckpt.checkpoint.shard_scales import check_blocks
+    from qckpt.load.shard_scales import check_blocks
 
     split = [t for t in held if t.fmt is not None and t.shard is not None]
     state = {

@@ -258,7 +258,7 @@ def gptq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) ->
 def export_host_bytes(*, largest: int, tensors: int, dcp: bool, cuda: bool) -> int:
     """The export's whole-process peak of anonymous host memory (what ``host_peak_anon_bytes``
     measures, what a host is sized by): the process itself, its plan (per source tensor), and
-    what its pipeline holds in flight, two of the largest tensor (``export_pipeline``)."""
+    what its pipeline holds in flight, two of the largest tensor (``qckpt.export.stages``)."""
     return (
         EXPORT_BASE_ANON_BYTES
         + (EXPORT_DCP_ANON_BYTES if dcp else 0)

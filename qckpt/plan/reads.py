@@ -7,7 +7,7 @@
 * HF safetensors dir: each piece overlapping the block is sliced, so the bytes are the overlap's
   elements times the stored itemsize (``HFSafetensorsReader.bytes_read``); a quantized weight
   is read as codes plus the scales of the rows and columns it needs, row chunk by row chunk
-  (``quantized_sources.dequantize_into``'s pattern).
+  (``qckpt.layouts.dequantize.dequantize_into``'s pattern).
 * No checkpoint yet: the block's elements at the model's dtype (the BF16 checkpoint it would be).
 """
 
@@ -78,11 +78,12 @@ class Reads:
         checkpoint (megatron, torchtitan) is read in the names of ``config``."""
         if path is None or not os.path.exists(path):
             return cls(None, "none")
-        from qckpt.checkpoint.sources import TRAINING_FORMATS, open_reader, resolve_format
+        from qckpt.read.detect import TRAINING_FORMATS, resolve_format
+        from qckpt.read.readers import open_reader
 
         fmt = resolve_format(path, format)
         if fmt in TRAINING_FORMATS:
-            from qckpt.checkpoint.training_sources import TrainingReader
+            from qckpt.read.training_sources import TrainingReader
 
             reader = TrainingReader(path, fmt, config=config, expected=expected)
             out = cls(path, fmt, reader.read_metadata(), reader)
@@ -91,7 +92,7 @@ class Reads:
         if fmt == "dcp":
             reader = open_reader(path, fmt)
             return cls(path, fmt, reader.read_metadata(), reader)
-        from qckpt.checkpoint.hf_reader import HFSafetensorsReader
+        from qckpt.read.hf_reader import HFSafetensorsReader
 
         reader = HFSafetensorsReader(path, model_type=model_type, expected=expected)
         return cls(path, fmt, reader.read_metadata(), reader)
@@ -198,7 +199,8 @@ def fast_read_bytes(stored: tuple[int, ...], lengths: tuple[int, ...], itemsize:
 def quantized_read_bytes(w: Any, raw: dict, rows: tuple[int, int], cols: tuple[int, int]) -> int:
     """What ``dequantize_into`` fetches for rows x cols of a quantized source weight ``w``:
     codes chunk by chunk, and the scales each chunk multiplies by."""
-    from qckpt.checkpoint.quantized_sources import CHUNK_ELEMS, NVFP4_GROUP
+    from qckpt.layouts.dequantize import CHUNK_ELEMS
+    from qckpt.layouts.names import NVFP4_GROUP
 
     def nbytes(key: str, shape: tuple[int, ...]) -> int:
         return math.prod(shape) * raw[key][2].itemsize
@@ -247,7 +249,7 @@ def source_sizes(reads: Reads, whole: Any) -> tuple[int, int, int]:
         views = [v for k, t in sd.items() for _, v in hf_tensors(k, t, mt)]
         sizes = [_value_bytes(v.shape, v.dtype) for v in views]
         return max(sizes, default=0), sum(sizes), len(sizes)
-    from qckpt.checkpoint.sources import open_source
+    from qckpt.read.readers import open_source
 
     entries = open_source(reads.path, reads.format, config=reads.config).entries()
     largest = max((_value_bytes(e.shape, e.torch_dtype) for e in entries), default=0)

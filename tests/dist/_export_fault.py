@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 if os.environ.get("RANK") == os.environ.get("FAULT_RANK"):
-    from qckpt.checkpoint import safetensors_io
+    from qckpt.storage import shards as safetensors_io
 
     _real = safetensors_io.ShardFile.write
     # several writer threads may finish a tensor at once: the first one notes the time and

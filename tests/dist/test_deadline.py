@@ -26,7 +26,7 @@ TIMEOUT_S = 10.0
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     d = tmp_path_factory.mktemp("deadline")

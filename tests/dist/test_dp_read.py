@@ -18,7 +18,7 @@ DATA = {"source": "synthetic", "num_samples": 8, "seq_len": 16, "batch_size": 2}
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """tiny-moe (seed 0) as a DCP dir and as an HF safetensors dir."""
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     root = tmp_path_factory.mktemp("dp_read")
@@ -31,7 +31,7 @@ def ckpts(tmp_path_factory):
 def sc_split_load(rank, world, path, fmt):
     """A model of other values (seed 1) loaded as shares + broadcast: every tensor the
     checkpoint's (seed 0's), on every rank."""
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from qckpt.models.build import build_model
     from qckpt.parallel.mesh import init_mesh
     from qckpt.pipeline import dp_read

@@ -41,7 +41,7 @@ CASES = {
 
 
 def _export(case: tuple, src: str, cal: str, out: str, mesh=None, options=None, **export_kw):
-    from qckpt.checkpoint.export import export_checkpoint
+    from qckpt.export.writer import export_checkpoint
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig
     from tests.unit._export_fixtures import quant_config
@@ -67,7 +67,7 @@ def setup(tmp_path_factory):
     after another in plan order (one lane: the ranks write two files each at once)."""
     import torch.distributed.checkpoint as dcp
 
-    from qckpt.checkpoint.export import WriteOptions
+    from qckpt.export.writer import WriteOptions
     from tests.unit._export_fixtures import quant_config, saved_model, write_calibration
 
     root = tmp_path_factory.mktemp("dexport")
@@ -171,7 +171,7 @@ def _assert_balanced(job: tuple, per_rank: list[dict]) -> None:
     """Every rank wrote tensors; its bytes read plus written are within one source tensor (and
     its outputs) of an equal share; the shares add up to the files' tensor bytes and to the
     source read once (with the byte equality of the files: no tensor twice, none missed)."""
-    from qckpt.checkpoint.export_pipeline import plan_items
+    from qckpt.export.shares import plan_items
 
     plan = _plan(job)
     world, items = len(per_rank), plan_items(plan)
@@ -184,7 +184,7 @@ def _assert_balanced(job: tuple, per_rank: list[dict]) -> None:
 
 
 def _plan(job: tuple):
-    from qckpt.checkpoint.export_plan import plan_export
+    from qckpt.export.plan import plan_export
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig
     from tests.unit._export_fixtures import quant_config
@@ -204,7 +204,7 @@ def _plan(job: tuple):
 
 def _weight_written_by(rank: int, job: tuple) -> str:
     """A quantized linear whose weight is in rank ``rank``'s share of 3."""
-    from qckpt.checkpoint.export_pipeline import assign_items
+    from qckpt.export.shares import assign_items
 
     share = assign_items(_plan(job), 3)[rank]
     return next(g.module for it in share.items for g in it.groups if g.module)
@@ -227,7 +227,7 @@ def _export_bad(rank: int, world: int, root: str, job: tuple):
 
 
 def _export_main_fails(rank: int, world: int, root: str, job: tuple):
-    import qckpt.checkpoint.export as ex
+    import qckpt.export.writer as ex
     from qckpt.errors import ExportError
     from qckpt.parallel.mesh import init_mesh
 

@@ -24,7 +24,7 @@ def _fields(m) -> dict:
 def sc_fast_vs_plain(rank, world, path, ep, tp, fmts):
     """Per format: one sharded model loaded by the plain reader, then by the fast one (in
     pieces of 1000 bytes, so every block is read in several)."""
-    import qckpt.checkpoint.fast_read as fast_read
+    import qckpt.read.fast_read as fast_read
 
     mesh_args = {"ep": ep, "tp": tp, "timeout_s": 10, "device": "cpu"}
     chunk, fast_read.CHUNK_BYTES = fast_read.CHUNK_BYTES, 1000
@@ -35,7 +35,7 @@ def sc_fast_vs_plain(rank, world, path, ep, tp, fmts):
 
 
 def _compare(mesh_args, path, fmts):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from qckpt.parallel.mesh import init_mesh
     from qckpt.parallel.shard import model_shards
     from qckpt.pipeline.model import build
@@ -61,7 +61,7 @@ def _compare(mesh_args, path, fmts):
 
 
 def sc_save(rank, world, out):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     save_model_dcp(build_model("tiny-moe", seed=1), out)
@@ -69,7 +69,7 @@ def sc_save(rank, world, out):
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from qckpt.checkpoint.convert import dcp_to_hf_dir, save_model_dcp
+    from qckpt.convert.dcp import dcp_to_hf_dir, save_model_dcp
     from qckpt.models.build import build_model
 
     root = tmp_path_factory.mktemp("fastdist")

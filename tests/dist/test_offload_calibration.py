@@ -18,7 +18,7 @@ DATA = {"source": "synthetic", "num_samples": 8, "seq_len": 16, "batch_size": 2}
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """tiny-moe as an HF dir (per-expert tensors: the EP read path), tiny-dense as DCP."""
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     root = tmp_path_factory.mktemp("offload")
@@ -124,7 +124,7 @@ def test_one_rank_layer_and_host_write_the_resident_file(ckpts, tmp_path, src):
 
 
 def test_a_missing_tensor_is_refused_before_any_layer_runs(tmp_path):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.errors import CheckpointError
     from qckpt.models.build import build_model
     from qckpt.parallel.mesh import Mesh
@@ -144,8 +144,8 @@ def test_a_missing_tensor_is_refused_before_any_layer_runs(tmp_path):
 
 def _read_fails_on_rank1(rank, world, ckpt, out):
     """DP2, offload layer; rank 1's read of layer 1 fails (on the prefetch thread)."""
-    from qckpt.checkpoint import layer_weights
     from qckpt.errors import CheckpointError
+    from qckpt.load import layer_weights
 
     real = layer_weights.CheckpointLayers.fetch
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def sc_sharded_load(rank, world, recipe, sets, fmt):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from qckpt.parallel.mesh import init_mesh
     from qckpt.pipeline.load import build_for_load
     from qckpt.recipe import load_recipe
@@ -38,7 +38,7 @@ def sc_sharded_load(rank, world, recipe, sets, fmt):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     d = tmp_path_factory.mktemp("plan-ckpt")

@@ -31,7 +31,8 @@ def _values(model) -> dict[str, torch.Tensor]:
 
 
 def _load(rank: int, world: int, path: str, ep: int, tp: int, block) -> dict:
-    from qckpt.checkpoint.load import expert_shards, load_checkpoint, tensor_shards
+    from qckpt.load.loader import load_checkpoint
+    from qckpt.load.preflight import expert_shards, tensor_shards
     from qckpt.parallel.mesh import init_mesh
     from qckpt.pipeline.model import build
 
@@ -47,14 +48,13 @@ def _load(rank: int, world: int, path: str, ep: int, tp: int, block) -> dict:
 
 def _warm(rank: int, world: int) -> None:
     """Imports and a first model build, outside any collective."""
-    from qckpt.checkpoint.load import load_checkpoint  # noqa: F401
     from qckpt.models.build import build_model
 
     build_model("tiny-moe", dtype="bfloat16", seed=3)
 
 
 def _one_rank(path: Path, block=None) -> tuple[dict[str, torch.Tensor], int]:
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from qckpt.models.build import build_model
     from qckpt.models.quantize_params import quantize_model_params
 

@@ -21,7 +21,7 @@ from tests.dist._harness import shared_world
 
 
 def _save(rank: int, world: int, out: str) -> list[str]:
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from tests.unit._toy import Toy
 
     save_model_dcp(Toy(seed=1), out)
@@ -30,7 +30,7 @@ def _save(rank: int, world: int, out: str) -> list[str]:
 
 def _load(rank: int, world: int, path: str, out: str, reader: str = "fast") -> dict:
     from qckpt import formats
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from tests.unit._toy import toy_quantized
 
     m = toy_quantized("fp8")
@@ -52,7 +52,7 @@ def _load_ep(rank: int, world: int, path: str) -> dict:
     """EP=2 over 4 ranks: each rank holds half the experts (fp8: the whole tensor's per-tensor
     scale, reduced over the EP group, so the block is the slice of an unsharded load)."""
     from qckpt import formats
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from qckpt.models.quantize_params import quantize_model_params
     from qckpt.parallel.expert import shard_experts
     from qckpt.parallel.mesh import init_mesh
@@ -99,8 +99,8 @@ def _ok(outs):
 
 @pytest.mark.timeout(180)
 def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
-    from qckpt.checkpoint.convert import save_model_dcp
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.convert.dcp import save_model_dcp
+    from qckpt.load.loader import load_checkpoint
     from tests.unit._toy import Toy, toy_quantized
 
     c1, c2, c4 = (str(tmp_path / f"c{n}") for n in (1, 2, 4))
@@ -167,7 +167,7 @@ def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
         _assert_same(_fields_of(m), ref, f"save 2 -> load 1 ({reader})")
 
     # a sharded checkpoint reads back whole, one tensor at a time (export / inspect / convert)
-    from qckpt.checkpoint.sources import iter_checkpoint_tensors
+    from qckpt.read.readers import iter_checkpoint_tensors
 
     want = Toy(seed=1).state_dict()
     for c in (c2, c4):
@@ -176,9 +176,10 @@ def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
 
     # why the plan-order reader: DCP's stock FileSystemReader walks file by file, so with every
     # tensor split over 4 files all scratches are alive at once (2 * sum(numel))
-    from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
-    from qckpt.checkpoint.planner import MemoryMeter, StreamingDequantLoadPlanner
-    from qckpt.checkpoint.safe_metadata import SafeFileSystemReader
+    from qckpt.load.meter import MemoryMeter
+    from qckpt.load.planner import StreamingDequantLoadPlanner
+    from qckpt.read.dcp_reader import OrderedFileSystemReader
+    from qckpt.storage.dcp_metadata import SafeFileSystemReader
 
     q_bytes = [
         2 * v.numel() for v in m.state_dict(keep_vars=True).values() if formats.is_quantized(v)

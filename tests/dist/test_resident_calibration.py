@@ -68,7 +68,7 @@ def _calibrate(rank, world, dcp, resident, granularity, out, ep, tp=1, source="t
 
 @pytest.fixture(scope="module")
 def dcp(tmp_path_factory):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     path = tmp_path_factory.mktemp("resident") / "dcp"
@@ -185,7 +185,7 @@ def test_tp2_per_channel_weight_amax_made_whole_from_the_checkpoint(tmp_path):
     """TP2 (tiny-dense, per-channel weights): each rank's tap sees its shard of the
     checkpoint's value; the TP gather makes the whole per-channel amax, the BF16 run's bit for
     bit. (Per-tensor fp8 scales cover a rank's shard: activations move a little, 2 % here.)"""
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     dcp = tmp_path / "dense"

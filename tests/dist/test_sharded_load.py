@@ -4,7 +4,7 @@ Every rank builds the sharded model (meta -> EP -> TP), allocates and reads only
 and its quantized parameters must equal, bit for bit, the matching slices of a one-rank load
 of the same checkpoint: codes and block scales sliced, per-tensor scales (fp8, fp8_delayed's
 state, nvfp4's global scale) equal. That needs the whole tensor's amax, reduced over the shard
-group inside the read loop (``checkpoint.shard_scales``); a block-local amax would give other
+group inside the read loop (``qckpt.load.shard_scales``); a block-local amax would give other
 scales, so these tests fail on the code before it.
 
 Sources: a DCP dir, an HF safetensors dir (per-expert names) and a blockwise-FP8 HF dir (the
@@ -74,8 +74,8 @@ def _cases(sources: dict):
 def _load_all(mesh, sources: dict, models: dict | None = None) -> dict:
     """Every (source, format) loaded on this rank (into ``models`` built before, else built
     here): fields, blocks and report figures."""
-    from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.checkpoint.shard_scales import WholeScales
+    from qckpt.load.loader import load_checkpoint
+    from qckpt.load.shard_scales import WholeScales
     from qckpt.parallel.shard import model_shards
 
     hooks = []
@@ -135,7 +135,7 @@ def sc_sharded(rank, world, ep, tp, sources):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """The tiny MoE (seed 3, not the build's seed 0) as DCP, HF and blockwise-FP8 16x16 dirs."""
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
     from tests.quantized_fixtures import bf16_dir, blockwise_fp8
 
@@ -302,7 +302,7 @@ def test_a_tp_split_inside_a_scale_block_is_refused_before_reading(sources):
 
 
 def sc_nan(rank, world, path):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from qckpt.parallel.mesh import init_mesh
 
     mesh = init_mesh(ep=2, timeout_s=10, device="cpu")
@@ -318,7 +318,7 @@ def sc_nan(rank, world, path):
 def test_nan_in_one_ranks_block_fails_every_rank_at_once(tmp_path):
     """Expert 6 (EP rank 1's block) holds a NaN: both ranks stop at that tensor's reduction
     with a line naming it, rank 0 does not wait for a collective rank 1 never joins."""
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     sd = build_model(SOURCE, seed=3).state_dict()
@@ -337,8 +337,8 @@ def _die_at_first_reduction(rank, world, path):
     """Rank 1 dies at its first whole-tensor amax reduction; rank 0 must not hang there."""
     import os
 
-    from qckpt.checkpoint.load import load_checkpoint
-    from qckpt.checkpoint.shard_scales import WholeScales
+    from qckpt.load.loader import load_checkpoint
+    from qckpt.load.shard_scales import WholeScales
     from qckpt.parallel.mesh import init_mesh
 
     mesh = init_mesh(ep=2, timeout_s=10, device="cpu")

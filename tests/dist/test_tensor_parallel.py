@@ -133,7 +133,7 @@ def sc_calibrate(rank, world, tp, quant, sources=("tiny-dense", "tiny-moe"), ep=
 
 def sc_load(rank, world, ep, tp, source, path):
     """Meta build, EP then TP sharding, allocate, load ``path``: each rank holds its blocks."""
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from qckpt.models.build import build_model
     from qckpt.parallel.mesh import init_mesh
     from qckpt.parallel.shard import model_shards
@@ -208,7 +208,7 @@ def test_tp_forward_close_to_single_process(world_size, ref_logits):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """tiny-dense and tiny-moe as a DCP dir and an HF safetensors dir each."""
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     d = tmp_path_factory.mktemp("tp-ckpt")

@@ -16,7 +16,7 @@ FIX = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
 
 
 def sc_sharded_vs_one_rank(rank, world, path, source, ep, tp, fmts):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from qckpt.parallel.mesh import init_mesh
     from qckpt.parallel.shard import model_shards
     from qckpt.pipeline.model import build

@@ -16,7 +16,7 @@ from pathlib import Path
 def main() -> None:
     marker, go, sep, *args = sys.argv[1:]
     assert sep == "--", "usage: _paused_cli.py MARKER GO -- ARGS..."
-    import qckpt.checkpoint.export as export
+    import qckpt.export.writer as export
 
     real = export.write_export  # what the command calls with its progress, after planning
 

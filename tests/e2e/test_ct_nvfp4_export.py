@@ -130,7 +130,7 @@ def test_blockwise_fp8_to_ct_nvfp4_loads_in_transformers(tmp_path):
 
 def test_ct_nvfp4_refuses_what_it_cannot_write():
     from qckpt import ExportError
-    from qckpt.checkpoint.export_layouts import make_layout
+    from qckpt.layouts.registry import make_layout
 
     q = quant_config(fmt="nvfp4", inputs="token")  # dynamic NVFP4 inputs: no global input scale
     with pytest.raises(ExportError, match="writes NVFP4 .* with weights and static inputs nvfp4"):

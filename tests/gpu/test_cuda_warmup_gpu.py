@@ -37,10 +37,10 @@ def entries():
 
 
 plan = CudaWarmup(params=fmt, dtype="bfloat16", pinned_buffers=2)
-warm_imports(None, "qckpt.checkpoint.load", cuda_first_use=plan)
+warm_imports(None, "qckpt.load.loader", cuda_first_use=plan)
 warmed = entries()
 
-from qckpt.checkpoint.load import load_checkpoint
+from qckpt.load.loader import load_checkpoint
 from qckpt.formats import _triton
 from qckpt.models.quantize_params import quantize_model_params
 from tests.unit._toy import same_tensor
@@ -77,7 +77,7 @@ print("RESULT", json.dumps(out))
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
 
     g = torch.Generator().manual_seed(0)
     sd = {

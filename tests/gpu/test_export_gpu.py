@@ -24,7 +24,7 @@ def _tree(d: Path) -> dict[str, bytes]:
 
 
 def _export(case, src, cal, out, device, shard=SHARD, config=None):
-    from qckpt.checkpoint.export import WriteOptions, export_checkpoint
+    from qckpt.export.writer import WriteOptions, export_checkpoint
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig
     from tests.unit._export_fixtures import quant_config
@@ -133,12 +133,12 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
     import threading
     import warnings
 
-    import qckpt.checkpoint.export_pipeline as pipe
+    import qckpt.export.stages as pipe
 
     case = ("compressed-tensors", {}, "tiny-moe", "hf")
     waits: list[str] = []
     jobs: list[int] = []
-    real, real_run = pipe._Pipeline._process, pipe._Pipeline._process_run
+    real, real_run = pipe.Pipeline._process, pipe.Pipeline._process_run
 
     def process(self, batch):
         if self._on_device(batch[0][0]):  # the others (norms, KV scales) stay on the host
@@ -154,8 +154,8 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
             if "synchronizing" in str(message):
                 waits.append(str(message))
 
-    pipe._Pipeline._process = process
-    pipe._Pipeline._process_run = process_run
+    pipe.Pipeline._process = process
+    pipe.Pipeline._process_run = process_run
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings():
@@ -174,8 +174,8 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
             control = len(waits) - seen
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        pipe._Pipeline._process = real
-        pipe._Pipeline._process_run = real_run
+        pipe.Pipeline._process = real
+        pipe.Pipeline._process_run = real_run
     return waits[:seen], jobs, control
 
 
@@ -291,19 +291,19 @@ def test_gpu_bulk_runs_of_experts_equal_the_cpu_and_the_per_item_export(
     read, one copy, one guard and one quantize per stack and one wait, files cut small so that
     a run's writes go to several files: the same bytes as the CPU export and as the GPU export
     one item at a time."""
-    import qckpt.checkpoint.export_pipeline as pipe
+    import qckpt.export.stages as pipe
 
     src, cfg, make_cal = moe64
     cal = make_cal(case[1])
     tag = "-".join(map(str, [case[0], *case[1].values()]))
     sizes: list[int] = []
-    real = pipe._Pipeline._process_run
+    real = pipe.Pipeline._process_run
 
     def process_run(self, run, fut):
         sizes.append(len(run.items))
         return real(self, run, fut)
 
-    monkeypatch.setattr(pipe._Pipeline, "_process_run", process_run)
+    monkeypatch.setattr(pipe.Pipeline, "_process_run", process_run)
     outs = {}
     for device, bulk in [("cpu", "0"), ("cuda", "1"), ("cuda", "0")]:
         monkeypatch.setenv("QCKPT_EXPORT_BULK", bulk)

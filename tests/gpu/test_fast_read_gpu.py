@@ -40,7 +40,7 @@ class Stack(nn.Module):
 @pytest.fixture(autouse=True)
 def _small_pieces(monkeypatch):
     # 1 MiB pieces: every weight in many pieces, each pinned buffer reused many times
-    import qckpt.checkpoint.fast_read as fast_read
+    import qckpt.read.fast_read as fast_read
 
     monkeypatch.setattr(fast_read, "CHUNK_BYTES", 1 << 20)
 
@@ -49,7 +49,7 @@ def _small_pieces(monkeypatch):
 def dirs(tmp_path_factory):
     from safetensors.torch import save_file
 
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
 
     g = torch.Generator().manual_seed(0)
     src = Stack().cpu()
@@ -85,7 +85,7 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
 
 
 def test_cast_path_fast_equals_plain_on_cuda(dirs):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
 
     for fmt in ("none", "fp8"):
         a, b = _model(fmt), _model(fmt)
@@ -97,7 +97,7 @@ def test_cast_path_fast_equals_plain_on_cuda(dirs):
 @pytest.mark.parametrize("kind", ["dcp", "hf"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fast_equals_plain_on_cuda(dirs, fmt, kind):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
 
     a, b = _model(fmt), _model(fmt)
     ra = load_checkpoint(a, dirs / kind, reader="fast", max_inflight=2)
@@ -117,8 +117,8 @@ def test_fast_equals_plain_on_cuda(dirs, fmt, kind):
 
 @pytest.mark.parametrize("fmt,kernel", [("fp8", "fp8_cast"), ("mxfp8", "mx_quantize")])
 def test_fast_load_quantizes_with_the_triton_kernels(dirs, monkeypatch, fmt, kernel):
-    from qckpt.checkpoint.load import load_checkpoint
     from qckpt.formats import _triton
+    from qckpt.load.loader import load_checkpoint
 
     if not _triton.usable(fmt):
         pytest.skip("triton kernels not usable on this GPU")
@@ -140,7 +140,7 @@ def test_fast_load_quantizes_with_the_triton_kernels(dirs, monkeypatch, fmt, ker
 
 @pytest.fixture(scope="module")
 def moe_hf(tmp_path_factory):
-    from qckpt.checkpoint.convert import dcp_to_hf_dir, save_model_dcp
+    from qckpt.convert.dcp import dcp_to_hf_dir, save_model_dcp
     from qckpt.models.build import build_model
 
     root = tmp_path_factory.mktemp("fastgpu-moe")
@@ -163,13 +163,13 @@ def _moe(fmt: str) -> nn.Module:
 @pytest.mark.parametrize("inflight", [1, 2])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4"])
 def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt, inflight):
-    import qckpt.checkpoint.fast_read as fast_read
-    from qckpt.checkpoint.load import load_checkpoint
+    import qckpt.read.fast_read as fast_read
+    from qckpt.load.loader import load_checkpoint
 
     # 4 KiB pinned buffers: a run's spans are cut mid-expert and its tasks reuse the buffers
     monkeypatch.setattr(fast_read, "CHUNK_BYTES", 4096)
     runs, copies = [], []
-    real_run, real_stretches = fast_read.FastReadEngine._start_run, fast_read._stretches
+    real_run, real_stretches = fast_read.FastReadEngine._start_run, fast_read.stretches
 
     def spy_run(self, *args):
         r = real_run(self, *args)
@@ -183,7 +183,7 @@ def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt
         return out
 
     monkeypatch.setattr(fast_read.FastReadEngine, "_start_run", spy_run)
-    monkeypatch.setattr(fast_read, "_stretches", spy_stretches)
+    monkeypatch.setattr(fast_read, "stretches", spy_stretches)
     a, b = _moe(fmt), _moe(fmt)
     ra = load_checkpoint(a, moe_hf, reader="fast", max_inflight=inflight, read_threads=4)
     load_checkpoint(b, moe_hf, reader="plain")
@@ -198,8 +198,8 @@ def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4"])
 def test_read_ahead_on_cuda_equals_plain_at_max_inflight_1(dirs, moe_hf, monkeypatch, fmt):
-    import qckpt.checkpoint.fast_read as fast_read
-    from qckpt.checkpoint.load import load_checkpoint
+    import qckpt.read.fast_read as fast_read
+    from qckpt.load.loader import load_checkpoint
 
     # 64 KiB pieces and 256 KiB of pinned staging: each destination's first pieces are staged
     # (copied in at its admission), its later ones wait for a staging buffer or the admission

@@ -39,7 +39,7 @@ class Stack(nn.Module):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
 
     g = torch.Generator().manual_seed(0)
     sd = {}
@@ -82,7 +82,7 @@ def _fields(m: nn.Module) -> dict:
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_stream_transient_is_bounded_by_the_largest_tensor(ckpt, fmt):
     from qckpt import formats
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
 
     if fmt not in formats.FORMATS:
         pytest.skip(f"{fmt} not built")
@@ -116,7 +116,7 @@ def test_stream_transient_is_bounded_by_the_largest_tensor(ckpt, fmt):
 
 
 def test_main_params_on_cuda_equal_the_checkpoint(ckpt):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
 
     path, sd = ckpt
     m = _model("fp8")
@@ -130,7 +130,7 @@ def test_main_params_on_cuda_equal_the_checkpoint(ckpt):
 
 
 def test_plain_bf16_load_on_cuda_is_bit_exact(ckpt):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
 
     path, sd = ckpt
     m = _model("none")

@@ -32,7 +32,7 @@ def test_dequantized_compute_turns_scaled_mm_off():
 
 @pytest.mark.parametrize("resident", ["fp8", "fp8_block", "mxfp8"])
 def test_cuda_calibration_weight_amax_matches_bf16(tmp_path, resident):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
     from qckpt.parallel.mesh import Mesh
     from qckpt.pipeline.calibrate import calibrate

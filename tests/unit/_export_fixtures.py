@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from qckpt.calib.state_file import CalibrationState, model_fingerprint, save_calibration
-from qckpt.checkpoint.export import export_checkpoint
+from qckpt.export.writer import export_checkpoint
 from qckpt.models.build import build_model
 from qckpt.models.naming import hf_tensors
 from qckpt.recipe import ExportConfig, QuantConfig, TensorQuantConfig

@@ -10,7 +10,7 @@ from tests.conftest import run_qckpt
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     d = tmp_path_factory.mktemp("short")

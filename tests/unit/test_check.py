@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qckpt.check import check_export
-from qckpt.checkpoint import export_layouts
 from qckpt.errors import ExportError
+from qckpt.layouts import modelopt
+from qckpt.layouts.check import check_export
 from tests.conftest import run_qckpt
 from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
 
@@ -160,14 +160,14 @@ def test_export_refuses_to_publish_what_fails_the_check(exports, monkeypatch):
     root, _ = exports
     model, hf_dir = saved_model(root, "tiny-moe")
     q = quant_config("tensor", "static")
-    orig = export_layouts.ModelOptLayout.quantization_config
+    orig = modelopt.ModelOptLayout.quantization_config
 
     def old_layout(self, ignored):  # what qckpt wrote before: vLLM served it as garbage
         cfg = orig(self, ignored)
         cfg["exclude_modules"] = cfg.pop("ignore")
         return cfg
 
-    monkeypatch.setattr(export_layouts.ModelOptLayout, "quantization_config", old_layout)
+    monkeypatch.setattr(modelopt.ModelOptLayout, "quantization_config", old_layout)
     target = root / "refused"
     with pytest.raises(
         ExportError, match="failed its own check: config.json: quantization_config has no 'ignore'"
@@ -201,7 +201,7 @@ def test_bulk_scale_test_gives_the_one_by_one_problems_in_order(exports, monkeyp
     """The one-value scales are read and tested together (one pread per run of nearby scales):
     several bad ones, of each kind, give the messages and the order that testing each scale
     where it is met gives (the bulk test turned off)."""
-    import qckpt.check as check
+    import qckpt.layouts.check as check
 
     root, out = exports
     d = _copy(root, out["compressed-tensors"], "ct-many-bad")

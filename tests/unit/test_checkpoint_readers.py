@@ -15,13 +15,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from qckpt.checkpoint import safetensors_io as stio
-from qckpt.checkpoint.convert import save_model_dcp
-from qckpt.checkpoint.load import load_checkpoint
-from qckpt.checkpoint.model_files import CARRY_FILES
-from qckpt.checkpoint.sources import SafetensorsSource, iter_checkpoint_tensors, open_source
+from qckpt.convert.dcp import save_model_dcp
 from qckpt.errors import CheckpointError
 from qckpt.inspect import inspect_path
+from qckpt.load.loader import load_checkpoint
+from qckpt.read.readers import iter_checkpoint_tensors, open_source
+from qckpt.read.sources import SafetensorsSource
+from qckpt.storage import safetensors as stio
+from qckpt.storage.model_files import CARRY_FILES
 from tests.conftest import ROOT, run_qckpt
 from tests.unit.test_load import Toy
 
@@ -248,10 +249,22 @@ def test_convert_to_hf_carries_tokenizer_generation_and_chat_files(tmp_path):
     assert stio.list_files(out) == ["model.safetensors"]
 
 
-def test_plain_dir_check_knows_every_quantization_parameter_name():
-    from qckpt.checkpoint import quantized_sources, sources
+def test_plain_dir_check_knows_every_quantization_parameter_name(tmp_path):
+    """A dir whose only sign of quantization is a parameter's name is not taken for plain:
+    the torch-free check and the layout detection read the one list of names."""
+    import torch
+    from safetensors.torch import save_file
 
-    assert sources._QUANT_PARAM_SUFFIXES == quantized_sources._PARAM_SUFFIXES
+    from qckpt.layouts.names import PARAM_SUFFIXES
+
+    for i, suffix in enumerate(PARAM_SUFFIXES):
+        d = tmp_path / str(i)
+        d.mkdir()
+        leaf = suffix if suffix.startswith("weight_") else f"input{suffix}"
+        tensors = {"a.weight": torch.zeros(2, 2), f"a.{leaf}": torch.ones(1)}
+        save_file(tensors, str(d / "model.safetensors"))
+        with pytest.raises(CheckpointError, match="unknown quantized layout"):
+            SafetensorsSource(d).layout()
 
 
 def test_quantized_source_entries_report_stored_dtype_scales_and_bytes(tmp_path):

@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
-from qckpt.checkpoint.convert import dcp_to_hf_dir, hf_dir_to_dcp, save_model_dcp
-from qckpt.checkpoint.sources import checkpoint_names_shapes, detect_format, iter_checkpoint_tensors
+from qckpt.convert.dcp import dcp_to_hf_dir, hf_dir_to_dcp, save_model_dcp
 from qckpt.errors import CheckpointError
 from qckpt.models.build import build_model
 from qckpt.models.quantize_params import quantize_model_params
+from qckpt.read.detect import detect_format
+from qckpt.read.readers import checkpoint_names_shapes, iter_checkpoint_tensors
 
 
 @pytest.fixture(scope="module")

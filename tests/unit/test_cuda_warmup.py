@@ -125,7 +125,7 @@ def test_warm_pinned_makes_and_drops_the_buffers(monkeypatch):
 
 
 def test_the_pinned_plan_mirrors_the_fast_reads_pool(tmp_path):
-    from qckpt.checkpoint import fast_read
+    from qckpt.read import fast_read
 
     threads = fast_read.default_threads()
     pool = threads + 2 + fast_read.READ_AHEAD_BYTES // fast_read.CHUNK_BYTES

@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 
 from qckpt.calib.state_file import load_calibration, save_calibration
-from qckpt.checkpoint.export import export_checkpoint
-from qckpt.checkpoint.fused_scales import fused_parts
-from qckpt.checkpoint.sources import SafetensorsSource
 from qckpt.errors import ExportError
+from qckpt.export.writer import export_checkpoint
+from qckpt.models.fused import fused_parts
 from qckpt.outputs import EXPORT_MARKER
+from qckpt.read.sources import SafetensorsSource
 from qckpt.recipe import ExportConfig
 from tests.unit._export_fixtures import (
     hf_state,
@@ -472,11 +472,11 @@ def test_scales_are_the_correctly_rounded_quotient_on_any_device():
     """Export scales are ``amax / 448`` (and ``/ 2688``) rounded once, as CPU torch divides;
     CUDA torch would multiply by a rounded reciprocal instead, which differs in the last bit
     for many values: the helper must not."""
-    from qckpt.checkpoint.export_layouts import _over
+    from qckpt.layouts.export_layout import amax_over
 
     a = torch.rand(1 << 18, generator=torch.Generator().manual_seed(0)) * 1000
     for qmax in (448.0, 2688.0):
-        got = _over(a, qmax)
+        got = amax_over(a, qmax)
         assert torch.equal(got.view(torch.int32), (a / qmax).view(torch.int32))
         exact = (a.double() / qmax).float()
         assert torch.equal(got, exact)
@@ -490,7 +490,8 @@ def test_scales_are_the_correctly_rounded_quotient_on_any_device():
 def test_plan_writes_nothing_and_the_writer_executes_it(tmp_path, dense):
     """plan_export decides everything from metadata alone; write_export of that plan gives the
     same files as export_checkpoint, and a refusal found while planning leaves no trace."""
-    from qckpt.checkpoint.export import plan_export, write_export
+    from qckpt.export.plan import plan_export
+    from qckpt.export.writer import write_export
 
     model, hf_dir = dense
     q = quant_config("channel")

@@ -19,10 +19,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import qckpt.checkpoint.export_pipeline as pipe
-from qckpt.checkpoint.export import WriteOptions
-from qckpt.checkpoint.export_layouts import CHUNK_ELEMS, check_source_weight, refuse_source_weight
+import qckpt.export.budget as budget
+import qckpt.export.stages as pipe
 from qckpt.errors import ExportError
+from qckpt.export.guard import check_source_weight, refuse_source_weight
+from qckpt.export.writer import WriteOptions
+from qckpt.layouts.export_layout import CHUNK_ELEMS
 from tests.unit._export_fixtures import (
     make_calibration,
     quant_config,
@@ -114,7 +116,7 @@ def device_path(monkeypatch):
     """Every quantized item takes the device path (batches, one host block, deferred verdicts)
     while the device is the CPU; records each job's items and the budgets left at the end."""
     seen: dict[str, list] = {"jobs": [], "left": []}
-    real_process, real_run = pipe._Pipeline._process, pipe._Pipeline.run
+    real_process, real_run = pipe.Pipeline._process, pipe.Pipeline.run
 
     def process(self, batch):
         seen["jobs"].append([it.entry.name for it, _ in batch if it.entry is not None])
@@ -126,10 +128,10 @@ def device_path(monkeypatch):
         finally:
             seen["left"].append((self.budget.used, self.dev_budget.used))
 
-    monkeypatch.setattr(pipe._Pipeline, "_on_device", lambda self, it: it.quantized_only)
+    monkeypatch.setattr(pipe.Pipeline, "_on_device", lambda self, it: it.quantized_only)
     monkeypatch.setenv("QCKPT_EXPORT_BULK", "0")  # the per-item path (runs: test_export_bulk)
-    monkeypatch.setattr(pipe._Pipeline, "_process", process)
-    monkeypatch.setattr(pipe._Pipeline, "run", run)
+    monkeypatch.setattr(pipe.Pipeline, "_process", process)
+    monkeypatch.setattr(pipe.Pipeline, "run", run)
     return seen
 
 
@@ -142,7 +144,7 @@ def test_the_device_path_writes_the_same_files_and_gives_every_byte_back(
     cal = make_calibration(model, q)
     plain = root / f"plain-{granularity}"
     with pytest.MonkeyPatch.context() as m:  # the real CPU path, for the reference files
-        m.setattr(pipe._Pipeline, "_on_device", lambda self, it: False)
+        m.setattr(pipe.Pipeline, "_on_device", lambda self, it: False)
         _export(model, hf_dir, plain, q, cal)
     out = root / f"device-{granularity}"
     _export(model, hf_dir, out, q, cal, quantizers=2)
@@ -215,11 +217,11 @@ def _batch(queued: list, cap: int, busy: int = 0, late: int = 0):
     fake._on_device = lambda it: it.quantized_only
     polls = iter([True] * busy)
     fake._pool_full = lambda: next(polls, False)
-    fake.dev_budget = pipe.HostBudget(cap)
+    fake.dev_budget = budget.HostBudget(cap)
     fake.ready, fake.back = _Queue(list(queued), late), []
     first = queued.pop(0)
     fake.ready.items.pop(0)
-    return pipe._Pipeline._batch(fake, first), fake.back, fake.ready.items
+    return pipe.Pipeline._batch(fake, first), fake.back, fake.ready.items
 
 
 def test_a_batch_takes_only_queued_device_items_within_its_bytes():
@@ -255,7 +257,7 @@ def test_a_pinned_read_is_counted_at_the_size_torch_pins():
     mib = pipe.MiB
     fake = type("P", (), {})()
     fake._on_device = lambda it: it.quantized_only
-    fake._pinned = lambda it: pipe._Pipeline._pinned(fake, it)
+    fake._pinned = lambda it: pipe.Pipeline._pinned(fake, it)
     for device, n, want in [
         ("cuda", 3 * mib, 4 * mib),
         ("cuda", 4 * mib, 4 * mib),
@@ -263,6 +265,6 @@ def test_a_pinned_read_is_counted_at_the_size_torch_pins():
         ("cpu", 3 * mib, 3 * mib),
     ]:
         fake.device = torch.device(device)
-        assert pipe._Pipeline._host_cost(fake, _Item(n)) == want
+        assert pipe.Pipeline._host_cost(fake, _Item(n)) == want
     fake.device = torch.device("cuda")
-    assert pipe._Pipeline._host_cost(fake, _Item(3 * mib, dev=False)) == 3 * mib
+    assert pipe.Pipeline._host_cost(fake, _Item(3 * mib, dev=False)) == 3 * mib

@@ -21,14 +21,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import qckpt.checkpoint.export_pipeline as pipe
-from qckpt.checkpoint.export import WriteOptions
-from qckpt.checkpoint.export_layouts import CHUNK_ELEMS, check_source_stack, check_source_weight
-from qckpt.checkpoint.export_plan import plan_export
-from qckpt.checkpoint.safetensors_io import ShardFile, create_shard_file
-from qckpt.checkpoint.sources import SafetensorsSource
+import qckpt.export.shares as shares
+import qckpt.export.stages as pipe
 from qckpt.errors import CheckpointError, ExportError
+from qckpt.export.guard import check_source_stack, check_source_weight
+from qckpt.export.plan import plan_export
+from qckpt.export.writer import WriteOptions
+from qckpt.layouts.export_layout import CHUNK_ELEMS
+from qckpt.read.sources import SafetensorsSource
 from qckpt.recipe import ExportConfig
+from qckpt.storage.shards import ShardFile, create_shard_file
 from tests.unit._export_fixtures import (
     make_calibration,
     quant_config,
@@ -49,7 +51,7 @@ def moe(tmp_path_factory):
 def runs(monkeypatch):
     """Records every run's items and the budgets left (and their peaks) at the end."""
     seen: dict[str, list] = {"runs": [], "left": []}
-    real_process, real_run = pipe._Pipeline._process_run, pipe._Pipeline.run
+    real_process, real_run = pipe.Pipeline._process_run, pipe.Pipeline.run
 
     def process_run(self, run, fut):
         seen["runs"].append([it.entry.name for it in run.items])
@@ -61,8 +63,8 @@ def runs(monkeypatch):
         finally:
             seen["left"].append((self.budget.used, self.budget.peak, self.budget.cap))
 
-    monkeypatch.setattr(pipe._Pipeline, "_process_run", process_run)
-    monkeypatch.setattr(pipe._Pipeline, "run", run)
+    monkeypatch.setattr(pipe.Pipeline, "_process_run", process_run)
+    monkeypatch.setattr(pipe.Pipeline, "run", run)
     return seen
 
 
@@ -167,7 +169,7 @@ def test_a_run_is_cut_into_stacks_of_evenly_spaced_weights_of_one_kind():
     names = [f"e.{e}.{p}" for e in range(3) for p in ("down", "gate", "up")] + ["q", "k"]
     shapes = [(4, 2), (2, 4), (2, 4)] * 3 + [(2, 4), (2, 4)]
     offsets = [16 * i for i in range(len(shapes))]
-    stacks = pipe._stacks(names, shapes, offsets, 2)
+    stacks = shares.stacks(names, shapes, offsets, 2)
     got = [(s.index, s.shape, s.offset, s.stride) for s in stacks]
     assert got == [
         ([0, 3, 6], (4, 2), 0, 48),
@@ -177,7 +179,7 @@ def test_a_run_is_cut_into_stacks_of_evenly_spaced_weights_of_one_kind():
         ([10], (2, 4), 160, 16),
     ]
     # a kind whose spacing changes is cut where it does
-    got = pipe._stacks(["a.0.w", "a.1.w", "a.2.w", "a.3.w"], [(2, 4)] * 4, [0, 16, 48, 64], 2)
+    got = shares.stacks(["a.0.w", "a.1.w", "a.2.w", "a.3.w"], [(2, 4)] * 4, [0, 16, 48, 64], 2)
     assert [(s.index, s.offset, s.stride) for s in got] == [([0, 1], 0, 16), ([2, 3], 48, 16)]
     # a view of the bytes through the stacks gives each weight back
     buf = torch.arange(len(shapes) * 8, dtype=torch.bfloat16)
@@ -219,7 +221,7 @@ def test_the_stacked_guard_agrees_with_the_per_weight_one(kind):
 
 
 def test_a_span_write_puts_every_tensor_at_its_slot(tmp_path):
-    from qckpt.checkpoint.export_layouts import OutSpec
+    from qckpt.layouts.export_layout import OutSpec
 
     specs = [OutSpec(f"t{i}", torch.uint8, (i + 1,)) for i in range(6)]
     path = tmp_path / "s.safetensors"
@@ -266,7 +268,7 @@ def test_runs_on_the_device_path_write_the_same_files(moe, runs, monkeypatch, la
     kw = {"fmt": fmt, "max_shard_size": "40KB"}
     plain = root / f"dev-plain-{tag}"
     _export(model, hf_dir, plain, q, cal, bulk=False, **kw)
-    monkeypatch.setattr(pipe._Pipeline, "_runs_on_device", lambda self: True)
+    monkeypatch.setattr(pipe.Pipeline, "_runs_on_device", lambda self: True)
     out = root / f"dev-bulk-{tag}"
     _export(model, hf_dir, out, q, cal, bulk=True, **kw)
     assert runs["runs"] and _digest(out) == _digest(plain)
@@ -282,7 +284,7 @@ def test_a_refused_weight_on_the_runs_device_path_gives_the_per_item_error(moe, 
     out = root / "dev-out-bad"
     with pytest.raises(ExportError) as plain:
         _export(model, bad, out, q, cal, bulk=False)
-    monkeypatch.setattr(pipe._Pipeline, "_runs_on_device", lambda self: True)
+    monkeypatch.setattr(pipe.Pipeline, "_runs_on_device", lambda self: True)
     with pytest.raises(ExportError) as e:
         _export(model, bad, out, q, cal, bulk=True)
     assert str(e.value) == str(plain.value) and str(e.value).startswith(f"{name}: amax ")
@@ -307,10 +309,10 @@ def test_two_lanes_still_name_the_first_refused_weight_in_plan_order(moe, runs):
         quant=q,
         export=ExportConfig(**kw),
     )
-    items = pipe.plan_items(plan)
+    items = shares.plan_items(plan)
     costs, files = [it.cost for it in items], [it.file_of[0] for it in items]
-    order = pipe.lane_order(costs, files, 2)
-    cut = pipe.split_balanced(costs, 2)[1].start
+    order = shares.lane_order(costs, files, 2)
+    cut = shares.split_balanced(costs, 2)[1].start
     quantized = [i for i, it in enumerate(items) if it.quantized_only]
     first = items[max(i for i in quantized if i < cut)].entry.name  # the first lane's last
     second = items[min(i for i in quantized if i >= cut)].entry.name  # the second's first

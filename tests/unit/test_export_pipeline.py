@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qckpt.checkpoint.export import WriteOptions, export_checkpoint
 from qckpt.errors import RecipeError, UsageError
+from qckpt.export.writer import WriteOptions, export_checkpoint
 from qckpt.recipe import ExportConfig
 from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
 
@@ -32,8 +32,8 @@ def test_files_are_the_same_whatever_the_threads_and_lanes(tmp_path, monkeypatch
     """Same files for any thread counts and any number of files written at once (lanes). One
     lane and one writer write one file after another (plan order); with lanes, that many
     files take writes at once (a write into one file holds its lock while it copies)."""
-    from qckpt.checkpoint.export_pipeline import LANES
-    from qckpt.checkpoint.safetensors_io import ShardFile
+    from qckpt.export.stages import LANES
+    from qckpt.storage.shards import ShardFile
 
     log: list[str] = []
     real_write, real_span = ShardFile.write, ShardFile.write_span
@@ -114,7 +114,7 @@ def test_host_memory_in_flight_is_bounded(tmp_path):
 def test_split_balanced_shares_are_within_one_item_of_equal():
     import random
 
-    from qckpt.checkpoint.export_pipeline import split_balanced
+    from qckpt.export.shares import split_balanced
 
     rng = random.Random(0)
     cases = [[9, 1, 5, 5, 3, 7, 2, 8], [100, 1, 1, 1], [0, 0, 5], [4], []]
@@ -138,8 +138,8 @@ def test_split_balanced_shares_are_within_one_item_of_equal():
 def _uneven_plan(tmp_path: Path):
     """A real plan of tiny-moe whose shard files are uneven (a 12 KB cap; the embeddings, 32 KB,
     get a file of their own)."""
-    from qckpt.checkpoint.export_plan import plan_export
-    from qckpt.checkpoint.safetensors_io import spec_nbytes
+    from qckpt.export.plan import plan_export
+    from qckpt.storage.shards import spec_nbytes
 
     model, hf_dir = saved_model(tmp_path, "tiny-moe")
     q = quant_config(kv=True)
@@ -158,7 +158,7 @@ def _uneven_plan(tmp_path: Path):
 
 
 def test_lane_order_takes_equal_lanes_by_turns_each_in_plan_order():
-    from qckpt.checkpoint.export_pipeline import lane_order, split_balanced
+    from qckpt.export.shares import lane_order, split_balanced
 
     costs = [4, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1, 1]
     files = [0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
@@ -182,7 +182,7 @@ def test_lane_order_takes_equal_lanes_by_turns_each_in_plan_order():
 
 
 def test_assign_items_balances_bytes_moved_over_ranks_sharing_files(tmp_path):
-    from qckpt.checkpoint.export_pipeline import assign_items, plan_items
+    from qckpt.export.shares import assign_items, plan_items
 
     plan = _uneven_plan(tmp_path)
     items = plan_items(plan)
@@ -210,9 +210,9 @@ def test_assign_items_balances_bytes_moved_over_ranks_sharing_files(tmp_path):
 def test_a_file_missing_a_slot_is_refused_by_the_main_rank(tmp_path, monkeypatch):
     """A share left out of the assignment (every rank's own close passes: it wrote what it was
     given): the main rank's whole-file check refuses the export, nothing is left."""
-    import qckpt.checkpoint.export as ex
-    from qckpt.checkpoint.export_pipeline import check_written
+    import qckpt.export.writer as ex
     from qckpt.errors import ExportError
+    from qckpt.export.shares import check_written
 
     plan = _uneven_plan(tmp_path)
     real = ex.assign_items
@@ -237,8 +237,8 @@ def test_a_file_missing_a_slot_is_refused_by_the_main_rank(tmp_path, monkeypatch
 
 
 def test_shard_file_written_out_of_order_equals_front_to_back(tmp_path):
-    from qckpt.checkpoint.export_plan import OutSpec
-    from qckpt.checkpoint.safetensors_io import ShardFile, ShardWriter, create_shard_file
+    from qckpt.layouts.export_layout import OutSpec
+    from qckpt.storage.shards import ShardFile, ShardWriter, create_shard_file
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -317,15 +317,15 @@ def test_bad_writer_settings_are_one_line(tmp_path, monkeypatch):
 def test_worker_threads_use_the_callers_kernel_policy(tmp_path, monkeypatch):
     """The CLI scopes the kernel policy (QCKPT_COMPILE, ...) in a context variable; the quantize
     threads must see it, as the one thread of a plain export did."""
-    import qckpt.checkpoint.export_layouts as layouts
+    import qckpt.export.guard as guard
     from qckpt.kernel_policy import KernelPolicy, current_policy, kernel_policy
 
     model, hf_dir = saved_model(tmp_path, "tiny-dense")
     q = quant_config()
     seen = []
-    real = layouts.check_source_weight
+    real = guard.check_source_weight
 
-    real_stack = layouts.check_source_stack
+    real_stack = guard.check_source_stack
 
     def spy(module, w, amax):
         seen.append(current_policy().compile)
@@ -335,7 +335,7 @@ def test_worker_threads_use_the_callers_kernel_policy(tmp_path, monkeypatch):
         seen.extend(current_policy().compile for _ in amax)
         return real_stack(w, amax, chunk)
 
-    import qckpt.checkpoint.export_pipeline as pipe
+    import qckpt.export.stages as pipe
 
     monkeypatch.setattr(pipe, "check_source_weight", spy)
     monkeypatch.setattr(pipe, "check_source_stack", spy_stack)
@@ -377,9 +377,10 @@ def test_a_failed_quantize_job_stops_the_rank_instead_of_hanging_it(tmp_path):
     on the feeder)."""
     import threading
 
-    from qckpt.checkpoint.export_pipeline import Share, create_files, plan_items, write_share
-    from qckpt.checkpoint.export_plan import plan_export
     from qckpt.errors import ExportError
+    from qckpt.export.plan import plan_export
+    from qckpt.export.shares import Share, create_files, plan_items
+    from qckpt.export.stages import write_share
 
     model, hf_dir = saved_model(tmp_path, "tiny-dense")
     q = quant_config()
@@ -416,7 +417,7 @@ def test_a_full_disk_while_making_the_shard_files_is_one_line_and_leaves_nothing
     import errno
     import os
 
-    import qckpt.checkpoint.safetensors_io as stio
+    import qckpt.storage.shards as stio
     from qckpt.errors import OutputError
 
     plan = _uneven_plan(tmp_path)
@@ -429,7 +430,7 @@ def test_a_full_disk_while_making_the_shard_files_is_one_line_and_leaves_nothing
         return real(fd, size)
 
     monkeypatch.setattr(stio.os, "ftruncate", full)
-    from qckpt.checkpoint.export import write_export
+    from qckpt.export.writer import write_export
 
     with pytest.raises(OutputError, match=r"^export.output: cannot write .*: no space left"):
         write_export(plan)

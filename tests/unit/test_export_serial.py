@@ -17,14 +17,9 @@ import pytest
 import torch
 
 from qckpt.calib.state_file import CalibrationState, load_calibration, save_calibration
-from qckpt.checkpoint.safetensors_io import (
-    ShardSpecs,
-    index_text,
-    read_header,
-    shard_header,
-    shard_layout,
-)
 from qckpt.errors import CheckpointError
+from qckpt.storage.safetensors import read_header
+from qckpt.storage.shards import ShardSpecs, index_text, shard_header, shard_layout
 from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
 
 

@@ -16,15 +16,17 @@ import threading
 import pytest
 import torch
 
-import qckpt.checkpoint.fast_read as fast_read
-import qckpt.checkpoint.load as load_mod
-from qckpt.checkpoint.convert import dcp_to_hf_dir, save_model_dcp
-from qckpt.checkpoint.load import load_checkpoint
-from qckpt.checkpoint.torch_save_layout import locate_tensor
+import qckpt.load.loader as load_mod
+import qckpt.read.fast_io as fast_io
+import qckpt.read.fast_read as fast_read
+import qckpt.read.fast_spans as fast_spans
+from qckpt.convert.dcp import dcp_to_hf_dir, save_model_dcp
 from qckpt.errors import CheckpointError, RecipeError, UsageError
+from qckpt.load.loader import load_checkpoint
 from qckpt.models.build import build_model
 from qckpt.models.quantize_params import quantize_model_params
 from qckpt.recipe import recipe_from_dict
+from qckpt.storage.torch_save import locate_tensor
 from tests import quantized_fixtures as fx
 from tests.unit._toy import ALL_FORMATS, Toy, assert_same_model, toy_quantized
 
@@ -148,7 +150,7 @@ def test_planner_calls_stay_in_plan_order_on_the_calling_thread(ckpts, monkeypat
             seen["finish"].append(fqn)
             super()._finish(fqn, d)
 
-    real_read = fast_read.read_exact
+    real_read = fast_io.read_exact
 
     def read_exact(*args):
         seen["reads"].add(threading.get_ident())
@@ -279,11 +281,11 @@ def test_locate_tensor_on_damaged_archives_declines_or_stays_inside():
 def test_short_read_names_the_file(tmp_path):
     f = tmp_path / "data.distcp"
     f.write_bytes(b"x" * 10)
-    files = fast_read.Files()
+    files = fast_io.Files()
     try:
         buf = memoryview(bytearray(16))
         with pytest.raises(CheckpointError, match=r"data\.distcp: truncated: 16 bytes expected"):
-            fast_read.read_exact(files.fd(str(f)), buf, 0, str(f))
+            fast_io.read_exact(files.fd(str(f)), buf, 0, str(f))
     finally:
         files.close()
 
@@ -301,7 +303,7 @@ def test_span_is_one_contiguous_run_of_elements_or_none():
         ((1, 0, 1), (1, 2, 4)),  # narrowed columns: not contiguous
     ]
     for offs, lens in cases:
-        got = fast_read._span(shape, offs, lens)
+        got = fast_spans.span(shape, offs, lens)
         region = flat[tuple(slice(o, o + n) for o, n in zip(offs, lens, strict=True))]
         contiguous = region.numel() == 0 or (
             region.flatten().diff().eq(1).all().item()
@@ -314,17 +316,17 @@ def test_span_is_one_contiguous_run_of_elements_or_none():
             assert got is not None and got[1] == 0
         else:
             assert got is None, (offs, lens)
-    assert fast_read._span((2, 3), (0,), (1,)) is None  # rank mismatch
+    assert fast_spans.span((2, 3), (0,), (1,)) is None  # rank mismatch
 
 
 def test_spans_merge_split_into_tasks_and_coalesce_into_stretches():
     spans: list = []
-    fast_read._add_span(spans, ("a", 100, 0, 10))
-    fast_read._add_span(spans, ("a", 110, 10, 6))  # continues both: merged
-    fast_read._add_span(spans, ("a", 500, 16, 4))  # continues the destination only
-    fast_read._add_span(spans, ("b", 520, 20, 4))  # another file
+    fast_spans.add_span(spans, ("a", 100, 0, 10))
+    fast_spans.add_span(spans, ("a", 110, 10, 6))  # continues both: merged
+    fast_spans.add_span(spans, ("a", 500, 16, 4))  # continues the destination only
+    fast_spans.add_span(spans, ("b", 520, 20, 4))  # another file
     assert spans == [("a", 100, 0, 16), ("a", 500, 16, 4), ("b", 520, 20, 4)]
-    tasks = fast_read._tasks(spans, 7)
+    tasks = fast_spans.span_tasks(spans, 7)
     assert all(sum(s[3] for s in t) <= 7 for t in tasks)
     # every byte once, in order, each piece at its own file and destination offsets
     pieces = [s for t in tasks for s in t]
@@ -332,8 +334,8 @@ def test_spans_merge_split_into_tasks_and_coalesce_into_stretches():
     assert [s[2] for s in pieces] == sorted(s[2] for s in pieces)
     assert pieces[1] == ("a", 107, 7, 7)
     # back to back in one buffer, the destination-contiguous spans are one copy
-    assert fast_read._stretches(spans) == [(0, 0, 24)]
-    assert fast_read._stretches([("a", 0, 0, 4), ("a", 9, 8, 4)]) == [(0, 0, 4), (8, 4, 4)]
+    assert fast_spans.stretches(spans) == [(0, 0, 24)]
+    assert fast_spans.stretches([("a", 0, 0, 4), ("a", 9, 8, 4)]) == [(0, 0, 4), (8, 4, 4)]
 
 
 def test_fused_experts_are_read_as_runs_in_few_tasks(ckpts, monkeypatch):

@@ -19,13 +19,15 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-import qckpt.checkpoint.fast_read as fast_read
-from qckpt.checkpoint.convert import dcp_to_hf_dir, save_model_dcp
-from qckpt.checkpoint.load import load_checkpoint
-from qckpt.checkpoint.torch_save_layout import StoredTensor
+import qckpt.read.fast_io as fast_io
+import qckpt.read.fast_read as fast_read
+import qckpt.read.fast_spans as fast_spans
+from qckpt.convert.dcp import dcp_to_hf_dir, save_model_dcp
 from qckpt.errors import CheckpointError
+from qckpt.load.loader import load_checkpoint
 from qckpt.models.build import build_model
 from qckpt.models.quantize_params import quantize_model_params
+from qckpt.storage.torch_save import StoredTensor
 from tests.unit._toy import ALL_FORMATS, Toy, assert_same_model, toy_quantized
 
 pytestmark = pytest.mark.timeout(60)  # a deadlock fails here, not after the suite's timeout
@@ -170,7 +172,7 @@ def _files(tmp_path, names: list[str], short: str | None = None):
     return str(path), values
 
 
-def _jobs(path: str, names: list[str]) -> list[fast_read.Job]:
+def _jobs(path: str, names: list[str]) -> list[fast_spans.Job]:
     jobs = []
     for k, n in enumerate(names):
         st = StoredTensor(path, k * ROWS * COLS * 4, torch.float32, (ROWS, COLS))
@@ -183,13 +185,13 @@ def _jobs(path: str, names: list[str]) -> list[fast_read.Job]:
                 storage_offsets=torch.Size((r, 0)),
                 lengths=torch.Size((ITEM_ROWS, COLS)),
             )
-            jobs.append(fast_read.Job(item, locate=lambda st=st: st))
+            jobs.append(fast_spans.Job(item, locate=lambda st=st: st))
     return jobs
 
 
 def _engine(inflight: int, ahead: int) -> fast_read.FastReadEngine:
     # 1 KiB pieces: each destination is 4 pool tasks; ``ahead`` bytes of staging
-    files = fast_read.Files()
+    files = fast_io.Files()
     return fast_read.FastReadEngine(
         files=files, max_inflight=inflight, threads=3, chunk_bytes=1024, read_ahead=ahead
     )
@@ -204,7 +206,7 @@ def _track_reads(monkeypatch, path, names: list[str]) -> dict[str, threading.Eve
     """An event per destination, set when the first read of its bytes starts."""
     which = _which(path, names)
     started = {n: threading.Event() for n in names}
-    real = fast_read.read_exact
+    real = fast_io.read_exact
 
     def read_exact(fd, buf, pos, p):
         started[which(pos)].set()
@@ -284,7 +286,7 @@ def test_a_failure_while_read_ahead_waits_for_staging_does_not_hang(tmp_path, mo
     names = ["w0", "w1"]
     path, _ = _files(tmp_path, names)
     blocked = threading.Event()
-    real_acquire, real_read = fast_read.PinnedPool.acquire, fast_read.read_exact
+    real_acquire, real_read = fast_io.PinnedPool.acquire, fast_io.read_exact
 
     def acquire(self, until=None, *, hold=False):
         full = not self._free and self._made >= self._count
@@ -298,7 +300,7 @@ def test_a_failure_while_read_ahead_waits_for_staging_does_not_hang(tmp_path, mo
             raise CheckpointError(f"{p}: cannot read (Input/output error)")
         return real_read(fd, buf, pos, p)
 
-    monkeypatch.setattr(fast_read.PinnedPool, "acquire", acquire)
+    monkeypatch.setattr(fast_io.PinnedPool, "acquire", acquire)
     monkeypatch.setattr(fast_read, "read_exact", read_exact)
     planner = Recorder(names)
     with pytest.raises(CheckpointError, match=r"^w0: .*data\.bin: cannot read \(Input/output"):
@@ -310,7 +312,7 @@ def test_staging_keeps_at_most_its_share_of_a_shared_pool():
     # on CUDA the read-ahead stages in the pinned pool of the direct reads: whatever staging
     # keeps, the direct reads (which give their buffer back after queueing its copy) still get
     # buffers, so the window's head never waits for a later destination's admission
-    pool = fast_read.PinnedPool(64, 2, pin=False)
+    pool = fast_io.PinnedPool(64, 2, pin=False)
     pool.add_holds(2)
     kept = [pool.acquire(hold=True) for _ in range(2)]
     assert pool.acquire(lambda: True, hold=True) is None  # it would wait: its share is kept

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qckpt.checkpoint.convert import save_model_dcp
+from qckpt.convert.dcp import save_model_dcp
 from qckpt.models.build import build_model
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.calibrate import calibrate

@@ -75,7 +75,7 @@ def test_a_rank_that_dies_without_a_word_is_named_with_its_signal(tmp_path):
 
 
 def test_a_good_run_streams_rank_0s_lines_and_nothing_of_torchrun(tmp_path):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
     from qckpt.models.build import build_model
 
     save_model_dcp(build_model("tiny-dense"), tmp_path / "dcp")

@@ -9,11 +9,11 @@ import pickle
 import pytest
 import torch
 
-import qckpt.checkpoint.load as load_mod
+import qckpt.load.loader as load_mod
 from qckpt import formats
-from qckpt.checkpoint.convert import dcp_to_hf_dir, save_model_dcp
-from qckpt.checkpoint.load import LoadReport, load_checkpoint
+from qckpt.convert.dcp import dcp_to_hf_dir, save_model_dcp
 from qckpt.errors import CheckpointError
+from qckpt.load.loader import LoadReport, load_checkpoint
 from qckpt.models.quantize_params import quantize_model_params
 from qckpt.plot import plot_memory
 from qckpt.recipe import recipe_from_dict

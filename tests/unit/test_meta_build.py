@@ -10,9 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import qckpt.pipeline.load as pipeline_load
 from qckpt import formats
-from qckpt.checkpoint.convert import dcp_to_hf_dir, save_model_dcp
-from qckpt.checkpoint.load import load_checkpoint
+from qckpt.convert.dcp import dcp_to_hf_dir, save_model_dcp
 from qckpt.errors import CheckpointError
+from qckpt.load.loader import load_checkpoint
 from qckpt.models.build import build_model, load_config
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.model import build

@@ -139,7 +139,7 @@ class _FakeAllocator:
     ids=["load-raises-the-high", "load-under-an-earlier-high"],
 )
 def test_meter_measures_windows_without_resetting(monkeypatch, earlier_high, exact):
-    from qckpt.checkpoint.planner import MemoryMeter
+    from qckpt.load.meter import MemoryMeter
 
     a = _FakeAllocator(alloc=100, high=earlier_high)
     a.install(monkeypatch)

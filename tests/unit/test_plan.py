@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from qckpt import formats
-from qckpt.checkpoint.convert import save_model_dcp
-from qckpt.checkpoint.load import load_checkpoint
 from qckpt.cli.app import main
+from qckpt.convert.dcp import save_model_dcp
+from qckpt.load.loader import load_checkpoint
 from qckpt.models.build import build_model
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.load import build_for_load

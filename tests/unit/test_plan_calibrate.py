@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from qckpt.checkpoint.convert import save_model_dcp
+from qckpt.convert.dcp import save_model_dcp
 from qckpt.models.build import build_model
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.calibrate import calibrate

@@ -12,17 +12,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from qckpt import formats
-from qckpt.checkpoint.convert import save_model_dcp
-from qckpt.checkpoint.dcp_reader import OrderedFileSystemReader
-from qckpt.checkpoint.load import load_checkpoint
-from qckpt.checkpoint.planner import (
-    MemoryMeter,
-    StreamingDequantLoadPlanner,
-    prepended_axes,
-    unwrap_prepended,
-)
+from qckpt.convert.dcp import save_model_dcp
 from qckpt.errors import CheckpointError
+from qckpt.load.destination import prepended_axes, unwrap_prepended
+from qckpt.load.loader import load_checkpoint
+from qckpt.load.meter import MemoryMeter
+from qckpt.load.planner import StreamingDequantLoadPlanner
 from qckpt.models import naming
+from qckpt.read.dcp_reader import OrderedFileSystemReader
 from tests.unit._toy import FMTS, Toy, assert_same_model, same_tensor, toy_quantized
 
 # ---- prepended singleton axes ------------------------------------------------------------------

@@ -19,14 +19,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qckpt.checkpoint.hf_reader import hf_index, hf_source
-from qckpt.checkpoint.load import load_checkpoint
-from qckpt.checkpoint.quantized_sources import source_layout
-from qckpt.checkpoint.sources import open_source
 from qckpt.errors import CheckpointError
+from qckpt.layouts.registry import source_layout
+from qckpt.load.loader import load_checkpoint
 from qckpt.models.build import build_model
 from qckpt.models.naming import hf_tensors
 from qckpt.models.quantize_params import quantize_model_params
+from qckpt.read.hf_reader import hf_index, hf_source
+from qckpt.read.readers import open_source
 from tests import quantized_fixtures as fx
 from tests.unit._export_fixtures import make_calibration, quant_config, run_export
 
@@ -299,13 +299,13 @@ def test_unknown_quantized_layouts_are_refused_in_one_line(dirs, tmp_path):
 
 
 def test_dcp_holding_fp8_codes_is_refused(dirs, tmp_path):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
 
     sd = {k: v for k, v in stored(dirs["ours-modelopt-fp8"]).items() if "layers.0.self" in k}
     save_model_dcp(sd, tmp_path / "dcp")
     with pytest.raises(CheckpointError, match="unknown quantized layout.*DCP checkpoint"):
         open_source(tmp_path / "dcp").entries()
-    from qckpt.checkpoint.sources import open_reader
+    from qckpt.read.readers import open_reader
 
     with pytest.raises(CheckpointError, match="unknown quantized layout"):
         open_reader(tmp_path / "dcp")
@@ -313,7 +313,7 @@ def test_dcp_holding_fp8_codes_is_refused(dirs, tmp_path):
 
 @pytest.mark.parametrize("name", ["ct-block", "ct-nvfp4", "fp8-blockwise-24x40"])
 def test_dequantized_dir_equals_independent_dequantization(dirs, tmp_path, name):
-    from qckpt.checkpoint.dequantize_dir import dequantize_dir
+    from qckpt.convert.dequantize import dequantize_dir
 
     out = tmp_path / "hf"
     out.mkdir()
@@ -352,7 +352,7 @@ def test_reexport_of_our_per_tensor_fp8_export_gives_identical_tensors(dirs, tmp
 def test_fp8_export_converts_to_dcp_and_calibrates_from_its_values(dirs, tmp_path):
     """Issue 13: load, calibrate and convert all took an FP8 export's codes as BF16 values."""
     from qckpt.calib.calibrate import calibrate_model
-    from qckpt.checkpoint.convert import hf_dir_to_dcp
+    from qckpt.convert.dcp import hf_dir_to_dcp
     from qckpt.parallel.mesh import init_mesh
     from tests.unit._export_fixtures import calib_inputs
 

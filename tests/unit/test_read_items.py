@@ -1,4 +1,4 @@
-"""The whole-destination read items (``checkpoint.read_items``) are DCP's own: same fields, same
+"""The whole-destination read items (``qckpt.read.read_items``) are DCP's own: same fields, same
 order, on random chunk grids (resharded saves), empty and 0-d tensors, and through a planner."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from qckpt.checkpoint.read_items import local_load_items, whole_tensor_items
+from qckpt.read.read_items import local_load_items, whole_tensor_items
 
 
 def _grid(rnd: random.Random, size: tuple[int, ...]) -> list[ChunkStorageMetadata]:

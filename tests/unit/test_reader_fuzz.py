@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from qckpt.checkpoint import safetensors_io as stio
-from qckpt.checkpoint.safe_metadata import read_metadata_file
-from qckpt.checkpoint.sources import DCPSource, SafetensorsSource
 from qckpt.errors import CheckpointError
 from qckpt.inspect import inspect_path
+from qckpt.read.sources import DCPSource, SafetensorsSource
+from qckpt.storage import safetensors as stio
+from qckpt.storage.dcp_metadata import read_metadata_file
 
 pytestmark = pytest.mark.timeout(300)
 FUZZ = settings(

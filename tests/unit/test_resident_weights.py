@@ -15,11 +15,11 @@ import torch
 
 from qckpt.calib.instrument import calibrate_weights, insert_quantizers, remove_quantizers
 from qckpt.calib.weight_amax import CheckpointWeightAmax
-from qckpt.checkpoint.convert import save_model_dcp
-from qckpt.checkpoint.load import load_checkpoint
+from qckpt.convert.dcp import save_model_dcp
 from qckpt.errors import CalibrationError, RecipeError
 from qckpt.formats import quantize
 from qckpt.formats.tensor import select_dequantized
+from qckpt.load.loader import load_checkpoint
 from qckpt.models.build import build_model
 from qckpt.models.quantize_params import quantize_model_params
 from qckpt.recipe import QuantConfig, TensorQuantConfig, recipe_from_dict

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from qckpt.checkpoint.safe_metadata import SafeFileSystemReader, read_metadata_file
 from qckpt.errors import CheckpointError
+from qckpt.storage.dcp_metadata import SafeFileSystemReader, read_metadata_file
 
 
 class _Evil:
@@ -53,7 +53,7 @@ def test_garbage_metadata_is_one_line_error(tmp_path):
 
 def test_a_library_message_over_several_lines_becomes_one_line(tmp_path):
     # found by the DCP metadata fuzzer: the unpickler's own message wraps over two lines
-    from qckpt.checkpoint.safe_metadata import read_metadata_file
+    from qckpt.storage.dcp_metadata import read_metadata_file
 
     (tmp_path / ".metadata").write_bytes(b"\x80\x04P\x00.")  # a persistent-id load
     with pytest.raises(CheckpointError) as err:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from qckpt.calib.state_file import model_fingerprint, model_names_shapes
-from qckpt.checkpoint.load import expert_shards
+from qckpt.load.preflight import expert_shards
 from qckpt.models.build import build_model
 from qckpt.parallel.shard import ShardSpec, model_shards, set_shard
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from qckpt import formats
-from qckpt.checkpoint.shard_scales import check_blocks, whole_amax_kind
 from qckpt.errors import UsageError
 from qckpt.kernel_policy import KernelPolicy
+from qckpt.load.shard_scales import check_blocks, whole_amax_kind
 from qckpt.parallel.shard import ShardSpec
 
 
@@ -88,7 +88,8 @@ def test_the_copy_decision_of_a_whole_tensor_scale_is_made_on_the_whole_tensor()
     """A per-tensor FP8 source tensor stored as two pieces (per-expert weights of one fused
     tensor): one rank's block may come from one piece, but the whole tensor needs two scales
     in one: no rank copies, so every rank takes the dequantize path and its collective."""
-    from qckpt.checkpoint.quantized_sources import QuantWeight, copy_plan
+    from qckpt.layouts.source_layout import QuantWeight
+    from qckpt.load.same_layout import copy_plan
 
     class Piece:
         def __init__(self, offsets, sizes):

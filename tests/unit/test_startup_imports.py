@@ -224,7 +224,7 @@ def test_export_check_and_inspect_import_no_model_code(tmp_path):
     transformers; check and inspect of an export or a calibration file import no torch; the
     export is byte for byte the one made by building the model."""
     from qckpt.calib.state_file import load_calibration, save_calibration
-    from qckpt.checkpoint.model_record import peek, usable
+    from qckpt.export.model_record import peek, usable
     from tests._inproc import run_main
 
     recipe = str(ROOT / "configs" / "tiny-dense.yaml")

@@ -23,11 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qckpt.checkpoint.load import load_checkpoint
-from qckpt.checkpoint.sources import detect_format, open_source
 from qckpt.errors import CheckpointError
+from qckpt.load.loader import load_checkpoint
 from qckpt.models.build import build_model, load_config
 from qckpt.models.quantize_params import quantize_model_params
+from qckpt.read.detect import detect_format
+from qckpt.read.readers import open_source
 from tests._bits import bits
 from tests.training_fixtures import write_megatron, write_torchtitan
 from tests.unit._export_fixtures import hf_state, quant_config, run_export, write_calibration
@@ -66,7 +67,7 @@ def _entries(src) -> dict[str, torch.Tensor]:
 
 
 def test_each_layout_is_detected(made, tmp_path):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
 
     assert detect_format(MEGATRON / "dense_tp2") == "megatron"
     assert detect_format(TITAN / "qwen3_moe") == "torchtitan"
@@ -263,7 +264,7 @@ def _with_megatron_object(path: Path, name: str, payload: object) -> None:
 
 
 def test_megatrons_own_classes_in_metadata_are_inert_stubs(made, tmp_path):
-    from qckpt.checkpoint.safe_metadata import InertStub, read_metadata_file
+    from qckpt.storage.dcp_metadata import InertStub, read_metadata_file
 
     d = made["tiny-dense"]
     ok, bad, other = tmp_path / "ok", tmp_path / "bad", tmp_path / "other"

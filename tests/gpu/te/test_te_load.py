@@ -90,7 +90,7 @@ def _history(m: nn.Module) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stream_equals_bulk_and_plain_tensors_are_untouched(ckpt, fmt):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
 
     path, sd = ckpt
     a, b = _te_model(fmt), _te_model(fmt)
@@ -109,7 +109,7 @@ def test_stream_equals_bulk_and_plain_tensors_are_untouched(ckpt, fmt):
 
 
 def test_delayed_scaling_history_and_scale_untouched(ckpt):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
 
     path, _ = ckpt
     m = _te_model("fp8_delayed")
@@ -125,14 +125,14 @@ def test_delayed_scaling_history_and_scale_untouched(ckpt):
 
 
 def test_planner_holds_nothing_after_a_load(ckpt):
-    from qckpt.checkpoint.load import _destinations
-    from qckpt.checkpoint.planner import StreamingDequantLoadPlanner
-    from qckpt.checkpoint.safe_metadata import SafeFileSystemReader
+    from qckpt.load.planner import StreamingDequantLoadPlanner
+    from qckpt.load.preflight import destinations
+    from qckpt.storage.dcp_metadata import SafeFileSystemReader
 
     path, _ = ckpt
     m = _te_model("fp8")
     reader = SafeFileSystemReader(str(path))
-    state = _destinations(m, reader.read_metadata())
+    state = destinations(m, reader.read_metadata())
     planner = StreamingDequantLoadPlanner()
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=planner, no_dist=True)
     left = planner.pending()
@@ -140,7 +140,7 @@ def test_planner_holds_nothing_after_a_load(ckpt):
 
 
 def test_prepended_axes_are_unwrapped_with_view(tmp_path):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
 
     sd = _checkpoint_sd(1)
     big = ("up.weight", "down.weight")
@@ -156,14 +156,14 @@ def test_prepended_axes_are_unwrapped_with_view(tmp_path):
 
 
 def _save_on_two_ranks(rank, world, out):
-    from qckpt.checkpoint.convert import save_model_dcp
+    from qckpt.convert.dcp import save_model_dcp
 
     save_model_dcp(_checkpoint_sd(2), out)
     return True
 
 
 def test_checkpoint_saved_on_two_ranks_loads_on_one(tmp_path):
-    from qckpt.checkpoint.load import load_checkpoint
+    from qckpt.load.loader import load_checkpoint
     from tests.dist._harness import run_once
 
     out = run_once(_save_on_two_ranks, 2, str(tmp_path / "sharded"), deadline_s=120)

@@ -69,7 +69,7 @@ def _calibrate(model, scheme: str):
 
 
 def _export(model, hf_dir: Path, state, out: Path, layout: str, scheme: str, moe: str) -> dict:
-    from qckpt.checkpoint.export import export_checkpoint
+    from qckpt.export.writer import export_checkpoint
     from qckpt.recipe import ExportConfig
 
     t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def _export(model, hf_dir: Path, state, out: Path, layout: str, scheme: str, moe
         export=ExportConfig(format=layout, output=str(out), overwrite=True, moe_scales=moe),
         source_dir=hf_dir,
     )
-    from qckpt.check import check_export
+    from qckpt.layouts.check import check_export
 
     return {"export_s": time.perf_counter() - t0, "check": check_export(out).summary()}
 

@@ -44,7 +44,7 @@ def _serve(d: Path, pfile: Path, out: Path, site: str) -> dict:
 
 
 def run_one(kind: str, work: Path, steps: int, site: str) -> dict:
-    from qckpt.checkpoint.export import export_checkpoint
+    from qckpt.export.writer import export_checkpoint
     from qckpt.recipe import ExportConfig
     from tests.training_fixtures import write_megatron
     from tests.unit._export_fixtures import hf_state

@@ -1,0 +1,341 @@
+"""compressed-tensors (``quant_method: compressed-tensors``): both directions.
+
+Written (``export.format: compressed-tensors``), FP8 (``format: float-quantized``):
+
+* weights ``tensor`` -> ``weight_scale`` ``(1,)``; ``channel`` -> ``(out, 1)``; ``block`` ->
+  ``(ceil(out/b0), ceil(in/b1))`` (the last block of a dim that b does not divide is padded, as
+  compressed-tensors pads it: its scale covers the rows/columns that exist).
+* inputs: static ``tensor`` -> ``input_scale`` ``(1,)``; the recipe's ``dynamic: true`` with
+  ``granularity: tensor`` is written as per-token dynamic (``strategy: token``, what vLLM runs for
+  FP8 dynamic), with ``granularity: block`` as per-group dynamic (``strategy: group``,
+  ``group_size`` = the last block dim). No scale is stored for dynamic inputs.
+* scales are stored in the model dtype, because that is the dtype the clients' scale parameters
+  have (compressed-tensors creates them in the weight's dtype). The weight is quantized with the
+  *rounded* scale, so dequantizing with what is stored gives back what we meant
+  (:func:`~qckpt.layouts.export_layout.fp8_quantize`).
+
+NVFP4 (``format: nvfp4-pack-quantized``, what llm-compressor writes for its ``NVFP4`` scheme;
+weights and static inputs nvfp4): ``weight_packed`` uint8 ``[out, in/2]`` and ``weight_scale``
+float8_e4m3fn ``[out, in/16]`` are ModelOpt's ``weight`` / ``weight_scale`` byte for byte
+(compressed-tensors packs the even column in the low nibble too), quantized by
+:mod:`qckpt.formats`; the global scales are the *reciprocals* of ModelOpt's, because
+compressed-tensors divides by them (value = e2m1 * scale / global_scale):
+``weight_global_scale`` float32 ``(1,)`` = ``1 / weight_scale_2`` (~ ``6 * 448 / amax``) and
+``input_global_scale`` float32 ``(1,)`` = ``1 / input_scale``. Each reciprocal is correctly
+rounded (in float64, then to float32), so ``scale / global_scale`` is within an ulp of
+ModelOpt's ``weight_scale_2 * scale`` for the same codes. The inputs are ``dynamic: local`` in
+the config (a static global scale, per-16 scales at run time), as in compressed-tensors' preset.
+
+KV-cache scales (``quant.kv_cache: true``): ``{attn}.k_scale`` / ``v_scale`` (shape ``(1,)``) =
+amax / 448 from the calibration file's ``{attn}.k_proj.output_amax`` / ``v_proj.output_amax``.
+
+Read (a source dir): ``float-quantized`` FP8 weights per tensor, channel or block
+(``code * scale``) and ``nvfp4-pack-quantized`` (``e2m1 * (scale / global_scale)``); a group
+stored ``dense`` reads as plain; anything else is refused with one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from qckpt.calib.shapes import config_amax_shape, weight_block
+from qckpt.errors import CheckpointError, ExportError
+from qckpt.layouts.export_layout import (
+    EXPERT,
+    MIN_AMAX,
+    ExportLayout,
+    OutSpec,
+    amax_over,
+    amax_scalar,
+    fp8_quantize,
+    fp8_quantize_stack,
+    stack_f32,
+)
+from qckpt.layouts.names import (
+    CT_INPUT_GLOBAL,
+    CT_NVFP4_FORMAT,
+    CT_PACKED,
+    CT_WEIGHT_GLOBAL,
+    FP4_MAX,
+    FP8_MAX,
+    NVFP4_GROUP,
+    WEIGHT_SCALE,
+    ct_nvfp4_args,
+)
+from qckpt.layouts.source_layout import FP8, QuantWeight, SourceLayout, fp8_weights, nvfp4_weights
+from qckpt.recipe import QuantConfig
+from qckpt.storage.slices import Index
+
+
+def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], bool]:
+    """(fp8 weight schemes, any nvfp4 group) of a compressed-tensors config; refuses the rest."""
+    top = qc.get("format")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError("quantization_config: compressed-tensors without config_groups")
+    fp8: list[tuple[str, Any]] = []
+    nvfp4 = False
+    for gname, g in groups.items():
+        w = (g or {}).get("weights") if isinstance(g, dict) else None
+        if not w:
+            continue
+        fmt = g.get("format") or top
+        if fmt == "dense":
+            continue  # weights stored unquantized (their scales are hidden): a plain read
+        bits, typ, strat = w.get("num_bits"), w.get("type"), w.get("strategy")
+        where = f"quantization_config.config_groups.{gname}"
+        if w.get("symmetric") is False:
+            raise CheckpointError(f"{where}: asymmetric weights (zero points) are not read")
+        if fmt in ("float-quantized", "naive-quantized") and (bits, typ) == (8, "float"):
+            if strat == "block":
+                bs = w.get("block_structure")
+                if not (isinstance(bs, list) and len(bs) == 2):
+                    raise CheckpointError(f"{where}.weights.block_structure: two ints, got {bs!r}")
+                fp8.append(("block", (int(bs[0]), int(bs[1]))))
+            elif strat in ("tensor", "channel"):
+                fp8.append((strat, None))
+            else:
+                raise CheckpointError(f"{where}: fp8 weights with strategy {strat!r} are not read")
+        elif fmt == "nvfp4-pack-quantized" and (bits, typ) == (4, "float"):
+            if w.get("group_size") != NVFP4_GROUP:
+                raise CheckpointError(
+                    f"{where}: nvfp4 needs group_size 16, got {w.get('group_size')}"
+                )
+            nvfp4 = True
+        else:
+            raise CheckpointError(
+                f"{where}: compressed-tensors format {fmt!r} with {bits}-bit {typ} weights "
+                f"(strategy {strat}) is not a source layout qckpt reads"
+            )
+    return fp8, nvfp4
+
+
+def read_layout(index: Index, qc: dict[str, Any], hf_quant: Any = None) -> SourceLayout:
+    """The layout of a compressed-tensors dir (``hf_quant``: unused, the registry's signature)."""
+    fp8, nvfp4 = _weight_options(qc)
+    weights: dict[str, QuantWeight] = {}
+    if fp8:
+        weights.update(fp8_weights(index, "_scale", fp8))
+    if nvfp4:
+        weights.update(nvfp4_weights(index, "weight_packed", "weight_global_scale", True))
+    kinds = sorted({w.scale_layout for w in weights.values()})
+    return SourceLayout(name="compressed-tensors", detail=", ".join(kinds), weights=weights)
+
+
+class CompressedTensorsLayout(ExportLayout):
+    name = "compressed-tensors"
+
+    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
+        super().__init__(quant, model_dtype)
+        w, i = quant.weights, quant.inputs
+        if w.format != "fp8" or i.format != "fp8":
+            raise ExportError(
+                "export.format compressed-tensors writes FP8 weights with FP8 inputs, or NVFP4 "
+                f"weights with NVFP4 inputs; got weights {w.format}, inputs {i.format}"
+            )
+        if i.granularity == "block" and not i.dynamic:
+            raise ExportError(
+                "quant.inputs: block (per-group) input scales must be dynamic in compressed-tensors"
+            )
+
+    def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        w = self.quant.weights
+        if w.granularity == "tensor":
+            return (1,)
+        if w.granularity == "channel":
+            return (shape[0], 1)
+        return config_amax_shape(w, "weight", shape)
+
+    def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
+        i = self.quant.inputs
+        if i.dynamic and i.granularity == "block" and shape[1] % i.block_size[-1]:
+            # the clients quantize inputs per group along the input dim and need it to divide
+            raise ExportError(
+                f"{module}: quant.inputs.block_size {i.block_size[-1]} does not divide its input "
+                f"dim {shape[1]}; per-group input quantization cannot run on it"
+            )
+        specs = [
+            OutSpec(f"{module}.weight", FP8, shape),
+            OutSpec(f"{module}.weight_scale", self.model_dtype, self._scale_shape(shape)),
+        ]
+        if not self.quant.inputs.dynamic:
+            specs.append(OutSpec(f"{module}.input_scale", self.model_dtype, (1,)))
+        return specs
+
+    def quantize_linear(
+        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        g = self.quant.weights.granularity
+        wa = amax[f"{module}.weight_amax"].detach().to(torch.float32).clamp_min(MIN_AMAX)
+        scale = (
+            amax_over(wa, FP8_MAX).reshape(self._scale_shape(tuple(w.shape))).to(self.model_dtype)
+        )
+        block = weight_block(self.quant.weights.block_size)
+        yield f"{module}.weight", fp8_quantize(w, scale.to(torch.float32), g, block)
+        yield f"{module}.weight_scale", scale
+        if not self.quant.inputs.dynamic:
+            ia = amax_scalar(amax[f"{module}.input_amax"])
+            yield f"{module}.input_scale", amax_over(ia, FP8_MAX).reshape(1).to(self.model_dtype)
+
+    def stacks(self) -> bool:
+        w = self.quant.weights
+        return w.format == "fp8" and w.granularity in ("tensor", "channel")
+
+    def quantize_stack(
+        self, modules: list[str], w: torch.Tensor, amax: dict[str, torch.Tensor], chunk_elems: int
+    ) -> list[torch.Tensor]:
+        k, rows, cols = w.shape
+        shape = self._scale_shape((rows, cols))
+        wa = stack_f32([amax[f"{m}.weight_amax"] for m in modules]).clamp_min(MIN_AMAX)
+        scale = amax_over(wa, FP8_MAX).reshape(k, *shape).to(self.model_dtype)
+        out = [fp8_quantize_stack(w, scale.to(torch.float32).reshape(k, -1), chunk_elems), scale]
+        if not self.quant.inputs.dynamic:
+            ia = stack_f32([amax[f"{m}.input_amax"] for m in modules]).clamp_min(MIN_AMAX)
+            out.append(amax_over(ia, FP8_MAX).reshape(k, 1).to(self.model_dtype))
+        return out
+
+    def kv_specs(self, attn: str) -> list[OutSpec]:
+        return [OutSpec(f"{attn}.{kv}_scale", self.model_dtype, (1,)) for kv in ("k", "v")]
+
+    def kv_tensors(
+        self, attn: str, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for kv in ("k", "v"):
+            a = amax_scalar(amax[f"{attn}.{kv}_proj.output_amax"])
+            yield f"{attn}.{kv}_scale", amax_over(a, FP8_MAX).reshape(1).to(self.model_dtype)
+
+    def _args(self) -> tuple[dict, dict]:
+        base = {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "group_size": None,
+            "block_structure": None,
+        }
+        w = self.quant.weights
+        weights = {**base, "strategy": w.granularity, "dynamic": False}
+        if w.granularity == "block":
+            weights["block_structure"] = list(weight_block(w.block_size))
+        i = self.quant.inputs
+        if not i.dynamic:
+            inputs = {**base, "strategy": "tensor", "dynamic": False}
+        elif i.granularity == "tensor":
+            inputs = {**base, "strategy": "token", "dynamic": True}
+        else:
+            inputs = {**base, "strategy": "group", "dynamic": True, "group_size": i.block_size[-1]}
+        return weights, inputs
+
+    def quantization_config(self, ignored: list[str]) -> dict:
+        weights, inputs = self._args()
+        kv = None
+        if self.quant.kv_cache:
+            kv = {
+                "num_bits": 8,
+                "type": "float",
+                "symmetric": True,
+                "strategy": "tensor",
+                "dynamic": False,
+            }
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": inputs,
+                    "output_activations": None,
+                    "format": "float-quantized",
+                }
+            },
+            "ignore": ignored,
+            "kv_cache_scheme": kv,
+            "global_compression_ratio": None,
+        }
+
+    def shard_metadata(self) -> dict[str, str]:
+        return {
+            "format": "pt",
+            "qckpt_layout": "compressed-tensors",
+            "quant_format": "float-quantized",
+        }
+
+
+def _reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``1 / x`` correctly rounded on every device (float64 division, rounded once)."""
+    return (1.0 / x.to(torch.float64)).to(torch.float32)
+
+
+class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
+    """compressed-tensors ``nvfp4-pack-quantized`` (see the module doc); KV scales as FP8's."""
+
+    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
+        ExportLayout.__init__(self, quant, model_dtype)
+        w, i = quant.weights, quant.inputs
+        if w.format != "nvfp4" or i.format != "nvfp4" or i.dynamic:
+            raise ExportError(
+                "export.format compressed-tensors writes NVFP4 (nvfp4-pack-quantized) with "
+                f"weights and static inputs nvfp4; got weights {w.format}, inputs {i.format}"
+                f"{' dynamic' if i.dynamic else ''}"
+            )
+
+    def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
+        if shape[1] % NVFP4_GROUP:
+            raise ExportError(
+                f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}, got {shape[1]}"
+            )
+        f32 = torch.float32
+        return [
+            OutSpec(f"{module}.{CT_PACKED}", torch.uint8, (shape[0], shape[1] // 2)),
+            OutSpec(f"{module}.{WEIGHT_SCALE}", FP8, (shape[0], shape[1] // NVFP4_GROUP)),
+            OutSpec(f"{module}.{CT_WEIGHT_GLOBAL}", f32, (1,)),
+            OutSpec(f"{module}.{CT_INPUT_GLOBAL}", f32, (1,)),
+        ]
+
+    def quantize_linear(
+        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+
+        if w.shape[1] % NVFP4_GROUP:
+            raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
+        qdata, scale, gs = self.nvfp4(w, amax_scalar(amax[f"{module}.weight_amax"]), module)
+        ia = amax_scalar(amax[f"{module}.input_amax"])
+        yield f"{module}.{CT_PACKED}", qdata
+        yield f"{module}.{WEIGHT_SCALE}", scale
+        yield f"{module}.{CT_WEIGHT_GLOBAL}", _reciprocal(gs).reshape(1)
+        yield (
+            f"{module}.{CT_INPUT_GLOBAL}",
+            _reciprocal(amax_over(ia, FP4_MAX * FP8_MAX)).reshape(1),
+        )
+
+    def quantization_config(self, ignored: list[str]) -> dict:
+        cfg = super().quantization_config(ignored)
+        group = cfg["config_groups"]["group_0"]
+        group["weights"] = ct_nvfp4_args(inputs=False)
+        group["input_activations"] = ct_nvfp4_args(inputs=True)
+        group["format"] = CT_NVFP4_FORMAT
+        cfg["format"] = CT_NVFP4_FORMAT
+        return cfg
+
+    def warnings(self, modules: list[str]) -> list[str]:
+        if any(EXPERT.match(m) for m in modules):
+            return [
+                "transformers 5.24 cannot dequantize NVFP4 MoE experts of a compressed-tensors "
+                "export (it leaves them unloaded, or with dequantize=True drops their "
+                "weight_global_scale): the logits are garbage there; see docs/CLIENTS.md"
+            ]
+        return []
+
+    def shard_metadata(self) -> dict[str, str]:
+        return {**super().shard_metadata(), "quant_format": CT_NVFP4_FORMAT}
+
+
+def export_layout(quant: QuantConfig, model_dtype: torch.dtype) -> ExportLayout:
+    """The compressed-tensors layout of ``quant``: NVFP4 weights pack-quantized, else FP8."""
+    if quant.weights.format == "nvfp4":
+        return CompressedTensorsNvfp4Layout(quant, model_dtype)
+    return CompressedTensorsLayout(quant, model_dtype)

@@ -1,0 +1,228 @@
+"""What a quantized HF dir holds, found from its files: the read side's common part.
+
+A quantized dir stores each quantized linear as codes plus scales. :class:`SourceLayout` says
+which layout a dir holds and maps each logical ``{module}.weight`` to its stored tensors
+(:class:`QuantWeight`); each family's module (``deepseek``, ``compressed_tensors``,
+``modelopt``) builds one from its config with the helpers here (``fp8_weights`` /
+``nvfp4_weights``: which stored tensors are a weight's codes and scales), and
+:mod:`qckpt.layouts.registry` picks the family. Activation and KV-cache scales are hidden
+(``PARAM_SUFFIXES``); a value is computed by :mod:`qckpt.layouts.dequantize`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qckpt.errors import CheckpointError
+from qckpt.layouts.names import NVFP4_GROUP, PARAM_SUFFIXES
+from qckpt.storage.slices import Index
+
+FP8 = torch.float8_e4m3fn
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantWeight:
+    """How one logical weight is stored."""
+
+    name: str  # the logical name, e.g. model.layers.0.mlp.down_proj.weight
+    shape: tuple[int, int]  # logical (dequantized) shape
+    scheme: str  # "fp8" | "nvfp4"
+    granularity: str  # fp8: tensor | channel | block; nvfp4: group
+    block: tuple[int, int] = (1, 1)  # block: (b0, b1); nvfp4: (1, 16)
+    codes: str  # stored key of the codes
+    scale: str  # stored key of the (block) scales
+    global_scale: str = ""  # nvfp4: stored key of the second-level scale
+    global_divides: bool = False  # compressed-tensors nvfp4: value = e2m1 * (scale / global)
+    file: str = ""  # file of the codes
+
+    @property
+    def scale_layout(self) -> str:
+        """A short description for ``inspect``."""
+        if self.scheme == "nvfp4":
+            return "nvfp4 e4m3 per 16 + " + ("global 1/scale" if self.global_divides else "scale_2")
+        if self.granularity == "block":
+            return f"fp8 block {list(self.block)}"
+        return f"fp8 {self.granularity}"
+
+
+@dataclass(kw_only=True)
+class SourceLayout:
+    """What a dir holds: its layout name, the quantized weights and the hidden parameters."""
+
+    name: str  # plain | fp8-blockwise | compressed-tensors | modelopt
+    detail: str = ""
+    weights: dict[str, QuantWeight] = field(default_factory=dict)  # logical name -> storage
+    hidden: set[str] = field(default_factory=set)  # stored keys that are no model tensor
+    dtype: torch.dtype = torch.bfloat16  # the dequantized tensors' dtype (the model's)
+
+    @property
+    def quantized(self) -> bool:
+        return self.name != "plain"
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.detail})" if self.detail else self.name
+
+    def logical_index(self, index: Index) -> Index:
+        """The index a BF16 checkpoint of the same model would have: quantized weights under
+        their logical name, shape and dtype; quantization parameters gone."""
+        out: Index = {}
+        claimed = {k for w in self.weights.values() for k in (w.codes, w.scale, w.global_scale)}
+        for k, v in index.items():
+            if k in claimed or k in self.hidden:
+                continue
+            out[k] = v
+        for name, w in self.weights.items():
+            out[name] = (w.file, w.shape, self.dtype)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The layout and its scales, as ``inspect`` reports them."""
+        kinds: dict[str, int] = {}
+        for w in self.weights.values():
+            kinds[w.scale_layout] = kinds.get(w.scale_layout, 0) + 1
+        return {
+            "layout": self.name,
+            "detail": self.detail,
+            "quantized_weights": len(self.weights),
+            "scales": dict(sorted(kinds.items())),
+            "hidden_tensors": len(self.hidden),
+            "dequantized_dtype": str(self.dtype).replace("torch.", ""),
+        }
+
+
+def read_json_if_any(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return obj
+
+
+def model_dtype(cfg: dict[str, Any] | None) -> torch.dtype:
+    name = (cfg or {}).get("torch_dtype") or (cfg or {}).get("dtype")
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    if isinstance(dt, torch.dtype) and dt.is_floating_point and dt not in FP8_DTYPES:
+        return dt
+    return torch.bfloat16
+
+
+def is_param(key: str) -> bool:
+    return key.rpartition(".")[2].endswith(PARAM_SUFFIXES)
+
+
+def expect_block(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+def fp8_granularity(
+    key: str, shape: tuple[int, ...], sshape: tuple[int, ...], options: list[tuple[str, Any]]
+) -> tuple[str, tuple[int, int]]:
+    """Which of the layout's weight schemes a scale shape is: (granularity, block)."""
+    for gran, block in options:
+        if gran == "block" and tuple(sshape) == expect_block(shape, block):
+            return "block", tuple(block)
+        if gran == "tensor" and math.prod(sshape) == 1:
+            return "tensor", (1, 1)
+        if gran == "channel" and tuple(sshape) in ((shape[0], 1), (shape[0],)):
+            return "channel", (1, 1)
+    want = ", ".join(g if g != "block" else f"block {list(b)}" for g, b in options)
+    raise CheckpointError(
+        f"{key}: scale shape {list(sshape)} fits none of the checkpoint's weight schemes "
+        f"({want}) for a weight of shape {list(shape)}"
+    )
+
+
+def check_2d(key: str, shape: tuple[int, ...]) -> None:
+    if len(shape) != 2:
+        raise CheckpointError(f"{key}: a quantized weight must be 2-D, got shape {list(shape)}")
+
+
+def fp8_weights(
+    index: Index, scale_suffix: str, options: list[tuple[str, Any]]
+) -> dict[str, QuantWeight]:
+    """Every F8 ``{m}.weight`` with its ``{m}.weight{scale_suffix}``."""
+    out: dict[str, QuantWeight] = {}
+    for key, (f, shape, dt) in index.items():
+        if dt not in FP8_DTYPES or not key.endswith(".weight"):
+            continue
+        skey = key + scale_suffix
+        if skey not in index:
+            continue  # reported as unexplained below
+        if dt != FP8:
+            raise CheckpointError(f"{key}: stored as {dt}; only float8_e4m3fn codes are read")
+        check_2d(key, shape)
+        gran, block = fp8_granularity(key, shape, index[skey][1], options)
+        out[key] = QuantWeight(
+            name=key,
+            shape=(shape[0], shape[1]),
+            scheme="fp8",
+            granularity=gran,
+            block=block,
+            codes=key,
+            scale=skey,
+            file=f,
+        )
+    return out
+
+
+def nvfp4_weights(index: Index, codes_leaf: str, global_leaf: str, divides: bool) -> dict:
+    """Every U8 ``{m}.{codes_leaf}`` with ``{m}.weight_scale`` (F8) and ``{m}.{global_leaf}``."""
+    out: dict[str, QuantWeight] = {}
+    for key, (f, shape, dt) in index.items():
+        mod, _, leaf = key.rpartition(".")
+        if leaf != codes_leaf or dt != torch.uint8:
+            continue
+        skey, gkey = f"{mod}.weight_scale", f"{mod}.{global_leaf}"
+        if skey not in index or gkey not in index:
+            continue
+        check_2d(key, shape)
+        logical = (shape[0], shape[1] * 2)
+        if index[skey][2] != FP8 or tuple(index[skey][1]) != (
+            shape[0],
+            math.ceil(logical[1] / NVFP4_GROUP),
+        ):
+            raise CheckpointError(
+                f"{skey}: an NVFP4 block scale must be float8_e4m3fn of shape "
+                f"{[shape[0], math.ceil(logical[1] / NVFP4_GROUP)]}; got {index[skey][2]} "
+                f"{list(index[skey][1])}"
+            )
+        if math.prod(index[gkey][1]) != 1:
+            raise CheckpointError(f"{gkey}: must hold one value, has shape {list(index[gkey][1])}")
+        out[f"{mod}.weight"] = QuantWeight(
+            name=f"{mod}.weight",
+            shape=logical,
+            scheme="nvfp4",
+            granularity="group",
+            block=(1, NVFP4_GROUP),
+            codes=key,
+            scale=skey,
+            global_scale=gkey,
+            global_divides=divides,
+            file=f,
+        )
+    return out
+
+
+def found(index: Index) -> str:
+    """What quantized-looking tensors a dir holds, for a refusal message."""
+    f8 = [k for k, (_, _, dt) in index.items() if dt in FP8_DTYPES]
+    params = [k for k in index if is_param(k)]
+    parts = []
+    if f8:
+        parts.append(f"{len(f8)} float8 tensors (e.g. {f8[0]})")
+    if params:
+        parts.append(f"{len(params)} quantization parameters (e.g. {params[0]})")
+    return " and ".join(parts)

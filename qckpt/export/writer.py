@@ -156,7 +156,9 @@ class WriteOptions:
     device: str = "cpu"  # a torch device: "cpu", "cuda", "cuda:1"
     readers: int = 2
     writers: int = 4
-    quantizers: int | None = None  # None: 1 on the CPU, 4 on a GPU (qckpt.export.stages.write_share)
+    quantizers: int | None = (
+        None  # None: 1 on the CPU, 4 on a GPU (qckpt.export.stages.write_share)
+    )
     # shard files a rank writes at once (qckpt.export.shares.lane_order); None: stages.LANES
     # or the environment's QCKPT_EXPORT_LANES (the benchmarks' A/B switch)
     lanes: int | None = None

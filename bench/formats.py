@@ -5,7 +5,7 @@
     python -m bench.formats --device cpu --sizes 4 --iters 2  # smoke test on CPU (eager only)
 
 For every format and mode (``eager``; ``compiled`` = the chunk kernels under torch.compile;
-``triton`` = the hand-written Triton kernels of qckpt/formats/_triton.py for fp8 / fp8_delayed
+``triton`` = the hand-written Triton kernels of qckpt/formats/triton_kernels.py for fp8 / fp8_delayed
 per-tensor and mxfp8 FLOOR, the compiled kernels elsewhere; all three by default on CUDA) it
 times, in the same run as the copy:
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from qckpt.formats import FORMATS, KernelPolicy, _common, kernel_policy, quantize
+from qckpt.formats import FORMATS, KernelPolicy, kernel_policy, kernels, numerics, quantize
 
 
 def timer(device: torch.device):  # noqa: ANN202
@@ -93,16 +93,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 comp = {"triton": "auto", "compiled": "always"}.get(mode, "never")
                 policy = KernelPolicy(compile=comp, triton=mode == "triton")
                 with kernel_policy(policy):
-                    _common._compile_failed.clear()
+                    kernels.compile_failed.clear()
                     q = quantize(x, fmt)  # warm-up: compiles the chunk kernels
                     q.quantize_(x, update_state=False)
-                    if mode == "compiled" and _common._compile_failed:
+                    if mode == "compiled" and kernels.compile_failed:
                         print(f"# {fmt}: torch.compile failed, compiled = eager", file=sys.stderr)
                     if mode == "triton":
-                        from qckpt.formats import _triton
+                        from qckpt.formats import triton_kernels
 
-                        if not _triton.available() or _triton._failed:
-                            print(f"# {fmt}: triton not used: {_triton.info()}", file=sys.stderr)
+                        if not triton_kernels.available() or triton_kernels.failed:
+                            print(
+                                f"# {fmt}: triton not used: {triton_kernels.info()}",
+                                file=sys.stderr,
+                            )
                     for op in ("quantize", "quantize_"):
                         if op == "quantize":
                             fn = functools.partial(quantize, x, fmt)
@@ -142,7 +145,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "torch": torch.__version__,
         "triton": _triton_version(),
-        "chunk_elems": _common.CHUNK_ELEMS,
+        "chunk_elems": numerics.CHUNK_ELEMS,
         "iters": args.iters,
     }
     return {"env": env, "rows": rows}

@@ -1,4 +1,4 @@
-"""Launch shapes of the Triton kernels (qckpt/formats/_triton.py), swept on one input, each
+"""Launch shapes of the Triton kernels (qckpt/formats/triton_kernels.py), swept on one input, each
 kernel timed alone next to a device-to-device copy of the same input in the same run.
 
     python -m bench.tune_triton                 # CUDA + triton; 512 MiB of bf16
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from bench.formats import timer
-from qckpt.formats import _triton, quantize
+from qckpt.formats import quantize, triton_kernels
 
 
 def _time(fn, iters: int) -> float:  # noqa: ANN001
@@ -45,32 +45,48 @@ def sweep(mib: float, iters: int) -> dict[str, Any]:
             best[kernel] = (t, cfg)
 
     for block, tiles, warps in itertools.product((2048, 4096, 8192), (1, 2, 4, 8), (4, 8)):
-        _triton.AMAX_BLOCK, _triton.AMAX_TILES, _triton.AMAX_WARPS = block, tiles, warps
+        triton_kernels.AMAX_BLOCK, triton_kernels.AMAX_TILES, triton_kernels.AMAX_WARPS = (
+            block,
+            tiles,
+            warps,
+        )
         add(
             "amax",
             {"block": block, "tiles": tiles, "warps": warps},
-            _time(lambda: _triton.amax(x), iters),
+            _time(lambda: triton_kernels.amax(x), iters),
         )
-    a = _triton.amax(x)
+    a = triton_kernels.amax(x)
     s = torch.empty(1, dtype=torch.float32, device="cuda")
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
     for block, tiles, warps in itertools.product((1024, 2048, 4096, 8192), (1, 2, 4), (4, 8)):
-        _triton.CAST_BLOCK, _triton.CAST_TILES, _triton.CAST_WARPS = block, tiles, warps
-        fn = lambda: _triton.fp8_cast(x, out, amax=a, scale_out=s)  # noqa: E731
+        triton_kernels.CAST_BLOCK, triton_kernels.CAST_TILES, triton_kernels.CAST_WARPS = (
+            block,
+            tiles,
+            warps,
+        )
+        fn = lambda: triton_kernels.fp8_cast(x, out, amax=a, scale_out=s)  # noqa: E731
         add("fp8_cast", {"block": block, "tiles": tiles, "warps": warps}, _time(fn, iters))
     q2 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda")
     s2 = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.uint8, device="cuda")
     for blocks, warps in itertools.product((32, 64, 128, 256, 512), (2, 4, 8)):
-        _triton.MX_BLOCKS, _triton.MX_WARPS = blocks, warps
-        fn = lambda: _triton.mx_quantize(x, q2, s2, 8)  # noqa: E731
+        triton_kernels.MX_BLOCKS, triton_kernels.MX_WARPS = blocks, warps
+        fn = lambda: triton_kernels.mx_quantize(x, q2, s2, 8)  # noqa: E731
         add("mxfp8", {"blocks": blocks, "warps": warps}, _time(fn, iters))
-    assert not _triton._failed, _triton.info()
+    assert not triton_kernels.failed, triton_kernels.info()
     c = best["amax"][1]
-    _triton.AMAX_BLOCK, _triton.AMAX_TILES, _triton.AMAX_WARPS = c["block"], c["tiles"], c["warps"]
+    triton_kernels.AMAX_BLOCK, triton_kernels.AMAX_TILES, triton_kernels.AMAX_WARPS = (
+        c["block"],
+        c["tiles"],
+        c["warps"],
+    )
     c = best["fp8_cast"][1]
-    _triton.CAST_BLOCK, _triton.CAST_TILES, _triton.CAST_WARPS = c["block"], c["tiles"], c["warps"]
+    triton_kernels.CAST_BLOCK, triton_kernels.CAST_TILES, triton_kernels.CAST_WARPS = (
+        c["block"],
+        c["tiles"],
+        c["warps"],
+    )
     c = best["mxfp8"][1]
-    _triton.MX_BLOCKS, _triton.MX_WARPS = c["blocks"], c["warps"]
+    triton_kernels.MX_BLOCKS, triton_kernels.MX_WARPS = c["blocks"], c["warps"]
     for fmt in ("fp8", "mxfp8"):
         q = quantize(x, fmt)
         add(f"{fmt} quantize_", {}, _time(lambda q=q: q.quantize_(x, update_state=False), iters))
@@ -78,7 +94,7 @@ def sweep(mib: float, iters: int) -> dict[str, Any]:
     return {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "triton": _triton.info()["triton"],
+        "triton": triton_kernels.info()["triton"],
         "mib": mib,
         "copy_ms": t_copy * 1e3,
         "best": {k: v[1] for k, v in best.items()},
@@ -94,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
-    if not (torch.cuda.is_available() and _triton.available()):
+    if not (torch.cuda.is_available() and triton_kernels.available()):
         print("tune_triton: needs CUDA (sm_89+) and triton", file=sys.stderr)
         return 2
     res = sweep(a.mib, a.iters)

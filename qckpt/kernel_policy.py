@@ -3,7 +3,7 @@
 It lives outside qckpt.formats so that the CLI can read it before it imports torch.
 
 The torch path (eager or ``torch.compile``d per-chunk kernels) runs everywhere; on CUDA the
-hand-written Triton kernels (:mod:`qckpt.formats._triton`) take the cases they cover. Every path
+hand-written Triton kernels (:mod:`qckpt.formats.triton_kernels`) take the cases they cover. Every path
 gives the same bits, so the policy changes speed only. The library never reads the environment
 for it: the CLI turns ``QCKPT_COMPILE`` / ``QCKPT_TRITON`` / ``QCKPT_TRITON_SOFT_CVT`` into a
 policy (:meth:`KernelPolicy.from_env`) and scopes the command with it; a library caller passes

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from qckpt.formats._common import div_f32, f64_const
+from qckpt.formats.numerics import div_f32, f64_const
 from qckpt.formats.nvfp4 import E2M1_MAX, E4M3_MAX, E4M3_TINY, e2m1_codes, e2m1_values
 
 BLOCK = 128
@@ -67,7 +67,7 @@ class ColumnQuantizer:
         self.search = search  # NVFP4: each group's scale searched (mse) instead of the max rule
         a = amax.detach().to(torch.float32)
         if fmt == "nvfp4":
-            from qckpt.formats._common import float_scale
+            from qckpt.formats.numerics import float_scale
 
             gs = float_scale(a.reshape(()).clamp_min(1e-12), E2M1_MAX * E4M3_MAX)
             self.gs, self.gs64 = gs, gs.to(torch.float64)
@@ -183,7 +183,7 @@ def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tenso
     if quantizer.fmt != "nvfp4":
         s = quantizer.scale
         return (W / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
-    from qckpt.formats._rowblock import padded_blocks
+    from qckpt.formats.rowblock import padded_blocks
 
     blocks = padded_blocks(W, NVFP4_GROUP)  # [rows, nb, 16]
     bmax = blocks.abs().amax(dim=-1)
@@ -200,8 +200,8 @@ def nvfp4_with_scales(w: torch.Tensor, amax: torch.Tensor, sb: torch.Tensor):
     """NVFP4 of 2-D ``w`` with global amax ``amax`` and the given E4M3 block scales ``sb``
     (``[rows, ceil(cols/16)]``): (packed codes, ``sb``, global scale), the codes as the
     formats layer computes them (``x * ((1 / gs) / sb)``, E2M1 round to nearest even)."""
-    from qckpt.formats._common import float_scale
-    from qckpt.formats._rowblock import padded_blocks
+    from qckpt.formats.numerics import float_scale
+    from qckpt.formats.rowblock import padded_blocks
 
     rows, cols = w.shape
     gs = float_scale(amax.to(device=w.device, dtype=torch.float32).reshape(()), 6.0 * 448.0)

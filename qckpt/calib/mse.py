@@ -30,9 +30,9 @@ import math
 
 import torch
 
-from qckpt.formats._common import div_f32, f64_const, float_scale
-from qckpt.formats._rowblock import padded_blocks, row_chunks, rows2d
+from qckpt.formats.numerics import div_f32, f64_const, float_scale
 from qckpt.formats.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, E4M3_TINY, e2m1_codes, e2m1_values
+from qckpt.formats.rowblock import padded_blocks, row_chunks, rows2d
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

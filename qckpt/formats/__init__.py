@@ -32,7 +32,7 @@ Formats (layouts in each module's docstring; ``scale`` is always the dequantizat
 
 Padding: a block/tile that runs past the tensor's edge is scaled by its valid elements (as if
 zero-padded) and nothing is stored for the padding. Quantize works in chunks of
-``_common.CHUNK_ELEMS`` elements: the temporaries are O(chunk), never a full-size FP32 copy.
+``numerics.CHUNK_ELEMS`` elements: the temporaries are O(chunk), never a full-size FP32 copy.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from qckpt.formats import fp8_block as _fp8_block  # noqa: F401
 from qckpt.formats import mxfp8 as _mxfp8  # noqa: F401
 from qckpt.formats import nvfp4 as _nvfp4  # noqa: F401
 from qckpt.formats._base import FORMATS, Format
-from qckpt.formats._common import UnsupportedOpError
+from qckpt.formats.numerics import UnsupportedOpError
 from qckpt.formats.tensor import QuantizedTensor, implements, is_quantized
 from qckpt.kernel_policy import KernelPolicy, current_policy, kernel_policy
 

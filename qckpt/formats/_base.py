@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from qckpt.errors import FormatError
-from qckpt.formats._common import UnsupportedOpError, check_input
+from qckpt.formats.numerics import UnsupportedOpError, check_input
 
 if TYPE_CHECKING:
     from qckpt.formats.tensor import QuantizedTensor

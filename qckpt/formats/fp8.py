@@ -13,7 +13,7 @@ Layout
 Scale rule: ``scale = amax / fp8_max`` (448 for E4M3, 57344 for E5M2), the correctly rounded
 float32 quotient with the same bits on CPU and CUDA, eager or compiled: it is computed in float64
 and rounded once, because CUDA torch would multiply by ``fl32(1/448)`` instead, one ulp off for
-about half of all amaxes (``_common.div_f32``). ``amax=`` replaces the computed amax; values
+about half of all amaxes (``numerics.div_f32``). ``amax=`` replaces the computed amax; values
 beyond it saturate. An all-zero tensor (or row) gets ``scale = 1.0`` and zero codes; a non-zero
 amax never yields a scale below float32's smallest normal. Codes are ``clamp(x / scale, -fp8_max, fp8_max)`` rounded to nearest-even by
 the cast, so values beyond the range *saturate* to +-fp8_max (never Inf/NaN); results below the
@@ -67,9 +67,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qckpt.errors import FormatError
-from qckpt.formats import _common
+from qckpt.formats import kernels, numerics
 from qckpt.formats._base import FieldSpec, Format, register, squeeze_map
-from qckpt.formats._common import (
+from qckpt.formats.kernels import run_kernel, tensor_amax
+from qckpt.formats.numerics import (
     FP8_EMAX,
     FP8_MAX,
     UnsupportedOpError,
@@ -82,8 +83,6 @@ from qckpt.formats._common import (
     fp8_dtype,
     pow2_exponent,
     rows_per_chunk,
-    run_kernel,
-    tensor_amax,
 )
 
 if TYPE_CHECKING:
@@ -143,10 +142,10 @@ def _quantize_tensorwise(
     ``guard``: the amax of ``x`` not yet checked for NaN/Inf. The Triton kernel reads it and
     writes nothing when it is not finite, so the check (a host sync) comes once, after the
     cast, instead of stalling the device between the amax and the cast."""
-    if (check or guard is not None) and _common.use_triton(x, "fp8", out, scale):
-        from qckpt.formats import _triton
+    if (check or guard is not None) and kernels.use_triton(x, "fp8", out, scale):
+        from qckpt.formats import triton_kernels
 
-        a = _triton.fp8_cast(x, out, scale=scale, amax=guard, check=check)
+        a = triton_kernels.fp8_cast(x, out, scale=scale, amax=guard, check=check)
         if a is not None:
             check_finite_amax(a, fmt)
             return
@@ -155,7 +154,7 @@ def _quantize_tensorwise(
     flat = x.reshape(-1)
     oflat = out.view(-1)
     bad = torch.zeros((), device=x.device)
-    for s, e in chunk_ranges(flat.numel(), _common.quant_chunk(x.device, _cast_kernel)):
+    for s, e in chunk_ranges(flat.numel(), kernels.quant_chunk(x.device, _cast_kernel)):
         # with amax= given no reduction has seen the values yet: the kernel checks them
         bad = torch.maximum(bad, _cast_chunk(flat[s:e], scale, oflat[s:e], check))
     if check:
@@ -169,7 +168,7 @@ def _quantize_rowwise(
     o2 = out.view(x2.shape)
     s2 = scale_rows.reshape(-1, 1)
     bad = torch.zeros((), device=x.device)
-    step = rows_per_chunk(x2.shape[1], _common.quant_chunk(x.device, _cast_kernel))
+    step = rows_per_chunk(x2.shape[1], kernels.quant_chunk(x.device, _cast_kernel))
     for s, e in chunk_ranges(x2.shape[0], step):
         bad = torch.maximum(bad, _cast_chunk(x2[s:e], s2[s:e], o2[s:e], check))
     if check:
@@ -275,13 +274,13 @@ class Fp8Format(Format):
         scale: torch.Tensor,
     ) -> None:
         if amax is None and opts["granularity"] == "tensor" and scale.dtype == torch.float32:
-            if _common.use_triton(x, "fp8", qdata, scale):
+            if kernels.use_triton(x, "fp8", qdata, scale):
                 # two kernels (amax, then the cast making the scale itself) and one host sync
-                from qckpt.formats import _triton
+                from qckpt.formats import triton_kernels
 
-                a = _triton.amax(x)
+                a = triton_kernels.amax(x)
                 if a is not None:
-                    a = _triton.fp8_cast(
+                    a = triton_kernels.fp8_cast(
                         x, qdata, amax=a, scale_out=scale.view(-1), pow2=opts["pow2_scale"]
                     )
                 if a is not None:
@@ -335,7 +334,7 @@ class Fp8Format(Format):
             s = q.scale.reshape(())
             if qd.is_contiguous():
                 f, o = qd.view(-1), out.view(-1)
-                for a, b in chunk_ranges(f.numel(), _common.CHUNK_ELEMS):
+                for a, b in chunk_ranges(f.numel(), numerics.CHUNK_ELEMS):
                     o[a:b].copy_(f[a:b].to(torch.float32) * s)
                 return out
             return out.copy_(qd.to(torch.float32) * s)
@@ -391,10 +390,10 @@ class Fp8DelayedFormat(Format):
         history: torch.Tensor, prev_scale: torch.Tensor, opts: dict[str, Any]
     ) -> torch.Tensor:
         a = history.max() if opts["amax_compute"] == "max" else history[0]
-        # fl32(a * 2**margin / fp8_max) on every device: see _common.div_f32
-        fmax = _common.f64_const(FP8_MAX[opts["dtype"]], a.device)
-        s = _common.div_f32(a * (2.0 ** opts["margin"]), fmax)
-        s = s.clamp_min(_common.F32_TINY)
+        # fl32(a * 2**margin / fp8_max) on every device: see numerics.div_f32
+        fmax = numerics.f64_const(FP8_MAX[opts["dtype"]], a.device)
+        s = numerics.div_f32(a * (2.0 ** opts["margin"]), fmax)
+        s = s.clamp_min(numerics.F32_TINY)
         # no amax seen yet (or an all-zero tensor): keep the previous scale, like TE
         return torch.where(a > 0, s, prev_scale.reshape(()))
 

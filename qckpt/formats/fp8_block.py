@@ -13,7 +13,7 @@ input is one row (shape ``(N,)`` -> scale ``(ceil(N / bc),)``); a 0-d input one 
 
 Scale rule: ``scale = amax_tile / fp8_max``, the correctly rounded float32 quotient (448 for
 E4M3; computed in float64 and rounded once, so CPU, CUDA and compiled kernels agree bit for bit:
-see ``_common.div_f32``), codes
+see ``numerics.div_f32``), codes
 ``clamp(x / scale, -fp8_max, fp8_max)`` cast round-to-nearest-even, as in DeepSeek-V3's
 ``act_quant`` (``s = amax / 448; y = x / s``). ``pow2_scale=True`` uses the MX floor rule
 (``2**(floor(log2 amax) - emax)``, see ``fp8``) and is then idempotent through bfloat16.
@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from qckpt.errors import FormatError
-from qckpt.formats import _common
+from qckpt.formats import kernels, numerics
 from qckpt.formats._base import FieldSpec, Format, register
-from qckpt.formats._common import (
+from qckpt.formats.kernels import run_block_kernel
+from qckpt.formats.numerics import (
     FP8_EMAX,
     FP8_MAX,
     UnsupportedOpError,
@@ -53,9 +54,8 @@ from qckpt.formats._common import (
     float_scale,
     fp8_dtype,
     pow2_exponent,
-    run_block_kernel,
 )
-from qckpt.formats._rowblock import nblocks
+from qckpt.formats.rowblock import nblocks
 
 if TYPE_CHECKING:
     from qckpt.formats.tensor import QuantizedTensor
@@ -197,11 +197,11 @@ class Fp8BlockFormat(Format):
         if x3.numel() == 0:
             return
         bad = torch.zeros((), device=x.device)
-        fmax64 = _common.f64_const(FP8_MAX[opts["dtype"]], x.device)
-        ce = _common.quant_chunk(x.device, _block_into)
-        rows = _common.rows_per_chunk(n, ce, multiple=br)
+        fmax64 = numerics.f64_const(FP8_MAX[opts["dtype"]], x.device)
+        ce = kernels.quant_chunk(x.device, _block_into)
+        rows = numerics.rows_per_chunk(n, ce, multiple=br)
         for i in range(b):
-            for lo, hi in _common.chunk_ranges(m, rows):
+            for lo, hi in numerics.chunk_ranges(m, rows):
                 tile_amax = None if a3 is None else a3[i, lo // br : nblocks(hi, br)]
                 got = run_block_kernel(
                     _block_into,
@@ -247,9 +247,9 @@ class Fp8BlockFormat(Format):
         b, m, n = q3.shape
         s3 = q.scale.reshape(b, nblocks(m, br), nblocks(n, bc))
         o3 = out.view(b, m, n)
-        rows = _common.rows_per_chunk(n, multiple=br)
+        rows = numerics.rows_per_chunk(n, multiple=br)
         for i in range(b):
-            for lo, hi in _common.chunk_ranges(m, rows):
+            for lo, hi in numerics.chunk_ranges(m, rows):
                 s = s3[i, lo // br : nblocks(hi, br)]
                 s = s.repeat_interleave(br, dim=0)[: hi - lo].repeat_interleave(bc, dim=1)[:, :n]
                 o3[i, lo:hi].copy_(q3[i, lo:hi].to(torch.float32) * s)

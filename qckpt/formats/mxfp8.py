@@ -21,7 +21,7 @@ emax = 8 (E4M3) / 15 (E5M2), clamped to ``[-127, 127]``; codes are
 ``scale_rounding="rceil"`` (the rule of NVIDIA's MXFP8 kernels, cuBLAS and Transformer Engine:
 ``cvt.rp.satfinite.ue8m0``): ``e = ceil(log2(amax_block / fp8_max))``, computed exactly from the
 bits of the correctly rounded float32 quotient (the same bits on CPU and CUDA:
-``_common.div_f32``), clamped to ``[-127, 127]``. Nothing saturates, but it is *not*
+``numerics.div_f32``), clamped to ``[-127, 127]``. Nothing saturates, but it is *not*
 idempotent: a block whose largest element rounds down to code 224 (``amax / 2**e`` in
 (224, 232)) dequantizes to an amax of exactly ``224 * 2**e = 448 * 2**(e-1)``, which
 re-quantizes with half the scale and doubled codes (tested). That is the mechanism behind Megatron-LM #6666's non-idempotent MXFP8 round trip;
@@ -49,9 +49,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qckpt.errors import FormatError
-from qckpt.formats import _common
+from qckpt.formats import kernels, numerics
 from qckpt.formats._base import FieldSpec, Format, register
-from qckpt.formats._common import (
+from qckpt.formats.kernels import run_block_kernel
+from qckpt.formats.numerics import (
     FP8_EMAX,
     FP8_MAX,
     check_finite_amax,
@@ -59,9 +60,8 @@ from qckpt.formats._common import (
     div_f32,
     exp2_int,
     fp8_dtype,
-    run_block_kernel,
 )
-from qckpt.formats._rowblock import (
+from qckpt.formats.rowblock import (
     last_dim,
     nblocks,
     padded_blocks,
@@ -88,7 +88,7 @@ def _mx_compute(
     if rceil:
         # 2**ceil(log2(amax / fp8_max)), exactly from the bits of the FP32 quotient: its
         # exponent, plus one if any mantissa bit is set; a subnormal/zero quotient -> -127
-        # (fl32(amax / fp8_max), correctly rounded on CUDA and compiled too: _common.div_f32;
+        # (fl32(amax / fp8_max), correctly rounded on CUDA and compiled too: numerics.div_f32;
         # a reciprocal multiply can round up to 2**-126 where the quotient is subnormal)
         bits = div_f32(amax, fmax64).view(torch.int32)
         ebits = (bits >> 23) & 0xFF
@@ -152,16 +152,16 @@ class MxFp8Format(Format):
         s2 = scale.view(x2.shape[0], nblocks(k, BLOCK))
         if k == 0:
             return
-        if opts["scale_rounding"] == "floor" and _common.use_triton(x2, "mxfp8", q2, s2):
-            from qckpt.formats import _triton
+        if opts["scale_rounding"] == "floor" and kernels.use_triton(x2, "mxfp8", q2, s2):
+            from qckpt.formats import triton_kernels
 
-            m = _triton.mx_quantize(x2, q2, s2, FP8_EMAX[opts["dtype"]])
+            m = triton_kernels.mx_quantize(x2, q2, s2, FP8_EMAX[opts["dtype"]])
             if m is not None:
                 check_finite_amax(m, self.name)
                 return
         bad = torch.zeros((), device=x.device)
-        ce = _common.quant_chunk(x.device, _mx_into)
-        fmax64 = _common.f64_const(FP8_MAX[opts["dtype"]], x.device)
+        ce = kernels.quant_chunk(x.device, _mx_into)
+        fmax64 = numerics.f64_const(FP8_MAX[opts["dtype"]], x.device)
         args = (FP8_EMAX[opts["dtype"]], opts["scale_rounding"] == "rceil", fmax64)
         for a, b in row_chunks(x2.shape[0], k, ce):
             m = run_block_kernel(

@@ -9,7 +9,7 @@ An E2M1 code is ``sign << 3 | magnitude``, magnitudes 0..7 = 0, 0.5, 1, 1.5, 2, 
 ``global_scale``: float32 ``()``: ``amax / (6 * 448)`` of the whole tensor (``amax=`` replaces
 the computed amax; an all-zero tensor gets 1.0). Both divisions by constants (this one and
 ``amax_block / 6`` below) give the correctly rounded float32 quotient on every device, eager or
-compiled (``_common.div_f32``: CUDA torch would multiply by a rounded reciprocal instead). Dequantize:
+compiled (``numerics.div_f32``: CUDA torch would multiply by a rounded reciprocal instead). Dequantize:
 ``x = e2m1(code) * (global_scale * float(scale_block))``.
 
 Quantize (the NVIDIA two-level recipe, bit-exact with torchao's ``nvfp4_quantize`` given a
@@ -41,18 +41,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qckpt.errors import FormatError
-from qckpt.formats import _common
+from qckpt.formats import kernels, numerics
 from qckpt.formats._base import FieldSpec, Format, register
-from qckpt.formats._common import (
-    as_amax,
-    check_finite_amax,
-    check_input,
-    div_f32,
-    float_scale,
-    run_block_kernel,
-    tensor_amax,
-)
-from qckpt.formats._rowblock import (
+from qckpt.formats.kernels import run_block_kernel, tensor_amax
+from qckpt.formats.numerics import as_amax, check_finite_amax, check_input, div_f32, float_scale
+from qckpt.formats.rowblock import (
     last_dim,
     nblocks,
     padded_blocks,
@@ -104,7 +97,7 @@ def _nvfp4_compute(
 
     Every float32 quotient here is the correctly rounded one on every device, eager or
     compiled: ``gs64`` is the global scale as float64 and ``six64`` 6.0 as a float64 argument
-    (``_common.div_f32``); ``inv_gs`` is ``fl32(1 / global_scale)``, made by the caller outside
+    (``numerics.div_f32``); ``inv_gs`` is ``fl32(1 / global_scale)``, made by the caller outside
     the kernel. Inside a compiled CUDA kernel ``1.0 / gs`` is a reciprocal that inductor does
     not round as IEEE division (Triton's approximate ``/``; found on the H200 with torch 2.11,
     where 0.9 % of the codes of an 11008 x 4096 weight differed from CPU), while a tensor
@@ -178,12 +171,12 @@ class NvFp4Format(Format):
         q2 = qdata.view(x2.shape[0], -(-k // 2))
         s2 = scale.view(x2.shape[0], nblocks(k, BLOCK))
         bad = torch.zeros((), device=x.device)
-        six64 = _common.f64_const(E2M1_MAX, x.device)
+        six64 = numerics.f64_const(E2M1_MAX, x.device)
         gs64 = gs.to(torch.float64)
         # eager, outside any compiled kernel: a float64 reciprocal is IEEE on every device, and
         # rounded once to float32 it equals CPU torch's float32 1 / gs (div_f32's argument)
         inv_gs = (1.0 / gs64).to(torch.float32)
-        ce = _common.quant_chunk(x.device, _nvfp4_into)
+        ce = kernels.quant_chunk(x.device, _nvfp4_into)
         for lo, hi in row_chunks(x2.shape[0], k, ce):
             m = run_block_kernel(
                 _nvfp4_into,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from qckpt.errors import FormatError
 from qckpt.formats._base import FORMATS, Format, infer_shape
-from qckpt.formats._common import UnsupportedOpError
+from qckpt.formats.numerics import UnsupportedOpError
 
 aten = torch.ops.aten
 
@@ -505,18 +505,21 @@ def _scaled_mm_linear(
         return None
     if not hasattr(torch, "_scaled_mm"):
         return None
-    from qckpt.formats import quantize
+    # the activations quantized as ``qckpt.formats.quantize(x2, "fp8")`` does, through the
+    # format itself: this module sits under the package's functions (no import back up)
+    from qckpt.formats.fp8 import FP8
 
     try:
-        xq = quantize(x2, "fp8")
+        with torch.no_grad():
+            xq = FP8.quantize(x2.detach(), FP8.parse_opts({}), None)
     except FormatError:
         # non-finite activations: let the dequantized matmul propagate them as torch would
         return None
     try:
         out = torch._scaled_mm(
-            xq.qdata,
+            xq["qdata"],
             w.qdata.t() if w.qdata.is_contiguous() else w.qdata.contiguous().t(),
-            scale_a=xq.scale.reshape(()).float(),
+            scale_a=xq["scale"].reshape(()).float(),
             scale_b=w.scale.reshape(()).float(),
             bias=bias.to(x.dtype) if bias is not None and x.dtype != torch.float32 else None,
             out_dtype=x.dtype,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from qckpt.calib.shapes import config_amax_shape
-from qckpt.formats._common import div_f32, f64_const
+from qckpt.formats.numerics import div_f32, f64_const
 from qckpt.layouts.names import (
     FP8_MAX,
 )
@@ -156,7 +156,7 @@ def amax_scalar(a: torch.Tensor) -> torch.Tensor:
 def amax_over(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """float32 ``amax / qmax``, correctly rounded on every device: CUDA torch turns a division
     by a Python number into a multiplication by its reciprocal, one ulp off for about half of
-    all values (see ``qckpt.formats._common.div_f32``)."""
+    all values (see ``qckpt.formats.numerics.div_f32``)."""
     return div_f32(amax.to(torch.float32), f64_const(qmax, amax.device))
 
 

@@ -75,7 +75,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from qckpt.errors import CheckpointError, FormatError
-from qckpt.formats._common import defer_finite_checks, first_not_finite
+from qckpt.formats.numerics import defer_finite_checks, first_not_finite
 from qckpt.load.destination import destination_of, prepended_axes, unwrap_prepended
 from qckpt.load.meter import MemoryMeter
 from qckpt.read.read_items import local_load_items

@@ -142,8 +142,8 @@ class WholeScales:
         what = self.kind(fqn, target)
         if what is None:
             return None
-        from qckpt.formats._common import tensor_amax
         from qckpt.formats.fp8 import row_amax
+        from qckpt.formats.kernels import tensor_amax
         from qckpt.parallel.mesh import group_device
 
         spec = self.specs[fqn]

@@ -130,7 +130,7 @@ def _warm_quantize(plan: CudaWarmup, dev: Any) -> None:
     import torch
 
     from qckpt import formats
-    from qckpt.formats._common import defer_finite_checks, first_not_finite
+    from qckpt.formats.numerics import defer_finite_checks, first_not_finite
     from qckpt.kernel_policy import current_policy, kernel_policy
 
     dtype = getattr(torch, plan.dtype)

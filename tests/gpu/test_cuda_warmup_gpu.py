@@ -41,7 +41,7 @@ warm_imports(None, "qckpt.load.loader", cuda_first_use=plan)
 warmed = entries()
 
 from qckpt.load.loader import load_checkpoint
-from qckpt.formats import _triton
+from qckpt.formats import triton_kernels
 from qckpt.models.quantize_params import quantize_model_params
 from tests.unit._toy import same_tensor
 
@@ -66,7 +66,7 @@ plain = model()
 load_checkpoint(plain, ckpt, reader="plain")
 sa, sb = fast.state_dict(keep_vars=True), plain.state_dict(keep_vars=True)
 out = {
-    "usable": _triton.usable("mxfp8" if fmt == "mxfp8" else "fp8"),
+    "usable": triton_kernels.usable("mxfp8" if fmt == "mxfp8" else "fp8"),
     "warmed": warmed,
     "loaded": loaded,
     "same": all(same_tensor(sa[k], sb[k]) for k in sa),

@@ -117,20 +117,20 @@ def test_fast_equals_plain_on_cuda(dirs, fmt, kind):
 
 @pytest.mark.parametrize("fmt,kernel", [("fp8", "fp8_cast"), ("mxfp8", "mx_quantize")])
 def test_fast_load_quantizes_with_the_triton_kernels(dirs, monkeypatch, fmt, kernel):
-    from qckpt.formats import _triton
+    from qckpt.formats import triton_kernels
     from qckpt.load.loader import load_checkpoint
 
-    if not _triton.usable(fmt):
+    if not triton_kernels.usable(fmt):
         pytest.skip("triton kernels not usable on this GPU")
     m = _model(fmt)  # its own quantize is not the load's
     calls = []
-    real = getattr(_triton, kernel)
+    real = getattr(triton_kernels, kernel)
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_triton, kernel, spy)
+    monkeypatch.setattr(triton_kernels, kernel, spy)
     load_checkpoint(m, dirs / "dcp", reader="fast")
     assert len(calls) >= LAYERS + 1  # every quantized destination of the load
 

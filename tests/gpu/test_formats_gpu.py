@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qckpt.formats import FORMATS, KernelPolicy, _common, kernel_policy, quantize
+from qckpt.formats import FORMATS, KernelPolicy, kernel_policy, kernels, numerics, quantize
 from tests._bits import bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -49,7 +49,7 @@ def test_quantize_memory_is_bounded(fmt: str, compile_mode: str) -> None:
     out = _field_bytes(q)
     temps = peak - out
     # the chunk the kernels ran with (compiled kernels use a larger one: fused, no FP32 temps)
-    chunk_f32 = _common.quant_chunk(x.device, _common.run_kernel) * 4
+    chunk_f32 = kernels.quant_chunk(x.device, kernels.run_kernel) * 4
     print(
         f"{fmt} {compile_mode}: output {out / 2**20:.0f} MiB, temporaries {temps / 2**20:.0f} MiB"
     )
@@ -77,7 +77,7 @@ def test_dequantize_memory_is_bounded(fmt: str) -> None:
     d = q.dequantize(torch.bfloat16)
     torch.cuda.synchronize()
     temps = torch.cuda.max_memory_allocated() - base - d.numel() * 2
-    assert temps <= 8 * _common.CHUNK_ELEMS * 4, f"{fmt}: {temps / 2**20:.0f} MiB"
+    assert temps <= 8 * numerics.CHUNK_ELEMS * 4, f"{fmt}: {temps / 2**20:.0f} MiB"
 
 
 def _show(t: torch.Tensor, idx: tuple[int, ...]) -> str:
@@ -162,7 +162,7 @@ def test_cuda_matches_cpu_bit_for_bit(fmt: str, opts: dict, compile_mode: str, c
     if errors:
         head = (
             f"{fmt} {opts} {compile_mode} cols={cols} (torch {torch.__version__}, "
-            f"inductor options {_common._compile_options()}):"
+            f"inductor options {kernels.compile_options()}):"
         )
         pytest.fail("\n".join([head, *errors]), pytrace=False)
 
@@ -189,21 +189,21 @@ def test_cuda_matches_cpu_after_recompiles_for_new_shapes(fmt: str) -> None:
                     errors.append(
                         f"{rows}x{cols} (#{i}) {name}: {n} of {getattr(ref, name).numel()}"
                     )
-    assert not _common._compile_failed, f"torch.compile fell back: {_common._compile_failed}"
+    assert not kernels.compile_failed, f"torch.compile fell back: {kernels.compile_failed}"
     assert not errors, f"{fmt} (torch {torch.__version__}): " + "; ".join(errors[:8])
 
 
 def test_compile_options_make_division_exact() -> None:
     """The compiled kernels' float32 x / scale must be div_rn (eager's IEEE division): the
     option that makes inductor emit it must exist under one of its names in this torch."""
-    opts = _common._compile_options()
+    opts = kernels.compile_options()
     print(f"torch {torch.__version__}: inductor options {opts}")
     assert opts.get("eager_numerics.division_rounding") or opts.get("emulate_divison_rounding")
 
 
 def test_compiled_path_is_used_on_cuda() -> None:
     quantize(torch.randn(256, 256, device="cuda"), "mxfp8")  # the default policy: auto
-    assert not _common._compile_failed, f"torch.compile fell back: {_common._compile_failed}"
+    assert not kernels.compile_failed, f"torch.compile fell back: {kernels.compile_failed}"
 
 
 def test_linear_scaled_mm_fp8() -> None:

@@ -1,4 +1,4 @@
-"""The hand-written Triton kernels (qckpt/formats/_triton.py) against the torch path, bit for bit.
+"""The hand-written Triton kernels (qckpt/formats/triton_kernels.py) against the torch path, bit for bit.
 
     pytest -q tests/gpu/test_formats_triton.py        # CUDA + triton; the CPU part runs anywhere
 
@@ -17,11 +17,19 @@ import pytest
 import torch
 
 from qckpt.errors import FormatError
-from qckpt.formats import FORMATS, KernelPolicy, _common, _triton, kernel_policy, quantize
-from qckpt.formats._triton import tl, triton
+from qckpt.formats import (
+    FORMATS,
+    KernelPolicy,
+    kernel_policy,
+    kernels,
+    numerics,
+    quantize,
+    triton_kernels,
+)
+from qckpt.formats.triton_kernels import tl, triton
 from tests._bits import bits
 
-HAS_TRITON_CUDA = torch.cuda.is_available() and _triton.available()
+HAS_TRITON_CUDA = torch.cuda.is_available() and triton_kernels.available()
 needs_gpu = pytest.mark.skipif(not HAS_TRITON_CUDA, reason="needs CUDA (sm_89+) and triton")
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -127,7 +135,7 @@ def test_soft_fp8_bits_match_torch_cast(fp8: torch.dtype) -> None:
     """Every exponent, every pattern of the top 7 mantissa bits combined with low bits that sit
     at, just below and just above each possible rounding position (ties and near-ties, normal
     and subnormal results), every code's value +- 3 ulp, and random patterns; |y| <= fmax."""
-    fmax = _common.FP8_MAX[fp8]
+    fmax = numerics.FP8_MAX[fp8]
     lim = int(torch.tensor(fmax).view(torch.int32))
     p = torch.arange(23, dtype=torch.int64)
     low = torch.cat([1 << p, (1 << p) - 1, (1 << p) + 1, torch.tensor([0, 0x7FFFFF])]) & 0x7FFFFF
@@ -145,7 +153,7 @@ def test_soft_fp8_bits_match_torch_cast(fp8: torch.dtype) -> None:
     b = b[(b >= 0) & (b <= lim)].to(torch.int32)
     for sign in (0, -(1 << 31)):
         y = (b | sign).view(torch.float32)
-        got = _triton.soft_fp8_bits_torch(y, fp8 == torch.float8_e4m3fn)
+        got = triton_kernels.soft_fp8_bits_torch(y, fp8 == torch.float8_e4m3fn)
         ref = y.to(fp8).view(torch.uint8)
         bad = (got != ref).nonzero().flatten()
         assert len(bad) == 0, [(float(y[i]), int(ref[i]), int(got[i])) for i in bad[:5]]
@@ -172,13 +180,13 @@ def _split_subnormal(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return is_sub, _i32_to_f32(torch.where(is_sub, xs_b, xb))
 
 
-def emulate_mx(x2: torch.Tensor, fp8: torch.dtype, blocks: int = _triton.MX_BLOCKS):
+def emulate_mx(x2: torch.Tensor, fp8: torch.dtype, blocks: int = triton_kernels.MX_BLOCKS):
     """``_mx_kernel`` program by program (all programs at once) in torch on CPU."""
     r, k = x2.shape
     nb = -(-k // 32)
     n_blocks = r * nb
     grid = -(-n_blocks // blocks)
-    emax, fmax = EMAX[fp8], _common.FP8_MAX[fp8]
+    emax, fmax = EMAX[fp8], numerics.FP8_MAX[fp8]
     flat = x2.reshape(-1)
     pid = torch.arange(grid, dtype=torch.int64)
     g = pid.view(-1, 1) * blocks + torch.arange(blocks)  # (grid, BLOCKS)
@@ -204,7 +212,7 @@ def emulate_mx(x2: torch.Tensor, fp8: torch.dtype, blocks: int = _triton.MX_BLOC
     y = num * inv[..., None]
     y = torch.where(is_sub, y * 2.0**-126, y).clamp(-fmax, fmax)
     codes = torch.zeros(flat.numel(), dtype=torch.uint8)
-    codes[offs[mask]] = _triton.soft_fp8_bits_torch(y, fp8 == torch.float8_e4m3fn)[mask]
+    codes[offs[mask]] = triton_kernels.soft_fp8_bits_torch(y, fp8 == torch.float8_e4m3fn)[mask]
     bad = _i32_to_f32(part.amax()).reshape(())
     return codes.view(fp8).view(r, k), scales[:n_blocks].view(r, nb), bad
 
@@ -213,15 +221,15 @@ def emulate_fp8(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch
     """``_fp8_cast_kernel`` (and ``_amax_kernel``) in torch on CPU; block index math is 1-D."""
     flat = x.reshape(-1)
     n = flat.numel()
-    grid = -(-n // _triton.CAST_BLOCK)
-    offs = torch.arange(grid * _triton.CAST_BLOCK)
+    grid = -(-n // triton_kernels.CAST_BLOCK)
+    offs = torch.arange(grid * triton_kernels.CAST_BLOCK)
     mask = offs < n
     xb = torch.zeros(offs.shape, dtype=torch.int64)
     xb[mask] = _f32_bits(flat)
     is_sub, num = _split_subnormal(xb)
     q = num / scale.reshape(())  # float32 / float32: IEEE on CPU, as div_rn
-    q = torch.where(is_sub, q * 2.0**-126, q).clamp(-_common.FP8_MAX[fp8], _common.FP8_MAX[fp8])
-    codes = _triton.soft_fp8_bits_torch(q, fp8 == torch.float8_e4m3fn)[mask]
+    q = torch.where(is_sub, q * 2.0**-126, q).clamp(-numerics.FP8_MAX[fp8], numerics.FP8_MAX[fp8])
+    codes = triton_kernels.soft_fp8_bits_torch(q, fp8 == torch.float8_e4m3fn)[mask]
     return codes.view(fp8).view(x.shape)
 
 
@@ -261,9 +269,9 @@ def test_emulated_fp8_kernel_matches_torch_path(shape, dtype, fp8, kind) -> None
 def test_import_and_dispatch_without_gpu() -> None:
     """The module imports with or without triton; CPU tensors never take the Triton path."""
     x = torch.randn(64, 64)
-    assert not _common.use_triton(x, "fp8")
-    assert not _common.use_triton(x, "mxfp8")
-    info = _triton.info()
+    assert not kernels.use_triton(x, "fp8")
+    assert not kernels.use_triton(x, "mxfp8")
+    info = triton_kernels.info()
     assert set(info) == {"triton", "available", "soft_cvt", "failed"}
     with pytest.raises(ValueError, match="compile"):
         KernelPolicy(compile="maybe")
@@ -313,21 +321,21 @@ def test_triton_matches_torch_bit_for_bit(fmt, opts, shape, soft, paths) -> None
             got = paths(lambda x=x: quantize(x, fmt, **opts), True, soft)
             for name in FORMATS[fmt].tensor_fields:
                 errors += _report(f"{dt} {kind} {name}", x, getattr(ref, name), getattr(got, name))
-    assert not _triton._failed, _triton.info()
+    assert not triton_kernels.failed, triton_kernels.info()
     if errors:
-        head = f"{fmt} {opts} {shape} soft={soft} ({_triton.info()}, torch {torch.__version__}):"
+        head = f"{fmt} {opts} {shape} soft={soft} ({triton_kernels.info()}, torch {torch.__version__}):"
         pytest.fail("\n".join([head, *errors]), pytrace=False)
 
 
 @needs_gpu
 def test_triton_path_is_taken() -> None:
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    assert _common.use_triton(x, "fp8") and _common.use_triton(x, "mxfp8")
+    assert kernels.use_triton(x, "fp8") and kernels.use_triton(x, "mxfp8")
     quantize(x, "fp8")
     quantize(x, "mxfp8")
-    assert not _triton._failed, _triton.info()
-    assert not _common.use_triton(x.t(), "fp8")  # non-contiguous: torch path
-    assert not _common.use_triton(x.half(), "fp8")  # float16: torch path
+    assert not triton_kernels.failed, triton_kernels.info()
+    assert not kernels.use_triton(x.t(), "fp8")  # non-contiguous: torch path
+    assert not kernels.use_triton(x.half(), "fp8")  # float16: torch path
 
 
 @needs_gpu
@@ -349,7 +357,7 @@ def test_triton_temporaries_are_bounded(fmt: str) -> None:
     x = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
     q = quantize(x, fmt)  # warm-up (compiles the kernels)
     torch.cuda.synchronize()
-    bound = x.numel() // _triton.CAST_BLOCK * 4 + (1 << 20)
+    bound = x.numel() // triton_kernels.CAST_BLOCK * 4 + (1 << 20)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     q2 = quantize(x, fmt)
@@ -366,7 +374,7 @@ def test_triton_temporaries_are_bounded(fmt: str) -> None:
     temps = torch.cuda.max_memory_allocated() - base
     print(f"{fmt} triton: quantize_ temporaries {temps / 2**20:.2f} MiB")
     assert temps <= bound
-    assert not _triton._failed, _triton.info()
+    assert not triton_kernels.failed, triton_kernels.info()
 
 
 @needs_gpu
@@ -404,7 +412,7 @@ if triton is not None:
             if k >= 128:
                 x = -x
             ref = tl.div_rn(x, s)
-            q = _triton._fast_div(x, s, r)
+            q = triton_kernels.fast_div(x, s, r)
             same = q.to(tl.int32, bitcast=True) == ref.to(tl.int32, bitcast=True)
             bad += tl.where(same, 0, 1)
         tl.store(out_ptr + tl.program_id(0), tl.sum(bad, axis=0))

@@ -1,5 +1,5 @@
 """Run by test_triton_interpreter.py under TRITON_INTERPRET=1: every Triton kernel of
-qckpt/formats/_triton.py, executed by Triton's CPU interpreter, against the torch path.
+qckpt/formats/triton_kernels.py, executed by Triton's CPU interpreter, against the torch path.
 
 Prints one JSON object: mismatch counts per case, and the kernels that failed to run.
 """
@@ -14,7 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=
 
 import torch  # noqa: E402
 
-from qckpt.formats import KernelPolicy, _common, _triton, kernel_policy, quantize  # noqa: E402
+from qckpt.formats import KernelPolicy, kernel_policy, numerics, quantize, triton_kernels  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -26,29 +26,29 @@ def u8(t: torch.Tensor) -> torch.Tensor:
 def case(x: torch.Tensor, fp8: torch.dtype, pow2: bool) -> dict[str, int]:
     out: dict[str, int] = {}
     ref = quantize(x, "fp8", dtype=fp8, pow2_scale=pow2)
-    a = _triton.amax(x)
+    a = triton_kernels.amax(x)
     out["amax"] = int(a.item() != x.float().abs().max().item())
     # the scale made in the kernel from the amax, and the codes
     q, s = torch.empty(x.shape, dtype=fp8), torch.full((1,), -1.0)
-    _triton.fp8_cast(x, q, amax=a, scale_out=s, pow2=pow2)
+    triton_kernels.fp8_cast(x, q, amax=a, scale_out=s, pow2=pow2)
     out["fp8 codes"] = int((u8(q) != u8(ref.qdata)).sum())
     out["fp8 scale"] = int(s.view(torch.int32).item() != ref.scale.view(torch.int32).item())
     # a given scale, with the kernel's own amax for the NaN/Inf check
     q2 = torch.empty(x.shape, dtype=fp8)
-    m = _triton.fp8_cast(x, q2, scale=ref.scale, check=True)
+    m = triton_kernels.fp8_cast(x, q2, scale=ref.scale, check=True)
     out["fp8 given scale"] = int((u8(q2) != u8(ref.qdata)).sum())
     out["fp8 check amax"] = int(m.item() != a.item())
     # a NaN / Inf amax: nothing written, scale untouched
     for bad in (float("nan"), float("inf")):
         q3, s3 = torch.zeros(x.shape, dtype=fp8), torch.full((1,), -1.0)
-        _triton.fp8_cast(x, q3, amax=torch.tensor(bad), scale_out=s3)
+        triton_kernels.fp8_cast(x, q3, amax=torch.tensor(bad), scale_out=s3)
         out[f"{bad} guard"] = int((u8(q3) != 0).any()) + int(s3.item() != -1.0)
     if not pow2:
         refm = quantize(x, "mxfp8", dtype=fp8)
         x2 = x.reshape(-1, x.shape[-1])
         q4 = torch.empty(x2.shape, dtype=fp8)
         s4 = torch.empty(x2.shape[0], -(-x2.shape[1] // 32), dtype=torch.uint8)
-        mm = _triton.mx_quantize(x2, q4, s4, _common.FP8_EMAX[fp8])
+        mm = triton_kernels.mx_quantize(x2, q4, s4, numerics.FP8_EMAX[fp8])
         out["mx codes"] = int((u8(q4) != u8(refm.qdata)).sum())
         out["mx scales"] = int((u8(s4) != u8(refm.scale)).sum())
         out["mx amax"] = int(mm.item() != a.item())
@@ -72,7 +72,7 @@ def main() -> None:
                     for pow2 in (False, True):
                         key = f"{shape} {sc:g} {dtype} {fp8} pow2={pow2}"
                         results[key] = case(x, fp8, pow2)
-    json.dump({"results": results, "failed": _triton._failed}, sys.stdout)
+    json.dump({"results": results, "failed": triton_kernels.failed}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def test_warm_quantize_runs_the_formats_quantize_on_2d_and_3d_weights(monkeypatc
     model's dtype, inside ``defer_finite_checks`` as at the planner's commit, and under the
     caller's kernel policy with torch.compile off."""
     from qckpt import formats
-    from qckpt.formats import _common
+    from qckpt.formats import numerics
     from qckpt.kernel_policy import KernelPolicy, current_policy, kernel_policy
 
     spec = formats.FORMATS[fmt]
@@ -35,7 +35,7 @@ def test_warm_quantize_runs_the_formats_quantize_on_2d_and_3d_weights(monkeypatc
 
     def spy(self, q, x, update_state=True, *, amax=None):
         pol = current_policy()
-        deferred = _common._DEFERRED.get() is not None
+        deferred = numerics.finite_checks_deferred()
         seen.append(
             (tuple(x.shape), x.dtype, update_state, amax, deferred, pol.triton, pol.compile)
         )

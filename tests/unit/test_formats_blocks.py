@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from qckpt.errors import FormatError
-from qckpt.formats import FORMATS, QuantizedTensor, UnsupportedOpError, quantize
+from qckpt.formats import FORMATS, QuantizedTensor, UnsupportedOpError, numerics, quantize
 
 E4 = torch.float8_e4m3fn
 
@@ -269,11 +269,10 @@ def test_missing_op(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "fp8_block", "nvfp4", "fp8"])
 def test_chunk_boundaries(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from qckpt.formats import _common
 
     x = torch.randn(300, 200, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     ref = quantize(x, fmt)
-    monkeypatch.setattr(_common, "CHUNK_ELEMS", 1000)
+    monkeypatch.setattr(numerics, "CHUNK_ELEMS", 1000)
     q = quantize(x, fmt)
     assert same(q, ref)
     assert torch.equal(q.dequantize(torch.float32), ref.dequantize(torch.float32))

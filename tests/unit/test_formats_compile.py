@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from qckpt.formats import KernelPolicy, _common, quantize
+from qckpt.formats import KernelPolicy, kernels, quantize
 from tests._bits import bits
 
 pytestmark = pytest.mark.skipif(
@@ -42,6 +42,6 @@ def test_compiled_equals_eager(fmt: str, opts: dict, cols: int) -> None:
     )
     ref = quantize(x, fmt, policy=KernelPolicy(compile="never"), **opts)
     q = quantize(x, fmt, policy=KernelPolicy(compile="always"), **opts)
-    assert not _common._compile_failed
+    assert not kernels.compile_failed
     for k in q.spec.tensor_fields:
         assert torch.equal(bits(getattr(q, k)), bits(getattr(ref, k))), k

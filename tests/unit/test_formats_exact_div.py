@@ -1,5 +1,5 @@
 """The scale divisions by constants (amax / 448, amax / 6, ...) give the correctly rounded
-float32 quotient through ``_common.div_f32`` (float64, rounded once): the same bits as CPU
+float32 quotient through ``numerics.div_f32`` (float64, rounded once): the same bits as CPU
 float32 division, which the reference tests pin. CUDA torch would multiply by a rounded
 reciprocal instead (tests/gpu/test_formats_gpu.py compares the devices)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from qckpt.formats import _common
+from qckpt.formats import numerics
 
 
 def _edge_amaxes() -> torch.Tensor:
@@ -28,15 +28,15 @@ def test_div_f32_is_float32_division() -> None:
     a = _edge_amaxes()
     for d in (448.0, 57344.0, 6.0, 2688.0, 3.0):
         want = a / d  # CPU float32 division: correctly rounded, ties to even
-        got = _common.div_f32(a, _common.f64_const(d, a.device))
+        got = numerics.div_f32(a, numerics.f64_const(d, a.device))
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), d
 
 
 def test_float_scale_is_float32_division_clamped() -> None:
     a = _edge_amaxes()
     for q in (448.0, 57344.0, 2688.0):
-        want = (a / q).clamp_min(_common.F32_TINY)
+        want = (a / q).clamp_min(numerics.F32_TINY)
         want = torch.where(a > 0, want, torch.ones_like(want))
-        for qmax in (q, _common.f64_const(q, a.device)):
-            got = _common.float_scale(a, qmax)
+        for qmax in (q, numerics.f64_const(q, a.device)):
+            got = numerics.float_scale(a, qmax)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), q

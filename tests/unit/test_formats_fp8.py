@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qckpt.errors import FormatError
-from qckpt.formats import FORMATS, QuantizedTensor, is_quantized, quantize
+from qckpt.formats import FORMATS, QuantizedTensor, is_quantized, numerics, quantize
 from tests._bits import bits
 
 E4 = torch.float8_e4m3fn
@@ -101,9 +101,8 @@ def test_chunked_equals_unchunked(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(50, 33)
     ref_t = quantize(x, "fp8")
     ref_c = quantize(x, "fp8", granularity="channel")
-    from qckpt.formats import _common
 
-    monkeypatch.setattr(_common, "CHUNK_ELEMS", 100)
+    monkeypatch.setattr(numerics, "CHUNK_ELEMS", 100)
     for ref, g in [(ref_t, "tensor"), (ref_c, "channel")]:
         q = quantize(x, "fp8", granularity=g)
         assert torch.equal(bits(q.qdata), bits(ref.qdata)) and torch.equal(q.scale, ref.scale)

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from qckpt.formats import _common, quantize
+from qckpt.formats import numerics, quantize
 
 
 class LiveBytes(TorchDispatchMode):
@@ -50,9 +50,9 @@ class LiveBytes(TorchDispatchMode):
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4"])
 def test_temporaries_are_bounded_by_the_chunk(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_common, "CHUNK_ELEMS", 1 << 15)
+    monkeypatch.setattr(numerics, "CHUNK_ELEMS", 1 << 15)
     x = torch.randn(1024, 1024).to(torch.bfloat16)
-    chunk_f32 = _common.CHUNK_ELEMS * 4
+    chunk_f32 = numerics.CHUNK_ELEMS * 4
     # fp8_block chunks whole 128-row tile rows: 128 x 1024 = 4 chunks here
     unit = chunk_f32 * (4 if fmt == "fp8_block" else 1)
     full_f32 = x.numel() * 4  # what an unchunked quantize would allocate (32 chunks)

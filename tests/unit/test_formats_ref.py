@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from qckpt.formats import quantize
+from qckpt.formats import numerics, quantize
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -107,9 +107,8 @@ def test_mxfp8_tiny_block_difference_is_documented() -> None:
 
 
 def test_mxfp8_3d_and_chunked_match_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
-    from qckpt.formats import _common
 
-    monkeypatch.setattr(_common, "CHUNK_ELEMS", 100)  # many row chunks
+    monkeypatch.setattr(numerics, "CHUNK_ELEMS", 100)  # many row chunks
     x = torch.randn(4, 6, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     q = quantize(x, "mxfp8")
     rs, rd = mx.to_mx(x, E4, 32)

@@ -1,5 +1,5 @@
 """``bench/`` and ``tests/e2e`` use qckpt's public names only (issue 28), read with ``ast``:
-no ``_name`` imported from another module, no private module of qckpt (``qckpt.formats._triton``)
+no ``_name`` imported from another module, no private module of qckpt (``qckpt.formats.triton_kernels``)
 imported, no ``_name`` read off an imported qckpt module (``pipe._Pipeline``).
 
 The files that still do are listed in ``ALLOWED`` with the reason; an entry that no longer
@@ -16,8 +16,8 @@ from tests.conftest import ROOT
 SCANNED = ("bench/*.py", "tests/e2e/*.py")
 
 ALLOWED = {
-    # kernel benchmarks: they read and set the kernels' own state in qckpt/formats/_common.py
-    # and _triton.py (private modules by name; renaming modules is the package re-cut's job)
+    # kernel benchmarks: they read and set the kernels' own state in qckpt/formats/numerics.py
+    # and triton_kernels.py (private modules by name; renaming modules is the package re-cut's job)
     "bench/formats.py": "formats._common / formats._triton kernel state",
     "bench/tune_triton.py": "sets formats._triton's tuning constants",
     # count and keep the export pipeline's work by wrapping its class's methods
@@ -67,7 +67,7 @@ def violations(path: Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr):
             base = node.value
-            while isinstance(base, ast.Attribute):  # qckpt.formats._common: its first name
+            while isinstance(base, ast.Attribute):  # qckpt.formats.numerics: its first name
                 base = base.value
             if isinstance(base, ast.Name) and base.id in modules:
                 out.append(f"{node.lineno}: {ast.unparse(node)}")
@@ -92,7 +92,7 @@ def test_the_checker_sees_every_spelling(tmp_path):
         "import qckpt.export.stages as pipe\n"
         "from qckpt.formats import _common, quantize\n"
         "from qckpt.read import fast_read\n"
-        "import qckpt.formats._triton\n"
+        "import qckpt.formats.triton_kernels\n"
         "from bench.formats import _timer\n"
         "def f(self):\n"
         "    self._private_attr_of_its_own = 1\n"  # its own object's: not a module's
@@ -101,7 +101,7 @@ def test_the_checker_sees_every_spelling(tmp_path):
     got = [v.split(": ", 1)[1] for v in violations(src)]
     assert got == [
         "from qckpt.formats import _common",
-        "import qckpt.formats._triton",
+        "import qckpt.formats.triton_kernels",
         "from bench.formats import _timer",
         "fast_read._byte_view",
         "pipe._Pipeline",

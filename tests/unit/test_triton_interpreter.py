@@ -1,5 +1,5 @@
 """The Triton kernels' logic on a machine without a GPU: Triton's CPU interpreter runs every
-kernel of qckpt/formats/_triton.py (fp8 per-tensor with the scale made in the kernel, a given
+kernel of qckpt/formats/triton_kernels.py (fp8 per-tensor with the scale made in the kernel, a given
 scale, the NaN/Inf guard, mxfp8), and each code, scale and amax must equal the torch path's.
 
 The interpreter's own FP8 cast drops mantissa carries, so the kernels' integer rounding

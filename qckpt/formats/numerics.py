@@ -1,4 +1,4 @@
-"""Shared pieces of the formats layer: the format registry, FP8 constants, chunking, checks.
+"""The formats' numbers: FP8 constants, chunking, finiteness checks, exact division.
 
 Conventions every format follows:
 
@@ -8,6 +8,9 @@ Conventions every format follows:
   positive scale (1.0 for float scales, 2**-127 for E8M0 scales) and all-zero codes.
 * Work is done in chunks of about ``CHUNK_ELEMS`` elements, so the temporaries of a quantize
   are O(chunk) (a few FP32 copies of one chunk), never a full-size FP32 copy of the input.
+
+Which kernels compute them (compiled, Triton) is :mod:`qckpt.formats.kernels`'; the export and
+calibration share the division and scale rules here (``div_f32``, ``float_scale``).
 """
 
 from __future__ import annotations
@@ -15,23 +18,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from qckpt.errors import FormatError
-from qckpt.kernel_policy import current_policy
 
 # Chunk size in elements. 16 Mi elements keeps each kernel large enough to saturate a GPU while
 # the FP32 temporaries of one chunk stay at a few x 64 MiB. Tests shrink it to hit chunk edges.
 CHUNK_ELEMS: int = 1 << 24
-# Chunk size for the compiled (fused) kernels: their FP32 math stays in registers, so bigger
-# chunks cost little memory and pay the per-call Python/guard/launch overhead fewer times. Measured
-# on an H200 (docs/BENCHMARKS.md): 1 << 28 doubled mxfp8's throughput but quadrupled nvfp4's
-# compiled temporaries (80 -> 320 MiB on a 512 MiB input) and did not help fp8; we keep 1 << 26.
-CHUNK_ELEMS_COMPILED: int = 1 << 26
+
 
 FP8_DTYPES = {
     "e4m3": torch.float8_e4m3fn,
@@ -39,9 +36,14 @@ FP8_DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
+
+
 # max finite value and the unbiased exponent of its leading bit (emax) per FP8 dtype
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
 FP8_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+
 
 # smallest positive normal float32: a floor for computed float scales so that a tiny but
 # non-zero amax never produces a zero (or subnormal, slow on some hardware) scale.
@@ -88,6 +90,11 @@ def defer_finite_checks() -> Iterator[list[tuple[torch.Tensor, str]]]:
         yield pending
     finally:
         _DEFERRED.reset(token)
+
+
+def finite_checks_deferred() -> bool:
+    """Whether a :func:`defer_finite_checks` block is open here (its checks are collected)."""
+    return _DEFERRED.get() is not None
 
 
 def first_not_finite(pending: list[tuple[torch.Tensor, str]]) -> tuple[int, str] | None:
@@ -162,24 +169,6 @@ def abs_amax(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch
     return torch.linalg.vector_norm(x, ord=math.inf, dim=dim).to(torch.float32)
 
 
-def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """Chunked per-tensor amax (float32 scalar); the Triton kernel where it applies (exact
-    either way: a max does not round)."""
-    if use_triton(x, "amax"):
-        from qckpt.formats import _triton
-
-        a = _triton.amax(x)
-        if a is not None:
-            return a
-    flat = flat_view(x)
-    amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    # the inf-norm reduction makes no temporaries on CUDA: there the larger chunk saves calls
-    ce = max(CHUNK_ELEMS, CHUNK_ELEMS_COMPILED) if x.is_cuda else CHUNK_ELEMS
-    for s, e in chunk_ranges(flat.numel(), ce):
-        amax = torch.maximum(amax, abs_amax(flat[s:e]))
-    return amax
-
-
 def pow2_exponent(amax: torch.Tensor, emax: int, emin: int = -127) -> torch.Tensor:
     """OCP MX shared-exponent rule: floor(log2(amax)) - emax, clamped to [emin, 127]
     (E8M0's range is [-127, 127]).
@@ -244,106 +233,3 @@ def as_amax(amax: Any, device: torch.device) -> torch.Tensor:
     if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
         raise FormatError(f"amax must be finite and >= 0, got {t.flatten()[:4].tolist()}")
     return t
-
-
-# ---- optional torch.compile of the per-chunk kernels -------------------------------------------
-# Eager torch runs each chunk as several kernels with FP32 temporaries; on CUDA a compiled
-# (fused) chunk kernel reads the input once and writes codes and scales once. Whether to compile
-# is the KernelPolicy's (qckpt/kernel_policy.py); any compile failure falls back to eager for
-# good, with one warning.
-_compiled: dict[Callable, Callable] = {}
-_compile_failed: set[Callable] = set()
-
-
-def run_block_kernel(
-    into: Callable,
-    compute: Callable,
-    padded: bool,
-    x: torch.Tensor,
-    outs: tuple[torch.Tensor, ...],
-    args: tuple,
-    compute_extra: tuple = (),
-) -> torch.Tensor:
-    """Quantize one chunk of a block format into ``outs``; returns the chunk's amax.
-
-    Without padding, ``into(x, *outs, *args)`` writes the outputs inside the (compiled) kernel.
-    With a partial last block, ``compute(x, *args, *compute_extra)`` returns the outputs and
-    they are copied here: torch 2.13's inductor miscompiles a padded, re-viewed and sliced
-    result written into a kernel argument (found by tests/unit/test_formats_compile.py).
-    """
-    if not padded:
-        return run_kernel(into, x, *outs, *args)
-    res = run_kernel(compute, x, *args, *compute_extra)
-    for o, r in zip(outs, res[:-1], strict=True):
-        o.copy_(r)
-    return res[-1]
-
-
-def _compile_options() -> dict[str, Any]:
-    """Inductor options that keep compiled kernels bit-exact with eager torch: Triton's ``/``
-    is an approximate division by default (codes at FP8 rounding ties would differ) and
-    subnormal inputs may be flushed to zero. The option names moved between torch versions."""
-    from torch._inductor import config as ic
-
-    opts: dict[str, Any] = {}
-    en = getattr(ic, "eager_numerics", None)
-    if en is not None and hasattr(en, "division_rounding"):
-        opts["eager_numerics.division_rounding"] = True
-        if hasattr(en, "disable_ftz"):
-            opts["eager_numerics.disable_ftz"] = True
-    elif hasattr(ic, "emulate_divison_rounding"):
-        opts["emulate_divison_rounding"] = True
-    return opts
-
-
-def quant_chunk(device: torch.device, kernel: Callable) -> int:
-    """Chunk size (elements) for quantizing with ``kernel`` on ``device``: the compiled size
-    where the kernel will run compiled, else ``CHUNK_ELEMS``. (If compiling fails on its first
-    chunk, that one chunk runs eager at the compiled size; later calls use CHUNK_ELEMS.)"""
-    if _want_compile(device) and kernel not in _compile_failed:
-        return max(CHUNK_ELEMS, CHUNK_ELEMS_COMPILED)
-    return CHUNK_ELEMS
-
-
-def _want_compile(device: torch.device) -> bool:
-    return current_policy().compiles(device)
-
-
-def run_kernel(fn: Callable, x: torch.Tensor, *args: Any) -> Any:
-    """Run the chunk kernel ``fn(x, *args)``, compiled where wanted and working."""
-    if _want_compile(x.device) and fn not in _compile_failed:
-        c = _compiled.get(fn)
-        if c is None:
-            c = _compiled[fn] = torch.compile(fn, dynamic=None, options=_compile_options())
-        try:
-            return c(x, *args)
-        except Exception as e:  # noqa: BLE001  (any inductor/triton failure -> eager)
-            _compile_failed.add(fn)
-            warnings.warn(
-                f"qckpt.formats: torch.compile of {fn.__name__} failed ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); using eager torch",
-                stacklevel=2,
-            )
-    return fn(x, *args)
-
-
-# ---- optional hand-written Triton kernels (qckpt/formats/_triton.py) ---------------------------
-# On by default on CUDA where triton imports (KernelPolicy.triton). Bit-identical to the torch
-# path (tests/gpu/test_formats_triton.py); used for contiguous bfloat16/float32 input only.
-TRITON_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def use_triton(x: torch.Tensor, kind: str, *outs: torch.Tensor) -> bool:
-    """Whether the Triton ``kind`` kernel ("amax", "fp8", "mxfp8") takes ``x`` -> ``outs``."""
-    if not (
-        x.is_cuda and current_policy().triton and x.dtype in TRITON_DTYPES and x.is_contiguous()
-    ):
-        return False
-    # plain tensors only (a subclass, e.g. a DTensor, may not be its own storage)
-    if type(x) is not torch.Tensor or not all(
-        type(o) is torch.Tensor and o.is_cuda and o.is_contiguous() for o in outs
-    ):
-        return False
-    from qckpt.formats import _triton  # imports triton: only ever on CUDA
-
-    return _triton.usable(kind)

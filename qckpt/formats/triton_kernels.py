@@ -21,7 +21,7 @@ The kernels give the same bits as the torch path (tests/gpu/test_formats_triton.
   bit for bit) and writes it, so a quantize is two kernels and one host sync: the NaN/Inf
   check, after the cast. A NaN/Inf amax makes the cast write nothing (no code, no scale).
 * Division: a bfloat16 x divided by a scale in [2**-60, 2**60] is ``x * r`` (r = 1 / s)
-  corrected by one fma residual (``_fast_div``), three instructions instead of an IEEE
+  corrected by one fma residual (``fast_div``), three instructions instead of an IEEE
   division; it equals ``div_rn`` for every bfloat16 significand against every float32 one
   (tests/gpu, 2**31 quotients). float32 input, or a scale outside that range, uses
   ``tl.div_rn``.
@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from qckpt.formats._common import FP8_EMAX, FP8_MAX
-from qckpt.formats._rowblock import nblocks
+from qckpt.formats.numerics import FP8_EMAX, FP8_MAX
+from qckpt.formats.rowblock import nblocks
 from qckpt.kernel_policy import current_policy
 
 try:  # pragma: no cover - depends on the install
@@ -70,7 +70,7 @@ def _soft() -> bool:
     return current_policy().soft_fp8_cast
 
 
-_failed: dict[str, str] = {}  # kind -> why
+failed: dict[str, str] = {}  # kind -> why
 _available: bool | None = None
 
 
@@ -93,12 +93,12 @@ def _key(kind: str) -> str:
 
 
 def usable(kind: str) -> bool:
-    return available() and _key(kind) not in _failed
+    return available() and _key(kind) not in failed
 
 
 def _fail(kind: str, e: Exception) -> None:
     msg = str(e).splitlines()[0] if str(e) else ""
-    _failed[_key(kind)] = f"{type(e).__name__}: {str(e)[:2000]}"
+    failed[_key(kind)] = f"{type(e).__name__}: {str(e)[:2000]}"
     warnings.warn(
         f"qckpt.formats: the Triton {kind} kernel failed ({type(e).__name__}: {msg}); "
         "using the torch path",
@@ -216,7 +216,7 @@ if triton is not None:
         tl.store(part_ptr + tl.program_id(0), r)
 
     @triton.jit
-    def _fast_div(x, s, r):
+    def fast_div(x, s, r):
         """x / s rounded as div_rn, from r = div_rn(1, s): the product x * r is within an
         ulp or two and one fma residual corrects it (Markstein). Proven bit-exact by
         exhaustion for bfloat16 x and s in [2**-60, 2**60] only (tests/gpu). A zero or
@@ -249,7 +249,7 @@ if triton is not None:
         if CHECK:
             m = tl.maximum(m, xb & 0x7FFFFFFF)
         if FASTDIV:
-            q = _fast_div(xb.to(tl.float32, bitcast=True), s, r)
+            q = fast_div(xb.to(tl.float32, bitcast=True), s, r)
         else:
             is_sub, num = _split_subnormal(xb)
             q = tl.div_rn(num, s)
@@ -264,12 +264,12 @@ if triton is not None:
     def _fp8_scale(a_bits, FMAX: tl.constexpr, EMAX: tl.constexpr, POW2: tl.constexpr):
         """fp8._scale_from_amax from the amax's float32 bits (>= 0, finite), bit for bit."""
         if POW2:
-            # _common.pow2_exponent with emin -126, then exp2_int: from the exponent bits
+            # numerics.pow2_exponent with emin -126, then exp2_int: from the exponent bits
             e = ((a_bits >> 23) & 0xFF) - 127 - EMAX
             e = tl.minimum(tl.maximum(e, -126), 127)
             s = ((e + 127) << 23).to(tl.float32, bitcast=True)
         else:
-            # _common.float_scale: the float64 quotient clamped at float32's tiny, rounded once.
+            # numerics.float_scale: the float64 quotient clamped at float32's tiny, rounded once.
             # A subnormal amax is rebuilt from its integer significand (m * 2**-149), so no
             # flush-to-zero of a float32 operand can touch it
             sub = a_bits < 0x800000
@@ -574,7 +574,7 @@ def info() -> dict[str, Any]:
         "triton": getattr(triton, "__version__", None),
         "available": available(),
         "soft_cvt": _soft(),
-        "failed": dict(_failed),
+        "failed": dict(failed),
     }
 
 

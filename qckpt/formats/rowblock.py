@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from qckpt.formats import _common
+from qckpt.formats import numerics
 
 
 def rows2d(x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def padded_blocks(c: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def row_chunks(rows: int, k: int, chunk_elems: int | None = None) -> Iterator[tuple[int, int]]:
-    return _common.chunk_ranges(rows, _common.rows_per_chunk(k, chunk_elems))
+    return numerics.chunk_ranges(rows, numerics.rows_per_chunk(k, chunk_elems))
 
 
 def view_keep_last(
@@ -56,7 +56,7 @@ def view_keep_last(
     """Check that a view keeps the last dim (the block axis); returns the new leading shape."""
     # a 0-d tensor counts as one block of one element (last dim 1), like its stored layout
     if last_dim(shape_old) != last_dim(shape_new):
-        raise _common.UnsupportedOpError(
+        raise numerics.UnsupportedOpError(
             f"{fmt}: cannot view shape {shape_old} as {shape_new} without dequantizing: "
             "the blocks run along the last dim, so a view must keep it"
         )

@@ -335,10 +335,11 @@ def test_worker_threads_use_the_callers_kernel_policy(tmp_path, monkeypatch):
         seen.extend(current_policy().compile for _ in amax)
         return real_stack(w, amax, chunk)
 
+    import qckpt.export.bulk as bulk
     import qckpt.export.stages as pipe
 
     monkeypatch.setattr(pipe, "check_source_weight", spy)
-    monkeypatch.setattr(pipe, "check_source_stack", spy_stack)
+    monkeypatch.setattr(bulk, "check_source_stack", spy_stack)
     with kernel_policy(KernelPolicy(compile="never")):
         cal = make_calibration(model, q)
         run_export(model, hf_dir, cal, tmp_path / "out", q, options=WriteOptions(quantizers=2))

@@ -20,6 +20,7 @@ import qckpt.load.loader as load_mod
 import qckpt.read.fast_io as fast_io
 import qckpt.read.fast_read as fast_read
 import qckpt.read.fast_spans as fast_spans
+import qckpt.read.fast_tasks as fast_tasks
 from qckpt.convert.dcp import dcp_to_hf_dir, save_model_dcp
 from qckpt.errors import CheckpointError, RecipeError, UsageError
 from qckpt.load.loader import load_checkpoint
@@ -157,7 +158,7 @@ def test_planner_calls_stay_in_plan_order_on_the_calling_thread(ckpts, monkeypat
         return real_read(*args)
 
     monkeypatch.setattr(load_mod, "StreamingDequantLoadPlanner", Spy)
-    monkeypatch.setattr(fast_read, "read_exact", read_exact)
+    monkeypatch.setattr(fast_tasks, "read_exact", read_exact)
     m = _moe("fp8")
     load_checkpoint(m, ckpts / "moe-hf", reader="fast", read_threads=4)
     assert seen["threads"] == {main}

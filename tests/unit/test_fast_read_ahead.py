@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 import qckpt.read.fast_io as fast_io
 import qckpt.read.fast_read as fast_read
 import qckpt.read.fast_spans as fast_spans
+import qckpt.read.fast_tasks as fast_tasks
 from qckpt.convert.dcp import dcp_to_hf_dir, save_model_dcp
 from qckpt.errors import CheckpointError
 from qckpt.load.loader import load_checkpoint
@@ -212,7 +213,7 @@ def _track_reads(monkeypatch, path, names: list[str]) -> dict[str, threading.Eve
         started[which(pos)].set()
         return real(fd, buf, pos, p)
 
-    monkeypatch.setattr(fast_read, "read_exact", read_exact)
+    monkeypatch.setattr(fast_tasks, "read_exact", read_exact)
     return started
 
 
@@ -301,7 +302,7 @@ def test_a_failure_while_read_ahead_waits_for_staging_does_not_hang(tmp_path, mo
         return real_read(fd, buf, pos, p)
 
     monkeypatch.setattr(fast_io.PinnedPool, "acquire", acquire)
-    monkeypatch.setattr(fast_read, "read_exact", read_exact)
+    monkeypatch.setattr(fast_tasks, "read_exact", read_exact)
     planner = Recorder(names)
     with pytest.raises(CheckpointError, match=r"^w0: .*data\.bin: cannot read \(Input/output"):
         _engine(1, ahead=1024).run(_jobs(path, names), planner)

@@ -196,7 +196,7 @@ def make_calibration_for(src: Path, out: Path) -> Path:
     return save_calibration(state, out)
 
 
-def _digests(d: Path) -> dict[str, str]:
+def file_digests(d: Path) -> dict[str, str]:
     """sha256 of every file of an export dir, several files at once."""
 
     def one(p: Path) -> str:
@@ -249,7 +249,7 @@ def run_once(work: Path, src: Path, cal: Path, nproc: int, args, lanes: int | No
     if proc.returncode != 0:
         raise SystemExit(f"export {tag} (processes, lanes) failed:\n{proc.stderr[-3000:]}")
     rep = json.loads(report.read_text())
-    digests = _digests(out)
+    digests = file_digests(out)
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
     return {"wall_seconds": wall, "report": rep, "digests": digests}

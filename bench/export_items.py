@@ -40,11 +40,11 @@ def _wrap_process(counts: dict[str, int]):
     """Run every quantize job under a counting dispatch mode (modes are per thread)."""
     import torch
 
-    import qckpt.export.stages as pipe
+    from qckpt.export.stages import Pipeline
 
     lock = threading.Lock()
     mode = _counting(counts, lock)
-    real = pipe.Pipeline._process
+    real = Pipeline._process
     real_tolist = torch.Tensor.tolist
 
     def process(self, *args):
@@ -57,23 +57,23 @@ def _wrap_process(counts: dict[str, int]):
                 counts["scalar_reads"] += 1
         return real_tolist(t)
 
-    real_run = pipe.Pipeline._process_run
+    real_run = Pipeline._process_run
 
     def process_run(self, *args):  # a run of the bulk path
         with mode():
             return real_run(self, *args)
 
-    pipe.Pipeline._process = process
-    pipe.Pipeline._process_run = process_run
+    Pipeline._process = process
+    Pipeline._process_run = process_run
     torch.Tensor.tolist = tolist
 
 
 def _keep_stats() -> list:
     """Every pipeline's WriteStats, appended when its run ends."""
-    import qckpt.export.stages as pipe
+    from qckpt.export.stages import Pipeline
 
     kept: list = []
-    real = pipe.Pipeline.run
+    real = Pipeline.run
 
     def run(self, *args):
         try:
@@ -81,7 +81,7 @@ def _keep_stats() -> list:
         finally:
             kept.append(self.stats)
 
-    pipe.Pipeline.run = run
+    Pipeline.run = run
     return kept
 
 

@@ -220,7 +220,7 @@ def _peaks(rep: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.export import _digests
+    from bench.export import file_digests
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         work,
     )
     result["one_step"] = {"export": {"wall_seconds": one["wall_seconds"], **_peaks(one["report"])}}
-    d1 = _digests(out1)
+    d1 = file_digests(out1)
     shutil.rmtree(out1)
     hf, out2 = work / "hf-bf16", work / "export-two-step"
     shutil.rmtree(hf, ignore_errors=True)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "export": {"wall_seconds": two["wall_seconds"], **_peaks(two["report"])},
         "hf_copy_bytes": sum(p.stat().st_size for p in hf.iterdir()),
     }
-    result["same_files"] = _digests(out2) == d1
+    result["same_files"] = file_digests(out2) == d1
     shutil.rmtree(hf)
     shutil.rmtree(out2)
     text = json.dumps(result, indent=1)

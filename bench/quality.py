@@ -192,7 +192,7 @@ def measure_model(
 
     from qckpt.evaluate.options import EvalOptions
     from qckpt.evaluate.run import evaluate
-    from qckpt.evaluate.vllm_client import _figures, vllm_available
+    from qckpt.evaluate.vllm_client import figures, vllm_available
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     win = _windows(model, args.heldout, args.windows)
@@ -234,7 +234,7 @@ def measure_model(
         if isinstance(got, str) or isinstance(src, str):
             row["vllm"] = got if isinstance(got, str) else "source not served"
             continue
-        fig = _figures(src, got, win.ids, sum(win.nbytes), "byte", args.top_k)
+        fig = figures(src, got, win.ids, sum(win.nbytes), "byte", args.top_k)
         row["vllm"] = fig["export_bits_per_byte"]
         if row["export"] == "BF16 source":
             row["vllm"] = fig["source_bits_per_byte"]

@@ -63,13 +63,13 @@ def resolve(path: str | os.PathLike) -> Path:
 # small pieces
 
 
-def _host_tag() -> str:
+def host_tag() -> str:
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def _hidden(target: Path, tag: str) -> Path:
     # the target's suffix is kept last, so a writer that picks a format from it (a plot) still can
-    token = f"{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
+    token = f"{host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
     return target.with_name(f".{target.name}{tag}{token}{target.suffix}")
 
 
@@ -93,7 +93,7 @@ def remove_stale_temps(target: Path) -> list[Path]:
                 continue
             host, _, rest = p.name[len(prefix) :].partition("-")
             pid = rest.partition("-")[0]
-            if host == _host_tag() and pid.isdigit() and not _pid_alive(int(pid)):
+            if host == host_tag() and pid.isdigit() and not _pid_alive(int(pid)):
                 _remove(p)
                 removed.append(p)
     return removed
@@ -157,7 +157,7 @@ def _make_parent(target: Path, key: str) -> None:
         raise OutputError(f"{key}: cannot write {target}: a file is in the way") from None
 
 
-def _renameat2() -> Callable | None:
+def renameat2() -> Callable | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
@@ -169,7 +169,7 @@ def _renameat2() -> Callable | None:
 
 def rename_noreplace(src: Path, dst: Path) -> None:
     """Rename ``src`` to ``dst``; FileExistsError (and nothing moved) when ``dst`` exists."""
-    fn = _renameat2()
+    fn = renameat2()
     if fn is not None:
         if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
             return

@@ -8,7 +8,7 @@
   per-block ``float-quantized``, ``nvfp4-pack-quantized``), scales computed here as
   llm-compressor's observers would (amax / qmax; NVFP4: global 448*6/amax, E4M3 per 16).
 * qckpt's own exports (compressed-tensors per-tensor FP8, ModelOpt FP8 and NVFP4) come from
-  ``tests.unit._export_fixtures.run_export``.
+  ``tests.export_fixtures.run_export``.
 
 As a script it writes the three kinds of dirs for a look: ``python -m tests.quantized_fixtures OUT``.
 """
@@ -91,7 +91,7 @@ def _amax_blocks(w: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
     return wp.reshape(rb, b0, cb, b1).amax((1, 3))
 
 
-def _ct_args(kind: str, block: tuple[int, int]) -> dict:
+def ct_args(kind: str, block: tuple[int, int]) -> dict:
     base = {"symmetric": True, "dynamic": False, "group_size": None, "block_structure": None}
     if kind == "nvfp4":
         return {
@@ -132,7 +132,7 @@ def compressed_tensors(
     """A compressed-tensors dir (``kind``: channel | block | nvfp4), written by its compressors."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    wargs = _ct_args(kind, block)
+    wargs = ct_args(kind, block)
     scheme = QuantizationScheme(
         targets=["Linear"],
         weights=QuantizationArgs(**wargs),

@@ -92,9 +92,9 @@ class ColumnQuantizer:
         columns, ``[rows, <=16]``) by the max rule, or searched (:attr:`search`: the E4M3
         scale of least squared error over the group's current values, ``qckpt.calib.mse``)."""
         if self.search:
-            from qckpt.calib.mse import _nvfp4_chunk
+            from qckpt.calib.mse import nvfp4_chunk
 
-            sb, *_ = _nvfp4_chunk(w.to(torch.float32), self.gs, self.gs64, self.inv_gs)
+            sb, *_ = nvfp4_chunk(w.to(torch.float32), self.gs, self.gs64, self.inv_gs)
             self._sb = sb[:, 0]
             self.block_scales[:, col // NVFP4_GROUP] = self._sb
             return

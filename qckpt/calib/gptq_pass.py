@@ -37,8 +37,8 @@ from torch import nn
 
 from qckpt.calib import gptq
 from qckpt.calib.instrument import Instrumentation, WeightSource
-from qckpt.calib.layerwise import _dedupe, _patched, _Stop, decoder_layers
-from qckpt.errors import CalibrationError, SyncError
+from qckpt.calib.layerwise import capture_layer_calls, decoder_layers
+from qckpt.errors import SyncError
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
 
@@ -96,13 +96,13 @@ def run_gptq(
     tokens = _total_tokens(todo, mesh, res)
     bits = gptq.grid_bits(tokens)
     layers_name, layers = decoder_layers(model)
-    hidden, calls = _capture(model, layers, todo, device)
+    hidden, calls = capture_layer_calls(model, layers, todo, device, "calibrate.algorithm gptq")
     res.parts["gptq_capture"] = time.perf_counter() - t0
     for i, layer in enumerate(layers):
         prefix = f"{layers_name}.{i}"
         lin, experts = _layer_linears(instr, prefix, on)
         t1 = time.perf_counter()
-        run = partial(_run_layer, layer, hidden, calls, i)
+        run = partial(run_layer, layer, hidden, calls, i)
         amax = _layer_amax(model, lin, experts, run, mesh, res)
         hs = _layer_hessians(model, lin, experts, run, amax, bits, mesh, res)
         held = sum(h.numel() * h.element_size() for h in hs.values())
@@ -136,41 +136,7 @@ def _reduce(t: torch.Tensor, op, group, what: str) -> None:
     dl.run(what, dist.all_reduce, t, op=op, group=group, error=SyncError)
 
 
-def _capture(model, layers, todo, device):
-    """Layer 0's input and each layer's other arguments, per batch, from the model's forward."""
-    n = len(layers)
-    seen: dict[int, tuple] = {}
-
-    def recorder(i: int):
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            seen[i] = (args, kwargs)
-            if i == n - 1:
-                raise _Stop
-            return args[0]
-
-        return forward
-
-    hidden, calls, prev = [], [], None
-    with _patched(layers, recorder), torch.no_grad():
-        for b in todo:
-            seen.clear()
-            try:
-                model(input_ids=b.to(device), use_cache=False)
-            except _Stop:
-                pass
-            if len(seen) != n:
-                raise CalibrationError(
-                    f"calibrate.algorithm gptq: the model's forward called {len(seen)} of its "
-                    f"{n} decoder layers"
-                )
-            per_layer = _dedupe([(seen[i][0][1:], seen[i][1]) for i in range(n)], prev)
-            prev = per_layer
-            calls.append(per_layer)
-            hidden.append(seen[0][0][0])
-    return hidden, calls
-
-
-def _run_layer(layer, hidden, calls, i) -> None:
+def run_layer(layer, hidden, calls, i) -> None:
     with torch.no_grad():
         for b, h in enumerate(hidden):
             args, kwargs = calls[b][i]

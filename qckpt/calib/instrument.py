@@ -269,7 +269,7 @@ def calibrate_weights(
         else:
             todo.append(src)
     with torch.no_grad():
-        for src in _fused_expert_amax(model, todo):
+        for src in fused_expert_amax(model, todo):
             q = src.quantizer
             w = model.get_parameter(src.param)
             if is_quantized(w):
@@ -282,7 +282,7 @@ def calibrate_weights(
     return n
 
 
-def _fused_expert_amax(model: nn.Module, sources: list[WeightSource]) -> list[WeightSource]:
+def fused_expert_amax(model: nn.Module, sources: list[WeightSource]) -> list[WeightSource]:
     """The per-tensor amaxes of the experts' slices of each fused weight at once; returns the
     sources left to take one by one.
 

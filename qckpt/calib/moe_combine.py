@@ -30,24 +30,24 @@ except Exception:  # noqa: BLE001  (no triton, or a broken one: the torch loop i
     tl = None
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_failed = False  # the kernel failed once in this process: the torch loop from then on
+kernel_failed = False  # the kernel failed once in this process: the torch loop from then on
 
 
 def combine(out: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
     """``final[t] = (((0 + out[rows[t, 0]]) + out[rows[t, 1]]) + ...)`` for ``rows`` [t * k]
     (token-major: each token's rows of ``out`` in the order they are added)."""
-    global _failed
+    global kernel_failed
     if (
         out.is_cuda
         and triton is not None
-        and not _failed
+        and not kernel_failed
         and out.dtype in _DTYPES
         and current_policy().triton
     ):
         try:
             return triton_combine(out, rows, k)
         except Exception as exc:  # noqa: BLE001 - any failure: the torch loop, same bits
-            _failed = True
+            kernel_failed = True
             warnings.warn(f"Triton MoE combine failed ({exc}); using torch", stacklevel=2)
     return torch_combine(out, rows, k)
 

@@ -52,13 +52,13 @@ def _ratio_amax(amax: torch.Tensor, r: float) -> torch.Tensor:
     return (amax.to(torch.float64) * r).to(torch.float32)
 
 
-def _fp8_dq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_dequantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """E4M3 fake quantization of float32 ``x`` with float32 ``scale`` (broadcast), as the
     export quantizes (true division, saturation at 448)."""
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32) * scale
 
 
-def _groups(w: torch.Tensor, granularity: str, block: tuple[int, int]) -> torch.Tensor:
+def weight_groups(w: torch.Tensor, granularity: str, block: tuple[int, int]) -> torch.Tensor:
     """float32 ``[groups, elems]``: the tensor (one group), its rows, or its blocks (padded
     with zeros, which quantize to zero at any scale)."""
     x = w.detach().to(torch.float32)
@@ -78,14 +78,14 @@ def fp8_weight_clip(
 ) -> tuple[torch.Tensor, float, float]:
     """The clip amax of ``w`` (the shape of ``amax``) and the error at max and at the clip
     (sums over the tensor). ``amax``: max calibration's, at the same granularity."""
-    g = _groups(w, granularity, block)
+    g = weight_groups(w, granularity, block)
     a = amax.detach().to(device=g.device, dtype=torch.float32).reshape(-1)
     best_err = best = None
     err_max = 0.0
     for r in WEIGHT_RATIOS:
         clip = _ratio_amax(a, r)
         scale = div_f32(clip.clamp_min(1e-12), f64_const(FP8_MAX, g.device)).reshape(-1, 1)
-        d = g - _fp8_dq(g, scale)
+        d = g - fp8_dequantize(g, scale)
         err = (d.to(torch.float64) ** 2).sum(dim=1)
         if best is None:
             best, best_err, err_max = clip, err, float(err.sum())
@@ -128,7 +128,7 @@ def _nvfp4_scalars(amax: torch.Tensor, device: torch.device):
     return gs, gs64, (1.0 / gs64).to(torch.float32)
 
 
-def _nvfp4_chunk(c: torch.Tensor, gs, gs64, inv_gs):
+def nvfp4_chunk(c: torch.Tensor, gs, gs64, inv_gs):
     """The searched block scales, codes and error per block of a ``[R, K]`` chunk, and the
     max rule's error per block. Every candidate at once (a leading dim of
     :data:`BLOCK_STEPS`); ``argmin`` takes the first least error: the max rule on a tie."""
@@ -157,7 +157,7 @@ def nvfp4_mse_quantize(w: torch.Tensor, clip: torch.Tensor):
     scales = torch.empty((r, -(-k // BLOCK)), dtype=FP8, device=x2.device)
     err = err0 = 0.0
     for lo, hi in row_chunks(r, k, _CHUNK):
-        sb, codes, e, e0 = _nvfp4_chunk(x2[lo:hi], gs, gs64, inv_gs)
+        sb, codes, e, e0 = nvfp4_chunk(x2[lo:hi], gs, gs64, inv_gs)
         codes = codes.reshape(hi - lo, -1)
         if codes.shape[1] % 2:
             codes = torch.nn.functional.pad(codes, (0, 1))
@@ -204,7 +204,7 @@ def input_clip(counts: torch.Tensor, amax: float) -> tuple[float, float, float]:
     for r in INPUT_RATIOS:
         clip = _ratio_amax(torch.tensor(amax), r)
         scale = div_f32(clip.clamp_min(1e-12), f64_const(FP8_MAX, torch.device("cpu")))
-        d = v - _fp8_dq(v32, scale).to(torch.float64)
+        d = v - fp8_dequantize(v32, scale).to(torch.float64)
         err = float((n * d * d).sum())
         if err_max is None:
             err_max = err

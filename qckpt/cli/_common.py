@@ -10,9 +10,9 @@ from pathlib import Path
 import typer
 
 from qckpt import phases
-from qckpt.cli import _output
-from qckpt.cli._gpus import GpuUse, check_gpus, visible_gpus
-from qckpt.cli._launch import relaunch, will_relaunch
+from qckpt.cli import output
+from qckpt.cli.gpu_use import GpuUse, check_gpus, visible_gpus
+from qckpt.cli.launch import relaunch, will_relaunch
 from qckpt.models.remote_code import refuse_custom_code
 from qckpt.recipe import Recipe, load_recipe
 from qckpt.term import quiet_torch_logs
@@ -68,7 +68,7 @@ def _start(
     parallel: bool,
     gpus: Callable[[Recipe], GpuUse] | None,
 ) -> Recipe:
-    _output.set_verbose(verbose)
+    output.set_verbose(verbose)
     # everything that can be checked is checked here, before any rank starts: a bad recipe is
     # one line and exit 2, never a launcher's output
     with phases.startup_part(phases.RECIPE):
@@ -81,7 +81,7 @@ def _start(
         if will_relaunch(nproc) and gpus is not None:
             note = check_gpus(gpus(recipe), nproc, visible_gpus())
             if note:
-                _output.log(note)
+                output.log(note)
     code = relaunch(nproc)
     if code is not None:
         raise typer.Exit(code)

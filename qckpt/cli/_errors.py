@@ -20,7 +20,7 @@ try:  # recent Typer vendors its own copy of Click
 except ImportError:  # pragma: no cover - older Typer uses Click itself
     from click import exceptions as _click_exc
 
-from qckpt.cli._launch import rank_error
+from qckpt.cli.launch import rank_error
 from qckpt.errors import QckptError, UsageError, unwrap_dcp
 
 
@@ -57,7 +57,7 @@ def _one_line(msg: str) -> str:
 
 def _say(line: str, code: int) -> int:
     """Print the one line; under ``--nproc-per-node`` a rank files it for the parent instead,
-    which prints only the first failing rank's (see :mod:`qckpt.cli._launch`)."""
+    which prints only the first failing rank's (see :mod:`qckpt.cli.launch`)."""
     if not rank_error(line, code) or debug():
         print(line, file=sys.stderr)
     return code

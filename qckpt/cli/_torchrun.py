@@ -11,7 +11,7 @@ Why not torchrun's ``--redirects``/``--tee``: they route every line of every ran
 files and a tailer that prefixes and re-times them (progress bars and rich tables break, a
 rank's output arrives late), and the traceback would still have to be filtered out of a stream
 by matching its text, which changes between torch versions. Here each rank writes its one-line
-error to its own file (:mod:`qckpt.cli._launch`), and nothing is parsed from a stream.
+error to its own file (:mod:`qckpt.cli.launch`), and nothing is parsed from a stream.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from qckpt.cli._launch import LAUNCHER_FILE, RANK_ERRORS_ENV
+from qckpt.cli.launch import LAUNCHER_FILE, RANK_ERRORS_ENV
 
 
 def _summary(failures: dict[int, int]) -> None:

@@ -59,7 +59,7 @@ def _terminate_as_interrupt() -> Any:
     """SIGTERM unwinds like Ctrl-C (temps removed, ``qckpt: interrupted``, exit 130). Not under
     torchrun: there a SIGTERM is torchrun stopping its workers, and a worker blocked in a
     collective must die at once, not when the collective returns."""
-    from qckpt.cli._launch import under_torchrun
+    from qckpt.cli.launch import under_torchrun
 
     if under_torchrun():
         return None

@@ -6,10 +6,10 @@ import gc
 import os
 
 from qckpt import phases
-from qckpt.cli import _output
+from qckpt.cli import output
 from qckpt.cli._common import start, world
-from qckpt.cli._gpus import GpuUse
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
+from qckpt.cli.gpu_use import GpuUse
 from qckpt.outputs import guard as guard_paths
 from qckpt.outputs import recipe_inputs
 from qckpt.recipe import Recipe
@@ -66,17 +66,17 @@ def calibrate_cmd(
         gc.freeze()
 
     with world(r, r.load.device) as mesh:
-        res = calibrate(r, mesh, hooks=_output.hooks())
+        res = calibrate(r, mesh, hooks=output.hooks())
         with phases.phase(phases.REPORT):
             # each rank's forward apart: under DP the slowest one sets the pace
             keys = ("forward_seconds", "forward_parts", "tokens_this_rank", "weight_amax_here")
             keys += ("batches",)  # pure DP: dealt as the ranks came free, so they differ
             mine = {k: res.report.get(k) for k in (*keys, "read")}
-            data = _output.with_phases({**res.report, "data": res.data}, mesh, mine)
-            if _output.verbose():
+            data = output.with_phases({**res.report, "data": res.data}, mesh, mine)
+            if output.verbose():
                 render_amax_report(res.report)
                 render_command(data)
-            _output.summary(calibrate_summary(data, str(res.output), r.calibrate.algorithm))
-            _output.write_json(json_path, data)
+            output.summary(calibrate_summary(data, str(res.output), r.calibrate.algorithm))
+            output.write_json(json_path, data)
         n = len(res.state.amax)
-        _output.result(f"wrote {res.output}: {n} amax values from {res.world_size} rank(s)")
+        output.result(f"wrote {res.output}: {n} amax values from {res.world_size} rank(s)")

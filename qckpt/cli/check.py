@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from qckpt.cli import _output
+from qckpt.cli import output
 from qckpt.cli._options import JsonOpt
 
 
@@ -31,7 +31,7 @@ def check_cmd(
     if not path.is_dir():
         raise typer.BadParameter(f"{path}: not a directory", param_hint="PATH")
     res = check_export(path)
-    _output.write_json(
+    output.write_json(
         json_path,
         {
             "path": res.path,
@@ -46,10 +46,10 @@ def check_cmd(
         },
     )
     for line in res.lines():
-        _output.result(line)
+        output.result(line)
     from qckpt import phases
     from qckpt.summary import figures
 
-    _output.summary(figures(phases.summary()))
+    output.summary(figures(phases.summary()))
     if not res.ok:
         raise typer.Exit(1)

@@ -11,10 +11,10 @@ import typer
 
 from qckpt import phases
 from qckpt.atomic import terminate_as_interrupt
-from qckpt.cli import _output
+from qckpt.cli import output
 from qckpt.cli._common import quiet_torch_logs, start, start_with, world
-from qckpt.cli._launch import under_torchrun
 from qckpt.cli._options import JsonOpt, NprocOpt, SetOpt, VerboseOpt
+from qckpt.cli.launch import under_torchrun
 from qckpt.errors import UsageError
 from qckpt.recipe import Recipe
 
@@ -98,7 +98,7 @@ def convert_cmd(
     with world(r, "cpu", parallel=False) as mesh, on_term:
         convert(kind=kind, to=to, src=src, dst=dst, recipe=r, mesh=mesh, model_config=model)
     _report(json_path, {"src": str(src), "dst": str(dst), "to": to})
-    _output.result(f"wrote {dst} ({to})")
+    output.result(f"wrote {dst} ({to})")
 
 
 def _report(json_path: Path | None, data: dict) -> None:
@@ -106,14 +106,14 @@ def _report(json_path: Path | None, data: dict) -> None:
     from qckpt.report import render_command
 
     with phases.phase(phases.REPORT):
-        data = _output.with_phases(data)
-        if _output.verbose():
+        data = output.with_phases(data)
+        if output.verbose():
             render_command(data)
         if "src" in data:
             from qckpt.summary import convert_summary
 
-            _output.summary(convert_summary(data))
-        _output.write_json(json_path, data)
+            output.summary(convert_summary(data))
+        output.write_json(json_path, data)
 
 
 def _guard_paths(src: Path, outs: list, is_recipe: bool, model_in: list, r: Recipe | None) -> None:
@@ -169,7 +169,7 @@ def _dequantize_hf(src: Path, dst: Path, dtype: str, json_path: Path | None) -> 
     quiet_torch_logs()
     info = dequantize_hf(src, dst, dtype)
     _report(json_path, {"src": str(src), "dst": str(dst), "to": "hf", "dtype": dtype, **info})
-    _output.result(
+    output.result(
         f"wrote {dst} (hf, {dtype}): {info['dequantized']} of {info['tensors']} tensors "
         f"dequantized from {info['layout']}"
     )

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from qckpt import phases
-from qckpt.cli import _output
+from qckpt.cli import output
 from qckpt.cli._options import JsonOpt, SetOpt
 from qckpt.errors import UsageError
 
@@ -130,11 +130,11 @@ def eval_cmd(
     _guard(json_path, export_dir, source_dir, data_path)
     rep = _evaluate(client, export_dir, source_dir, data_path, opts, top_k)
     with phases.phase(phases.REPORT):
-        _output.write_json(json_path, _output.with_phases(rep))
+        output.write_json(json_path, output.with_phases(rep))
     for line in _summary(rep):
-        _output.result(line)
+        output.result(line)
     for w in rep.get("warnings") or []:
-        _output.log(f"warning: {w}")
+        output.log(f"warning: {w}")
     inc = rep.get("relative_increase")
     if fail_above is not None and inc is not None and inc * 100 > fail_above:
         raise typer.Exit(1)
@@ -209,11 +209,11 @@ def _evaluate(
     if client == "vllm":
         from qckpt.evaluate.vllm_client import evaluate_vllm
 
-        return evaluate_vllm(export_dir, source, data, opts, top_k=top_k, log=_output.log)
+        return evaluate_vllm(export_dir, source, data, opts, top_k=top_k, log=output.log)
     with phases.phase(phases.STARTUP):
         from qckpt.term import quiet_torch_logs
 
         quiet_torch_logs()
         from qckpt.evaluate.run import evaluate
-    with phases.phase(phases.FORWARD), _output.progress("evaluating", opts.windows) as step:
-        return evaluate(export_dir, source, data, opts, progress=step, log=_output.log)
+    with phases.phase(phases.FORWARD), output.progress("evaluating", opts.windows) as step:
+        return evaluate(export_dir, source, data, opts, progress=step, log=output.log)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from qckpt import phases
-from qckpt.cli import _output
+from qckpt.cli import output
 from qckpt.cli._common import start, world
-from qckpt.cli._gpus import GpuUse
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
+from qckpt.cli.gpu_use import GpuUse
 from qckpt.outputs import check_export_target, recipe_inputs
 from qckpt.outputs import guard as guard_paths
 from qckpt.recipe import Recipe
@@ -70,12 +70,12 @@ def export_cmd(
     # the ranks only agree on small things (a temp dir's name, who failed): gloo on the host,
     # whatever device quantizes
     with world(r, "cpu", parallel=False) as mesh:
-        rep = export(r, mesh, hooks=_output.hooks())
+        rep = export(r, mesh, hooks=output.hooks())
         with phases.phase(phases.REPORT):  # in the world: every rank's peaks are gathered
-            data = _output.with_phases(rep.to_dict(), mesh)
-            if _output.verbose():
+            data = output.with_phases(rep.to_dict(), mesh)
+            if output.verbose():
                 render_export_report(rep.to_dict())
                 render_command(data)
-            _output.summary(export_summary(data))
-            _output.write_json(json_path, data)
-    _output.result(f"wrote {r.export.output} ({r.export.format}) on {rep.world_size} rank(s)")
+            output.summary(export_summary(data))
+            output.write_json(json_path, data)
+    output.result(f"wrote {r.export.output} ({r.export.format}) on {rep.world_size} rank(s)")

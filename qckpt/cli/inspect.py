@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from qckpt.cli import _output
+from qckpt.cli import output
 from qckpt.cli._options import JsonOpt, VerboseOpt
 
 
@@ -49,9 +49,9 @@ def inspect_cmd(
     if verbose:
         from qckpt.report import render_mapping
 
-        render_mapping(f"{info['kind']}: {path}", info, console=_output.out)
+        render_mapping(f"{info['kind']}: {path}", info, console=output.out)
     else:
         for line in inspect_summary(info, str(path)):
-            _output.result(line)
-    _output.write_json(json_path, info)
-    _output.summary(figures(phases.summary()))
+            output.result(line)
+    output.write_json(json_path, info)
+    output.summary(figures(phases.summary()))

@@ -9,10 +9,10 @@ from typing import Annotated
 import typer
 
 from qckpt import phases
-from qckpt.cli import _output
+from qckpt.cli import output
 from qckpt.cli._common import start, world
-from qckpt.cli._gpus import GpuUse
 from qckpt.cli._options import JsonOpt, NprocOpt, RecipeArg, SetOpt, VerboseOpt
+from qckpt.cli.gpu_use import GpuUse
 from qckpt.outputs import guard as guard_paths
 from qckpt.outputs import recipe_inputs
 from qckpt.recipe import Recipe
@@ -71,21 +71,21 @@ def load_cmd(
         from qckpt.summary import load_summary
 
     with world(r, r.load.device) as mesh:
-        res = load(r, mesh, compare=compare, hooks=_output.hooks())
+        res = load(r, mesh, compare=compare, hooks=output.hooks())
         with phases.phase(phases.REPORT):
             if plot is not None and mesh.is_main:
                 from qckpt.atomic import atomic_file
 
                 with atomic_file(plot, key="--plot") as tmp:
                     plot_memory(res.reports, tmp)
-            data = _output.with_phases(res.to_dict(str(recipe), r.load.params), mesh)
-            if _output.verbose():
+            data = output.with_phases(res.to_dict(str(recipe), r.load.params), mesh)
+            if output.verbose():
                 render_load_report(data)
                 render_command(data)
-            _output.summary(load_summary(data))
-            _output.write_json(json_path, data)
+            output.summary(load_summary(data))
+            output.write_json(json_path, data)
         first = data["runs"][0]
-        _output.result(
+        output.result(
             f"loaded {first.get('tensors', '?')} tensors from {r.checkpoint.path} into "
             f"{r.load.params} params ({'stream' if r.load.stream else 'bulk'}) "
             f"in {first.get('seconds', 0):.2f} s on {mesh.world_size} rank(s)"

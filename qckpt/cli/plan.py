@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from qckpt.cli import _output
+from qckpt.cli import output
 from qckpt.cli._options import JsonOpt, RecipeArg, SetOpt
 from qckpt.errors import UsageError
 
@@ -118,5 +118,5 @@ def plan_cmd(
         layouts=extra,
     )
     data = res.to_dict()
-    render_plan(data, console=_output.out)
-    _output.write_json(json_path, data)
+    render_plan(data, console=output.out)
+    output.write_json(json_path, data)

@@ -44,7 +44,7 @@ def model_config(path: Path) -> Any:
     return cfg
 
 
-def _empty_meta(path: Path, dtype: torch.dtype) -> nn.Module:
+def empty_meta(path: Path, dtype: torch.dtype) -> nn.Module:
     """The dir's model on the meta device (nothing allocated)."""
     from transformers import AutoModelForCausalLM
 
@@ -55,7 +55,7 @@ def _empty_meta(path: Path, dtype: torch.dtype) -> nn.Module:
 
 
 def _empty_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    model = _empty_meta(path, dtype)
+    model = empty_meta(path, dtype)
     materialize(model, device)
     return model
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from qckpt.calib.layerwise import decoder_layers
 from qckpt.evaluate import metrics
-from qckpt.evaluate.build import DirTensors, _empty_meta, emulate, use_kv_attention
+from qckpt.evaluate.build import DirTensors, empty_meta, emulate, use_kv_attention
 from qckpt.evaluate.scheme import ExportScheme
 from qckpt.models.build import materialize
 
@@ -34,7 +34,7 @@ class _Side:
     """One model (source or export) walked layer by layer."""
 
     def __init__(self, path: Any, dtype: torch.dtype, dev: torch.device, scheme: Any) -> None:
-        self.model = _empty_meta(path, dtype)
+        self.model = empty_meta(path, dtype)
         self.tensors = DirTensors(path, self.model)
         self.scheme, self.dev = scheme, dev
         self.mtype = getattr(self.model.config, "model_type", "")

@@ -72,7 +72,7 @@ class _LayerTap:
             h.remove()
 
 
-def _warnings(fig: dict[str, Any], unit: str) -> list[str]:
+def quality_warnings(fig: dict[str, Any], unit: str) -> list[str]:
     out = []
     inc = fig.get("relative_increase")
     if inc is not None and inc > WARN_INCREASE:
@@ -186,7 +186,7 @@ def evaluate(
         "dtype": str(dtype).replace("torch.", ""),
         "options": asdict(opts),
         **fig,
-        "warnings": scheme.notes + _warnings(fig, unit),
+        "warnings": scheme.notes + quality_warnings(fig, unit),
         "seconds": {"load": t_load - t0, "forward": time.perf_counter() - t_load},
     }
 

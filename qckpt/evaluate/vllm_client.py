@@ -94,7 +94,7 @@ def _kl_topk(src: dict, exp: dict, targets: Any) -> Any:
     return (lp_s.exp() * (lp_s - lp_e_at)).sum(-1)
 
 
-def _figures(src: dict, exp: dict, ids: Any, nbytes: int, unit: str, k: int) -> dict[str, Any]:
+def figures(src: dict, exp: dict, ids: Any, nbytes: int, unit: str, k: int) -> dict[str, Any]:
     targets = ids[:, 1:]
     n = targets.numel()
     nll_s, nll_e = float(-src["target"].sum()), float(-exp["target"].sum())
@@ -153,8 +153,8 @@ def evaluate_vllm(
         src = _serve(source_dir, wpath, Path(tmp) / "source.pt", top_k, log)
         exp = _serve(export_dir, wpath, Path(tmp) / "export.pt", top_k, log)
     unit = "token" if win.kind == "tokens" else "byte"
-    fig = _figures(src, exp, win.ids, sum(win.nbytes), unit, top_k)
-    from qckpt.evaluate.run import _warnings
+    fig = figures(src, exp, win.ids, sum(win.nbytes), unit, top_k)
+    from qckpt.evaluate.run import quality_warnings
 
     return {
         "client": "vllm",
@@ -165,6 +165,6 @@ def evaluate_vllm(
         "top_k": top_k,
         "options": asdict(opts),
         **fig,
-        "warnings": _warnings(fig, unit),
+        "warnings": quality_warnings(fig, unit),
         "seconds": {"source": src["seconds"], "export": exp["seconds"]},
     }

@@ -14,7 +14,7 @@ import sys
 import time
 
 
-def _rows(
+def window_rows(
     plp: list, ids: list[int], k: int
 ) -> tuple[list[float], list[list[int]], list[list[float]]]:
     target, top_ids, top_lp = [], [], []
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
     prompts = [TokensPrompt(prompt_token_ids=w.tolist()) for w in win]
     outs = llm.generate(prompts, params, use_tqdm=False)
     t2 = time.perf_counter()
-    rows = [_rows(o.prompt_logprobs, w.tolist(), k) for o, w in zip(outs, win, strict=True)]
+    rows = [window_rows(o.prompt_logprobs, w.tolist(), k) for o, w in zip(outs, win, strict=True)]
     torch.save(
         {
             "target": torch.tensor([r[0] for r in rows], dtype=torch.float64),

@@ -119,7 +119,7 @@ def unit_file(u: Item | Run) -> int:
     return (u.items[0] if isinstance(u, Run) else u).file_of[0]
 
 
-def _aliases(g: OutputGroup) -> bool:
+def aliases(g: OutputGroup) -> bool:
     """An unquantized entry written in its own dtype: the output is (a view of) the tensor read."""
     return g.module is None and g.entry is not None and g.specs[0].dtype == g.entry.dtype
 
@@ -235,7 +235,7 @@ def plan_items(plan: ExportPlan) -> list[Item]:
         it.file_of.append(f)
         n = g.nbytes
         it.nbytes += n
-        if not _aliases(g):
+        if not aliases(g):
             it.out_bytes += n
     return items
 

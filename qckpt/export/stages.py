@@ -70,7 +70,7 @@ from qckpt.export.budget import Hold, HostBudget, Refused, Stopped
 from qckpt.export.bulk import BulkRuns, copy_back, unfinished
 from qckpt.export.guard import check_source_weight, refuse_source_weight
 from qckpt.export.plan import ExportPlan
-from qckpt.export.shares import Item, Run, Share, _aliases, lane_order, unit_cost, unit_file
+from qckpt.export.shares import Item, Run, Share, aliases, lane_order, unit_cost, unit_file
 from qckpt.layouts.export_layout import CHUNK_ELEMS
 from qckpt.memory import AnonPeak
 from qckpt.storage.shards import ShardFile
@@ -285,7 +285,7 @@ class Pipeline(BulkRuns):
         for g, f in zip(it.groups, it.file_of, strict=True):
             v = views.pop(g.entry.name)
             if g.module is None:
-                yield f, g.entry.name, v.to(g.specs[0].dtype), _aliases(g)
+                yield f, g.entry.name, v.to(g.specs[0].dtype), aliases(g)
                 continue
             cal = plan.cal_amax[f"{g.module}.weight_amax"]
             checks.append((g.module, v, cal, check_source_weight(g.module, v, cal)))

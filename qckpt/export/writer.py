@@ -118,7 +118,7 @@ class ExportReport:
         return asdict(self)
 
 
-def _self_check(tmp: Path, target: Path) -> None:
+def self_check(tmp: Path, target: Path) -> None:
     """``qckpt check`` on the finished temp dir: a layout bug never reaches the target name."""
     from qckpt.layouts.check import check_export
 
@@ -146,7 +146,7 @@ def _finish_dir(plan: ExportPlan, tmp: Path, step: _Steps) -> None:
         marker = export_marker(layout=plan.layout_name, shards=len(plan.shards.files))
         write_json(tmp / EXPORT_MARKER, marker)
     with step("self_check"):
-        _self_check(tmp, plan.target)
+        self_check(tmp, plan.target)
 
 
 @dataclass(kw_only=True)

@@ -1,6 +1,6 @@
 """How a pipeline step speaks without knowing about a terminal: a log line and a progress bar.
 
-The CLI passes its own (``qckpt.cli._output``); tests and ``bench/`` take the silent defaults.
+The CLI passes its own (``qckpt.cli.output``); tests and ``bench/`` take the silent defaults.
 """
 
 from __future__ import annotations

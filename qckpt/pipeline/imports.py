@@ -106,7 +106,7 @@ def _start_first_use(plan: CudaWarmup) -> tuple[threading.Thread, int]:
             torch.cuda.set_device(dev)
         except Exception:  # noqa: BLE001 - the world's set-up meets it again and reports it
             return
-        for step in (_warm_quantize, _warm_pinned):
+        for step in (warm_quantize, warm_pinned):
             try:
                 step(plan, dev)
             except Exception:  # noqa: BLE001 - a warm-up only: the load meets it and reports it
@@ -118,7 +118,7 @@ def _start_first_use(plan: CudaWarmup) -> tuple[threading.Thread, int]:
     return t, local
 
 
-def _warm_quantize(plan: CudaWarmup, dev: Any) -> None:
+def warm_quantize(plan: CudaWarmup, dev: Any) -> None:
     """The planner's quantize at a destination's commit (``quantize_`` under
     ``defer_finite_checks``, then ``first_not_finite``) once per shape of ``WARM_SHAPES``, on
     tensors of its own: nothing the load holds is touched. Under the caller's kernel policy,
@@ -154,7 +154,7 @@ def _warm_quantize(plan: CudaWarmup, dev: Any) -> None:
     torch.cuda.synchronize(dev)
 
 
-def _warm_pinned(plan: CudaWarmup, dev: Any) -> None:
+def warm_pinned(plan: CudaWarmup, dev: Any) -> None:
     """Pinned host buffers made and dropped: torch's host caching allocator keeps a freed
     pinned block and hands it to the next ``torch.empty(n, pin_memory=True)`` of its size."""
     import torch

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 pytestmark = pytest.mark.timeout(400)
 DATA = {"source": "synthetic", "num_samples": 8, "seq_len": 16, "batch_size": 2}
@@ -38,11 +38,11 @@ def sc_calibrate(rank, world, ep, quant, algorithm, out):
     from qckpt.calib.state_file import save_calibration
     from qckpt.parallel.mesh import Mesh, init_mesh
     from qckpt.pipeline.model import build
-    from tests.dist.test_ep_calibration import _starve_experts
+    from tests.dist.test_ep_calibration import starve_experts
 
     r = _recipe(quant, algorithm)
     mesh = init_mesh(ep=ep, timeout_s=10, device="cpu") if world > 1 else Mesh()
-    starve = lambda m: _starve_experts(m, cold=COLD)  # noqa: E731
+    starve = lambda m: starve_experts(m, cold=COLD)  # noqa: E731
     model = build("tiny-moe", mesh, seeded=True, before_shard=starve).model
     batches = calibration_batches(
         r.calibrate.data,
@@ -71,7 +71,7 @@ def hf(tmp_path_factory) -> Path:
 
 def _export(hf: Path, cal: Path, out: Path, quant: str, algorithm: str) -> dict[str, bytes]:
     from qckpt.models.build import build_model
-    from tests.unit._export_fixtures import run_export
+    from tests.export_fixtures import run_export
 
     model = build_model("tiny-moe", dtype="bfloat16", seed=0)
     run_export(model, hf, cal, out, _recipe(quant, algorithm).quant)
@@ -125,21 +125,21 @@ def sc_dies_mid_gptq(rank, world, tmp):
 
     from qckpt.calib import gptq_pass
 
-    real = gptq_pass._run_layer
+    real = gptq_pass.run_layer
 
     def run_layer(layer, hidden, calls, i):
         if rank == 1 and i == 1:
             os._exit(3)
         return real(layer, hidden, calls, i)
 
-    gptq_pass._run_layer = run_layer
+    gptq_pass.run_layer = run_layer
     return sc_calibrate(rank, world, 1, "nvfp4", "gptq", Path(tmp) / "c.safetensors")
 
 
 def test_a_rank_killed_mid_gptq_ends_the_others_within_the_timeout(tmp_path):
     import time
 
-    from tests.dist._harness import run_once
+    from tests.dist.harness import run_once
 
     t0 = time.monotonic()
     out = run_once(sc_dies_mid_gptq, 2, str(tmp_path), timeout_s=10, deadline_s=120)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tests.dist._harness import calibrate_tiny_moe, shared_world
+from tests.dist.harness import calibrate_tiny_moe, shared_world
 
 pytestmark = pytest.mark.timeout(240)
 DATA = {"source": "synthetic", "num_samples": 16, "seq_len": 16, "batch_size": 2}
@@ -137,7 +137,7 @@ def sc_first_rank_dies(rank, world):
 
 
 def test_the_store_rank_dying_while_dealing_is_one_error_not_a_hang():
-    from tests.dist._harness import run_once
+    from tests.dist.harness import run_once
 
     t0 = time.monotonic()
     out = run_once(sc_first_rank_dies, 2, deadline_s=60)

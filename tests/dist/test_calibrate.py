@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.dist._harness import run_once, shared_world
+from tests.dist.harness import run_once, shared_world
 
 pytestmark = pytest.mark.timeout(240)
 N = 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist._harness import calibrate_tiny_moe, shared_world
+from tests.dist.harness import calibrate_tiny_moe, shared_world
 
 pytestmark = pytest.mark.timeout(240)
 DATA = {"source": "synthetic", "num_samples": 8, "seq_len": 16, "batch_size": 2}

@@ -2,7 +2,7 @@
 
 import torch
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 QUANT = {"weights": {"format": "fp8", "granularity": "tensor"}, "ignore": ["lm_head", "*.mlp.gate"]}
 DATA = {"source": "synthetic", "num_samples": 8, "seq_len": 16, "batch_size": 2}
@@ -18,7 +18,7 @@ def _calibrate(rank, world, ep, share=True, cold_bias=False):
 
     r = recipe_from_dict({"quant": QUANT, "calibrate": {"data": DATA}})
     mesh = init_mesh(ep=ep, timeout_s=10, device="cpu") if world > 1 else Mesh()
-    starve = (lambda m: _starve_experts(m, cold=[5, 6, 7])) if cold_bias else None
+    starve = (lambda m: starve_experts(m, cold=[5, 6, 7])) if cold_bias else None
     model = build("tiny-moe", mesh, seeded=True, before_shard=starve).model
     batches = calibration_batches(
         r.calibrate.data,
@@ -30,7 +30,7 @@ def _calibrate(rank, world, ep, share=True, cold_bias=False):
     return {"amax": state.amax, "report": report}
 
 
-def _starve_experts(model, cold):
+def starve_experts(model, cold):
     """Make every router unable to pick the ``cold`` experts."""
     for layer in model.model.layers:
         _patch_router(layer.mlp.gate, cold)

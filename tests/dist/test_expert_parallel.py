@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 TOKENS = torch.Generator().manual_seed(7)
 IDS = torch.randint(0, 256, (8, 12), generator=TOKENS)

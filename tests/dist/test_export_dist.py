@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.dist._harness import World
+from tests.dist.harness import World
 
 pytestmark = pytest.mark.timeout(300)
 TIMEOUT_S = 10.0
@@ -44,7 +44,7 @@ def _export(case: tuple, src: str, cal: str, out: str, mesh=None, options=None, 
     from qckpt.export.writer import export_checkpoint
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig
-    from tests.unit._export_fixtures import quant_config
+    from tests.export_fixtures import quant_config
 
     fmt, qkw, model, _ = case
     cfg = load_config(model)
@@ -68,7 +68,7 @@ def setup(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
 
     from qckpt.export.writer import WriteOptions
-    from tests.unit._export_fixtures import quant_config, saved_model, write_calibration
+    from tests.export_fixtures import quant_config, saved_model, write_calibration
 
     root = tmp_path_factory.mktemp("dexport")
     models = {m: saved_model(root, m) for m in ("tiny-dense", "tiny-moe")}
@@ -187,7 +187,7 @@ def _plan(job: tuple):
     from qckpt.export.plan import plan_export
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig
-    from tests.unit._export_fixtures import quant_config
+    from tests.export_fixtures import quant_config
 
     case, src, cal = job
     cfg = load_config(case[2])
@@ -234,13 +234,13 @@ def _export_main_fails(rank: int, world: int, root: str, job: tuple):
     def planted(tmp, target):
         raise ExportError(f"{target}: the export failed its own check: planted")
 
-    real, ex._self_check = ex._self_check, planted
+    real, ex.self_check = ex.self_check, planted
     try:
         case, src, cal = job
         mesh = init_mesh(timeout_s=TIMEOUT_S, device="cpu")
         return _export(case, src, cal, f"{root}/main-fails", mesh=mesh)
     finally:
-        ex._self_check = real
+        ex.self_check = real
 
 
 # -- a rank that dies -----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 ALL = ["none", "fp8", "fp8_delayed", "mxfp8", "fp8_block", "nvfp4"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 pytestmark = pytest.mark.timeout(180)
 

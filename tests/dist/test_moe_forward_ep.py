@@ -2,7 +2,7 @@
 
 import torch
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 QUANT = {"weights": {"format": "fp8", "granularity": "tensor"}, "ignore": ["lm_head", "*.mlp.gate"]}
 DATA = {"source": "synthetic", "num_samples": 8, "seq_len": 16, "batch_size": 2}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from qckpt.calib.state_file import calibration_differences
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 # generous: on a shared 2-core machine the first world start alone has taken 150 s; the
 # harness deadlines (below) and the 10 s group timeouts are what catch a hang

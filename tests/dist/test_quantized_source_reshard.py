@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests import quantized_fixtures as fx
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 IGNORE = ["lm_head", "*.mlp.gate"]
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 
 def _save(rank: int, world: int, out: str) -> list[str]:
     from qckpt.convert.dcp import save_model_dcp
-    from tests.unit._toy import Toy
+    from tests.toy import Toy
 
     save_model_dcp(Toy(seed=1), out)
     return sorted(p.name for p in Path(out).iterdir())
@@ -31,7 +31,7 @@ def _save(rank: int, world: int, out: str) -> list[str]:
 def _load(rank: int, world: int, path: str, out: str, reader: str = "fast") -> dict:
     from qckpt import formats
     from qckpt.load.loader import load_checkpoint
-    from tests.unit._toy import toy_quantized
+    from tests.toy import toy_quantized
 
     m = toy_quantized("fp8")
     rep = load_checkpoint(m, path, reader=reader)
@@ -56,7 +56,7 @@ def _load_ep(rank: int, world: int, path: str) -> dict:
     from qckpt.models.quantize_params import quantize_model_params
     from qckpt.parallel.expert import shard_experts
     from qckpt.parallel.mesh import init_mesh
-    from tests.unit._toy import Toy
+    from tests.toy import Toy
 
     mesh = init_mesh(ep=2, tp=1, timeout_s=10, device="cpu")
     out = {"ep_rank": mesh.ep_rank}
@@ -101,7 +101,7 @@ def _ok(outs):
 def test_save_on_n_ranks_load_on_m_gives_the_unsharded_values(tmp_path):
     from qckpt.convert.dcp import save_model_dcp
     from qckpt.load.loader import load_checkpoint
-    from tests.unit._toy import Toy, toy_quantized
+    from tests.toy import Toy, toy_quantized
 
     c1, c2, c4 = (str(tmp_path / f"c{n}") for n in (1, 2, 4))
     save_model_dcp(Toy(seed=1), c1)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 pytestmark = pytest.mark.timeout(480)
 DENSE_RTOL, EXPERT_RTOL, EXPERT_MEDIAN_RTOL, LAYER_RTOL = 0.05, 0.5, 0.03, 0.2

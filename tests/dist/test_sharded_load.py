@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 pytestmark = pytest.mark.timeout(600)
 

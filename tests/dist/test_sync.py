@@ -1,6 +1,6 @@
 """The amax sync protocol over real gloo process groups, one test per clause of DESIGN.md.
 
-Scenarios run on a shared live world of 4 ranks (``tests/dist/_harness.py``); every group has a
+Scenarios run on a shared live world of 4 ranks (``tests/dist/harness.py``); every group has a
 10 s timeout, so a protocol that would hang fails the test instead.
 """
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from qckpt.calib.quantizer import TensorQuantizer
 from qckpt.calib.sync import COLLECTIVES_PER_SYNC, sync_amax
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 pytestmark = pytest.mark.timeout(120)
 N = 4

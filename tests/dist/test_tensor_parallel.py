@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from tests.conftest import ROOT, run_qckpt
-from tests.dist._harness import run_once, shared_world
+from tests.dist.harness import run_once, shared_world
 
 pytestmark = pytest.mark.timeout(240)
 

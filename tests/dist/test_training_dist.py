@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist._harness import shared_world
+from tests.dist.harness import shared_world
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "megatron"
 
@@ -54,8 +54,8 @@ def _value(t):  # noqa: ANN001, ANN202
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
     from qckpt.models.build import build_model
+    from tests.export_fixtures import hf_state
     from tests.training_fixtures import write_megatron
-    from tests.unit._export_fixtures import hf_state
 
     root = tmp_path_factory.mktemp("mcdist")
     m = build_model("tiny-moe", dtype="bfloat16", seed=2)

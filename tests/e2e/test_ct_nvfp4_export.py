@@ -17,7 +17,7 @@ import torch
 
 from qckpt import build_model, check_export, load_checkpoint
 from tests import quantized_fixtures as fx
-from tests.unit._export_fixtures import make_calibration, quant_config, run_export
+from tests.export_fixtures import make_calibration, quant_config, run_export
 from tests.unit.test_quantized_sources import loaded_hf, same_bits, stored
 
 IGNORE = ["lm_head", "*.mlp.gate"]
@@ -93,7 +93,7 @@ def test_blockwise_fp8_to_ct_nvfp4_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     from qckpt import calibrate_model, init_mesh
-    from tests.unit._export_fixtures import calib_inputs
+    from tests.export_fixtures import calib_inputs
 
     src, model = _source_model(tmp_path, "tiny-dense")
     q = _nvfp4_quant()

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from qckpt import calibrate_model, init_mesh
-from tests.unit._export_fixtures import (
+from tests.export_fixtures import (
     calib_inputs,
     hf_state,
     quant_config,

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qckpt import check_export
-from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
+from tests.export_fixtures import make_calibration, quant_config, run_export, saved_model
 from tests.unit.test_quantized_sources import stored
 
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])

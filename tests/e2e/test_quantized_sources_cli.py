@@ -61,7 +61,7 @@ def test_blockwise_fp8_source_calibrates_exports_and_converts(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from qckpt import build_model, calibrate_model, init_mesh, load_checkpoint
-    from tests.unit._export_fixtures import calib_inputs, quant_config, run_export
+    from tests.export_fixtures import calib_inputs, quant_config, run_export
 
     src = fx.blockwise_fp8(fx.bf16_dir(tmp_path), tmp_path / "bw", (32, 32))
     _ok(run_qckpt("convert", str(src), str(tmp_path / "deq"), "--to", "hf"))

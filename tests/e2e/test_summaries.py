@@ -143,13 +143,13 @@ def test_progress_bars_show_rate_and_eta_on_a_terminal_only(monkeypatch):
 
     from rich.console import Console
 
-    from qckpt.cli import _output
+    from qckpt.cli import output
 
     for terminal in (True, False):
         buf = io.StringIO()
         con = Console(file=buf, force_terminal=terminal, width=120)
-        monkeypatch.setattr(_output, "err", con)
-        with _output.progress("exporting", 4) as advance:
+        monkeypatch.setattr(output, "err", con)
+        with output.progress("exporting", 4) as advance:
             for _ in range(4):
                 advance()
         text = buf.getvalue()

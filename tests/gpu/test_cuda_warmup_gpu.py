@@ -43,7 +43,7 @@ warmed = entries()
 from qckpt.load.loader import load_checkpoint
 from qckpt.formats import triton_kernels
 from qckpt.models.quantize_params import quantize_model_params
-from tests.unit._toy import same_tensor
+from tests.toy import same_tensor
 
 
 class Two(nn.Module):

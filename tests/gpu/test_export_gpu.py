@@ -27,7 +27,7 @@ def _export(case, src, cal, out, device, shard=SHARD, config=None):
     from qckpt.export.writer import WriteOptions, export_checkpoint
     from qckpt.models.build import load_config
     from qckpt.recipe import ExportConfig
-    from tests.unit._export_fixtures import quant_config
+    from tests.export_fixtures import quant_config
 
     fmt, qkw, model, _ = case
     cfg = config if config is not None else load_config(model)
@@ -52,7 +52,7 @@ def test_gpu_export_equals_cpu_export_for_every_layout(root):
     import torch.distributed.checkpoint as dcp
 
     from tests.dist.test_export_dist import CASES
-    from tests.unit._export_fixtures import quant_config, saved_model, write_calibration
+    from tests.export_fixtures import quant_config, saved_model, write_calibration
 
     models = {m: saved_model(root, m) for m in ("tiny-dense", "tiny-moe")}
     dcp_dir = root / "tiny-moe-dcp"
@@ -107,7 +107,7 @@ def _big_dense(root: Path):
     ids=["ct-tensor", "ct-block", "ct-nvfp4", "mo-fp8", "mo-pcpt", "mo-nvfp4"],
 )
 def test_gpu_export_of_real_sizes_equals_cpu(root, case):
-    from tests.unit._export_fixtures import quant_config, write_calibration
+    from tests.export_fixtures import quant_config, write_calibration
 
     if not (root / "big-dense").exists():
         _big_dense(root)
@@ -133,12 +133,12 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
     import threading
     import warnings
 
-    import qckpt.export.stages as pipe
+    from qckpt.export.stages import Pipeline
 
     case = ("compressed-tensors", {}, "tiny-moe", "hf")
     waits: list[str] = []
     jobs: list[int] = []
-    real, real_run = pipe.Pipeline._process, pipe.Pipeline._process_run
+    real, real_run = Pipeline._process, Pipeline._process_run
 
     def process(self, batch):
         if self._on_device(batch[0][0]):  # the others (norms, KV scales) stay on the host
@@ -154,8 +154,8 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
             if "synchronizing" in str(message):
                 waits.append(str(message))
 
-    pipe.Pipeline._process = process
-    pipe.Pipeline._process_run = process_run
+    Pipeline._process = process
+    Pipeline._process_run = process_run
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings():
@@ -174,8 +174,8 @@ def _moe_export_counting_waits(root: Path, src: Path, cal, out: Path):
             control = len(waits) - seen
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        pipe.Pipeline._process = real
-        pipe.Pipeline._process_run = real_run
+        Pipeline._process = real
+        Pipeline._process_run = real_run
     return waits[:seen], jobs, control
 
 
@@ -183,7 +183,7 @@ def test_gpu_export_waits_for_the_device_once_per_quantize_job(root):
     """The per-tensor waits (the source-weight guard's host reads, a blocking copy per output)
     were most of a small tensor's time: a quantize job (one or several consecutive items)
     now waits once, for all its outputs and guard verdicts together."""
-    from tests.unit._export_fixtures import quant_config, saved_model, write_calibration
+    from tests.export_fixtures import quant_config, saved_model, write_calibration
 
     model, hf_dir = saved_model(root, "tiny-moe")
     cal = write_calibration(root, model, quant_config(), "cal-waits.safetensors")
@@ -198,7 +198,7 @@ def test_gpu_export_refuses_a_bad_weight_with_the_cpu_exports_message(root):
     from safetensors.torch import load_file, save_file
 
     from qckpt.errors import ExportError
-    from tests.unit._export_fixtures import quant_config, saved_model, write_calibration
+    from tests.export_fixtures import quant_config, saved_model, write_calibration
 
     model, hf_dir = saved_model(root, "tiny-moe")
     cal = write_calibration(root, model, quant_config(), "cal-refuse.safetensors")
@@ -258,7 +258,7 @@ def moe64(root):
     """The 64-expert MoE (saved once) and its calibrations, made once per quant config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.unit._export_fixtures import make_calibration, quant_config
+    from tests.export_fixtures import make_calibration, quant_config
 
     if not (root / "moe-64").exists():
         _moe(root, 64, 384, 1024, "moe-64")
@@ -291,19 +291,19 @@ def test_gpu_bulk_runs_of_experts_equal_the_cpu_and_the_per_item_export(
     read, one copy, one guard and one quantize per stack and one wait, files cut small so that
     a run's writes go to several files: the same bytes as the CPU export and as the GPU export
     one item at a time."""
-    import qckpt.export.stages as pipe
+    from qckpt.export.stages import Pipeline
 
     src, cfg, make_cal = moe64
     cal = make_cal(case[1])
     tag = "-".join(map(str, [case[0], *case[1].values()]))
     sizes: list[int] = []
-    real = pipe.Pipeline._process_run
+    real = Pipeline._process_run
 
     def process_run(self, run, fut):
         sizes.append(len(run.items))
         return real(self, run, fut)
 
-    monkeypatch.setattr(pipe.Pipeline, "_process_run", process_run)
+    monkeypatch.setattr(Pipeline, "_process_run", process_run)
     outs = {}
     for device, bulk in [("cpu", "0"), ("cuda", "1"), ("cuda", "0")]:
         monkeypatch.setenv("QCKPT_EXPORT_BULK", bulk)

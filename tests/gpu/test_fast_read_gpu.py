@@ -78,7 +78,7 @@ def _model(fmt: str) -> nn.Module:
 
 
 def _same(a: nn.Module, b: nn.Module) -> bool:
-    from tests.unit._toy import same_tensor
+    from tests.toy import same_tensor
 
     sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
     return all(same_tensor(sa[k], sb[k]) for k in sa)
@@ -165,11 +165,12 @@ def _moe(fmt: str) -> nn.Module:
 def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt, inflight):
     import qckpt.read.fast_read as fast_read
     from qckpt.load.loader import load_checkpoint
+    from qckpt.read.fast_read import FastReadEngine
 
     # 4 KiB pinned buffers: a run's spans are cut mid-expert and its tasks reuse the buffers
     monkeypatch.setattr(fast_read, "CHUNK_BYTES", 4096)
     runs, copies = [], []
-    real_run, real_stretches = fast_read.FastReadEngine._start_run, fast_read.stretches
+    real_run, real_stretches = FastReadEngine._start_run, fast_read.stretches
 
     def spy_run(self, *args):
         r = real_run(self, *args)
@@ -182,7 +183,7 @@ def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt
         copies.append((len(spans), len(out)))
         return out
 
-    monkeypatch.setattr(fast_read.FastReadEngine, "_start_run", spy_run)
+    monkeypatch.setattr(FastReadEngine, "_start_run", spy_run)
     monkeypatch.setattr(fast_read, "stretches", spy_stretches)
     a, b = _moe(fmt), _moe(fmt)
     ra = load_checkpoint(a, moe_hf, reader="fast", max_inflight=inflight, read_threads=4)
@@ -200,20 +201,21 @@ def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt
 def test_read_ahead_on_cuda_equals_plain_at_max_inflight_1(dirs, moe_hf, monkeypatch, fmt):
     import qckpt.read.fast_read as fast_read
     from qckpt.load.loader import load_checkpoint
+    from qckpt.read.fast_read import FastReadEngine
 
     # 64 KiB pieces and 256 KiB of pinned staging: each destination's first pieces are staged
     # (copied in at its admission), its later ones wait for a staging buffer or the admission
     monkeypatch.setattr(fast_read, "CHUNK_BYTES", 64 << 10)
     monkeypatch.setattr(fast_read, "READ_AHEAD_BYTES", 256 << 10)
     staged: list[int] = []
-    real = fast_read.FastReadEngine._stage
+    real = FastReadEngine._stage
 
     def spy(self, run, spans, sbuf):
         staged.append(1)
         assert sbuf.is_pinned()
         return real(self, run, spans, sbuf)
 
-    monkeypatch.setattr(fast_read.FastReadEngine, "_stage", spy)
+    monkeypatch.setattr(FastReadEngine, "_stage", spy)
     for path, make in ((moe_hf, lambda: _moe(fmt)), (dirs / "dcp", lambda: _model(fmt))):
         a, b = make(), make()
         ra = load_checkpoint(a, path, reader="fast", max_inflight=1, read_threads=4)

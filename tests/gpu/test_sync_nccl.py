@@ -25,7 +25,7 @@ except ImportError:  # run as a script on a machine without pytest
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.dist._harness import run_once  # noqa: E402
+from tests.dist.harness import run_once  # noqa: E402
 
 pytestmark = (
     []

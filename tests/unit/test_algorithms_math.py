@@ -17,16 +17,16 @@ def _heavy(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 
 def _fp8_err(w: torch.Tensor, amax: torch.Tensor, gran: str, block=(32, 32)) -> float:
-    g = mse._groups(w, gran, block)
+    g = mse.weight_groups(w, gran, block)
     s = (amax.reshape(-1, 1).double() / 448).float()
-    return float(((g - mse._fp8_dq(g, s)).double() ** 2).sum())
+    return float(((g - mse.fp8_dequantize(g, s)).double() ** 2).sum())
 
 
 def _amax(w: torch.Tensor, gran: str, block=(32, 32)) -> torch.Tensor:
     from qckpt.calib.shapes import amax_shape
 
     shape = amax_shape(gran, "weight", tuple(w.shape), block)
-    return mse._groups(w, gran, block).abs().amax(dim=1).reshape(shape)
+    return mse.weight_groups(w, gran, block).abs().amax(dim=1).reshape(shape)
 
 
 @pytest.mark.parametrize("gran", ["tensor", "channel", "block"])

@@ -31,7 +31,7 @@ def _hidden_leftovers(parent: Path) -> list[str]:
 
 def _racer(target: str, kind: str, me: int, barrier, fallback: bool) -> None:
     if fallback:
-        atomic._renameat2 = lambda: None  # as on a kernel/filesystem without RENAME_NOREPLACE
+        atomic.renameat2 = lambda: None  # as on a kernel/filesystem without RENAME_NOREPLACE
     try:
         if kind == "dir":
             with atomic_dir(target, key="export.output") as tmp:
@@ -219,7 +219,7 @@ def test_stale_temps_of_dead_processes_go_others_stay(tmp_path):
     target = tmp_path / "fp8"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = atomic._host_tag()
+    host = atomic.host_tag()
     names = {
         "dead": f".fp8.qckpt-tmp-{host}-{dead.pid}-0000",
         "alive": f".fp8.qckpt-tmp-{host}-{os.getpid()}-0000",

@@ -203,8 +203,8 @@ def test_fused_expert_weight_amax_at_once_equals_one_by_one(dtype):
     expert's slice gives alone, bit for bit: signs of the extremes, a -0.0-only expert, an
     expert whose largest magnitude is negative, a value only one row of the gate half holds."""
     from qckpt.calib.instrument import (
-        _fused_expert_amax,
         calibrate_weights,
+        fused_expert_amax,
         instrumentation,
         settle,
     )
@@ -219,7 +219,7 @@ def test_fused_expert_weight_amax_at_once_equals_one_by_one(dtype):
     qs = insert_quantizers(m, QuantConfig())
     try:
         # every expert slice goes the at-once way (only the attention linears are left)
-        left = _fused_expert_amax(m, instrumentation(m).weights)
+        left = fused_expert_amax(m, instrumentation(m).weights)
         assert left and not any(".experts." in s.quantizer.name for s in left)
         for q in qs.values():
             q.reset()

@@ -21,7 +21,7 @@ from qckpt.errors import ExportError
 from qckpt.layouts import modelopt
 from qckpt.layouts.check import check_export
 from tests.conftest import run_qckpt
-from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
+from tests.export_fixtures import make_calibration, quant_config, run_export, saved_model
 
 EXPERT = "model.layers.1.mlp.experts.5"
 

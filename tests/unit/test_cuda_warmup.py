@@ -45,7 +45,7 @@ def test_warm_quantize_runs_the_formats_quantize_on_2d_and_3d_weights(monkeypatc
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     plan = imports.CudaWarmup(params=fmt, dtype="bfloat16")
     with kernel_policy(KernelPolicy(triton=False, compile="always")):
-        imports._warm_quantize(plan, torch.device("cpu"))
+        imports.warm_quantize(plan, torch.device("cpu"))
     assert [s[0] for s in seen] == [tuple(s) for s in imports.WARM_SHAPES]
     assert [len(s) for s in imports.WARM_SHAPES] == [2, 3]
     assert all(s[1:] == (torch.bfloat16, False, None, True, False, "never") for s in seen), seen
@@ -56,14 +56,14 @@ def test_warm_quantize_runs_the_formats_quantize_on_2d_and_3d_weights(monkeypatc
     # a sharded load: the whole-tensor amax path too (formats with per-block scales refuse it:
     # swallowed, the other shapes still run)
     seen.clear()
-    imports._warm_quantize(
+    imports.warm_quantize(
         imports.CudaWarmup(params=fmt, dtype="float32", whole_amax=True), torch.device("cpu")
     )
     assert [s[1] for s in seen] == [torch.float32] * 4
     assert [s[3] is None for s in seen] == [True, False, True, False]
 
     seen.clear()
-    imports._warm_quantize(imports.CudaWarmup(params="none"), torch.device("cpu"))
+    imports.warm_quantize(imports.CudaWarmup(params="none"), torch.device("cpu"))
     assert seen == []
 
 
@@ -96,8 +96,8 @@ def test_the_warmup_thread_runs_its_steps_on_the_ranks_gpu_and_swallows_failures
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(imports, "_warm_quantize", step("quantize", True))
-    monkeypatch.setattr(imports, "_warm_pinned", step("pinned", False))
+    monkeypatch.setattr(imports, "warm_quantize", step("quantize", True))
+    monkeypatch.setattr(imports, "warm_pinned", step("pinned", False))
     plan = imports.CudaWarmup(params="mxfp8", pinned_buffers=3)
     pol = KernelPolicy(triton=False)
     with kernel_policy(pol):
@@ -120,7 +120,7 @@ def test_warm_pinned_makes_and_drops_the_buffers(monkeypatch):
         return real_empty(*a, **kw)
 
     monkeypatch.setattr(torch, "empty", fake_empty)
-    imports._warm_pinned(imports.CudaWarmup(pinned_buffers=3, pinned_bytes=4096), None)
+    imports.warm_pinned(imports.CudaWarmup(pinned_buffers=3, pinned_bytes=4096), None)
     assert made == [((4096,), torch.uint8)] * 3
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from qckpt.evaluate.vllm_client import _figures
-from qckpt.evaluate.vllm_worker import _rows
+from qckpt.evaluate.vllm_client import figures
+from qckpt.evaluate.vllm_worker import window_rows
 
 
 @dataclass
@@ -43,7 +43,7 @@ def test_figures_from_full_top_k_are_exact():
     ids = torch.randint(0, v, (w, t + 1), generator=g)
     ls = torch.randn(w, t, v, generator=g) * 3
     le = ls + 0.3 * torch.randn(w, t, v, generator=g)
-    fig = _figures(_served(ls, ids, v), _served(le, ids, v), ids, w * t, "byte", v)
+    fig = figures(_served(ls, ids, v), _served(le, ids, v), ids, w * t, "byte", v)
     assert fig["kl_mean"] == pytest.approx(float(_exact(ls, le).mean()), rel=1e-9)
     nll = float(-torch.log_softmax(le.double(), -1).gather(-1, ids[:, 1:, None]).sum())
     assert fig["export_bits_per_byte"] == pytest.approx(
@@ -60,7 +60,7 @@ def test_kl_over_a_small_top_k_is_a_lower_bound_close_to_the_truth():
     ls = torch.randn(w, t, v, generator=g) * 4  # peaked, as a trained model's
     le = ls + 0.2 * torch.randn(w, t, v, generator=g)
     exact = float(_exact(ls, le).mean())
-    fig = _figures(_served(ls, ids, 20), _served(le, ids, 20), ids, w * t, "byte", 20)
+    fig = figures(_served(ls, ids, 20), _served(le, ids, 20), ids, w * t, "byte", 20)
     assert 0.5 * exact < fig["kl_mean"] <= exact * 1.0001
     assert "top-20" in fig["kl_note"]
 
@@ -73,7 +73,7 @@ def test_the_worker_reads_prompt_logprobs_by_rank():
         {1: _Logprob(-0.2, 1), 4: _Logprob(-1.9, 2), 8: _Logprob(-3.0, 3)},
     ]
     plp[1][7] = _Logprob(-2.5, 3)
-    target, top_ids, top_lp = _rows(plp, ids, 2)
+    target, top_ids, top_lp = window_rows(plp, ids, 2)
     assert target == [-2.5, -0.2]
     assert top_ids == [[3, 9], [1, 4]] and top_lp == [[-0.1, -1.0], [-0.2, -1.9]]
 

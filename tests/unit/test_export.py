@@ -24,7 +24,7 @@ from qckpt.models.fused import fused_parts
 from qckpt.outputs import EXPORT_MARKER
 from qckpt.read.sources import SafetensorsSource
 from qckpt.recipe import ExportConfig
-from tests.unit._export_fixtures import (
+from tests.export_fixtures import (
     hf_state,
     make_calibration,
     quant_config,

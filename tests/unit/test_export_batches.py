@@ -23,9 +23,10 @@ import qckpt.export.budget as budget
 import qckpt.export.stages as pipe
 from qckpt.errors import ExportError
 from qckpt.export.guard import check_source_weight, refuse_source_weight
+from qckpt.export.stages import Pipeline
 from qckpt.export.writer import WriteOptions
 from qckpt.layouts.export_layout import CHUNK_ELEMS
-from tests.unit._export_fixtures import (
+from tests.export_fixtures import (
     make_calibration,
     quant_config,
     run_export,
@@ -116,7 +117,7 @@ def device_path(monkeypatch):
     """Every quantized item takes the device path (batches, one host block, deferred verdicts)
     while the device is the CPU; records each job's items and the budgets left at the end."""
     seen: dict[str, list] = {"jobs": [], "left": []}
-    real_process, real_run = pipe.Pipeline._process, pipe.Pipeline.run
+    real_process, real_run = Pipeline._process, Pipeline.run
 
     def process(self, batch):
         seen["jobs"].append([it.entry.name for it, _ in batch if it.entry is not None])
@@ -128,10 +129,10 @@ def device_path(monkeypatch):
         finally:
             seen["left"].append((self.budget.used, self.dev_budget.used))
 
-    monkeypatch.setattr(pipe.Pipeline, "_on_device", lambda self, it: it.quantized_only)
+    monkeypatch.setattr(Pipeline, "_on_device", lambda self, it: it.quantized_only)
     monkeypatch.setenv("QCKPT_EXPORT_BULK", "0")  # the per-item path (runs: test_export_bulk)
-    monkeypatch.setattr(pipe.Pipeline, "_process", process)
-    monkeypatch.setattr(pipe.Pipeline, "run", run)
+    monkeypatch.setattr(Pipeline, "_process", process)
+    monkeypatch.setattr(Pipeline, "run", run)
     return seen
 
 
@@ -144,7 +145,7 @@ def test_the_device_path_writes_the_same_files_and_gives_every_byte_back(
     cal = make_calibration(model, q)
     plain = root / f"plain-{granularity}"
     with pytest.MonkeyPatch.context() as m:  # the real CPU path, for the reference files
-        m.setattr(pipe.Pipeline, "_on_device", lambda self, it: False)
+        m.setattr(Pipeline, "_on_device", lambda self, it: False)
         _export(model, hf_dir, plain, q, cal)
     out = root / f"device-{granularity}"
     _export(model, hf_dir, out, q, cal, quantizers=2)
@@ -221,7 +222,7 @@ def _batch(queued: list, cap: int, busy: int = 0, late: int = 0):
     fake.ready, fake.back = _Queue(list(queued), late), []
     first = queued.pop(0)
     fake.ready.items.pop(0)
-    return pipe.Pipeline._batch(fake, first), fake.back, fake.ready.items
+    return Pipeline._batch(fake, first), fake.back, fake.ready.items
 
 
 def test_a_batch_takes_only_queued_device_items_within_its_bytes():
@@ -257,7 +258,7 @@ def test_a_pinned_read_is_counted_at_the_size_torch_pins():
     mib = pipe.MiB
     fake = type("P", (), {})()
     fake._on_device = lambda it: it.quantized_only
-    fake._pinned = lambda it: pipe.Pipeline._pinned(fake, it)
+    fake._pinned = lambda it: Pipeline._pinned(fake, it)
     for device, n, want in [
         ("cuda", 3 * mib, 4 * mib),
         ("cuda", 4 * mib, 4 * mib),
@@ -265,6 +266,6 @@ def test_a_pinned_read_is_counted_at_the_size_torch_pins():
         ("cpu", 3 * mib, 3 * mib),
     ]:
         fake.device = torch.device(device)
-        assert pipe.Pipeline._host_cost(fake, _Item(n)) == want
+        assert Pipeline._host_cost(fake, _Item(n)) == want
     fake.device = torch.device("cuda")
-    assert pipe.Pipeline._host_cost(fake, _Item(3 * mib, dev=False)) == 3 * mib
+    assert Pipeline._host_cost(fake, _Item(3 * mib, dev=False)) == 3 * mib

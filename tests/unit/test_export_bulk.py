@@ -26,12 +26,13 @@ import qckpt.export.stages as pipe
 from qckpt.errors import CheckpointError, ExportError
 from qckpt.export.guard import check_source_stack, check_source_weight
 from qckpt.export.plan import plan_export
+from qckpt.export.stages import Pipeline
 from qckpt.export.writer import WriteOptions
 from qckpt.layouts.export_layout import CHUNK_ELEMS
 from qckpt.read.sources import SafetensorsSource
 from qckpt.recipe import ExportConfig
 from qckpt.storage.shards import ShardFile, create_shard_file
-from tests.unit._export_fixtures import (
+from tests.export_fixtures import (
     make_calibration,
     quant_config,
     run_export,
@@ -51,7 +52,7 @@ def moe(tmp_path_factory):
 def runs(monkeypatch):
     """Records every run's items and the budgets left (and their peaks) at the end."""
     seen: dict[str, list] = {"runs": [], "left": []}
-    real_process, real_run = pipe.Pipeline._process_run, pipe.Pipeline.run
+    real_process, real_run = Pipeline._process_run, Pipeline.run
 
     def process_run(self, run, fut):
         seen["runs"].append([it.entry.name for it in run.items])
@@ -63,8 +64,8 @@ def runs(monkeypatch):
         finally:
             seen["left"].append((self.budget.used, self.budget.peak, self.budget.cap))
 
-    monkeypatch.setattr(pipe.Pipeline, "_process_run", process_run)
-    monkeypatch.setattr(pipe.Pipeline, "run", run)
+    monkeypatch.setattr(Pipeline, "_process_run", process_run)
+    monkeypatch.setattr(Pipeline, "run", run)
     return seen
 
 
@@ -268,7 +269,7 @@ def test_runs_on_the_device_path_write_the_same_files(moe, runs, monkeypatch, la
     kw = {"fmt": fmt, "max_shard_size": "40KB"}
     plain = root / f"dev-plain-{tag}"
     _export(model, hf_dir, plain, q, cal, bulk=False, **kw)
-    monkeypatch.setattr(pipe.Pipeline, "_runs_on_device", lambda self: True)
+    monkeypatch.setattr(Pipeline, "_runs_on_device", lambda self: True)
     out = root / f"dev-bulk-{tag}"
     _export(model, hf_dir, out, q, cal, bulk=True, **kw)
     assert runs["runs"] and _digest(out) == _digest(plain)
@@ -284,7 +285,7 @@ def test_a_refused_weight_on_the_runs_device_path_gives_the_per_item_error(moe, 
     out = root / "dev-out-bad"
     with pytest.raises(ExportError) as plain:
         _export(model, bad, out, q, cal, bulk=False)
-    monkeypatch.setattr(pipe.Pipeline, "_runs_on_device", lambda self: True)
+    monkeypatch.setattr(Pipeline, "_runs_on_device", lambda self: True)
     with pytest.raises(ExportError) as e:
         _export(model, bad, out, q, cal, bulk=True)
     assert str(e.value) == str(plain.value) and str(e.value).startswith(f"{name}: amax ")

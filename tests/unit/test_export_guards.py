@@ -17,7 +17,7 @@ import torch
 
 from qckpt.errors import ExportError
 from tests.conftest import run_qckpt
-from tests.unit._export_fixtures import (
+from tests.export_fixtures import (
     make_calibration,
     quant_config,
     run_export,

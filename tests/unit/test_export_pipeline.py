@@ -13,7 +13,7 @@ import torch
 from qckpt.errors import RecipeError, UsageError
 from qckpt.export.writer import WriteOptions, export_checkpoint
 from qckpt.recipe import ExportConfig
-from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
+from tests.export_fixtures import make_calibration, quant_config, run_export, saved_model
 
 MiB = 2**20
 
@@ -352,20 +352,20 @@ def test_the_json_reports_rank_rows_keep_what_each_rank_wrote(monkeypatch):
     from types import SimpleNamespace
 
     import qckpt.parallel.deadline as deadline
-    from qckpt.cli import _output
+    from qckpt.cli import output
 
     def fake_gather(what, fn, box, mine, group=None):  # the other rank's row, as gathered
         box[0], box[1] = mine, {"rank": 1, "phases": {"total": 2.0}, "peaks": {}}
 
     monkeypatch.setattr(deadline, "collective", fake_gather)
     mine = {"phases": {"total": 1.0}, "peaks": {"host_peak_rss_bytes": 5}}
-    monkeypatch.setattr(_output.phases, "summary", lambda: mine)
+    monkeypatch.setattr(output.phases, "summary", lambda: mine)
     export_rows = [
         {"rank": 0, "files": ["model-00001-of-00002.safetensors"], "bytes_written": 10},
         {"rank": 1, "files": ["model-00001-of-00002.safetensors", "b"], "bytes_written": 11},
     ]
     mesh = SimpleNamespace(world_size=2, rank=0, world_group=None)
-    got = _output.with_phases({"ranks": export_rows}, mesh)["ranks"]
+    got = output.with_phases({"ranks": export_rows}, mesh)["ranks"]
     assert [r["bytes_written"] for r in got] == [10, 11]
     assert got[1]["files"] == export_rows[1]["files"] and got[1]["phases"] == {"total": 2.0}
     assert got[0]["phases"] == {"total": 1.0} and got[0]["files"] == export_rows[0]["files"]

@@ -20,7 +20,7 @@ from qckpt.calib.state_file import CalibrationState, load_calibration, save_cali
 from qckpt.errors import CheckpointError
 from qckpt.storage.safetensors import read_header
 from qckpt.storage.shards import ShardSpecs, index_text, shard_header, shard_layout
-from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
+from tests.export_fixtures import make_calibration, quant_config, run_export, saved_model
 
 
 @dataclass

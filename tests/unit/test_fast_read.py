@@ -26,10 +26,11 @@ from qckpt.errors import CheckpointError, RecipeError, UsageError
 from qckpt.load.loader import load_checkpoint
 from qckpt.models.build import build_model
 from qckpt.models.quantize_params import quantize_model_params
+from qckpt.read.fast_read import FastReadEngine
 from qckpt.recipe import recipe_from_dict
 from qckpt.storage.torch_save import locate_tensor
 from tests import quantized_fixtures as fx
-from tests.unit._toy import ALL_FORMATS, Toy, assert_same_model, toy_quantized
+from tests.toy import ALL_FORMATS, Toy, assert_same_model, toy_quantized
 
 FORMATS = ["none", *ALL_FORMATS]
 
@@ -343,7 +344,7 @@ def test_fused_experts_are_read_as_runs_in_few_tasks(ckpts, monkeypatch):
     # the per-expert items of a fused parameter: one run, one planner resolve and commit, its
     # bytes read in fewer pool tasks than items (each task one pinned buffer on a device load)
     runs: list[tuple[int, int]] = []
-    real = fast_read.FastReadEngine._start_run
+    real = FastReadEngine._start_run
 
     def spy(self, *args):
         r = real(self, *args)
@@ -351,7 +352,7 @@ def test_fused_experts_are_read_as_runs_in_few_tasks(ckpts, monkeypatch):
             runs.append((len(r.items), len(r.futures)))
         return r
 
-    monkeypatch.setattr(fast_read.FastReadEngine, "_start_run", spy)
+    monkeypatch.setattr(FastReadEngine, "_start_run", spy)
     monkeypatch.setattr(fast_read, "CHUNK_BYTES", 1 << 20)
     a, b = _moe("fp8"), _moe("fp8")
     load_checkpoint(a, ckpts / "moe-hf", reader="fast", read_threads=3)
@@ -367,7 +368,7 @@ def test_plain_destinations_are_read_as_runs_into_their_own_tensors(ckpts, monke
     # its bytes in runs written straight into its own storage, not item by item: the item path
     # made a 61 GB BF16 read 2x slower than a quantized one on the H200
     per_item, run_bufs = [], []
-    real_start, real_run = fast_read.FastReadEngine._start, fast_read.FastReadEngine._start_run
+    real_start, real_run = FastReadEngine._start, FastReadEngine._start_run
 
     def start(self, job, *args):
         per_item.append(job.item.dest_index.fqn)
@@ -379,8 +380,8 @@ def test_plain_destinations_are_read_as_runs_into_their_own_tensors(ckpts, monke
             run_bufs.append((r.fqn, r.buf.data_ptr()))
         return r
 
-    monkeypatch.setattr(fast_read.FastReadEngine, "_start", start)
-    monkeypatch.setattr(fast_read.FastReadEngine, "_start_run", start_run)
+    monkeypatch.setattr(FastReadEngine, "_start", start)
+    monkeypatch.setattr(FastReadEngine, "_start_run", start_run)
     a, b = _moe(fmt), _moe(fmt)
     rep = load_checkpoint(a, ckpts / "moe-hf", reader="fast", read_threads=3)
     load_checkpoint(b, ckpts / "moe-hf", reader="plain")

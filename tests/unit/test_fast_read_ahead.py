@@ -28,8 +28,9 @@ from qckpt.errors import CheckpointError
 from qckpt.load.loader import load_checkpoint
 from qckpt.models.build import build_model
 from qckpt.models.quantize_params import quantize_model_params
+from qckpt.read.fast_read import FastReadEngine
 from qckpt.storage.torch_save import StoredTensor
-from tests.unit._toy import ALL_FORMATS, Toy, assert_same_model, toy_quantized
+from tests.toy import ALL_FORMATS, Toy, assert_same_model, toy_quantized
 
 pytestmark = pytest.mark.timeout(60)  # a deadlock fails here, not after the suite's timeout
 
@@ -59,13 +60,13 @@ def _moe(fmt: str) -> torch.nn.Module:
 def _staged_spy(monkeypatch) -> list[int]:
     """Counts the read-ahead tasks that read into a staging buffer."""
     staged: list[int] = []
-    real = fast_read.FastReadEngine._stage
+    real = FastReadEngine._stage
 
     def spy(self, run, spans, sbuf):
         staged.append(sum(sp[3] for sp in spans))
         return real(self, run, spans, sbuf)
 
-    monkeypatch.setattr(fast_read.FastReadEngine, "_stage", spy)
+    monkeypatch.setattr(FastReadEngine, "_stage", spy)
     return staged
 
 
@@ -190,10 +191,10 @@ def _jobs(path: str, names: list[str]) -> list[fast_spans.Job]:
     return jobs
 
 
-def _engine(inflight: int, ahead: int) -> fast_read.FastReadEngine:
+def _engine(inflight: int, ahead: int) -> FastReadEngine:
     # 1 KiB pieces: each destination is 4 pool tasks; ``ahead`` bytes of staging
     files = fast_io.Files()
-    return fast_read.FastReadEngine(
+    return FastReadEngine(
         files=files, max_inflight=inflight, threads=3, chunk_bytes=1024, read_ahead=ahead
     )
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from qckpt.cli._launch import LAUNCHER_FILE, first_failure
+from qckpt.cli.launch import LAUNCHER_FILE, first_failure
 from tests.conftest import run_qckpt
 
 _TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "OMP_NUM_THREADS", "torch/distributed", "====")
@@ -100,10 +100,10 @@ def _spawn(tmp_path, code: str) -> tuple[int, float]:
     import os
     import time
 
-    from qckpt.cli._launch import _spawn_ranks
+    from qckpt.cli.launch import spawn_ranks
 
     t0 = time.monotonic()
-    rc = _spawn_ranks(2, ["-c", code], dict(os.environ), tmp_path)
+    rc = spawn_ranks(2, ["-c", code], dict(os.environ), tmp_path)
     return rc, time.monotonic() - t0
 
 

@@ -18,7 +18,7 @@ from qckpt.models.quantize_params import quantize_model_params
 from qckpt.plot import plot_memory
 from qckpt.recipe import recipe_from_dict
 from tests._bits import bits
-from tests.unit._toy import FMTS, Toy, assert_same_model, same_tensor, toy_quantized
+from tests.toy import FMTS, Toy, assert_same_model, same_tensor, toy_quantized
 
 
 @pytest.fixture(scope="module")

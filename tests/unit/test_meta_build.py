@@ -18,7 +18,7 @@ from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.model import build
 from qckpt.recipe import recipe_from_dict
 from tests._bits import bits
-from tests.unit._toy import FMTS, assert_same_model, same_tensor
+from tests.toy import FMTS, assert_same_model, same_tensor
 
 IGNORE = ["lm_head", "*.mlp.gate"]  # the recipe's default quant.ignore
 

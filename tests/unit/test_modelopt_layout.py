@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.unit._export_fixtures import make_calibration, quant_config, run_export, saved_model
+from tests.export_fixtures import make_calibration, quant_config, run_export, saved_model
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "modelopt"
 SCHEMES = {  # fixture name -> qckpt recipe

@@ -20,7 +20,7 @@ from qckpt.load.meter import MemoryMeter
 from qckpt.load.planner import StreamingDequantLoadPlanner
 from qckpt.models import naming
 from qckpt.read.dcp_reader import OrderedFileSystemReader
-from tests.unit._toy import FMTS, Toy, assert_same_model, same_tensor, toy_quantized
+from tests.toy import FMTS, Toy, assert_same_model, same_tensor, toy_quantized
 
 # ---- prepended singleton axes ------------------------------------------------------------------
 

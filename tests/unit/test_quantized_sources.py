@@ -28,7 +28,7 @@ from qckpt.models.quantize_params import quantize_model_params
 from qckpt.read.hf_reader import hf_index, hf_source
 from qckpt.read.readers import open_source
 from tests import quantized_fixtures as fx
-from tests.unit._export_fixtures import make_calibration, quant_config, run_export
+from tests.export_fixtures import make_calibration, quant_config, run_export
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 IGNORE = ["lm_head", "*.mlp.gate"]
@@ -91,7 +91,7 @@ def _ct_reference(d: Path, kind: str) -> dict[str, torch.Tensor]:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     scheme = QuantizationScheme(
-        targets=["Linear"], weights=QuantizationArgs(**fx._ct_args(kind, (32, 32)))
+        targets=["Linear"], weights=QuantizationArgs(**fx.ct_args(kind, (32, 32)))
     )
     comp = NVFP4PackedCompressor if kind == "nvfp4" else FloatQuantizationCompressor
     t = stored(d)
@@ -354,7 +354,7 @@ def test_fp8_export_converts_to_dcp_and_calibrates_from_its_values(dirs, tmp_pat
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.convert.dcp import hf_dir_to_dcp
     from qckpt.parallel.mesh import init_mesh
-    from tests.unit._export_fixtures import calib_inputs
+    from tests.export_fixtures import calib_inputs
 
     src = dirs["ours-ct-tensor"]
     direct = build_model("tiny-moe", dtype="bfloat16", seed=5)

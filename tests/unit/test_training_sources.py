@@ -30,8 +30,8 @@ from qckpt.models.quantize_params import quantize_model_params
 from qckpt.read.detect import detect_format
 from qckpt.read.readers import open_source
 from tests._bits import bits
+from tests.export_fixtures import hf_state, quant_config, run_export, write_calibration
 from tests.training_fixtures import write_megatron, write_torchtitan
-from tests.unit._export_fixtures import hf_state, quant_config, run_export, write_calibration
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 MEGATRON = FIX / "megatron"
@@ -337,7 +337,7 @@ def _merge(dst: Path, add: Path) -> None:
 
 def test_cli_export_and_inspect_from_a_megatron_fixture(tmp_path):
     """``qckpt export`` with checkpoint.format: megatron, straight from the real fixture."""
-    from tests.unit._export_fixtures import write_calibration as wc
+    from tests.export_fixtures import write_calibration as wc
 
     m = build_model(str(MEGATRON / "moe_hf"), dtype="bfloat16", seed=0)
     load_checkpoint(m, MEGATRON / "moe_ep2")

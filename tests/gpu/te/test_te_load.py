@@ -164,7 +164,7 @@ def _save_on_two_ranks(rank, world, out):
 
 def test_checkpoint_saved_on_two_ranks_loads_on_one(tmp_path):
     from qckpt.load.loader import load_checkpoint
-    from tests.dist._harness import run_once
+    from tests.dist.harness import run_once
 
     out = run_once(_save_on_two_ranks, 2, str(tmp_path / "sharded"), deadline_s=120)
     assert all(o.ok for o in out), [o.error for o in out]

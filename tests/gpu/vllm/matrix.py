@@ -46,7 +46,7 @@ VLLM_ENV = {
 }
 
 
-def _quant(scheme: str):
+def quant(scheme: str):
     from qckpt.recipe import QuantConfig, TensorQuantConfig
 
     gran, dynamic, kv = SCHEMES[scheme]
@@ -58,13 +58,13 @@ def _quant(scheme: str):
     )
 
 
-def _calibrate(model, scheme: str):
+def calibrate(model, scheme: str):
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.parallel.mesh import init_mesh
 
     dev = next(model.parameters()).device
     batches = [task.sequences(32, task.PROMPT + task.GEN, 777 + i).to(dev) for i in range(8)]
-    state, _ = calibrate_model(model, batches, _quant(scheme), init_mesh(ep=1, tp=1, timeout_s=60))
+    state, _ = calibrate_model(model, batches, quant(scheme), init_mesh(ep=1, tp=1, timeout_s=60))
     return state
 
 
@@ -79,7 +79,7 @@ def _export(model, hf_dir: Path, state, out: Path, layout: str, scheme: str, moe
         output=out,
         model_type=model.config.model_type,
         model_config=model.config,
-        quant=_quant(scheme),
+        quant=quant(scheme),
         export=ExportConfig(format=layout, output=str(out), overwrite=True, moe_scales=moe),
         source_dir=hf_dir,
     )
@@ -112,7 +112,7 @@ def prepare(work: Path, steps: int, hidden: int, seconds: float, log) -> tuple[l
             dict(name=f"{kind}-bf16", model=kind, layout="bf16", scheme="-", dir=hf_dir, kv=False)
         )
         for scheme in SCHEMES:
-            state = _calibrate(model, scheme)
+            state = calibrate(model, scheme)
             variants = [("shared", layout) for layout in ("compressed-tensors", "modelopt")]
             if kind == "moe" and scheme == "tensor":
                 variants += [

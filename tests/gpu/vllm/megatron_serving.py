@@ -46,8 +46,8 @@ def _serve(d: Path, pfile: Path, out: Path, site: str) -> dict:
 def run_one(kind: str, work: Path, steps: int, site: str) -> dict:
     from qckpt.export.writer import export_checkpoint
     from qckpt.recipe import ExportConfig
+    from tests.export_fixtures import hf_state
     from tests.training_fixtures import write_megatron
-    from tests.unit._export_fixtures import hf_state
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = task.train(kind, steps=steps, device=dev)
@@ -57,13 +57,13 @@ def run_one(kind: str, work: Path, steps: int, site: str) -> dict:
     hf_dir, mc = work / f"{kind}-hf", work / f"{kind}-megatron"
     model.save_pretrained(hf_dir)
     write_megatron(hf_state(model), model.config, mc, tp=2, ep=2)
-    state = matrix._calibrate(model.to(dev), "tensor")
+    state = matrix.calibrate(model.to(dev), "tensor")
     outs = {}
     for name, src in (("hf", hf_dir), ("megatron", mc)):
         out = work / f"{kind}-{name}-fp8"
         export_checkpoint(
             source=src, calibration=state, output=out, model_type=model.config.model_type,
-            model_config=model.config, quant=matrix._quant("tensor"),
+            model_config=model.config, quant=matrix.quant("tensor"),
             export=ExportConfig(format="compressed-tensors", output=str(out), overwrite=True),
             source_dir=hf_dir,
         )  # fmt: skip

@@ -2,7 +2,7 @@
 
 The caller validates everything it can first (the recipe, the world size, output paths, model
 sources), so a bad recipe is one line and exit 2 without starting a rank. Then this process
-starts the N ranks itself (:func:`_spawn_ranks`: the environment torchrun would give them, a
+starts the N ranks itself (:func:`spawn_ranks`: the environment torchrun would give them, a
 free port on the loopback for the process group's store) and watches them: when one fails the
 others are stopped, as torchrun stops them. Not torchrun itself, by default: its launcher
 imports torch and runs an elastic agent before any rank starts, 2-4 s of every distributed
@@ -75,7 +75,7 @@ def relaunch(nproc: int) -> int | None:
             cmd += [f"--nproc-per-node={nproc}", *args]
             code = _wait(subprocess.Popen(cmd, env=env))
         else:
-            code = _spawn_ranks(nproc, args, env, Path(errors))
+            code = spawn_ranks(nproc, args, env, Path(errors))
         if code == 0:
             return 0
         line, code = first_failure(Path(errors), code)
@@ -114,7 +114,7 @@ def _rank_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str
     return out
 
 
-def _spawn_ranks(nproc: int, args: list[str], env: dict[str, str], errors: Path) -> int:
+def spawn_ranks(nproc: int, args: list[str], env: dict[str, str], errors: Path) -> int:
     """Run ``python ARGS`` as ``nproc`` ranks; 0 when every rank exits 0. When one fails the
     others get SIGTERM (SIGKILL after :data:`STOP_GRACE_S`), and the ranks' exit codes, the
     first failure first, go to the launcher file that :func:`first_failure` reads."""

@@ -34,40 +34,45 @@ def _done() -> Future[None]:
     return fut
 
 
-class _FastReader:
-    """What both fast readers add to their plain twin's constructor: the read bounds."""
+class FastReader:
+    """What every fast reader adds to its plain twin: the read bounds, and one engine run of
+    its jobs (``run_jobs``) that counts the bytes it read on the reader."""
 
     reader_kind = "fast"
 
     def __init__(
         self,
         path: str | os.PathLike,
-        *,
+        *args: Any,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
         threads: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(path, **kwargs)
+        super().__init__(path, *args, **kwargs)
         self.max_inflight = max_inflight
         self.threads = threads
         self.inline_items = 0  # items the plain code read (no locatable tensor)
         self.read_ahead_bytes = 0  # the read-ahead's staging buffers (host bytes), if any
 
-
-class FastDCPReader(_FastReader, OrderedFileSystemReader):
-    """A DCP dir read on the fast path; ``OrderedFileSystemReader`` is its plain twin."""
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        files = Files()
+    def run_jobs(self, jobs: list[Job], planner: LoadPlanner, files: Files) -> None:
+        """``jobs`` read by a fast read engine over ``files`` (closed after) within the
+        reader's bounds; the bytes it read and its staging counted on the reader."""
         engine = FastReadEngine(files=files, max_inflight=self.max_inflight, threads=self.threads)
-        located: dict[Any, StoredTensor | None] = {}
-        jobs = [self._job(item, planner, files, located) for item in plan.items]
         try:
             engine.run(jobs, planner)
         finally:
             files.close()
             self.bytes_read += engine.bytes_read
             self.read_ahead_bytes = engine.ahead_bytes
+
+
+class FastDCPReader(FastReader, OrderedFileSystemReader):
+    """A DCP dir read on the fast path; ``OrderedFileSystemReader`` is its plain twin."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        files = Files()
+        located: dict[Any, StoredTensor | None] = {}
+        self.run_jobs([self._job(i, planner, files, located) for i in plan.items], planner, files)
         return _done()
 
     def _job(self, item: Any, planner: LoadPlanner, files: Files, located: dict) -> Job:
@@ -100,7 +105,7 @@ def _read_at(files: Files, path: str, base: int, length: int, pos: int, n: int) 
     return files.pread(path, base + pos, n) if n else b""
 
 
-class FastHFReader(_FastReader, HFSafetensorsReader):
+class FastHFReader(FastReader, HFSafetensorsReader):
     """An HF safetensors dir read on the fast path; ``HFSafetensorsReader`` is its plain twin."""
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
@@ -117,14 +122,12 @@ class FastHFReader(_FastReader, HFSafetensorsReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         files = Files()
         fetch = SafetensorsFetch(self.path, self.raw_index)
-        engine = FastReadEngine(files=files, max_inflight=self.max_inflight, threads=self.threads)
         try:
             jobs = [self._job(req, planner, fetch) for req in plan.items]
-            engine.run(jobs, planner)
+            self.run_jobs(jobs, planner, files)
         finally:
             files.close()
-            self.bytes_read += engine.bytes_read + fetch.bytes_read
-            self.read_ahead_bytes = engine.ahead_bytes
+            self.bytes_read += fetch.bytes_read
             fetch.close()
         return _done()
 

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from qckpt.errors import CheckpointError
@@ -39,6 +38,7 @@ from qckpt.layouts.source_layout import QuantWeight, SourceLayout
 from qckpt.models import naming
 from qckpt.read.hf_names import per_expert_pieces
 from qckpt.read.sources import SafetensorsSource
+from qckpt.read.state_dict_reader import StateDictReader
 from qckpt.storage.files import read_json, require_regular
 from qckpt.storage.safetensors import has_safetensors
 from qckpt.storage.slices import SafetensorsFetch
@@ -203,7 +203,7 @@ def hf_source(
     return layout, source, raw
 
 
-class HFSafetensorsReader(StorageReader):
+class HFSafetensorsReader(StateDictReader):
     """Reads an HF safetensors dir (single file or sharded with an index) through DCP.
 
     Items are served in plan order (the streaming planner groups a destination's items), one
@@ -260,17 +260,6 @@ class HFSafetensorsReader(StorageReader):
                     storage[MetadataIndex(name, torch.Size(p.offsets))] = p
             self._metadata = Metadata(state_dict_metadata=sd_md, storage_data=storage)
         return self._metadata
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         from safetensors import safe_open

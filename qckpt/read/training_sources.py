@@ -40,7 +40,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from qckpt.errors import CheckpointError
@@ -48,7 +47,9 @@ from qckpt.layouts.registry import refuse_quantized_dcp
 from qckpt.layouts.training import Mapping, Piece, map_checkpoint
 from qckpt.models import naming
 from qckpt.read.detect import megatron_config, resolve_iteration
+from qckpt.read.fast_readers import FastReader
 from qckpt.read.source import CheckpointSource, Entry
+from qckpt.read.state_dict_reader import StateDictReader
 from qckpt.storage import safetensors as stio
 from qckpt.storage.dcp_metadata import read_checked_metadata
 from qckpt.storage.files import open_regular
@@ -373,7 +374,7 @@ class TrainingCheckpoint:
 # ---- a storage reader in state-dict names (load, calibrate, plan) ---------------------------
 
 
-class TrainingReader(StorageReader):
+class TrainingReader(StateDictReader):
     """A training checkpoint read through DCP in the model's state-dict names."""
 
     reader_kind = "plain"
@@ -437,17 +438,6 @@ class TrainingReader(StorageReader):
                 storage[MetadataIndex(name, torch.Size(o))] = (cp, len(s) - len(cp.dest_sizes))
         return Metadata(state_dict_metadata=sd_md, storage_data=storage)
 
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
-    ) -> None:
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
     def _read_item(self, req: Any, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
             raise CheckpointError(
@@ -473,38 +463,20 @@ class TrainingReader(StorageReader):
         return (Path(checkpoint_id) / ".metadata").exists()
 
 
-class FastTrainingReader(TrainingReader):
+class FastTrainingReader(FastReader, TrainingReader):
     """:class:`TrainingReader` on the fast path: each piece that is one run of its chunk's
     bytes is read in parallel by ``fast_read.FastReadEngine``; the rest inline."""
 
-    reader_kind = "fast"
-
-    def __init__(self, path: str | os.PathLike, framework: str, *, max_inflight: int = 1,
-                 threads: int | None = None, **kwargs: Any) -> None:  # fmt: skip
-        super().__init__(path, framework, **kwargs)
-        self.max_inflight = max_inflight
-        self.threads = threads
-        self.inline_items = 0
-        self.read_ahead_bytes = 0
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         from qckpt.read.fast_io import Files
-        from qckpt.read.fast_read import FastReadEngine
         from qckpt.read.fast_spans import Job
 
-        files = Files()
-        engine = FastReadEngine(files=files, max_inflight=self.max_inflight, threads=self.threads)
         jobs = []
         for req in plan.items:
             cp, lead = self.storage_data[req.storage_index]
             inline = functools.partial(self._inline, req, planner)
             jobs.append(Job(req, locate=functools.partial(self._locate, cp, lead), inline=inline))
-        try:
-            engine.run(jobs, planner)
-        finally:
-            files.close()
-            self.bytes_read += engine.bytes_read
-            self.read_ahead_bytes = engine.ahead_bytes
+        self.run_jobs(jobs, planner, Files())
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -18,7 +18,9 @@
 5. Both exports' files are hashed: they must be byte-identical ("same_files").
 
 Disk: the checkpoint, plus an export (FP8: ~31 GB), plus during step 4 the HF copy (61 GB):
-about 155 GB for 48 layers (nvidia-h200-x4 or larger, or ``--layers 16`` on a 64 GB disk).
+about 155 GB for 48 layers. On one H200 (64 GB disk, 128 GiB memory) the checkpoint goes on the
+disk and ``--scratch /dev/shm/mc`` puts both exports and the HF copy in tmpfs (at most the HF copy
+and one export there at once: about 92 GB).
 """
 
 from __future__ import annotations
@@ -231,11 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--format", default="compressed-tensors", choices=["compressed-tensors", "modelopt"]
     )
+    ap.add_argument(
+        "--scratch",
+        default=None,
+        help="where the exports and the HF copy go (default: --work); e.g. tmpfs when the disk "
+        "holds only the checkpoint",
+    )
+    ap.add_argument(
+        "--keep-hf", action="store_true", help="keep the HF BF16 copy (scratch/hf-bf16) after"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true", help="a small model: checks the script on a CPU")
     args = ap.parse_args(argv)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    scratch = Path(args.scratch).resolve() if args.scratch else work
+    scratch.mkdir(parents=True, exist_ok=True)
     cfg = qwen3_30b_config(args.layers, args.tiny)
     cfg_dir, mc = work / "hf-config", work / f"mc-{args.layers}l"
     cfg_dir.mkdir(exist_ok=True)
@@ -248,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     cal = work / f"calib-{args.layers}l.safetensors"
     if not cal.exists():
         make_calibration(mc, cfg_dir, cal)
-    out1 = work / "export-one-step"
+    out1 = scratch / "export-one-step"
     shutil.rmtree(out1, ignore_errors=True)
     one = _cli(
         ["export", str(_recipe(work, cfg_dir, mc, "megatron", cal, out1, args))],
@@ -258,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     result["one_step"] = {"export": {"wall_seconds": one["wall_seconds"], **_peaks(one["report"])}}
     d1 = _digests(out1)
     shutil.rmtree(out1)
-    hf, out2 = work / "hf-bf16", work / "export-two-step"
+    hf, out2 = scratch / "hf-bf16", scratch / "export-two-step"
     shutil.rmtree(hf, ignore_errors=True)
     shutil.rmtree(out2, ignore_errors=True)
     conv = _cli(
@@ -277,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         "hf_copy_bytes": sum(p.stat().st_size for p in hf.iterdir()),
     }
     result["same_files"] = _digests(out2) == d1
-    shutil.rmtree(hf)
+    result["scratch"] = str(scratch)
+    if not args.keep_hf:
+        shutil.rmtree(hf)
     shutil.rmtree(out2)
     text = json.dumps(result, indent=1)
     print(text)

@@ -88,6 +88,7 @@ STEPS=(
   export_shm_8l:300
   megatron_48l:500
   plan_export_host_48l:150
+  peh_48l:300
 )
 
 # the disk under $WORK: dd of 8 GB with and without fsync, one writer and two at once
@@ -207,6 +208,19 @@ step_plan_export_host_48l() {
   "$PY" -m bench.plan_export_host --model "$WORK/mc/hf-config" --src "$MC_SCR/hf-bf16" \
     --calib "$WORK/mc/calib-48l.safetensors" --out /dev/shm/peh --gpu-memory 139GiB \
     --json "$RES/plan_export_host_48l.json"
+}
+
+# the same check on the HF checkpoint ckpt_48l makes, calibrated on one short batch (the export's
+# memory does not depend on the calibration's values)
+step_peh_48l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m qckpt calibrate configs/tiny-moe.yaml --set model.source="$CKPT48" \
+    --set checkpoint.path="$CKPT48" --set checkpoint.format=safetensors --set load.device=cuda \
+    --set calibrate.data.num_samples=2 --set calibrate.data.seq_len=64 \
+    --set calibrate.data.batch_size=2 --set calibrate.output="$WORK/peh_calib.safetensors" \
+    --json "$RES/peh_calib_48l.json" || return 1
+  "$PY" -m bench.plan_export_host --model "$CKPT48" --src "$CKPT48" \
+    --calib "$WORK/peh_calib.safetensors" --out /dev/shm/peh --gpu-memory 139GiB \
+    --json "$RES/peh_48l.json"
 }
 
 step_env() {

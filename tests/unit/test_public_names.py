@@ -73,7 +73,9 @@ def violations(path: Path) -> list[str]:
                 base = base.value
             if isinstance(base, ast.Name) and base.id in modules:
                 out.append(f"{node.lineno}: {ast.unparse(node)}")
-    return sorted(set(out), key=lambda s: int(s.split(":")[0]))
+    # dict.fromkeys, not set: duplicates dropped, the walk's order kept (a set's order is the
+    # string hashes', which differ from one process to the next)
+    return sorted(dict.fromkeys(out), key=lambda s: int(s.split(":")[0]))
 
 
 def _scanned() -> list[Path]:

@@ -86,6 +86,9 @@ STEPS=(
   export_lanes_48l:300
   write_ceiling:120
   export_shm_8l:300
+  megatron_48l:500
+  plan_export_host_48l:150
+  peh_48l:300
 )
 
 # the disk under $WORK: dd of 8 GB with and without fsync, one writer and two at once
@@ -189,6 +192,36 @@ gptq_on() {  # $1 checkpoint, $2 name
 }
 step_gptq_8l() { gptq_on "$CKPT8" gptq_8l; }
 step_gptq_48l() { gptq_on "$CKPT48" gptq_48l; }
+
+# issue 29: `qckpt export` straight from a 61 GB Qwen3-30B-A3B-shaped checkpoint in Megatron-Core's
+# torch_dist layout beside the two-step path (convert to HF BF16, then export). The checkpoint is on
+# the disk ($WORK/mc); the exports and the HF copy go to tmpfs (the 64 GB disk holds one model),
+# and the HF copy is kept for the next step.
+MC_SCR=/dev/shm/mc
+step_megatron_48l() {
+  "$PY" -m bench.megatron_export --work "$WORK/mc" --scratch "$MC_SCR" --keep-hf --layers 48 \
+    --device cuda --json "$RES/megatron_48l.json"
+}
+# issue 30: `qckpt plan`'s export host figure beside a measured export of the 48-layer model (the
+# HF copy megatron_48l left in tmpfs, its calibration file), one GPU
+step_plan_export_host_48l() {
+  "$PY" -m bench.plan_export_host --model "$WORK/mc/hf-config" --src "$MC_SCR/hf-bf16" \
+    --calib "$WORK/mc/calib-48l.safetensors" --out /dev/shm/peh --gpu-memory 139GiB \
+    --json "$RES/plan_export_host_48l.json"
+}
+
+# the same check on the HF checkpoint ckpt_48l makes, calibrated on one short batch (the export's
+# memory does not depend on the calibration's values)
+step_peh_48l() {
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m qckpt calibrate configs/tiny-moe.yaml --set model.source="$CKPT48" \
+    --set checkpoint.path="$CKPT48" --set checkpoint.format=safetensors --set load.device=cuda \
+    --set calibrate.data.num_samples=2 --set calibrate.data.seq_len=64 \
+    --set calibrate.data.batch_size=2 --set calibrate.output="$WORK/peh_calib.safetensors" \
+    --json "$RES/peh_calib_48l.json" || return 1
+  "$PY" -m bench.plan_export_host --model "$CKPT48" --src "$CKPT48" \
+    --calib "$WORK/peh_calib.safetensors" --out /dev/shm/peh --gpu-memory 139GiB \
+    --json "$RES/peh_48l.json"
+}
 
 step_env() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

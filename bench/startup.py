@@ -3,6 +3,7 @@
     python -m bench.startup commands CKPT_DIR [--device cuda] [--repeat 2] [--pycache DIR]
                                               [--cuda-warmup]
     python -m bench.startup overlap [--device cuda] [--repeat 3]
+    python -m bench.startup light [--repeat 5] [--work DIR]
 
 ``commands`` runs ``qckpt load`` and ``qckpt calibrate`` of an HF checkpoint dir as whole
 processes, ``--repeat`` times each, and prints per run the wall time (measured here, around the
@@ -16,6 +17,14 @@ is not touched), then the measured runs read them; the two sets side by side are
 are worth on that machine. ``--cuda-warmup`` adds runs with ``QCKPT_CUDA_WARMUP=0`` (the
 start-up's CUDA warm-up off: by default the first CUDA tensor, the load's quantize kernels and
 its pinned buffers are made on a thread during the imports, ``pipeline.imports.warm_imports``).
+
+``light`` times the commands that need no model code (issue 30) on the tiny MoE recipe: it
+makes a DCP checkpoint, a calibration file and an export in ``--work`` (once, unmeasured), then
+runs ``export``, ``check``, ``inspect`` (of the DCP dir, the export, the calibration file) and
+``plan`` as whole processes (and ``python -c "import torch"``, the floor under export's
+start-up), interleaved, ``--repeat`` times each, and prints the medians: the
+wall time around the process, and for export its ``startup`` phase (``--json``). check,
+inspect and plan enter no phase after the start-up, so their start-up is the whole process.
 
 ``overlap`` measures, each variant a fresh process, whether starting work on another thread
 while the main thread imports the model's code shortens the whole: ``seq`` (import torch, then
@@ -200,6 +209,71 @@ def overlap(args: argparse.Namespace) -> dict:
     return got
 
 
+LIGHT = ("export", "check", "inspect dcp", "inspect export", "inspect calibration", "plan",
+         "import torch")  # fmt: skip
+# the floor under export's start-up: ``import torch`` alone, in a process of its own
+
+
+def _light_argv(cmd: str, work: Path) -> list[str]:
+    sets = [
+        "--set", f"checkpoint.path={work / 'dcp'}",
+        "--set", f"calibrate.output={work / 'calib.safetensors'}",
+        "--set", f"export.output={work / 'fp8'}",
+        "--set", "export.overwrite=true",
+        "--set", "calibrate.data.num_samples=4",
+    ]  # fmt: skip
+    return {
+        "convert": ["convert", str(RECIPE), str(work / "dcp"), *sets],
+        "calibrate": ["calibrate", str(RECIPE), *sets],
+        "export": ["export", str(RECIPE), *sets, "--json", str(work / "export.json")],
+        "check": ["check", str(work / "fp8")],
+        "inspect dcp": ["inspect", str(work / "dcp")],
+        "inspect export": ["inspect", str(work / "fp8")],
+        "inspect calibration": ["inspect", str(work / "calib.safetensors")],
+        "plan": ["plan", str(RECIPE), "--nproc-per-node", "1", *sets],
+    }[cmd]
+
+
+def light(args: argparse.Namespace) -> dict:
+    work = Path(args.work or tempfile.mkdtemp(prefix="qckpt-light-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for cmd in ("convert", "calibrate", "export"):  # the inputs, and every bytecode cache
+        if cmd != "convert" or not (work / "dcp").exists():
+            r = subprocess.run(
+                [sys.executable, "-m", "qckpt", *_light_argv(cmd, work)],
+                env=_env(None), capture_output=True, text=True, cwd=str(work),
+            )  # fmt: skip
+            if r.returncode != 0:
+                raise SystemExit(f"{cmd} failed: {r.stderr[-1500:]}")
+    got: dict[str, list[dict]] = {c: [] for c in LIGHT}
+    for _ in range(args.repeat):
+        for cmd in LIGHT:  # interleaved: a busy host weighs on every command alike
+            argv = ["-c", "import torch"] if cmd == "import torch" else None
+            t0 = time.perf_counter()
+            r = subprocess.run(
+                [sys.executable, *(argv or ["-m", "qckpt", *_light_argv(cmd, work)])],
+                env=_env(None), capture_output=True, text=True, cwd=str(work),
+            )  # fmt: skip
+            row: dict = {"rc": r.returncode, "wall_s": round(time.perf_counter() - t0, 3)}
+            if cmd == "export" and r.returncode == 0:
+                row["startup_s"] = json.loads((work / "export.json").read_text())["phases"][
+                    "startup"
+                ]
+            got[cmd].append(row)
+    print(f"medians of {args.repeat} (s), work dir {work}:")
+    for cmd, rows in got.items():
+        ok = [r for r in rows if r["rc"] in (0, 1) and (cmd != "check" or r["rc"] == 0)]
+        walls = [r["wall_s"] for r in ok]
+        line = f"  {cmd:20s} wall {statistics.median(walls):5.2f} ({', '.join(map(str, walls))})"
+        if cmd == "export" and ok:
+            starts = [r["startup_s"] for r in ok]
+            line += f"  startup {statistics.median(starts):5.2f} ({', '.join(map(str, starts))})"
+        if len(ok) < len(rows):
+            line += f"  {len(rows) - len(ok)} FAILED"
+        print(line)
+    return got
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -208,12 +282,14 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--pycache", default=None)
     c.add_argument("--cuda-warmup", action="store_true", help="also with QCKPT_CUDA_WARMUP=0")
     o = sub.add_parser("overlap")
-    for p in (c, o):
+    li = sub.add_parser("light")
+    li.add_argument("--work", default=None, help="where the inputs go (kept; made once)")
+    for p in (c, o, li):
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
         p.add_argument("--repeat", type=int, default=2)
         p.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    res = commands(args) if args.what == "commands" else overlap(args)
+    res = {"commands": commands, "overlap": overlap, "light": light}[args.what](args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 

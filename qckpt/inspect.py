@@ -4,21 +4,26 @@ calibration file, or a single safetensors file. Reads headers and metadata only,
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import pickle
 from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from qckpt.errors import CheckpointError
-from qckpt.read.detect import is_dcp_dir
+from qckpt.read.detect import TITAN_KEY, is_dcp_dir
 from qckpt.read.sources import DCPSource, SafetensorsSource
 from qckpt.storage import safetensors as stio
 from qckpt.storage.files import open_regular, read_json
 
 # Importing this module must not import torch: inspecting an HF dir or a calibration file reads
-# JSON headers (and a few float32 values) only. DCP metadata needs torch's classes to unpickle.
+# JSON headers (and a few float32 values) only. A plain DCP dir's metadata is unpickled here
+# into inert stand-ins of DCP's classes (``light_dcp``); what that reader does not know (a
+# training framework's checkpoint, a class it does not admit, a problem) goes to the full reader
+# (``checkpoint.safe_metadata``, torch's classes), which also words every error.
 
 
 def _summarize_tensors(entries: dict[str, dict]) -> dict[str, Any]:
@@ -89,7 +94,153 @@ def inspect_calibration(path: Path, header: stio.Header) -> dict[str, Any]:
     }
 
 
-def inspect_dcp(path: Path) -> dict[str, Any]:
+class _Inert:
+    """A stand-in for one of DCP's metadata dataclasses: keeps the pickle's state as fields."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # a dataclass with __slots__
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+        self.__dict__.update(state)
+
+
+class _TensorProperties(_Inert):
+    def __setstate__(self, state: Any) -> None:  # DCP pickles it as a 5-tuple, dtype first
+        if not isinstance(state, tuple) or len(state) != 5:
+            raise pickle.UnpicklingError("unexpected TensorProperties state")
+        self.dtype = state[0]
+
+
+class _Size(tuple):
+    pass
+
+
+class _Dtype(str):
+    """``torch.<name>`` as its name."""
+
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_LIGHT_CLASSES: dict[tuple[str, str], Any] = {
+    (_DCP_MD, name): type(name, (_Inert,), {})
+    for name in (
+        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "StorageMeta",
+    )
+}  # fmt: skip
+_LIGHT_CLASSES.update(
+    {
+        (_DCP_MD, "TensorProperties"): _TensorProperties,
+        (_DCP_MD, "_MEM_FORMAT_ENCODING"): int,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): type(
+            "_StorageInfo", (_Inert,), {}
+        ),
+        ("torch", "Size"): _Size,
+        ("torch.serialization", "_get_layout"): str,  # a layout by name ("torch.strided")
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("collections", "OrderedDict"): dict,
+        # StorageMeta's checkpoint_id, pickled as a path of its parts (inert data)
+        ("pathlib", "PosixPath"): lambda *parts: "/".join(parts),
+        ("pathlib", "PurePosixPath"): lambda *parts: "/".join(parts),
+    }
+)
+# the dtypes a checkpoint holds (pickled by name); any other goes to the full reader
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "bool", "uint8",
+    "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float8_e4m3fn",
+    "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+)  # fmt: skip
+_LIGHT_CLASSES.update({("torch", n): _Dtype(n) for n in _DTYPE_NAMES})
+_LIGHT_CLASSES[("torch", "strided")] = "torch.strided"
+
+
+class _NotLight(Exception):
+    """The light reader steps aside: the full one reads (and words any error)."""
+
+
+class _LightUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _LIGHT_CLASSES.get((module, name))
+        if obj is None:
+            raise _NotLight(f"{module}.{name}")
+        return obj
+
+
+def light_dcp(path: Path) -> dict[str, dict] | None:
+    """A plain DCP dir's tensors ({name: dtype, shape, chunks}) and its byte entries' count
+    (under ``""``), read without torch; None where the full reader must decide: a training
+    framework's dir, a class or dtype not admitted here, anything the full reader would refuse
+    (structure, data files: then it says why)."""
+    from qckpt.storage.files import require_regular
+    from qckpt.storage.safetensors import shape_fits
+
+    if (path / "metadata.json").exists() or (path / "latest_checkpointed_iteration.txt").exists():
+        return None  # maybe Megatron's
+    try:
+        with open_regular(path / ".metadata") as f:
+            md = _LightUnpickler(io.BytesIO(f.read())).load()
+    except Exception:  # noqa: BLE001 - unknown, unsafe or corrupt: the full reader says which
+        return None
+    cls = _LIGHT_CLASSES
+    if type(md) is not cls[(_DCP_MD, "Metadata")]:
+        return None
+    sd, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
+    if not isinstance(sd, dict) or not isinstance(storage, dict):
+        return None
+
+    def sizes(x: Any) -> bool:
+        return isinstance(x, tuple | list) and all(
+            type(i) is int and i >= 0
+            for i in x  # not bool
+        )
+
+    entries: dict[str, dict] = {}
+    other = 0
+    for name, m in sd.items():
+        if not isinstance(name, str) or TITAN_KEY.match(name):
+            return None
+        if type(m) is cls[(_DCP_MD, "BytesStorageMetadata")]:
+            other += 1
+            continue
+        if type(m) is not cls[(_DCP_MD, "TensorStorageMetadata")]:
+            return None
+        dtype = getattr(getattr(m, "properties", None), "dtype", None)
+        size, chunks = getattr(m, "size", None), getattr(m, "chunks", None)
+        if not isinstance(dtype, _Dtype) or not sizes(size) or not shape_fits(size):
+            return None
+        if not isinstance(chunks, list):
+            return None
+        for c in chunks:
+            offs, lens = getattr(c, "offsets", None), getattr(c, "sizes", None)
+            if not (sizes(offs) and sizes(lens) and len(offs) == len(lens) == len(size)):
+                return None
+            if any(o + n > s for o, n, s in zip(offs, lens, size, strict=True)):
+                return None
+        code = next((k for k, (_, a) in stio.DTYPES.items() if a == dtype), str(dtype))
+        entries[name] = {"dtype": code, "shape": list(size), "chunks": len(chunks)}
+    need: dict[str, int] = {}
+    for idx, info in storage.items():
+        fqn = getattr(idx, "fqn", None)
+        rel, off, n = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if not isinstance(fqn, str) or fqn not in sd or not isinstance(rel, str) or not rel:
+            return None
+        if Path(rel).name != rel or rel in (".", "..") or not sizes((off, n)):
+            return None
+        need[rel] = max(need.get(rel, 0), off + n)
+    try:
+        if any(require_regular(path / rel) < end for rel, end in need.items()):
+            return None
+    except CheckpointError:
+        return None
+    entries[""] = {"non_tensor_items": other}
+    return entries
+
+
+def _dcp_entries(path: Path, light: dict[str, dict] | None) -> tuple[dict[str, dict], int]:
+    """{name: dtype, shape, chunks} of a DCP dir's tensors, and how many byte entries it has."""
+    if light is not None:
+        return light, light.pop("")["non_tensor_items"]
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = DCPSource(path).dcp_metadata()
@@ -101,6 +252,12 @@ def inspect_dcp(path: Path) -> dict[str, Any]:
             entries[name] = {"dtype": code, "shape": list(m.size), "chunks": len(m.chunks)}
         else:
             other += 1
+    return entries, other
+
+
+def inspect_dcp(path: Path, light: dict[str, dict] | None = None) -> dict[str, Any]:
+    """``light``: what ``light_dcp`` read of it, when it could (else torch's classes read)."""
+    entries, other = _dcp_entries(path, light if light is not None else light_dcp(path))
     out = {
         "kind": "dcp",
         "path": str(path),
@@ -141,7 +298,10 @@ def inspect_training(path: Path, framework: str, model: str | None = None) -> di
     return out
 
 
-def inspect_hf_dir(path: Path) -> dict[str, Any]:
+def inspect_hf_dir(path: Path, layout: bool = True) -> dict[str, Any]:
+    """``layout=False``: no ``source_layout`` (how qckpt would read the dir as a source): a
+    quantized dir's layout is told from torch dtypes, and the one-line summary does not show
+    it."""
     if not stio.has_safetensors(path):
         raise CheckpointError(f"{path}: no .metadata (DCP) and no *.safetensors (HF) here")
     src = SafetensorsSource(path)
@@ -152,7 +312,8 @@ def inspect_hf_dir(path: Path) -> dict[str, Any]:
     out.update(_quant_summary(path))
     out["scales"] = sum(1 for k in entries if k.endswith(("_scale", "_scale_2")))
     cfg = read_json(path / "config.json") if (path / "config.json").exists() else {}
-    out["source_layout"] = _source_layout(src, cfg)
+    if layout:
+        out["source_layout"] = _source_layout(src, cfg)
     if (path / stio.INDEX_NAME).exists():
         out["index"] = True
     if shard_meta:
@@ -215,10 +376,13 @@ def _source_layout(src: SafetensorsSource, cfg: dict[str, Any]) -> dict[str, Any
     }
 
 
-def inspect_path(path: str | Path, model: str | None = None) -> dict[str, Any]:
+def inspect_path(
+    path: str | Path, model: str | None = None, *, layout: bool = True
+) -> dict[str, Any]:
     """Describe what ``path`` holds; one-line CheckpointError when it holds nothing we know.
     ``model`` (a built-in name or an HF config dir): the config a training checkpoint's
-    tensors map onto (then the mapped tensors are counted and every leftover named)."""
+    tensors map onto (then the mapped tensors are counted and every leftover named).
+    ``layout=False``: an HF dir's ``source_layout`` left out (``inspect_hf_dir``)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
@@ -226,11 +390,14 @@ def inspect_path(path: str | Path, model: str | None = None) -> dict[str, Any]:
         from qckpt.read.detect import TRAINING_FORMATS, detect_format
 
         if is_dcp_dir(p) or (p / "latest_checkpointed_iteration.txt").is_file():
+            light = light_dcp(p) if is_dcp_dir(p) else None
+            if light is not None:
+                return inspect_dcp(p, light)  # a plain DCP dir (no framework's): without torch
             fmt = detect_format(p)
             if fmt in TRAINING_FORMATS:
                 return inspect_training(p, fmt, model)
             return inspect_dcp(p)
-        return inspect_hf_dir(p)
+        return inspect_hf_dir(p, layout)
     header = stio.read_header(p)
     if header.metadata.get("qckpt_calibration"):
         return inspect_calibration(p, header)

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 recipe=configs/tiny-moe.yaml
-run=runs/demo
+run=${QCKPT_DEMO_RUN:-runs/demo}  # where its files go (the demo test: a temp dir)
 set_paths=(--set checkpoint.path=$run/dcp --set calibrate.output=$run/calib.safetensors
            --set export.output=$run/fp8 --set export.overwrite=true)
 rm -rf "$run"

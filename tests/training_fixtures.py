@@ -1,7 +1,7 @@
 """Training checkpoints written here from an HF model's weights: Megatron-Core and torchtitan.
 
 The generators follow the frameworks' keys, shapes and chunking (see
-``qckpt/checkpoint/training_layouts.py`` for the files they were checked against) and are
+``qckpt/layouts/training.py`` for the files they were checked against) and are
 written from the layout rules alone, in the HF -> framework direction, independently of qckpt's
 reading code: the fused QKV built group by group, fc1 as cat(gate, up) saved as 2·TP row
 fragments, experts stacked on an expert axis, the vocabulary padded, norms under TE's fused

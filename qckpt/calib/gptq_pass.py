@@ -416,7 +416,7 @@ def tensors_to_write(model, instr: Instrumentation, mesh: Mesh, res: GptqResult)
 
 def write_weights(state, out: str, mesh: Mesh) -> None:
     """The GPTQ'd weights beside the calibration file ``out`` (``<out>.gptq/``, one file per
-    EP rank, written by its first DP rank; see qckpt/checkpoint/gptq_source.py); the file
+    EP rank, written by its first DP rank; see qckpt/read/gptq_source.py); the file
     names go into ``state`` (the same on every rank); stale files of an earlier run removed."""
     from pathlib import Path
 

@@ -73,7 +73,7 @@ class CalibrationState:
     # guard's reference). A file without the key is a max calibration
     algorithm: str = "max"
     # gptq: the sidecar dir of the GPTQ'd weights (absolute once loaded; the file stores its
-    # name, beside the file) and its files (qckpt/checkpoint/gptq_source.py)
+    # name, beside the file) and its files (qckpt/read/gptq_source.py)
     weights_dir: str = ""
     weights_files: list[str] = field(default_factory=list)
     # this rank's share of the GPTQ'd weights, before they are written (never in the file)

@@ -12,6 +12,7 @@ from qckpt import phases
 from qckpt.cli import output
 from qckpt.cli._options import JsonOpt, SetOpt
 from qckpt.errors import UsageError
+from qckpt.summary import peak_line, time_line
 
 TargetArg = Annotated[
     Path,
@@ -130,11 +131,17 @@ def eval_cmd(
     _guard(json_path, export_dir, source_dir, data_path)
     rep = _evaluate(client, export_dir, source_dir, data_path, opts, top_k)
     with phases.phase(phases.REPORT):
-        output.write_json(json_path, output.with_phases(rep))
+        full = output.with_phases(rep)
+        output.write_json(json_path, full)
     for line in _summary(rep):
         output.result(line)
-    for w in rep.get("warnings") or []:
-        output.log(f"warning: {w}")
+    # the whole command's peak against its bound and its time, as every command ends
+    peak, near = peak_line(full)
+    for line in (peak, time_line(full)):
+        if line:
+            output.log(f"  {line}")
+    for w in [*(rep.get("warnings") or []), *([near] if near else [])]:
+        output.log(w if w.startswith("warning:") else f"warning: {w}")
     inc = rep.get("relative_increase")
     if fail_above is not None and inc is not None and inc * 100 > fail_above:
         raise typer.Exit(1)

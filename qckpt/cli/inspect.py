@@ -45,7 +45,8 @@ def inspect_cmd(
     from qckpt.inspect import inspect_path
     from qckpt.summary import figures, inspect_summary
 
-    info = inspect_path(path, model)
+    # an HF dir's source layout (torch dtypes) only where it is shown: --json, --verbose
+    info = inspect_path(path, model, layout=verbose or json_path is not None)
     if verbose:
         from qckpt.report import render_mapping
 

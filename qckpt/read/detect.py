@@ -57,7 +57,8 @@ def resolve_format(path: str | os.PathLike, format: str = "auto") -> str:
     return detect_format(path) if format == "auto" else format
 
 
-_TITAN_KEY = re.compile(
+# torchtitan's key names, as its state-dict adapters write them (``inspect`` reads them too)
+TITAN_KEY = re.compile(
     r"^(model\.)?(tok_embeddings\.weight|layers\.\d+\.(attention|feed_forward|moe)\.)"
 )
 
@@ -90,6 +91,6 @@ def detect_training(path: str | os.PathLike, md: Metadata | None = None) -> str 
         from qckpt.storage.dcp_metadata import read_checked_metadata  # imports torch
 
         md = read_checked_metadata(path)
-    if any(_TITAN_KEY.match(k) for k in md.state_dict_metadata):
+    if any(TITAN_KEY.match(k) for k in md.state_dict_metadata):
         return "torchtitan"
     return None

@@ -43,3 +43,60 @@ def test_inspect_garbage_is_one_line_error(tmp_path):
     empty.mkdir()
     r, _ = _inspect(empty, tmp_path)
     assert r.returncode == 1 and "no .metadata (DCP) and no *.safetensors (HF)" in r.stderr
+
+
+def _without_light(insp, path):
+    """What ``inspect`` says when torch's classes read the metadata (the light reader off)."""
+    real = insp.light_dcp
+    insp.light_dcp = lambda p: None
+    try:
+        return insp.inspect_path(path)
+    finally:
+        insp.light_dcp = real
+
+
+def test_the_torch_free_dcp_reader_says_what_torchs_classes_say(tmp_path):
+    """``inspect`` of a plain DCP dir reads its metadata without torch (issue 30): the same dict
+    as the full reader, byte entries, several chunks and another dtype included; a training
+    framework's dir, an unknown class, a truncated data file and a missing one go to the full
+    reader (which words the error)."""
+    import pickle
+
+    from qckpt import inspect as insp
+    from tests.unit.test_training_sources import MEGATRON, TITAN
+
+    sd = {
+        "a.weight": torch.ones(4, 8, dtype=torch.bfloat16),
+        "b": torch.zeros(3),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "f8": torch.zeros(2, 2).to(torch.float8_e4m3fn),
+        "extra": {"step": 3, "note": "bytes"},
+    }
+    d = tmp_path / "dcp"
+    dcp.save(sd, checkpoint_id=str(d), no_dist=True)
+    light = insp.light_dcp(d)
+    assert light is not None and light[""] == {"non_tensor_items": 2}
+    got = insp.inspect_path(d)
+    assert got == _without_light(insp, d)
+    assert got["dtypes"] == {"BF16": 1, "F32": 1, "F8_E4M3": 1, "I64": 1}, got
+    assert got["non_tensor_items"] == 2
+
+    for fw in (MEGATRON / "moe_ep2", TITAN / "qwen3_moe"):
+        assert insp.light_dcp(fw) is None, fw  # the full reader names the framework
+    # a class the allow-list does not know: refused by the full reader, in its words
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / ".metadata").write_bytes(pickle.dumps(__import__("collections").Counter()))
+    assert insp.light_dcp(bad) is None
+    r, _ = _inspect(bad, tmp_path)
+    assert r.returncode == 1 and "refusing to load collections.Counter" in r.stderr, r.stderr
+    # a data file cut short, then gone: the full reader's error
+    data = next(d.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])
+    assert insp.light_dcp(d) is None
+    r, _ = _inspect(d, tmp_path)
+    assert r.returncode == 1 and "truncated" in r.stderr, r.stderr
+    data.unlink()
+    assert insp.light_dcp(d) is None
+    r, _ = _inspect(d, tmp_path)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr

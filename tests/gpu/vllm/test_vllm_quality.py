@@ -3,7 +3,7 @@ held-out bits per byte (compressed-tensors and ModelOpt layouts).
 
 On today's Hopper machines vLLM 0.26 runs NVFP4 as Marlin W4A16 (weights in NVFP4, activations in
 BF16) and keeps one global scale per fused weight (q/k/v, gate/up); before the export gave those
-parts one global scale (qckpt/checkpoint/fused_scales.py) this served the model at 4.78 bits per
+parts one global scale (qckpt/export/shared_scales.py) this served the model at 4.78 bits per
 byte against BF16's 1.09. Needs CUDA, vLLM (``QCKPT_VLLM_SITE``, default ``/tmp/site``) and the
 quality folder (``QCKPT_QUALITY``, default ``../shared/quality`` beside the repo). Extra export
 dirs to score beside ours (another tool's, say): ``QCKPT_VLLM_EXTRA=name=dir,name=dir``; their

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from qckpt.cli import output as cli_output  # the command's --output option is "output"
 from qckpt.errors import UsageError
 
 DEFAULT_GPU_MEMORY = "80GiB"  # when no GPU answers here (the recipe says which was assumed)
@@ -114,10 +115,10 @@ def init_cmd(
     write_text(out, res.text, key="--output")
     lay = res.layout
     peak = max(res.peaks.values())
-    output.summary([
+    cli_output.summary([
         f"init: {res.arch.describe()}",
         f"  ignore {', '.join(res.arch.ignore)}",
         f"  layout dp={lay.dp(gpus)} ep={lay.ep} tp={lay.tp} on {gpus} GPU(s); predicted peak "
         f"{human_bytes(peak)} of {human_bytes(gpu_bytes)} per GPU",
     ])  # fmt: skip
-    output.result(f"wrote {out}")
+    cli_output.result(f"wrote {out}")

@@ -47,11 +47,10 @@ eval: {{path: {data}, windows: 4, seq_len: 64}}
 
 
 def test_moe_experts_and_kv_scales_are_emulated(moe_export):
-    from qckpt.evaluate.options import EvalOptions
-    from qckpt.evaluate.run import evaluate
+    from qckpt import EvalOptions, evaluate_export
 
     src, exp, data = moe_export
-    rep = evaluate(exp, src, data, EvalOptions(windows=4, seq_len=64))
+    rep = evaluate_export(exp, src, data, EvalOptions(windows=4, seq_len=64))
     assert rep["emulated"] == {"linears": 8, "experts": 16, "kv_cache_layers": 2}
     assert rep["scheme"]["input_quantization"] == {"fp8 static per-tensor": 8 + 2 * 8 * 3}
     # random weights: flat next-token distributions, so top-1 flips easily; KL is the figure
@@ -81,13 +80,12 @@ def test_expert_input_scales_are_shared_per_layer_as_vllm_shares_them(moe_export
 
 
 def test_layer_by_layer_gives_the_resident_figures_bit_for_bit(moe_export):
-    from qckpt.evaluate.options import EvalOptions
-    from qckpt.evaluate.run import evaluate
+    from qckpt import EvalOptions, evaluate_export
 
     src, exp, data = moe_export
     kw = {"windows": 4, "seq_len": 64, "batch_size": 2}
-    a = evaluate(exp, src, data, EvalOptions(**kw))
-    b = evaluate(exp, src, data, EvalOptions(**kw, offload="layer"))
+    a = evaluate_export(exp, src, data, EvalOptions(**kw))
+    b = evaluate_export(exp, src, data, EvalOptions(**kw, offload="layer"))
     keys = ("source_bits_per_byte", "export_bits_per_byte", "kl_mean", "top1_agreement")
     assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     assert a["layers"] == b["layers"] and a["emulated"] == b["emulated"]

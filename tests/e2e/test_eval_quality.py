@@ -73,7 +73,7 @@ def _weight_amax(w: torch.Tensor, granularity: str) -> torch.Tensor:
 
 
 def _derive(base: Path, out: Path, w: tuple, i: tuple) -> None:
-    from qckpt.calib.state_file import load_calibration, save_calibration
+    from qckpt import load_calibration, save_calibration
 
     state = load_calibration(base)
     weights = load_file(str(MODEL / "model.safetensors"))
@@ -141,7 +141,7 @@ CASES = [pytest.param(n, "vllm", id=n) for n in VARIANTS] + [
 
 
 def test_the_bf16_source_gives_the_readmes_bits_per_byte():
-    from qckpt.evaluate.options import EvalOptions
+    from qckpt import EvalOptions
     from qckpt.evaluate.run import score_model
 
     got = score_model(MODEL, HELDOUT, EvalOptions())  # 64 windows of 513, seed 7
@@ -277,12 +277,11 @@ def test_cli_refusals_are_one_line(args, code, says):
 
 
 def test_layer_by_layer_gives_the_resident_figures_on_nvfp4(exports):
-    from qckpt.evaluate.options import EvalOptions
-    from qckpt.evaluate.run import evaluate
+    from qckpt import EvalOptions, evaluate_export
 
     kw = {"windows": 2, "batch_size": 1}
-    a = evaluate(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw))
-    b = evaluate(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw, offload="layer"))
+    a = evaluate_export(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw))
+    b = evaluate_export(exports["ct-nvfp4"], MODEL, HELDOUT, EvalOptions(**kw, offload="layer"))
     for k in ("source_bits_per_byte", "export_bits_per_byte", "kl_mean", "layers"):
         assert a[k] == b[k], k
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from qckpt.recipe import load_recipe
+from qckpt import load_recipe
 from tests._inproc import run_main
 from tests.conftest import ROOT
 from tests.quantized_fixtures import bf16_dir

@@ -164,13 +164,14 @@ def _moe(fmt: str) -> nn.Module:
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4"])
 def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt, inflight):
     import qckpt.read.fast_read as fast_read
+    import qckpt.read.fast_tasks as fast_tasks
     from qckpt.load.loader import load_checkpoint
     from qckpt.read.fast_read import FastReadEngine
 
     # 4 KiB pinned buffers: a run's spans are cut mid-expert and its tasks reuse the buffers
     monkeypatch.setattr(fast_read, "CHUNK_BYTES", 4096)
     runs, copies = [], []
-    real_run, real_stretches = FastReadEngine._start_run, fast_read.stretches
+    real_run, real_stretches = FastReadEngine._start_run, fast_tasks.stretches
 
     def spy_run(self, *args):
         r = real_run(self, *args)
@@ -184,7 +185,7 @@ def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt
         return out
 
     monkeypatch.setattr(FastReadEngine, "_start_run", spy_run)
-    monkeypatch.setattr(fast_read, "stretches", spy_stretches)
+    monkeypatch.setattr(fast_tasks, "stretches", spy_stretches)
     a, b = _moe(fmt), _moe(fmt)
     ra = load_checkpoint(a, moe_hf, reader="fast", max_inflight=inflight, read_threads=4)
     load_checkpoint(b, moe_hf, reader="plain")
@@ -200,6 +201,7 @@ def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4"])
 def test_read_ahead_on_cuda_equals_plain_at_max_inflight_1(dirs, moe_hf, monkeypatch, fmt):
     import qckpt.read.fast_read as fast_read
+    import qckpt.read.fast_tasks as fast_tasks
     from qckpt.load.loader import load_checkpoint
     from qckpt.read.fast_read import FastReadEngine
 

@@ -294,25 +294,35 @@ class LayerwiseRunner:
         t0 = time.perf_counter()
         names = [f"{layers_name}.{i}" for i in range(len(layers))]
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qckpt-layer-prefetch")
-        pending: tuple[int, Future] | None = (0, pool.submit(self._fetch, names[0], layers[0]))
-        try:
-            for i, layer in enumerate(layers):
-                t = time.perf_counter()
-                nbytes = pending[1].result()
+        held: dict[int, int] = {}  # layers whose weights are fetched and not released yet
+
+        def take(j: int, fetch: Future) -> None:
+            t = time.perf_counter()
+            try:
+                held[j] = fetch.result()
+            finally:
                 self._stats["prefetch_wait_seconds"] += time.perf_counter() - t
-                pending = None
+
+        try:
+            take(0, pool.submit(self._fetch, names[0], layers[0]))
+            for i, layer in enumerate(layers):
+                nxt = None
                 if i + 1 < len(layers):
-                    pending = (i + 1, pool.submit(self._fetch, names[i + 1], layers[i + 1]))
+                    nxt = pool.submit(self._fetch, names[i + 1], layers[i + 1])
                 try:
                     self._run_layer(model, names[i], layer, i, hidden, calls, progress)
                 finally:
-                    self._release(names[i], layer, nbytes)
+                    # the next layer's read ends before this layer's weights go, so the two are
+                    # live together on every step (the bound `qckpt plan` predicts), not only on
+                    # the steps whose read happened to be quicker than the forward
+                    if nxt is not None:
+                        take(i + 1, nxt)
+                self._release(names[i], layer, held.pop(i))
         finally:
-            if pending is not None:  # a failure above: let the read finish, then free it
+            pool.shutdown(wait=True)  # a failure above: let the read finish, then free it
+            for j, n in list(held.items()):
                 with contextlib.suppress(Exception):
-                    j = pending[0]
-                    self._release(names[j], layers[j], pending[1].result())
-            pool.shutdown(wait=True)
+                    self._release(names[j], layers[j], n)
         self._stats["layers_seconds"] = time.perf_counter() - t0
 
     def _run_layer(self, model, name, layer, i, hidden, calls, progress) -> None:

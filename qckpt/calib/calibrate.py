@@ -22,6 +22,7 @@ Order (the same on every rank, so every rank reaches every collective):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
@@ -69,6 +70,7 @@ def calibrate_model(
     moe_forward: str = "eager",
     algorithm: str = "max",
     gptq_options: Any = None,
+    awq_options: Any = None,
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
 
@@ -78,7 +80,9 @@ def calibrate_model(
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
     ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
     ``algorithm``: ``max`` | ``mse`` | ``gptq`` (``gptq_options``), run after step 4 (see
-    :func:`_algorithm`; gptq's weights: ``state.weights``, this rank's, for the caller to write).
+    :func:`_algorithm`; gptq's weights: ``state.weights``, this rank's, for the caller to write);
+    ``awq`` (``awq_options``) runs before step 2 and folds its scales into the weights, which
+    steps 2-4 then calibrate (:func:`_awq`; the folded weights: ``state.weights``, likewise).
     """
     _check_algorithm(algorithm, mesh, runner)
     t0 = time.perf_counter()
@@ -94,6 +98,10 @@ def calibrate_model(
         tp_mods = linear_shards(model)
         # a block size that straddles TP shards: a config error, the same on every rank
         check_sharded_quantizers(quantizers.values(), tp_mods)
+        awq_res, awq_s = None, 0.0
+        if algorithm == "awq":  # the folded weights are what the max calibration then sees
+            awq_res = _awq(model, instr, batches, mesh, awq_options, parts)
+            awq_s = time.perf_counter() - t0 - parts["insert"]
         # resident weights: each DP rank takes the amaxes of its share, the sync the rest
         mine = _weight_share(instr.weights, mesh) if runner is None else None
         failure: BaseException | None = None
@@ -108,6 +116,7 @@ def calibrate_model(
         t_sync = time.perf_counter()
         # the algorithm's own work (and collectives), apart from the amax sync's
         algo = _algorithm(algorithm, model, instr, batches, mesh, mine, gptq_options, parts)
+        algo = awq_res if algorithm == "awq" else algo
         t_after = time.perf_counter()
         expert_ranks = _expert_tokens(instr.experts, mesh)
         with gc_paused():
@@ -121,12 +130,12 @@ def calibrate_model(
             # dealt batches (pure DP): the ones this rank ran
             batches=len(getattr(batches, "taken", batches)),
             tokens_this_rank=tokens,
-            forward_seconds=round(t_fwd - t0, 4),
+            forward_seconds=round(t_fwd - t0 - awq_s, 4),
             forward_parts={k: round(v, 4) for k, v in parts.items()},
             weight_amax_here=len(mine) if mine is not None else None,
             sync_seconds=round(t_sync - t_fwd, 6),
             sync_collectives=dres.collectives + (tres.collectives if tres else 0) + tp_gathers,
-            algorithm_seconds=round(t_after - t_sync, 4),
+            algorithm_seconds=round(t_after - t_sync + awq_s, 4),
             algorithm_collectives=0 if algo is None else algo.collectives,
             shared_from_layer=len(dres.shared),
         )
@@ -138,8 +147,10 @@ def calibrate_model(
 
 
 def _check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
-    if algorithm not in ("max", "mse", "gptq"):
-        raise CalibrationError(f"calibrate.algorithm: {algorithm!r} is not one of max, mse, gptq")
+    if algorithm not in ("max", "mse", "gptq", "awq"):
+        raise CalibrationError(
+            f"calibrate.algorithm: {algorithm!r} is not one of max, mse, gptq, awq"
+        )
     if algorithm != "max" and (mesh.tp > 1 or runner is not None):
         # a TP shard is part of a weight whose error is the whole tensor's; a layer at a
         # time would need the search inside the runner (not built yet)
@@ -179,13 +190,21 @@ def _apply_algorithm(algorithm, res, state, report, model, instr, mesh: Mesh) ->
             report["layers"].setdefault(layer, {})["gptq"] = row
         report["gptq_hessian_bytes"] = res.hessian_bytes
         report["gptq_hessian_bytes_bound"] = res.hessian_bytes_bound
+    elif algorithm == "awq":
+        from qckpt.calib.awq_pass import tensors_to_write as awq_tensors
+
+        state.weights = awq_tensors(model, res, mesh)
+        for layer, row in res.layers.items():
+            report["layers"].setdefault(layer, {})["awq"] = row
+        report["awq_stat_bytes"] = res.stat_bytes
+        report["awq_cache_bytes"] = res.cache_bytes
 
 
-def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
-    """The gptq pass with the quantizers not observing (its forwards see quantized layers,
-    the amaxes are the max pass's; the report's token counts are put back after)."""
-    from qckpt.calib.gptq_pass import GptqOptions, run_gptq
-
+@contextlib.contextmanager
+def _paused(instr):
+    """The quantizers not observing while an algorithm's own forwards run (they see folded or
+    quantized layers; the amaxes are the max pass's), the report's token counts put back after.
+    Yields the ids of the enabled quantizers."""
     tokens = [list(info.tokens) for info in instr.experts]
     qs = list(instr.quantizers.values())
     was = [q.__dict__["_enabled"] for q in qs]
@@ -198,8 +217,7 @@ def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
     for s in segs:
         s.enabled = False
     try:
-        res = run_gptq(model, instr, batches, mesh, options or GptqOptions(), on)
-        settle(model)
+        yield on
     finally:
         for q, w in zip(qs, was, strict=True):
             q.__dict__["_enabled"] = w
@@ -207,6 +225,27 @@ def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
             s.enabled = w
         for info, t in zip(instr.experts, tokens, strict=True):
             info.tokens[:] = t
+
+
+def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
+    """The gptq pass with the quantizers paused (:func:`_paused`)."""
+    from qckpt.calib.gptq_pass import GptqOptions, run_gptq
+
+    with _paused(instr) as on:
+        res = run_gptq(model, instr, batches, mesh, options or GptqOptions(), on)
+        settle(model)
+    parts.update(res.parts)
+    return res
+
+
+def _awq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
+    """The awq pass (before the max calibration) with the quantizers paused; what it deferred
+    into the quantizers is dropped (they calibrate from scratch after it)."""
+    from qckpt.calib.awq_pass import AwqOptions, run_awq
+
+    with phases.phase(phases.ALGORITHM), _paused(instr) as on:
+        res = run_awq(model, instr, batches, mesh, options or AwqOptions(), on)
+        settle(model)
     parts.update(res.parts)
     return res
 

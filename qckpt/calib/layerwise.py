@@ -130,6 +130,56 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
+def capture_layer_inputs(
+    model: nn.Module,
+    layers: nn.ModuleList,
+    batches: Sequence[torch.Tensor],
+    device: torch.device,
+    *,
+    what: str,
+    keep: Callable[[torch.Tensor, None], torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[list[tuple[tuple, dict]]]]:
+    """Layer 0's input and each layer's other arguments, per batch, from the model's own
+    forward: each decoder layer's ``forward`` replaced by a recorder, the last one stopping the
+    forward there (see the module doc). Batches of one shape share their arguments
+    (:func:`_dedupe`). ``keep(x, None)``: how a layer-0 input is held (as it is by default);
+    ``what``: the setting a forward that skips a layer is reported under. Used by the layer at
+    a time runner and by the algorithms that run layer by layer (gptq, awq)."""
+    n = len(layers)
+    seen: dict[int, tuple[tuple, dict]] = {}
+
+    def recorder(i: int) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            seen[i] = (args, kwargs)
+            if i == n - 1:
+                raise _Stop
+            return args[0]
+
+        return forward
+
+    hidden: list[torch.Tensor] = []
+    calls: list[list[tuple[tuple, dict]]] = []
+    prev: Any = None
+    with _patched(layers, recorder), torch.no_grad():
+        for b in batches:
+            seen.clear()
+            try:
+                model(input_ids=b.to(device), use_cache=False)
+            except _Stop:
+                pass
+            if len(seen) != n:
+                raise CalibrationError(
+                    f"{what}: the model's forward called {len(seen)} of its {n} decoder layers"
+                )
+            per_layer = _dedupe([(seen[i][0][1:], seen[i][1]) for i in range(n)], prev)
+            prev = per_layer
+            calls.append(per_layer)
+            x = seen[0][0][0]
+            hidden.append(x if keep is None else keep(x, None))
+    seen.clear()
+    return hidden, calls
+
+
 class LayerwiseRunner:
     """Steps 2-3 of :func:`qckpt.calib.calibrate.calibrate_model` one decoder layer at a time.
 
@@ -197,39 +247,10 @@ class LayerwiseRunner:
     def _capture(
         self, model: nn.Module, layers: nn.ModuleList, batches: Sequence[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[list[tuple[tuple, dict]]]]:
-        n = len(layers)
-        seen: dict[int, tuple[tuple, dict]] = {}
-
-        def recorder(i: int) -> Callable:
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                seen[i] = (args, kwargs)
-                if i == n - 1:
-                    raise _Stop
-                return args[0]
-
-            return forward
-
-        hidden: list[torch.Tensor] = []
-        calls: list[list[tuple[tuple, dict]]] = []
-        prev: Any = None
-        with _patched(layers, recorder), torch.no_grad():
-            for b in batches:
-                seen.clear()
-                try:
-                    model(input_ids=b.to(self.device), use_cache=False)
-                except _Stop:
-                    pass
-                if len(seen) != n:
-                    raise CalibrationError(
-                        f"calibrate.offload: the model's forward called {len(seen)} of its "
-                        f"{n} decoder layers"
-                    )
-                per_layer = _dedupe([(seen[i][0][1:], seen[i][1]) for i in range(n)], prev)
-                prev = per_layer
-                calls.append(per_layer)
-                hidden.append(self._keep(seen[0][0][0], None))
-        seen.clear()
-        self._stats["layers"] = n
+        hidden, calls = capture_layer_inputs(
+            model, layers, batches, self.device, what="calibrate.offload", keep=self._keep
+        )
+        self._stats["layers"] = len(layers)
         self._stats["activation_bytes"] = sum(h.numel() * h.element_size() for h in hidden)
         args = {t.data_ptr(): t for t in _tensors(calls) if t.device.type != "meta"}
         self._stats["layer_args_bytes"] = sum(t.numel() * t.element_size() for t in args.values())

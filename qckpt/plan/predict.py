@@ -19,6 +19,12 @@ The rules are the commands' own documented bounds; where one says "about", so do
   this rank's linears only (a dense linear's ``in^2``, an expert's ``hidden^2`` for gate/up
   and ``inter^2`` for down), float64, twice (the sums and the all-reduce's buffer), plus the
   layer inputs and outputs of this rank's samples (``2 x samples x seq_len x hidden``).
+* ``calibrate.algorithm: awq`` (``awq_bytes``): the layer inputs and outputs of this rank's
+  samples (as gptq), one layer's quantized weights copied (the outputs pass quantizes them in
+  place and puts them back), the candidates' quantized weights it keeps (``grid`` of them per
+  weight in float32, at most ``awq_pass.CACHE_BYTES``), one batch's outputs three times over
+  (reference, candidate, error) for the widest weight, and the statistics (16 bytes per
+  input channel of each group: small).
 * ``export``: no model on the device; per rank, at most 2 x the largest tensor + 256 MiB of
   memory (the export's documented bound), and its share of the reads.
 
@@ -62,6 +68,7 @@ class RankFigures:
     bytes_read: int
     forward_bytes: int = 0  # one batch's forward working set (an estimate, see forward_bytes)
     gptq_bytes: int = 0  # calibrate.algorithm gptq: one layer's Hessians and the layer I/O
+    awq_bytes: int = 0  # calibrate.algorithm awq: the layer I/O, one layer's weights, its search
     host_bytes: int = 0  # host memory the command holds beyond the page cache
     peak_bytes: int = 0
     fits: bool | None = None
@@ -80,6 +87,7 @@ class RankFigures:
             + self.activation_bytes
             + self.forward_bytes
             + self.gptq_bytes
+            + self.awq_bytes
             + self.slack_bytes
         )
         self.fits = None if device_bytes is None else self.peak_bytes <= device_bytes
@@ -253,6 +261,29 @@ def gptq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) ->
     """What ``calibrate.algorithm: gptq`` adds on a rank (see the module doc)."""
     io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
     return 2 * gptq_hessian_bytes(tensors, ignored) + io
+
+
+def awq_bytes(
+    tensors: list[Held], shape: CalibShape, samples: int, ignored, grid: int, cache_cap: int
+) -> int:
+    """What ``calibrate.algorithm: awq`` adds on a rank (see the module doc)."""
+    io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
+    layer_numel: dict[int, int] = {}
+    widest = 0
+    stats = 0
+    for t in tensors:
+        if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
+            continue
+        module = t.name.rpartition(".")[0]
+        if ignored(module) or module.endswith((".mlp.gate", ".router")):
+            continue
+        layer_numel[t.layer] = layer_numel.get(t.layer, 0) + t.numel
+        widest = max(widest, t.shape[-2])
+        stats = max(stats, 16 * t.shape[-1] * (t.shape[0] if len(t.shape) == 3 else 1))
+    biggest = max(layer_numel.values(), default=0)
+    copies = biggest * shape.itemsize + min(cache_cap, grid * 4 * biggest)
+    rows = shape.batch_size * shape.seq_len
+    return io + copies + 3 * 4 * rows * widest + 4 * stats
 
 
 def export_host_bytes(*, largest: int, tensors: int, dcp: bool, cuda: bool) -> int:

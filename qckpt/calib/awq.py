@@ -4,28 +4,28 @@ the activations, searched on a layer group's own output error, folded into the p
 A group is the linears that read one input ``x`` (q/k/v after a norm, o_proj after v_proj,
 down_proj after up_proj; a MoE block's every expert behind its norm). For a grid of
 exponents ``alpha`` the scales are ``s = a**alpha`` (``a``: the mean ``|x|`` of each input
-channel over every calibration row that reaches the group), normalised to a geometric mean of
-the extremes of 1 (:func:`scales`); each consumer's weight ``W`` becomes ``W diag(s)`` and its
-input ``x / s``, so its BF16 output is unchanged, but the quantizer sees ``W diag(s)``: the
-channels of large activations get finer steps. ``alpha = 0`` gives ``s = 1``, max calibration.
+channel over every calibration row that reaches the group), normalised so that the largest
+and the smallest multiply to 1 (:func:`scales`); each consumer's weight ``W`` becomes
+``W diag(s)`` and its input ``x / s``, so its BF16 output is unchanged, but the quantizer sees
+``W diag(s)``: the channels of large activations get finer steps. ``alpha = 0`` is ``s = 1``,
+max calibration, and the search keeps it on ties, so it is never worse than max on its loss.
 
-Everything here is deterministic and exact where ranks must agree:
+The loss of a candidate is the consumer's output error over the calibration rows that reach
+it, ``sum ||(Q(W diag(s)) diag(1/s) - W) x||**2`` (weights quantized as the export does: FP8
+per tensor / channel / block, NVFP4 by the max rule), taken as ``sum((dW H) * dW)`` with
+``H = X^T X`` (:func:`hessian_loss`): one pass over the data per layer, not one per
+candidate. ``H`` and the sums of ``|x|`` are on :mod:`qckpt.calib.gptq`'s fixed-point grid
+(integers, exact in float64 for any split of the rows over batches and ranks), so every rank
+that holds a consumer computes its losses from the same numbers. Inputs' own quantization
+(W4A4) is not in the loss.
 
-* activation statistics: ``|x|`` on a fixed-point grid (:func:`abs_sums`, integers of at most
-  ``bits`` bits from a synced amax), summed as int64: exact in any order and any split;
-* the search's losses: each row's squared output error (float64, a function of the row and the
-  weights alone) rounded to a multiple of a unit (:func:`loss_unit`, from a bound on any row's
-  error) and summed as int64 (:func:`fixed_sum`): the same integer for any split of the rows;
-* the scales themselves: float64 on the host from those integers.
-
-``pow2`` scales (the default) are powers of two: the fold (``norm.weight / s``,
-``W * s``) is then exact in BF16 and the folded BF16 model computes the very values of the
-original one (products and sums of the same mantissas), routers included.
+``pow2`` scales (the default) are powers of two: the fold (``norm.weight / s``, ``W * s``) is
+then exact in BF16 and the folded BF16 model computes the very values of the original one
+(products and sums of the same mantissas), routers included.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -108,16 +108,6 @@ def fake_quant(w: torch.Tensor, spec: Spec, amax: torch.Tensor | None = None) ->
     return gptq.round_to_nearest(w.clone(), cq)
 
 
-def input_spec(fmt: str, granularity: str) -> Spec | None:
-    """The input quantization the search includes: NVFP4 (dynamic 16-blocks under a calibrated
-    global scale) or static per-tensor FP8; None for the rest (dynamic FP8: per batch)."""
-    if fmt == "nvfp4":
-        return Spec("nvfp4")
-    if fmt == "fp8" and granularity == "tensor":
-        return Spec("fp8")
-    return None
-
-
 def folded(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """``W diag(s)`` as the folded checkpoint holds it: in ``w``'s dtype (float32 values)."""
     return (w.detach().to(torch.float32) * s.to(w.device, torch.float32)).to(w.dtype).float()
@@ -129,27 +119,13 @@ def candidate(w: torch.Tensor, s: torch.Tensor, spec: Spec) -> torch.Tensor:
     return fake_quant(folded(w, s), spec)
 
 
-def candidate_output(
-    x: torch.Tensor,
-    q: torch.Tensor,
-    s: torch.Tensor,
-    ispec: Spec | None,
-    xs_amax: float,
-) -> torch.Tensor:
-    """The group consumer's output on rows ``x`` with effective weight ``q`` (from
-    :func:`candidate`) and its input ``x / s``, quantized by ``ispec`` (global amax
-    ``xs_amax``: the synced amax of ``x / s``) when given."""
-    xs = x.to(torch.float32) / s.to(x.device, torch.float32)
-    if ispec is not None and xs_amax > 0:
-        amax = torch.tensor(xs_amax, dtype=torch.float32)
-        xs = fake_quant(xs, ispec, amax)
-    return xs @ q.t()
-
-
-def row_errors(y: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Each row's squared error, float64 (a function of the row alone)."""
-    d = (y - ref).to(torch.float64)
-    return (d * d).sum(dim=1)
+def hessian_loss(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor, h: torch.Tensor) -> float:
+    """The output error ``sum over rows of ||(Q diag(1/s) - W) x||**2`` of a consumer whose
+    inputs' ``X^T X`` is ``h`` (on the grid: in its squared units), for ``q`` = ``Q(W diag(s))``
+    (its input is ``x / s``): ``sum((dW h) * dW)``, float64."""
+    s64 = s.to(device=q.device, dtype=torch.float64)
+    d = q.to(torch.float64) / s64 - w.detach().to(device=q.device, dtype=torch.float64)
+    return float(((d @ h.to(device=d.device, dtype=torch.float64)) * d).sum())
 
 
 def best(losses: list[float]) -> int:
@@ -158,69 +134,32 @@ def best(losses: list[float]) -> int:
 
 
 def search_linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    spec: Spec,
-    *,
-    grid: int = GRID,
-    pow2: bool = True,
-    ispec: Spec | None = None,
+    x: torch.Tensor, w: torch.Tensor, spec: Spec, *, grid: int = GRID, pow2: bool = True
 ) -> tuple[int, list[float], torch.Tensor]:
     """One linear's search on one process (the math of the pass without its exchanges):
-    (the chosen candidate's index, the loss of every candidate, its scales)."""
-    rows = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
-    a = rows.abs().to(torch.float64).mean(dim=0)
-    top = rows.abs().amax(dim=0).to(torch.float64)
-    ref = rows @ w.to(torch.float32).t()
+    (the chosen candidate's index, the output error of every candidate, its scales)."""
+    rows = x.detach().reshape(-1, x.shape[-1])
+    amax = float(rows.abs().max())
+    bits = gptq.grid_bits(rows.shape[0])
+    xi = gptq.fixed_point(rows, amax, bits)
+    a = mean_abs(xi.abs().sum(dim=0), rows.shape[0], amax, bits)
+    h = xi.t() @ xi
+    unit = (amax / 2.0**bits) ** 2
     losses, all_s = [], []
     for alpha in alphas(grid):
         s = scales(a, alpha, pow2)
-        y = candidate_output(rows, candidate(w, s, spec), s, ispec, float((top / s).max()))
-        losses.append(float(row_errors(y, ref).sum()))
+        losses.append(unit * hessian_loss(w, candidate(w, s, spec), s, h))
         all_s.append(s)
     k = best(losses)
     return k, losses, all_s[k]
 
 
-# -- exact sums --------------------------------------------------------------------------------
-
-
-def stat_bits(rows: int) -> int:
-    """Bits per fixed-point value so that ``rows`` of them sum below 2**62."""
-    return max(1, 62 - math.ceil(math.log2(max(rows, 1) + 1)))
-
-
-def abs_sums(x: torch.Tensor, amax: float, bits: int) -> torch.Tensor:
-    """int64 per-channel sums of ``round(|x| / amax * 2**bits)`` over the rows of ``x``
-    (``[rows, channels]``): exact in any split, on any device."""
-    if amax <= 0 or x.shape[0] == 0:
-        return torch.zeros(x.shape[-1], dtype=torch.int64, device=x.device)
-    g = float(2**bits) / amax
-    v = torch.round(x.detach().reshape(-1, x.shape[-1]).abs().to(torch.float64) * g)
-    return v.clamp_(0, float(2**bits)).to(torch.int64).sum(dim=0)
-
-
 def mean_abs(sums: torch.Tensor, count: int, amax: float, bits: int) -> torch.Tensor:
-    """The per-channel mean ``|x|`` (float64, host) from :func:`abs_sums`' totals."""
+    """The per-channel mean ``|x|`` (float64, host) from the sums of ``|x|`` on the grid of
+    :func:`qckpt.calib.gptq.fixed_point` (integers: exact in any order)."""
     if count <= 0 or amax <= 0:
         return torch.zeros(sums.numel(), dtype=torch.float64)
     return sums.to("cpu", torch.float64) * (amax / float(2**bits)) / count
-
-
-def loss_unit(w_sq: float, q_sq: float, dim: int, x_amax: float, xs_amax: float, bits: int):
-    """The unit of a consumer's fixed-point row errors: ``bound / 2**bits``, ``bound`` at least
-    any row's squared error (``||(y_q - y)_row|| <= ||Q||_F ||x_q|| + ||W||_F ||x||``, each
-    ``|x|`` under its amax, a quantized input under twice its own)."""
-    bound = (math.sqrt(w_sq * dim) * x_amax + math.sqrt(q_sq * dim) * 2.0 * xs_amax) ** 2
-    return bound / float(2**bits) if bound > 0 else 1.0
-
-
-def fixed_sum(err: torch.Tensor, unit: float, bits: int) -> int:
-    """The rows' errors in units of ``unit`` (each rounded, at most ``2**bits``), summed exactly."""
-    if err.numel() == 0:
-        return 0
-    v = torch.round(err.to(torch.float64) / unit).clamp_(0, float(2**bits))
-    return int(v.to(torch.int64).sum())
 
 
 # -- folding -----------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ included, so that the exchanges line up):
 Rows ("sites"): a norm's output (a forward hook), a linear's input (a pre-hook), a fused
 expert's routed rows (the instrumented forward's taps, ``{experts}:{e}:gate_up`` /
 ``{experts}:{e}:down``). A group's statistics come from one site (its ``stat``); each quantized
-consumer's loss from the rows that reach it (an expert: its routed rows only).
+consumer's loss from the ``X^T X`` of the rows that reach it (an expert: its routed rows
+only; q/k/v, or a dense MLP's gate/up, share the norm's).
 
 What is refused (one line): a layer without ``self_attn`` / ``mlp`` / the two norms, or with a
 norm between attention and MLP other than ``post_attention_layernorm`` (Gemma's
@@ -49,10 +50,9 @@ class Consumer:
     """A linear of a group whose output error the search measures (or only folds)."""
 
     key: str
-    site: str  # where its rows come from
+    site: str  # where its rows come from (its input's X^T X)
     weight: Callable[[], torch.Tensor] | None  # its [out, in] weight here; None: another rank's
     wspec: Spec | None  # its quantization; None: not quantized (folded only)
-    ispec: Spec | None = None  # its input's quantization, in the loss
 
 
 @dataclass
@@ -89,6 +89,17 @@ class LayerPlan:
             out.setdefault(g.stat, g.dim)
         return out
 
+    @property
+    def hessians(self) -> dict[str, tuple[str, int, bool]]:
+        """Every quantized consumer's input site: (the statistics site whose amax sets its
+        grid, its width, whether it is here), in group order."""
+        out: dict[str, tuple[str, int, bool]] = {}
+        for g in self.groups:
+            for c in g.quantized:
+                here = c.weight is not None or (c.site in out and out[c.site][2])
+                out[c.site] = (g.stat, g.dim, here)
+        return out
+
 
 def weight_spec(q) -> Spec:
     """A weight quantizer's :class:`Spec`."""
@@ -113,15 +124,9 @@ class _Specs:
         q = self._get(name, "weight")
         return None if q is None else weight_spec(q)
 
-    def input(self, name: str) -> Spec | None:
-        q = self._get(name, "input")
-        return None if q is None else awq.input_spec(q.format, q.granularity)
-
-    def expert(self, info: ExpertsInfo, e: int, role: str) -> tuple[Spec | None, Spec | None]:
-        wq, iq = info.weight_q.get(e, {}).get(role), info.input_q.get(e, {}).get(role)
-        ws = weight_spec(wq) if wq is not None and id(wq) in self.on else None
-        on_in = iq is not None and id(iq) in self.on
-        return ws, awq.input_spec(iq.format, iq.granularity) if on_in else None
+    def expert(self, info: ExpertsInfo, e: int, role: str) -> Spec | None:
+        wq = info.weight_q.get(e, {}).get(role)
+        return weight_spec(wq) if wq is not None and id(wq) in self.on else None
 
 
 def layer_plan(model: nn.Module, layer: nn.Module, prefix: str, instr, on: set[int]) -> LayerPlan:
@@ -187,10 +192,13 @@ def _norm_group(plan, site, region, region_name, hidden, skip, specs, experts) -
                 continue
             params.append((f"{name}.{pname}", p))
             if isinstance(mod, nn.Linear) and pname == "weight":
-                plan.dense[name] = mod
-                cons.append(
-                    Consumer(name, name, _getter(mod), specs.weight(name), specs.input(name))
-                )
+                # a direct child of the region reads the norm's output itself (q/k/v; a dense
+                # MLP's gate/up); deeper ones (per-expert experts, shared experts) their own
+                direct = name.rpartition(".")[0] == region_name
+                if not direct:
+                    plan.dense[name] = mod
+                where = site if direct else name
+                cons.append(Consumer(name, where, _getter(mod), specs.weight(name)))
     norm_params = [(f"{site}.{n}", p) for n, p in norm.named_parameters(recurse=False)]
     if not norm_params or any(p.dim() != 1 or p.shape[0] != hidden for _, p in norm_params):
         raise CalibrationError(
@@ -219,11 +227,11 @@ def _expert_gate_up(name: str, mod, info: ExpertsInfo, specs: _Specs) -> list[Co
     out = []
     for e in range(info.num_experts):
         for role, lo in (("gate", 0), ("up", inter)):
-            ws, ins = specs.expert(info, e, role)
+            ws = specs.expert(info, e, role)
             get = None
             if e in row_of:
                 get = _fused_rows(mod, "gate_up_proj", row_of[e], lo, inter)
-            out.append(Consumer(f"{name}:{e}:{role}", f"{name}:{e}:gate_up", get, ws, ins))
+            out.append(Consumer(f"{name}:{e}:{role}", f"{name}:{e}:gate_up", get, ws))
     return out
 
 
@@ -266,7 +274,7 @@ def _vo_group(plan: LayerPlan, model, attn: nn.Module, attn_name: str, specs) ->
         awq.scale_columns_(o.weight.data, s)
         return [*params, f"{o_name}.weight"]
 
-    cons = [Consumer(o_name, o_name, _getter(o), specs.weight(o_name), specs.input(o_name))]
+    cons = [Consumer(o_name, o_name, _getter(o), specs.weight(o_name))]
     tie = (heads, kv, hd) if rep > 1 else None
     return Group("self_attn.o_proj", o_name, o.in_features, cons, fold, tie)
 
@@ -291,7 +299,7 @@ def _down_group(plan: LayerPlan, name: str, mod: nn.Module, specs, prefix: str) 
         awq.scale_columns_(down.weight.data, s)
         return [*params, f"{d_name}.weight"]
 
-    cons = [Consumer(d_name, d_name, _getter(down), specs.weight(d_name), specs.input(d_name))]
+    cons = [Consumer(d_name, d_name, _getter(down), specs.weight(d_name))]
     return Group(_rel(d_name, prefix), d_name, down.in_features, cons, fold)
 
 
@@ -302,11 +310,11 @@ def _expert_down_groups(name, mod, info: ExpertsInfo, _obs, specs, prefix) -> li
     out = []
     for e in range(info.num_experts):
         site = f"{name}:{e}:down"
-        ws, ins = specs.expert(info, e, "down")
+        ws = specs.expert(info, e, "down")
         row = row_of.get(e)
         get = None if row is None else _fused_rows(mod, "down_proj", row, 0, mod.down_proj.shape[1])
         fold = None if row is None else _expert_fold(mod, name, row, inter)
-        cons = [Consumer(site, site, get, ws, ins)]
+        cons = [Consumer(site, site, get, ws)]
         out.append(Group(f"{_rel(name, prefix)}.{e}.down_proj", site, inter, cons, fold))
     return out
 

@@ -12,16 +12,17 @@ lists its groups):
 1. its batches once: the per-channel max ``|x|`` of every group's statistics site (and the
    layer's output on the first batch, for step 5's check); MAX over the data group, a failure
    flag in the same buffer;
-2. its batches again: ``|x|`` per channel on the fixed-point grid of that amax, summed as int64
-   with the row counts (:func:`qckpt.calib.awq.abs_sums`); SUM over the data group (exact):
-   every rank holds each group's mean ``|x|`` per channel, hence its candidate scales;
-3. its batches a third time: for every candidate and every quantized consumer this rank holds,
-   each row's squared output error (``Q(W diag(s))`` on ``x / s`` against ``W x``, the input
-   quantized too where the recipe quantizes it), on a fixed-point grid per (consumer,
-   candidate); the integers SUM and the grid units MAX over the data group (a unit is a
-   function of the weight and the synced statistics: the ranks that hold a consumer agree on
-   it, the others send zero). Every rank then has every group's loss per candidate, the same
-   float64 sums in the same order, and picks the same ``alpha`` (ties: the smallest);
+2. its batches again: each site's rows on the fixed-point grid of that amax
+   (:func:`qckpt.calib.gptq.fixed_point`): per statistics site the sums of ``|x|`` per
+   channel and the row count (int64, SUM over the data group), per quantized consumer's
+   input ``X^T X`` (float64 integers, exact in any order; dense ones summed over the data
+   group, experts' over the DP group: the ranks that hold the same experts, as gptq's);
+   every rank then holds each group's mean ``|x|`` per channel, hence its candidate scales;
+3. for every candidate and every quantized consumer this rank holds, its output error
+   ``sum((dW H) * dW)`` (:func:`qckpt.calib.awq.hessian_loss`: a function of the weight, the
+   scales and ``H``, the same on every rank that holds it); MAX over the data group (the others
+   send zero). Every rank then sums each group's losses in one order and picks the same
+   ``alpha`` (ties: the smallest);
 4. the scales fold into the weights here (norms, v/up rows, consumers' columns);
 5. its first batch again, folded: the output must be the layer's own (relative error at most
    ``AwqOptions.tolerance``; exact with power-of-two scales), else the fold is wrong for this
@@ -46,16 +47,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qckpt.calib import awq
-from qckpt.calib.awq_layer import Group, LayerPlan, layer_plan
+from qckpt.calib import awq, gptq
+from qckpt.calib.awq_layer import LayerPlan, layer_plan
 from qckpt.calib.gptq_pass import per_expert
 from qckpt.calib.instrument import Instrumentation
 from qckpt.calib.layerwise import capture_layer_inputs, decoder_layers
 from qckpt.errors import CalibrationError, SyncError
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
-
-CACHE_BYTES = 512 << 20  # candidates' quantized weights kept across batches, per layer
 
 
 @dataclass
@@ -72,7 +71,9 @@ class AwqResult:
     collectives: int = 0
     changed: set[str] = field(default_factory=set)  # parameters the folds changed here
     stat_bytes: int = 0  # the largest layer's statistics (per channel), on the host
-    cache_bytes: int = 0  # the largest layer's cached candidates
+    # the largest layer's X^T X on this rank: held (sites some row reached) and at most
+    hessian_bytes: int = 0
+    hessian_bytes_bound: int = 0
 
 
 def awq_batches(batches, mesh: Mesh) -> list[torch.Tensor]:
@@ -93,7 +94,7 @@ def run_awq(
     todo = awq_batches(batches, mesh)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     tokens = _total_tokens(todo, mesh, res)
-    bits = awq.stat_bits(tokens)
+    bits = gptq.grid_bits(tokens)
     layers_name, layers = decoder_layers(model)
     hidden, calls = capture_layer_inputs(
         model, layers, todo, device, what="calibrate.algorithm awq"
@@ -132,7 +133,6 @@ class _Runner:
 
 def _layer(plan: LayerPlan, runner: _Runner, bits, mesh, opts, res: AwqResult, failure):
     """Steps 1-6 for one layer; (its report row, a failure to tell in the next exchange)."""
-    stats = plan.stats
     amax: dict[str, torch.Tensor] = {}
     ref0 = None
     if failure is None:
@@ -140,30 +140,28 @@ def _layer(plan: LayerPlan, runner: _Runner, bits, mesh, opts, res: AwqResult, f
             ref0 = _pass_amax(plan, runner, amax)
         except Exception as exc:  # noqa: BLE001 - told to the others by the exchange's flag
             failure = exc
-    amax = _exchange_amax(stats, amax, failure, mesh, res)
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
+    amax = _exchange_amax(plan.stats, amax, failure, mesh, res)
+    st = _Stats(plan, amax, bits)
     try:
-        _pass_sums(plan, runner, amax, bits, sums, counts)
+        _run_hooked(plan, runner, st.add)
     except Exception as exc:  # noqa: BLE001
         failure = exc
-    means, counts = _exchange_sums(stats, sums, counts, amax, bits, failure, mesh, res)
-    res.stat_bytes = max(res.stat_bytes, sum(16 * d for d in stats.values()))
-    cands = _candidates(plan, means, counts, amax, opts)
-    search = _Search(plan, cands, amax, bits)
+    means, counts = _exchange_sums(plan.stats, st, amax, bits, failure, mesh, res)
+    hess = _exchange_hessians(plan, st.hess, mesh, res)
+    _count_bytes(plan, hess, res)
+    cands = _candidates(plan, means, counts, opts)
+    mine: dict[tuple[int, int, int], float] = {}
     try:
-        search.prepare()
-        _run_hooked(plan, runner, search.add)
+        mine = _losses_here(plan, cands, hess, st)
     except Exception as exc:  # noqa: BLE001
         failure = exc
-    res.cache_bytes = max(res.cache_bytes, search.cached)
-    losses = _exchange_losses(plan, cands, search, failure, mesh, res)
-    chosen = _choose(plan, cands, losses)
-    row = _row(plan, cands, chosen, losses, opts)
+    losses = _exchange_losses(plan, cands, mine, failure, mesh, res)
+    chosen = _choose(plan, losses)
+    row = _row(plan, chosen, losses, opts)
     try:
         for g, k in zip(plan.groups, chosen, strict=True):
             if g.fold is not None and k:
-                res.changed.update(g.fold(cands[id(g)][k][0]))
+                res.changed.update(g.fold(cands[id(g)][k]))
         row["fold_error"] = _check(runner, ref0, plan, opts)
     except Exception as exc:  # noqa: BLE001
         failure = exc
@@ -227,36 +225,57 @@ def _pass_amax(plan: LayerPlan, runner: _Runner, amax: dict) -> torch.Tensor | N
     return out[0].detach().clone() if out else None
 
 
-def _pass_sums(plan: LayerPlan, runner: _Runner, amax, bits: int, sums, counts) -> None:
-    """Step 2: the fixed-point |x| sums and row counts of each statistics site."""
-    stats = plan.stats
-    top = {s: float(a.max()) if a.numel() else 0.0 for s, a in amax.items()}
+class _Stats:
+    """Step 2 on this rank: per statistics site the sums of ``|x|`` on the grid (float64
+    integers) and the row count; per consumer input site ``X^T X`` on the same grid."""
 
-    def add(site: str, x: torch.Tensor) -> None:
-        if site not in stats or x.numel() == 0:
+    def __init__(self, plan: LayerPlan, amax, bits: int):
+        self.stats, self.hsites, self.bits = plan.stats, plan.hessians, bits
+        self.top = {s: float(a.max()) if a.numel() else 0.0 for s, a in amax.items()}
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.hess: dict[str, torch.Tensor] = {}
+
+    def grid_top(self, site: str) -> float:
+        """The amax of a site's grid: its own (a statistics site) or its group's."""
+        return self.top.get(site, self.top.get(self.hsites.get(site, ("",))[0], 0.0))
+
+    def add(self, site: str, x: torch.Tensor) -> None:
+        stat, hsite = site in self.stats, site in self.hsites
+        top = self.grid_top(site)
+        if not (stat or hsite) or x.numel() == 0 or top <= 0:
             return
-        rows = _rows(x)
-        part = awq.abs_sums(rows, top[site], bits)
-        sums[site] = part if site not in sums else sums[site] + part
-        counts[site] = counts.get(site, 0) + rows.shape[0]
+        xi = gptq.fixed_point(_rows(x), top, self.bits)
+        if stat:
+            part = xi.abs().sum(dim=0)  # integers below 2**53: exact
+            self.sums[site] = part if site not in self.sums else self.sums[site] + part
+            self.counts[site] = self.counts.get(site, 0) + xi.shape[0]
+        if hsite:
+            part = xi.t() @ xi
+            self.hess[site] = part if site not in self.hess else self.hess[site].add_(part)
 
-    _run_hooked(plan, runner, add)
+    def unit(self, site: str) -> float:
+        """The squared value of one grid step of ``site``'s ``X^T X``."""
+        return (self.grid_top(site) / 2.0**self.bits) ** 2
 
 
 # -- the exchanges ------------------------------------------------------------------------------
 
 
-def _reduce(parts, dtype, op, failure, mesh: Mesh, res: AwqResult, what: str) -> torch.Tensor:
-    """``parts`` (flattened) and a failure flag, reduced over the data group with ``op``;
-    raises on every rank if any rank flagged a failure (its own error where it was local)."""
+def _reduce(
+    parts, dtype, op, failure, mesh: Mesh, res: AwqResult, what: str, group: Any = "data"
+) -> torch.Tensor:
+    """``parts`` (flattened) and a failure flag, reduced over ``group`` (the data group by
+    default) with ``op``; raises on every rank if any rank flagged a failure (its own error
+    where it was local)."""
     flat = [p.reshape(-1).to("cpu", dtype) for p in parts]
     flag = torch.tensor([1 if failure is not None else 0], dtype=dtype)
     buf = torch.cat([*flat, flag])
-    group = mesh.data_group
-    if group is not None:
+    group = mesh.data_group if group == "data" else group
+    if group is not None and dist.get_world_size(group) > 1:
         buf = buf.to(group_device(group))
         dl = deadline_of(group) or Deadline(None)
-        dl.run(f"{what} over the data group", dist.all_reduce, buf, op=op, group=group,
+        dl.run(f"{what} over the ranks", dist.all_reduce, buf, op=op, group=group,
                error=SyncError)  # fmt: skip
         res.collectives += 1
         buf = buf.cpu()
@@ -277,10 +296,10 @@ def _exchange_amax(stats: dict[str, int], amax, failure, mesh, res) -> dict[str,
     return out
 
 
-def _exchange_sums(stats, sums, counts, amax, bits, failure, mesh, res):
-    """Step 2's SUM; (per site: mean |x| per channel, float64 host; per site: rows)."""
-    parts = [sums.get(s, torch.zeros(d, dtype=torch.int64)) for s, d in stats.items()]
-    parts.append(torch.tensor([counts.get(s, 0) for s in stats], dtype=torch.int64))
+def _exchange_sums(stats, st: _Stats, amax, bits, failure, mesh, res):
+    """Step 2's SUM of the statistics; (per site: mean |x| per channel, float64 host; rows)."""
+    parts = [st.sums.get(s, torch.zeros(d)).to(torch.int64) for s, d in stats.items()]
+    parts.append(torch.tensor([st.counts.get(s, 0) for s in stats], dtype=torch.int64))
     buf = _reduce(parts, torch.int64, dist.ReduceOp.SUM, failure, mesh, res, "the awq sums")
     means, rows, at = {}, {}, 0
     n = buf[-len(stats) :].tolist() if stats else []
@@ -292,79 +311,76 @@ def _exchange_sums(stats, sums, counts, amax, bits, failure, mesh, res):
     return means, rows
 
 
-def _candidates(plan: LayerPlan, means, counts, amax, opts: AwqOptions) -> dict[int, list]:
-    """Per searched group (by id): per alpha, (scales float64, synced amax of ``x / s``)."""
+def _exchange_hessians(plan: LayerPlan, hess, mesh: Mesh, res: AwqResult):
+    """Step 2's SUM of the ``X^T X``: dense sites over the data group, a fused expert's (a
+    ``:`` in the site) over the DP group under EP (the ranks that hold it); absent = zeros."""
+    sites = plan.hessians
+    dense = [s for s in sites if ":" not in s]
+    experts = [s for s, (_, _, here) in sites.items() if ":" in s and here]
+    if mesh.ep > 1:
+        groups = [(dense, "data"), (experts, mesh.dp_group)]
+    else:
+        groups = [(dense + experts, "data")]
+    out: dict[str, torch.Tensor] = {}
+    for keys, group in groups:
+        if not keys:
+            continue
+        dims = [sites[k][1] for k in keys]
+        parts = [hess.get(k, torch.zeros(d, d, dtype=torch.float64)) for k, d in zip(keys, dims,
+                 strict=True)]  # fmt: skip
+        buf = _reduce(parts, torch.float64, dist.ReduceOp.SUM, None, mesh, res, "the awq X^T X",
+                      group)  # fmt: skip
+        at = 0
+        for k, d in zip(keys, dims, strict=True):
+            part = buf[at : at + d * d]
+            if bool(part.any()):
+                out[k] = part.view(d, d)
+            at += d * d
+    return out
+
+
+def _count_bytes(plan: LayerPlan, hess, res: AwqResult) -> None:
+    held = sum(h.numel() * h.element_size() for h in hess.values())
+    bound = sum(8 * d * d for _, d, here in plan.hessians.values() if here)
+    res.hessian_bytes = max(res.hessian_bytes, held)
+    res.hessian_bytes_bound = max(res.hessian_bytes_bound, bound)
+    res.stat_bytes = max(res.stat_bytes, sum(16 * d for d in plan.stats.values()))
+
+
+def _candidates(plan: LayerPlan, means, counts, opts: AwqOptions) -> dict[int, list]:
+    """Per searched group (by id): its scales (float64) per alpha."""
     out: dict[int, list] = {}
     for g in plan.groups:
         if counts.get(g.stat, 0) == 0 or not g.quantized:
             continue  # no row reached it anywhere (a cold expert), or nothing to quantize
-        a, top = means[g.stat], amax[g.stat].to(torch.float64)
+        a = means[g.stat]
         cands = []
         for alpha in awq.alphas(opts.grid):
             if g.tie is not None:
                 t = awq.scales(awq.pooled(a, *g.tie), alpha, opts.pow2)
-                s = awq.expand_heads(t, *g.tie)
+                cands.append(awq.expand_heads(t, *g.tie))
             else:
-                s = awq.scales(a, alpha, opts.pow2)
-            cands.append((s, float((top / s).max())))
+                cands.append(awq.scales(a, alpha, opts.pow2))
         out[id(g)] = cands
     return out
 
 
-class _Search:
-    """Step 3 on this rank: per (group, quantized consumer, candidate) the fixed-point sum of
-    its rows' errors, and its grid unit (where this rank holds the consumer)."""
-
-    def __init__(self, plan: LayerPlan, cands, amax, bits: int):
-        self.plan, self.cands, self.bits = plan, cands, bits
-        self.top = {s: float(a.max()) if a.numel() else 0.0 for s, a in amax.items()}
-        self.ints: dict[tuple[int, int, int], int] = {}
-        self.units: dict[tuple[int, int, int], float] = {}
-        self.cache: dict[tuple[int, int, int], torch.Tensor] = {}
-        self.cached = 0
-        self.by_site: dict[str, list[tuple[int, Group, int]]] = {}
-        for gi, g in enumerate(plan.groups):
-            if id(g) not in cands:
-                continue
-            for ci, c in enumerate(g.quantized):
-                if c.weight is not None:
-                    self.by_site.setdefault(c.site, []).append((gi, g, ci))
-
-    def _q(self, gi: int, g: Group, ci: int, k: int) -> torch.Tensor:
-        got = self.cache.get((gi, ci, k))
-        if got is not None:
-            return got
-        c = g.quantized[ci]
-        q = awq.candidate(c.weight(), self.cands[id(g)][k][0], c.wspec)
-        if self.cached + q.numel() * 4 <= CACHE_BYTES:
-            self.cache[(gi, ci, k)] = q
-            self.cached += q.numel() * 4
-        return q
-
-    def prepare(self) -> None:
-        """Every held consumer's units (they need its candidates' quantized weights)."""
-        for entries in self.by_site.values():
-            for gi, g, ci in entries:
-                w = g.quantized[ci].weight().to(torch.float32)
-                w_sq = float(w.to(torch.float64).square().sum())
-                for k, (_, xs_amax) in enumerate(self.cands[id(g)]):
-                    q_sq = float(self._q(gi, g, ci, k).to(torch.float64).square().sum())
-                    unit = awq.loss_unit(w_sq, q_sq, g.dim, self.top[g.stat], xs_amax, self.bits)
-                    self.units[(gi, ci, k)] = unit
-                    self.ints.setdefault((gi, ci, k), 0)
-
-    def add(self, site: str, x: torch.Tensor) -> None:
-        entries = self.by_site.get(site)
-        if not entries or x.numel() == 0:
-            return
-        rows = _rows(x).to(torch.float32)
-        for gi, g, ci in entries:
-            c = g.quantized[ci]
-            ref = rows @ c.weight().to(torch.float32).t()
-            for k, (s, xs_amax) in enumerate(self.cands[id(g)]):
-                y = awq.candidate_output(rows, self._q(gi, g, ci, k), s, c.ispec, xs_amax)
-                err = awq.row_errors(y, ref)
-                self.ints[(gi, ci, k)] += awq.fixed_sum(err, self.units[(gi, ci, k)], self.bits)
+def _losses_here(plan: LayerPlan, cands, hess, st: _Stats) -> dict[tuple[int, int, int], float]:
+    """Step 3 on this rank: the loss of every (group, consumer, candidate) it holds."""
+    out: dict[tuple[int, int, int], float] = {}
+    for gi, g in enumerate(plan.groups):
+        if id(g) not in cands:
+            continue
+        for ci, c in enumerate(g.quantized):
+            h = hess.get(c.site)
+            if c.weight is None or h is None:
+                continue  # another rank's, or no row reached it: no error either way
+            w = c.weight()
+            unit = st.unit(c.site)
+            for k, s in enumerate(cands[id(g)]):
+                q = awq.candidate(w, s, c.wspec)
+                out[(gi, ci, k)] = unit * awq.hessian_loss(w, q, s, h)
+    return out
 
 
 def _loss_keys(plan: LayerPlan, cands) -> list[tuple[int, int, int]]:
@@ -377,22 +393,19 @@ def _loss_keys(plan: LayerPlan, cands) -> list[tuple[int, int, int]]:
     return keys
 
 
-def _exchange_losses(plan, cands, search: _Search, failure, mesh, res) -> dict[int, list[float]]:
+def _exchange_losses(plan, cands, mine, failure, mesh, res) -> dict[int, list[float]]:
     """Step 3's exchange: per searched group (by index), its loss per candidate."""
     keys = _loss_keys(plan, cands)
-    ints = torch.tensor([search.ints.get(k, 0) for k in keys], dtype=torch.int64)
-    units = torch.tensor([search.units.get(k, 0.0) for k in keys], dtype=torch.float64)
-    what = "the awq losses"
-    ints = _reduce([ints], torch.int64, dist.ReduceOp.SUM, failure, mesh, res, what)
-    units = _reduce([units], torch.float64, dist.ReduceOp.MAX, None, mesh, res, what)
+    vals = torch.tensor([mine.get(k, 0.0) for k in keys], dtype=torch.float64)
+    vals = _reduce([vals], torch.float64, dist.ReduceOp.MAX, failure, mesh, res, "the awq losses")
     losses: dict[int, list[float]] = {}
-    for (gi, _ci, k), n, u in zip(keys, ints.tolist(), units.tolist(), strict=True):
+    for (gi, _ci, k), v in zip(keys, vals.tolist(), strict=True):
         row = losses.setdefault(gi, [0.0] * len(cands[id(plan.groups[gi])]))
-        row[k] += float(n) * u
+        row[k] += v  # consumers in one order on every rank
     return losses
 
 
-def _choose(plan: LayerPlan, cands, losses) -> list[int]:
+def _choose(plan: LayerPlan, losses) -> list[int]:
     """Each group's candidate of least loss (ties: the smallest alpha; 0 where not searched)."""
     out = []
     for gi in range(len(plan.groups)):
@@ -401,7 +414,7 @@ def _choose(plan: LayerPlan, cands, losses) -> list[int]:
     return out
 
 
-def _row(plan: LayerPlan, cands, chosen, losses, opts: AwqOptions) -> dict[str, Any]:
+def _row(plan: LayerPlan, chosen, losses, opts: AwqOptions) -> dict[str, Any]:
     """The report's row: per group its alpha (None: not searched), the loss at alpha 0 (max
     calibration) and at the choice, summed over the searched groups."""
     grid = awq.alphas(opts.grid)

@@ -197,7 +197,8 @@ def _apply_algorithm(algorithm, res, state, report, model, instr, mesh: Mesh) ->
         for layer, row in res.layers.items():
             report["layers"].setdefault(layer, {})["awq"] = row
         report["awq_stat_bytes"] = res.stat_bytes
-        report["awq_cache_bytes"] = res.cache_bytes
+        report["awq_hessian_bytes"] = res.hessian_bytes
+        report["awq_hessian_bytes_bound"] = res.hessian_bytes_bound
 
 
 @contextlib.contextmanager

@@ -19,12 +19,14 @@ The rules are the commands' own documented bounds; where one says "about", so do
   this rank's linears only (a dense linear's ``in^2``, an expert's ``hidden^2`` for gate/up
   and ``inter^2`` for down), float64, twice (the sums and the all-reduce's buffer), plus the
   layer inputs and outputs of this rank's samples (``2 x samples x seq_len x hidden``).
-* ``calibrate.algorithm: awq`` (``awq_bytes``): the layer inputs and outputs of this rank's
-  samples (as gptq), one layer's quantized weights copied (the outputs pass quantizes them in
-  place and puts them back), the candidates' quantized weights it keeps (``grid`` of them per
-  weight in float32, at most ``awq_pass.CACHE_BYTES``), one batch's outputs three times over
-  (reference, candidate, error) for the widest weight, and the statistics (16 bytes per
-  input channel of each group: small).
+* ``calibrate.algorithm: awq`` (``awq_bytes``): one decoder layer at a time, the ``X^T X``
+  of each quantized consumer's input (float64, twice: the sums and the all-reduce's buffer):
+  q/k/v share the input norm's (``hidden^2``), a dense MLP's gate/up the MLP norm's, o_proj
+  and every down_proj their own (``in^2``), an expert's gate/up one ``hidden^2`` and its down
+  one ``inter^2`` (this rank's experts only); plus the layer inputs and outputs of this
+  rank's samples (as gptq), one layer's quantized weights copied (the outputs pass quantizes
+  them in place and puts them back), one candidate's error work for the largest weight
+  (``2 x out x in`` float64) and the per-channel statistics (small).
 * ``export``: no model on the device; per rank, at most 2 x the largest tensor + 256 MiB of
   memory (the export's documented bound), and its share of the reads.
 
@@ -263,14 +265,40 @@ def gptq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) ->
     return 2 * gptq_hessian_bytes(tensors, ignored) + io
 
 
-def awq_bytes(
-    tensors: list[Held], shape: CalibShape, samples: int, ignored, grid: int, cache_cap: int
-) -> int:
+def _awq_site(module: str) -> str:
+    """The input whose ``X^T X`` a dense linear's AWQ loss takes (see the module doc)."""
+    parent, _, leaf = module.rpartition(".")
+    layer, _, block = parent.rpartition(".")
+    if block == "self_attn" and leaf != "o_proj":
+        return f"{layer}.input_layernorm"
+    if block == "mlp" and leaf != "down_proj":
+        return f"{layer}.post_attention_layernorm"
+    return module
+
+
+def awq_hessian_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
+    """The largest layer's ``X^T X`` bytes (float64) of ``calibrate.algorithm: awq`` on a rank
+    holding ``tensors``; routers and anything ``ignored`` take none."""
+    per_layer: dict[int, dict[str, int]] = {}
+    for t in tensors:
+        if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
+            continue
+        module = t.name.rpartition(".")[0]
+        if ignored(module) or module.endswith((".mlp.gate", ".router")):
+            continue
+        sites = per_layer.setdefault(t.layer, {})
+        if len(t.shape) == 3:  # fused experts [E, out, in]: one per expert and side
+            sites[t.name] = t.shape[0] * t.shape[2] ** 2
+        else:
+            sites[_awq_site(module)] = t.shape[1] ** 2
+    return max((8 * sum(s.values()) for s in per_layer.values()), default=0)
+
+
+def awq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) -> int:
     """What ``calibrate.algorithm: awq`` adds on a rank (see the module doc)."""
     io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
     layer_numel: dict[int, int] = {}
-    widest = 0
-    stats = 0
+    largest = 0
     for t in tensors:
         if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
             continue
@@ -278,12 +306,10 @@ def awq_bytes(
         if ignored(module) or module.endswith((".mlp.gate", ".router")):
             continue
         layer_numel[t.layer] = layer_numel.get(t.layer, 0) + t.numel
-        widest = max(widest, t.shape[-2])
-        stats = max(stats, 16 * t.shape[-1] * (t.shape[0] if len(t.shape) == 3 else 1))
-    biggest = max(layer_numel.values(), default=0)
-    copies = biggest * shape.itemsize + min(cache_cap, grid * 4 * biggest)
-    rows = shape.batch_size * shape.seq_len
-    return io + copies + 3 * 4 * rows * widest + 4 * stats
+        largest = max(largest, t.shape[-2] * t.shape[-1])
+    copies = max(layer_numel.values(), default=0) * shape.itemsize
+    stats = 16 * 4 * max(shape.hidden, shape.intermediate)
+    return io + 2 * awq_hessian_bytes(tensors, ignored) + copies + 16 * largest + stats
 
 
 def export_host_bytes(*, largest: int, tensors: int, dcp: bool, cuda: bool) -> int:

@@ -165,8 +165,10 @@ class CalibrateConfig:
     # the least squared error of the group's current values (mse), as GPTQ reaches it
     gptq_block_scales: Literal["max", "mse"] = "max"
     awq_grid: int = 20  # exponents alpha searched: 0, 1/grid, ..., (grid - 1)/grid
-    # the scales as powers of two (the fold is then exact in BF16) or as they come (float)
-    awq_scales: Literal["pow2", "float"] = "pow2"
+    # the scales as they come (float: the folded weights rounded to BF16 once) or as powers of
+    # two (pow2: the fold exact in BF16, the folded model computes the original's values; a
+    # coarser search: on the shared Llama's NVFP4 weights it takes back less, QUALITY_ALGORITHMS)
+    awq_scales: Literal["float", "pow2"] = "float"
     output: str = "runs/tiny/calib.safetensors"
     share_expert_inputs: bool = True
     # the format the weights are held in while calibrating: bf16 = the model's dtype; a quantized

@@ -19,9 +19,11 @@ candidate. ``H`` and the sums of ``|x|`` are on :mod:`qckpt.calib.gptq`'s fixed-
 that holds a consumer computes its losses from the same numbers. Inputs' own quantization
 (W4A4) is not in the loss.
 
-``pow2`` scales (the default) are powers of two: the fold (``norm.weight / s``, ``W * s``) is
-then exact in BF16 and the folded BF16 model computes the very values of the original one
-(products and sums of the same mantissas), routers included.
+Scales are floats by default (the folded weights rounded to BF16 once: the folded BF16 model's
+output moves by about a BF16 rounding); ``pow2`` scales are powers of two: the fold
+(``norm.weight / s``, ``W * s``) is then exact in BF16 and the folded BF16 model computes the
+very values of the original one (products and sums of the same mantissas), routers included,
+at the price of a coarser search.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def alphas(grid: int = GRID) -> list[float]:
     return [i / grid for i in range(grid)]
 
 
-def scales(mean_abs: torch.Tensor, alpha: float, pow2: bool = True) -> torch.Tensor:
+def scales(mean_abs: torch.Tensor, alpha: float, pow2: bool = False) -> torch.Tensor:
     """float64 scales ``a**alpha`` normalised by ``sqrt(max * min)`` (``a``: ``mean_abs``,
     floored at :data:`FLOOR` of its largest); ``pow2``: each rounded to the nearest power of
     two (in log2). ``alpha == 0`` or no activation: all ones."""
@@ -134,7 +136,7 @@ def best(losses: list[float]) -> int:
 
 
 def search_linear(
-    x: torch.Tensor, w: torch.Tensor, spec: Spec, *, grid: int = GRID, pow2: bool = True
+    x: torch.Tensor, w: torch.Tensor, spec: Spec, *, grid: int = GRID, pow2: bool = False
 ) -> tuple[int, list[float], torch.Tensor]:
     """One linear's search on one process (the math of the pass without its exchanges):
     (the chosen candidate's index, the output error of every candidate, its scales)."""

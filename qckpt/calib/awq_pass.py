@@ -60,7 +60,7 @@ from qckpt.parallel.mesh import Mesh, group_device
 @dataclass
 class AwqOptions:
     grid: int = awq.GRID
-    pow2: bool = True  # power-of-two scales: the fold is exact in BF16
+    pow2: bool = False  # power-of-two scales: the fold is exact in BF16 (a coarser search)
     tolerance: float = 0.05  # step 5's bound on the folded layer's relative output change
 
 

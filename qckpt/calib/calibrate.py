@@ -79,10 +79,9 @@ def calibrate_model(
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
     ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
-    ``algorithm``: ``max`` | ``mse`` | ``gptq`` (``gptq_options``), run after step 4 (see
-    :func:`_algorithm`; gptq's weights: ``state.weights``, this rank's, for the caller to write);
-    ``awq`` (``awq_options``) runs before step 2 and folds its scales into the weights, which
-    steps 2-4 then calibrate (:func:`_awq`; the folded weights: ``state.weights``, likewise).
+    ``algorithm``: ``max`` | ``mse`` | ``gptq`` | ``awq``, after step 4 (:func:`_algorithm`);
+    awq's before step 2, folding its scales into the weights that steps 2-4 then calibrate
+    (:func:`_awq`). gptq's and awq's weights: ``state.weights``, for the caller to write.
     """
     _check_algorithm(algorithm, mesh, runner)
     t0 = time.perf_counter()
@@ -98,10 +97,8 @@ def calibrate_model(
         tp_mods = linear_shards(model)
         # a block size that straddles TP shards: a config error, the same on every rank
         check_sharded_quantizers(quantizers.values(), tp_mods)
-        awq_res, awq_s = None, 0.0
-        if algorithm == "awq":  # the folded weights are what the max calibration then sees
-            awq_res = _awq(model, instr, batches, mesh, awq_options, parts)
-            awq_s = time.perf_counter() - t0 - parts["insert"]
+        # awq first: the folded weights are what the max calibration then sees
+        awq_res, awq_s = _awq(algorithm, model, instr, batches, mesh, awq_options, parts)
         # resident weights: each DP rank takes the amaxes of its share, the sync the rest
         mine = _weight_share(instr.weights, mesh) if runner is None else None
         failure: BaseException | None = None
@@ -116,15 +113,9 @@ def calibrate_model(
         t_sync = time.perf_counter()
         # the algorithm's own work (and collectives), apart from the amax sync's
         algo = _algorithm(algorithm, model, instr, batches, mesh, mine, gptq_options, parts)
-        algo = awq_res if algorithm == "awq" else algo
+        algo = algo or awq_res
         t_after = time.perf_counter()
-        expert_ranks = _expert_tokens(instr.experts, mesh)
-        with gc_paused():
-            # every amax on the host at once (a few copies), not a device read per quantizer
-            amaxes = host_amaxes(qs)
-            state = _state(model, qs, amaxes, quant_cfg)
-            report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
-            _apply_algorithm(algorithm, algo, state, report, model, instr, mesh)
+        state, report = _results(algorithm, algo, model, qs, quant_cfg, instr, mesh)
         parts["after_sync"] = time.perf_counter() - t_after
         report.update(
             # dealt batches (pure DP): the ones this rank ran
@@ -135,7 +126,7 @@ def calibrate_model(
             weight_amax_here=len(mine) if mine is not None else None,
             sync_seconds=round(t_sync - t_fwd, 6),
             sync_collectives=dres.collectives + (tres.collectives if tres else 0) + tp_gathers,
-            algorithm_seconds=round(t_after - t_sync + awq_s, 4),
+            algorithm_seconds=round(t_after - t_sync + awq_s, 4),  # awq's ran before the forwards
             algorithm_collectives=0 if algo is None else algo.collectives,
             shared_from_layer=len(dres.shared),
         )
@@ -144,6 +135,18 @@ def calibrate_model(
         return state, report
     finally:
         remove_quantizers(model)
+
+
+def _results(algorithm, algo, model, qs, quant_cfg, instr, mesh: Mesh):
+    """Steps 5-6: (the file's state, the report), with the algorithm's findings."""
+    expert_ranks = _expert_tokens(instr.experts, mesh)
+    with gc_paused():
+        # every amax on the host at once (a few copies), not a device read per quantizer
+        amaxes = host_amaxes(qs)
+        state = _state(model, qs, amaxes, quant_cfg)
+        report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
+        _apply_algorithm(algorithm, algo, state, report, model, instr, mesh)
+    return state, report
 
 
 def _check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
@@ -239,16 +242,19 @@ def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
     return res
 
 
-def _awq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
-    """The awq pass (before the max calibration) with the quantizers paused; what it deferred
-    into the quantizers is dropped (they calibrate from scratch after it)."""
+def _awq(algorithm, model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
+    """The awq pass (before the max calibration; (None, 0) for another algorithm) with the
+    quantizers paused: (its result, its seconds)."""
+    if algorithm != "awq":
+        return None, 0.0
     from qckpt.calib.awq_pass import AwqOptions, run_awq
 
+    t0 = time.perf_counter()
     with phases.phase(phases.ALGORITHM), _paused(instr) as on:
         res = run_awq(model, instr, batches, mesh, options or AwqOptions(), on)
         settle(model)
     parts.update(res.parts)
-    return res
+    return res, time.perf_counter() - t0
 
 
 def _add_search(state: CalibrationState, report: dict[str, Any], searched) -> None:

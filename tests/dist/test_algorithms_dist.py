@@ -139,7 +139,7 @@ def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(
                    for r in rows)  # fmt: skip
         for r in rows:
             assert [r["alpha"][f"mlp.experts.{e}.down_proj"] for e in COLD] == [None] * len(COLD)
-            assert r["fold_error"] == 0.0  # power-of-two scales: the fold is exact
+            assert 0 < r["fold_error"] < 0.02  # float scales: a BF16 rounding's worth
     ref_files = _export(hf, one, tmp_path / "x-one", quant, algorithm)
     for n, ep in ((2, 1), (2, 2), (4, 2)):  # DP2, EP2, DP2 x EP2
         cal = tmp_path / f"w{n}ep{ep}.safetensors"

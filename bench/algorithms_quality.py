@@ -74,8 +74,8 @@ def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
 
     tag = f"{config}-{algorithm}"
     # gptq+mse: GPTQ with each NVFP4 group's scale searched (calibrate.gptq_block_scales: mse)
-    # awq+float: AWQ with its scales as they come, not rounded to powers of two
-    extra = {"gptq+mse": {"gptq_block_scales": "mse"}, "awq+float": {"awq_scales": "float"}}
+    # awq+pow2: AWQ with its scales rounded to powers of two (calibrate.awq_scales: pow2)
+    extra = {"gptq+mse": {"gptq_block_scales": "mse"}, "awq+pow2": {"awq_scales": "pow2"}}
     extra = extra.get(algorithm, {})
     algorithm = algorithm.split("+")[0]
     recipe = recipe_from_dict(

@@ -104,15 +104,35 @@ def _random_scales(g, dim: int, tie, pow2: bool) -> torch.Tensor:
     return t if tie is None else awq.expand_heads(t, *tie)
 
 
+def _qwen2_moe():
+    """A tiny Qwen2-MoE: q/k/v biases, a shared expert and its gate beside the routed ones."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1 and p.abs().max() == 0:  # biases: not zero, so that folds show
+                p.normal_(0, 0.02)
+    return model
+
+
 @pytest.mark.parametrize("pow2", [True, False])
-@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny-dense", "tiny-moe", "qwen2-moe"])
 def test_folding_leaves_the_bf16_models_output_unchanged(name, pow2):
     from qckpt.calib.awq_layer import layer_plan
     from qckpt.calib.instrument import insert_quantizers, instrumentation, remove_quantizers
     from qckpt.models.build import build_model
     from qckpt.recipe import recipe_from_dict
 
-    model = build_model(name, dtype="bfloat16", seed=0).eval()
+    model = _qwen2_moe() if name == "qwen2-moe" else build_model(name, dtype="bfloat16", seed=0)
+    model.eval()
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = model(input_ids=ids).logits.float()
@@ -134,12 +154,13 @@ def test_folding_leaves_the_bf16_models_output_unchanged(name, pow2):
                 changed.update(gr.fold(_random_scales(g, gr.dim, gr.tie, pow2)))
         got = model(input_ids=ids).logits.float()
     assert "model.layers.1.input_layernorm.weight" in changed
-    if name == "tiny-moe":  # the router reads the norm too: folded with the experts
-        assert {
-            "model.layers.0.mlp.gate.weight",
-            "model.layers.0.mlp.experts.gate_up_proj",
-        } <= changed
-    else:
+    m = "model.layers.0"
+    if name != "tiny-dense":  # the router reads the norm too: folded with the experts
+        assert {f"{m}.mlp.gate.weight", f"{m}.mlp.experts.gate_up_proj"} <= changed
+    if name == "qwen2-moe":  # the shared expert and its gate too; v's bias with its rows
+        assert {f"{m}.mlp.shared_expert_gate.weight", f"{m}.mlp.shared_expert.up_proj.weight",
+                f"{m}.self_attn.v_proj.bias"} <= changed  # fmt: skip
+    if name == "tiny-dense":
         assert "model.layers.0.mlp.up_proj.weight" in changed  # down_proj's fold
     if pow2:  # powers of two: the very values, bit for bit
         assert torch.equal(got, ref)

@@ -16,8 +16,11 @@ per tensor / channel / block, NVFP4 by the max rule), taken as ``sum((dW H) * dW
 ``H = X^T X`` (:func:`hessian_loss`): one pass over the data per layer, not one per
 candidate. ``H`` and the sums of ``|x|`` are on :mod:`qckpt.calib.gptq`'s fixed-point grid
 (integers, exact in float64 for any split of the rows over batches and ranks), so every rank
-that holds a consumer computes its losses from the same numbers. Inputs' own quantization
-(W4A4) is not in the loss.
+that holds a consumer computes its losses from the same numbers. Where the recipe quantizes
+the consumer's input too (NVFP4 inputs, static FP8 ones), the loss adds what quantizing
+``x / s`` costs, ``sum_c ||Q[:, c]||**2 sum e_c**2`` (:func:`input_loss`: the channels' errors
+taken as uncorrelated, their squares summed per channel on a fixed-point grid, exact): a
+scale that helps the weights but widens the input's range pays for it.
 
 Scales are floats by default (the folded weights rounded to BF16 once: the folded BF16 model's
 output moves by about a BF16 rounding); ``pow2`` scales are powers of two: the fold
@@ -108,6 +111,39 @@ def fake_quant(w: torch.Tensor, spec: Spec, amax: torch.Tensor | None = None) ->
     gran = "tensor" if spec.fmt == "nvfp4" else spec.granularity
     cq = gptq.ColumnQuantizer(spec.fmt, gran, amax, tuple(w.shape), spec.block)
     return gptq.round_to_nearest(w.clone(), cq)
+
+
+def input_spec(fmt: str, granularity: str) -> Spec | None:
+    """The input quantization the loss includes: NVFP4 (16-blocks under a calibrated global
+    scale) or static per-tensor FP8; None for the rest (dynamic FP8 is scaled per token)."""
+    if fmt == "nvfp4":
+        return Spec("nvfp4")
+    if fmt == "fp8" and granularity == "tensor":
+        return Spec("fp8")
+    return None
+
+
+def input_error_sums(
+    x: torch.Tensor, s: torch.Tensor, ispec: Spec, xs_amax: float, bits: int
+) -> torch.Tensor:
+    """Per input channel, the squared quantization error of ``x / s`` (quantized by
+    ``ispec`` under the amax ``xs_amax`` of ``x / s``) summed over the rows, in units of
+    ``(2 * xs_amax)**2 / 2**bits``: int64, exact in any split."""
+    xs = x.detach().reshape(-1, x.shape[-1]).to(torch.float32) / s.to(x.device, torch.float32)
+    if xs_amax <= 0 or xs.shape[0] == 0:
+        return torch.zeros(xs.shape[-1], dtype=torch.int64, device=x.device)
+    q = fake_quant(xs, ispec, torch.tensor(xs_amax, dtype=torch.float32))
+    e = (q - xs).to(torch.float64) / (2.0 * xs_amax)
+    v = torch.round(e * e * float(2**bits)).clamp_(0, float(2**bits))
+    return v.to(torch.int64).sum(dim=0)
+
+
+def input_loss(q: torch.Tensor, sums: torch.Tensor, xs_amax: float, bits: int) -> float:
+    """The output error the input's quantization adds, ``sum_c ||Q[:, c]||**2 * sum e_c**2``
+    (channels' errors taken as uncorrelated), from :func:`input_error_sums`' totals."""
+    unit = (2.0 * xs_amax) ** 2 / float(2**bits)
+    cols = q.to(torch.float64).square().sum(dim=0)
+    return unit * float((cols * sums.to(cols.device, torch.float64)).sum())
 
 
 def folded(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

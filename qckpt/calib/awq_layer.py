@@ -53,6 +53,7 @@ class Consumer:
     site: str  # where its rows come from (its input's X^T X)
     weight: Callable[[], torch.Tensor] | None  # its [out, in] weight here; None: another rank's
     wspec: Spec | None  # its quantization; None: not quantized (folded only)
+    ispec: Spec | None = None  # its input's quantization (in the loss)
 
 
 @dataclass
@@ -90,6 +91,17 @@ class LayerPlan:
         return out
 
     @property
+    def inputs(self) -> dict[str, tuple[int, Spec]]:
+        """Every quantized consumer's input site whose input is quantized too: (its group's
+        index, the input's spec), in group order."""
+        out: dict[str, tuple[int, Spec]] = {}
+        for gi, g in enumerate(self.groups):
+            for c in g.quantized:
+                if c.ispec is not None:
+                    out.setdefault(c.site, (gi, c.ispec))
+        return out
+
+    @property
     def hessians(self) -> dict[str, tuple[str, int, bool]]:
         """Every quantized consumer's input site: (the statistics site whose amax sets its
         grid, its width, whether it is here), in group order."""
@@ -124,9 +136,15 @@ class _Specs:
         q = self._get(name, "weight")
         return None if q is None else weight_spec(q)
 
-    def expert(self, info: ExpertsInfo, e: int, role: str) -> Spec | None:
-        wq = info.weight_q.get(e, {}).get(role)
-        return weight_spec(wq) if wq is not None and id(wq) in self.on else None
+    def input(self, name: str) -> Spec | None:
+        q = self._get(name, "input")
+        return None if q is None else awq.input_spec(q.format, q.granularity)
+
+    def expert(self, info: ExpertsInfo, e: int, role: str) -> tuple[Spec | None, Spec | None]:
+        wq, iq = info.weight_q.get(e, {}).get(role), info.input_q.get(e, {}).get(role)
+        ws = weight_spec(wq) if wq is not None and id(wq) in self.on else None
+        on_in = iq is not None and id(iq) in self.on
+        return ws, awq.input_spec(iq.format, iq.granularity) if on_in else None
 
 
 def layer_plan(model: nn.Module, layer: nn.Module, prefix: str, instr, on: set[int]) -> LayerPlan:
@@ -198,7 +216,9 @@ def _norm_group(plan, site, region, region_name, hidden, skip, specs, experts) -
                 if not direct:
                     plan.dense[name] = mod
                 where = site if direct else name
-                cons.append(Consumer(name, where, _getter(mod), specs.weight(name)))
+                cons.append(
+                    Consumer(name, where, _getter(mod), specs.weight(name), specs.input(name))
+                )
     norm_params = [(f"{site}.{n}", p) for n, p in norm.named_parameters(recurse=False)]
     if not norm_params or any(p.dim() != 1 or p.shape[0] != hidden for _, p in norm_params):
         raise CalibrationError(
@@ -227,11 +247,11 @@ def _expert_gate_up(name: str, mod, info: ExpertsInfo, specs: _Specs) -> list[Co
     out = []
     for e in range(info.num_experts):
         for role, lo in (("gate", 0), ("up", inter)):
-            ws = specs.expert(info, e, role)
+            ws, ins = specs.expert(info, e, role)
             get = None
             if e in row_of:
                 get = _fused_rows(mod, "gate_up_proj", row_of[e], lo, inter)
-            out.append(Consumer(f"{name}:{e}:{role}", f"{name}:{e}:gate_up", get, ws))
+            out.append(Consumer(f"{name}:{e}:{role}", f"{name}:{e}:gate_up", get, ws, ins))
     return out
 
 
@@ -274,7 +294,7 @@ def _vo_group(plan: LayerPlan, model, attn: nn.Module, attn_name: str, specs) ->
         awq.scale_columns_(o.weight.data, s)
         return [*params, f"{o_name}.weight"]
 
-    cons = [Consumer(o_name, o_name, _getter(o), specs.weight(o_name))]
+    cons = [Consumer(o_name, o_name, _getter(o), specs.weight(o_name), specs.input(o_name))]
     tie = (heads, kv, hd) if rep > 1 else None
     return Group("self_attn.o_proj", o_name, o.in_features, cons, fold, tie)
 
@@ -299,7 +319,7 @@ def _down_group(plan: LayerPlan, name: str, mod: nn.Module, specs, prefix: str) 
         awq.scale_columns_(down.weight.data, s)
         return [*params, f"{d_name}.weight"]
 
-    cons = [Consumer(d_name, d_name, _getter(down), specs.weight(d_name))]
+    cons = [Consumer(d_name, d_name, _getter(down), specs.weight(d_name), specs.input(d_name))]
     return Group(_rel(d_name, prefix), d_name, down.in_features, cons, fold)
 
 
@@ -310,11 +330,11 @@ def _expert_down_groups(name, mod, info: ExpertsInfo, _obs, specs, prefix) -> li
     out = []
     for e in range(info.num_experts):
         site = f"{name}:{e}:down"
-        ws = specs.expert(info, e, "down")
+        ws, ins = specs.expert(info, e, "down")
         row = row_of.get(e)
         get = None if row is None else _fused_rows(mod, "down_proj", row, 0, mod.down_proj.shape[1])
         fold = None if row is None else _expert_fold(mod, name, row, inter)
-        cons = [Consumer(site, site, get, ws)]
+        cons = [Consumer(site, site, get, ws, ins)]
         out.append(Group(f"{_rel(name, prefix)}.{e}.down_proj", site, inter, cons, fold))
     return out
 

@@ -38,6 +38,7 @@ exchange, or ends the forwards' own collectives within ``parallel.timeout_s``.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -94,7 +95,7 @@ def run_awq(
     todo = awq_batches(batches, mesh)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     tokens = _total_tokens(todo, mesh, res)
-    bits = gptq.grid_bits(tokens)
+    bits = (gptq.grid_bits(tokens), 62 - math.ceil(math.log2(tokens + 1)))
     layers_name, layers = decoder_layers(model)
     hidden, calls = capture_layer_inputs(
         model, layers, todo, device, what="calibrate.algorithm awq"
@@ -132,7 +133,9 @@ class _Runner:
 
 
 def _layer(plan: LayerPlan, runner: _Runner, bits, mesh, opts, res: AwqResult, failure):
-    """Steps 1-6 for one layer; (its report row, a failure to tell in the next exchange)."""
+    """Steps 1-6 for one layer; (its report row, a failure to tell in the next exchange).
+    ``bits``: (the grid of the statistics and X^T X, that of the input errors)."""
+    bits, ebits = bits
     amax: dict[str, torch.Tensor] = {}
     ref0 = None
     if failure is None:
@@ -147,12 +150,23 @@ def _layer(plan: LayerPlan, runner: _Runner, bits, mesh, opts, res: AwqResult, f
     except Exception as exc:  # noqa: BLE001
         failure = exc
     means, counts = _exchange_sums(plan.stats, st, amax, bits, failure, mesh, res)
-    hess = _exchange_hessians(plan, st.hess, mesh, res)
+    shapes = {s: (d, d) for s, (_, d, _) in plan.hessians.items()}
+    hess = _exchange_sites(plan, st.hess, shapes, torch.float64, None, mesh, res, "the awq X^T X")
     _count_bytes(plan, hess, res)
     cands = _candidates(plan, means, counts, opts)
+    ins = _InputErrors(plan, cands, amax, ebits)
+    if ins.sites:
+        try:
+            _run_hooked(plan, runner, ins.add)
+        except Exception as exc:  # noqa: BLE001
+            failure = exc
+        shapes = {s: (len(cands[id(plan.groups[gi])]), plan.hessians[s][1])
+                  for s, (gi, _) in ins.sites.items()}  # fmt: skip
+        ins.sums = _exchange_sites(plan, ins.sums, shapes, torch.int64, failure, mesh, res,
+                                   "the awq input errors")  # fmt: skip
     mine: dict[tuple[int, int, int], float] = {}
     try:
-        mine = _losses_here(plan, cands, hess, st)
+        mine = _losses_here(plan, cands, hess, st, ins)
     except Exception as exc:  # noqa: BLE001
         failure = exc
     losses = _exchange_losses(plan, cands, mine, failure, mesh, res)
@@ -311,31 +325,29 @@ def _exchange_sums(stats, st: _Stats, amax, bits, failure, mesh, res):
     return means, rows
 
 
-def _exchange_hessians(plan: LayerPlan, hess, mesh: Mesh, res: AwqResult):
-    """Step 2's SUM of the ``X^T X``: dense sites over the data group, a fused expert's (a
-    ``:`` in the site) over the DP group under EP (the ranks that hold it); absent = zeros."""
-    sites = plan.hessians
-    dense = [s for s in sites if ":" not in s]
-    experts = [s for s, (_, _, here) in sites.items() if ":" in s and here]
-    if mesh.ep > 1:
-        groups = [(dense, "data"), (experts, mesh.dp_group)]
-    else:
-        groups = [(dense + experts, "data")]
+def _exchange_sites(plan: LayerPlan, got, shapes, dtype, failure, mesh: Mesh, res, what: str):
+    """A SUM of per-site tensors (``shapes``: site -> shape): dense sites over the data group,
+    a fused expert's (a ``:`` in the site) over the DP group under EP (the ranks that hold it);
+    an absent one counts as zeros; all-zero results are dropped."""
+    here = {s: h for s, (_, _, h) in plan.hessians.items()}
+    dense = [s for s in shapes if ":" not in s]
+    experts = [s for s in shapes if ":" in s and here.get(s, False)]
+    groups = (
+        [(dense, "data"), (experts, mesh.dp_group)] if mesh.ep > 1 else [(dense + experts, "data")]
+    )
     out: dict[str, torch.Tensor] = {}
     for keys, group in groups:
         if not keys:
             continue
-        dims = [sites[k][1] for k in keys]
-        parts = [hess.get(k, torch.zeros(d, d, dtype=torch.float64)) for k, d in zip(keys, dims,
-                 strict=True)]  # fmt: skip
-        buf = _reduce(parts, torch.float64, dist.ReduceOp.SUM, None, mesh, res, "the awq X^T X",
-                      group)  # fmt: skip
+        parts = [got.get(k, torch.zeros(shapes[k], dtype=dtype)) for k in keys]
+        buf = _reduce(parts, dtype, dist.ReduceOp.SUM, failure, mesh, res, what, group)
         at = 0
-        for k, d in zip(keys, dims, strict=True):
-            part = buf[at : at + d * d]
+        for k in keys:
+            n = math.prod(shapes[k])
+            part = buf[at : at + n]
             if bool(part.any()):
-                out[k] = part.view(d, d)
-            at += d * d
+                out[k] = part.view(shapes[k])
+            at += n
     return out
 
 
@@ -365,8 +377,42 @@ def _candidates(plan: LayerPlan, means, counts, opts: AwqOptions) -> dict[int, l
     return out
 
 
-def _losses_here(plan: LayerPlan, cands, hess, st: _Stats) -> dict[tuple[int, int, int], float]:
-    """Step 3 on this rank: the loss of every (group, consumer, candidate) it holds."""
+class _InputErrors:
+    """Step 2b on this rank: per input site whose consumers quantize their input too, per
+    candidate, the squared error of quantizing ``x / s`` per channel (exact integers)."""
+
+    def __init__(self, plan: LayerPlan, cands, amax, bits: int):
+        self.plan, self.cands, self.bits = plan, cands, bits
+        self.sites = {s: v for s, v in plan.inputs.items() if id(plan.groups[v[0]]) in cands}
+        self.sums: dict[str, torch.Tensor] = {}
+        self.xs_amax: dict[int, list[float]] = {}
+        for gi, g in enumerate(plan.groups):
+            if id(g) in cands:
+                top = amax[g.stat].to(torch.float64)
+                self.xs_amax[gi] = [float((top / s).max()) for s in cands[id(g)]]
+
+    def add(self, site: str, x: torch.Tensor) -> None:
+        got = self.sites.get(site)
+        if got is None or x.numel() == 0:
+            return
+        gi, ispec = got
+        rows = _rows(x)
+        part = torch.stack([
+            awq.input_error_sums(rows, s, ispec, a, self.bits)
+            for s, a in zip(self.cands[id(self.plan.groups[gi])], self.xs_amax[gi], strict=True)
+        ])  # fmt: skip
+        self.sums[site] = part if site not in self.sums else self.sums[site] + part
+
+    def loss(self, gi: int, site: str, k: int, q: torch.Tensor) -> float:
+        e = self.sums.get(site)
+        if e is None or site not in self.sites:
+            return 0.0
+        return awq.input_loss(q, e[k], self.xs_amax[gi][k], self.bits)
+
+
+def _losses_here(plan: LayerPlan, cands, hess, st: _Stats, ins: _InputErrors):
+    """Step 3 on this rank: the loss of every (group, consumer, candidate) it holds: the
+    weights' output error, plus the input quantization's where the input is quantized."""
     out: dict[tuple[int, int, int], float] = {}
     for gi, g in enumerate(plan.groups):
         if id(g) not in cands:
@@ -379,7 +425,8 @@ def _losses_here(plan: LayerPlan, cands, hess, st: _Stats) -> dict[tuple[int, in
             unit = st.unit(c.site)
             for k, s in enumerate(cands[id(g)]):
                 q = awq.candidate(w, s, c.wspec)
-                out[(gi, ci, k)] = unit * awq.hessian_loss(w, q, s, h)
+                extra = ins.loss(gi, c.site, k, q) if c.ispec is not None else 0.0
+                out[(gi, ci, k)] = unit * awq.hessian_loss(w, q, s, h) + extra
     return out
 
 

@@ -18,9 +18,13 @@ lists its groups):
    input ``X^T X`` (float64 integers, exact in any order; dense ones summed over the data
    group, experts' over the DP group: the ranks that hold the same experts, as gptq's);
    every rank then holds each group's mean ``|x|`` per channel, hence its candidate scales;
+   where a consumer's input is quantized too (NVFP4, static FP8), its batches once more:
+   per candidate the squared quantization error of ``x / s`` per channel (int64, exact),
+   summed like ``X^T X``;
 3. for every candidate and every quantized consumer this rank holds, its output error
    ``sum((dW H) * dW)`` (:func:`qckpt.calib.awq.hessian_loss`: a function of the weight, the
-   scales and ``H``, the same on every rank that holds it); MAX over the data group (the others
+   scales and ``H``, the same on every rank that holds it; plus the input's term,
+   :func:`qckpt.calib.awq.input_loss`); MAX over the data group (the others
    send zero). Every rank then sums each group's losses in one order and picks the same
    ``alpha`` (ties: the smallest);
 4. the scales fold into the weights here (norms, v/up rows, consumers' columns);

@@ -294,7 +294,8 @@ class _Planner:
             from qckpt.plan.predict import awq_bytes
 
             patterns = list(self.recipe.quant.ignore)
-            out.awq_bytes = awq_bytes(held, shape, samples, lambda m: ignored(m, patterns))
+            grid = self.recipe.calibrate.awq_grid
+            out.awq_bytes = awq_bytes(held, shape, samples, lambda m: ignored(m, patterns), grid)
         return out
 
     def refusal(self, layout: Layout, params: str, held: list[Held]) -> str | None:

@@ -26,7 +26,8 @@ The rules are the commands' own documented bounds; where one says "about", so do
   one ``inter^2`` (this rank's experts only); plus the layer inputs and outputs of this
   rank's samples (as gptq), one layer's quantized weights copied (the outputs pass quantizes
   them in place and puts them back), one candidate's error work for the largest weight
-  (``2 x out x in`` float64) and the per-channel statistics (small).
+  (``2 x out x in`` float64) and the per-channel statistics (the sums of ``|x|``, and where
+  inputs are quantized each candidate's input errors: ``grid x width`` int64 per site).
 * ``export``: no model on the device; per rank, at most 2 x the largest tensor + 256 MiB of
   memory (the export's documented bound), and its share of the reads.
 
@@ -276,10 +277,9 @@ def _awq_site(module: str) -> str:
     return module
 
 
-def awq_hessian_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
-    """The largest layer's ``X^T X`` bytes (float64) of ``calibrate.algorithm: awq`` on a rank
-    holding ``tensors``; routers and anything ``ignored`` take none."""
-    per_layer: dict[int, dict[str, int]] = {}
+def _awq_layer_sites(tensors: list[Held], ignored) -> dict[int, dict[str, tuple[int, int]]]:
+    """Per decoder layer, awq's input sites: name -> (how many: experts, width)."""
+    per_layer: dict[int, dict[str, tuple[int, int]]] = {}
     for t in tensors:
         if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
             continue
@@ -288,13 +288,20 @@ def awq_hessian_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
             continue
         sites = per_layer.setdefault(t.layer, {})
         if len(t.shape) == 3:  # fused experts [E, out, in]: one per expert and side
-            sites[t.name] = t.shape[0] * t.shape[2] ** 2
+            sites[t.name] = (t.shape[0], t.shape[2])
         else:
-            sites[_awq_site(module)] = t.shape[1] ** 2
-    return max((8 * sum(s.values()) for s in per_layer.values()), default=0)
+            sites[_awq_site(module)] = (1, t.shape[1])
+    return per_layer
 
 
-def awq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) -> int:
+def awq_hessian_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
+    """The largest layer's ``X^T X`` bytes (float64) of ``calibrate.algorithm: awq`` on a rank
+    holding ``tensors``; routers and anything ``ignored`` take none."""
+    per_layer = _awq_layer_sites(tensors, ignored)
+    return max((8 * sum(n * d * d for n, d in s.values()) for s in per_layer.values()), default=0)
+
+
+def awq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored, grid: int) -> int:
     """What ``calibrate.algorithm: awq`` adds on a rank (see the module doc)."""
     io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
     layer_numel: dict[int, int] = {}
@@ -308,7 +315,10 @@ def awq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) -> 
         layer_numel[t.layer] = layer_numel.get(t.layer, 0) + t.numel
         largest = max(largest, t.shape[-2] * t.shape[-1])
     copies = max(layer_numel.values(), default=0) * shape.itemsize
-    stats = 16 * 4 * max(shape.hidden, shape.intermediate)
+    # per site and candidate, the input errors per channel (int64, and the exchange's buffer)
+    per_layer = _awq_layer_sites(tensors, ignored)
+    widths = max((sum(n * d for n, d in s.values()) for s in per_layer.values()), default=0)
+    stats = 16 * widths + 2 * 8 * grid * widths
     return io + 2 * awq_hessian_bytes(tensors, ignored) + copies + 16 * largest + stats
 
 

@@ -95,6 +95,26 @@ def test_fp8_awq_is_no_worse_than_max(gran):
     assert err(y) == pytest.approx(losses[k], rel=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_the_input_term_is_the_inputs_quantization_error_exactly_summed(fmt):
+    x, w = _salient(512, 64), _weight(32, 64)
+    s = awq.scales(x.abs().double().mean(dim=0), 0.5)
+    ispec = awq.input_spec(fmt, "dynamic_block" if fmt == "nvfp4" else "tensor")
+    xs_amax = float((x.abs().amax(dim=0).double() / s).max())
+    bits = 62 - 10
+    whole = awq.input_error_sums(x, s, ispec, xs_amax, bits)
+    split = awq.input_error_sums(x[:77], s, ispec, xs_amax, bits) + awq.input_error_sums(
+        x[77:], s, ispec, xs_amax, bits
+    )
+    assert whole.dtype == torch.int64 and torch.equal(whole, split)
+    xs = x / s.float()
+    e = awq.fake_quant(xs, ispec, torch.tensor(xs_amax)) - xs
+    q = awq.candidate(w, s, Spec("nvfp4"))
+    direct = float((q.double().square().sum(dim=0) * e.double().square().sum(dim=0)).sum())
+    assert awq.input_loss(q, whole, xs_amax, bits) == pytest.approx(direct, rel=1e-9)
+    assert awq.input_spec("fp8", "channel") is None  # dynamic / per-token: not in the loss
+
+
 def _random_scales(g, dim: int, tie, pow2: bool) -> torch.Tensor:
     n = dim if tie is None else tie[1] * tie[2]
     if pow2:

@@ -18,7 +18,8 @@ lists its groups):
    input ``X^T X`` (float64 integers, exact in any order; dense ones summed over the data
    group, experts' over the DP group: the ranks that hold the same experts, as gptq's);
    every rank then holds each group's mean ``|x|`` per channel, hence its candidate scales;
-   where a consumer's input is quantized too (NVFP4, static FP8), its batches once more:
+   where a consumer's input is static per-tensor FP8 (:func:`qckpt.calib.awq.input_spec`),
+   its batches once more:
    per candidate the squared quantization error of ``x / s`` per channel (int64, exact),
    summed like ``X^T X``;
 3. for every candidate and every quantized consumer this rank holds, its output error

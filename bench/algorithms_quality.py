@@ -1,6 +1,6 @@
 """Held-out bits per byte of the shared Llama's exports, per ``calibrate.algorithm`` (CPU).
 
-    python -m bench.algorithms_quality [--algorithms max,mse] [--configs nvfp4,fp8] \
+    python -m bench.algorithms_quality [--algorithms max,mse,awq] [--configs nvfp4,fp8] \
         [--windows 64] [--json out.json]
 
 For each config and algorithm: ``qckpt calibrate`` (library call, one process) on the first
@@ -74,7 +74,9 @@ def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
 
     tag = f"{config}-{algorithm}"
     # gptq+mse: GPTQ with each NVFP4 group's scale searched (calibrate.gptq_block_scales: mse)
-    extra = {"gptq_block_scales": "mse"} if algorithm == "gptq+mse" else {}
+    # awq+pow2: AWQ with its scales rounded to powers of two (calibrate.awq_scales: pow2)
+    extra = {"gptq+mse": {"gptq_block_scales": "mse"}, "awq+pow2": {"awq_scales": "pow2"}}
+    extra = extra.get(algorithm, {})
     algorithm = algorithm.split("+")[0]
     recipe = recipe_from_dict(
         {

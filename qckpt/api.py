@@ -163,8 +163,9 @@ def calibrate_model(
 
     ``data``: the recipe's ``calibrate.data`` (this rank's share of its batches is taken here;
     ``model_source`` names the tokenizer of a ``text`` or ``dataset`` source) or this rank's
-    batches of token ids ``[b, seq_len]``. ``algorithm``: ``max`` or ``mse``; ``gptq`` also
-    rewrites the weights and writes them beside the file, which ``qckpt calibrate`` does.
+    batches of token ids ``[b, seq_len]``. ``algorithm``: ``max`` or ``mse``; ``gptq`` and
+    ``awq`` also rewrite the weights and write them beside the file, which ``qckpt calibrate``
+    does.
     """
     from qckpt.calib.calibrate import calibrate_model as calibrate
     from qckpt.recipe import DataConfig
@@ -172,7 +173,7 @@ def calibrate_model(
     if algorithm not in ("max", "mse"):
         raise UsageError(
             f"calibrate_model: algorithm must be max or mse, got {algorithm!r} "
-            "(gptq writes weights beside the calibration file: run qckpt calibrate)"
+            "(gptq and awq write weights beside the calibration file: run qckpt calibrate)"
         )
     mesh = mesh or _one_rank(_model_device(model))
     if isinstance(data, DataConfig):

@@ -155,13 +155,20 @@ class CalibrateConfig:
     # max: amax = max |x|; mse: weight and static-input scales searched to minimise the
     # quantization error (qckpt/calib/mse.py), the forwards unchanged
     # gptq: weights quantized layer by layer with GPTQ's error compensation (gptq_* below)
-    algorithm: Literal["max", "mse", "gptq"] = "max"
+    # awq: per-input-channel scales searched per layer group and folded into the norms / the
+    # linears before them (awq_* below); the export is a plain quantized model
+    algorithm: Literal["max", "mse", "gptq", "awq"] = "max"
     gptq_percdamp: float = 0.01  # dampening, a fraction of the Hessian's mean diagonal
     gptq_act_order: bool = False  # columns in order of decreasing Hessian diagonal (FP8 only)
     gptq_block: int = 128  # columns per block of the error compensation
     # NVFP4 weights: each 16-column group's E4M3 scale by the max rule (max) or searched for
     # the least squared error of the group's current values (mse), as GPTQ reaches it
     gptq_block_scales: Literal["max", "mse"] = "max"
+    awq_grid: int = 20  # exponents alpha searched: 0, 1/grid, ..., (grid - 1)/grid
+    # the scales as they come (float: the folded weights rounded to BF16 once) or as powers of
+    # two (pow2: the fold exact in BF16, the folded model computes the original's values; a
+    # coarser search: on the shared Llama's NVFP4 weights it takes back less, QUALITY_ALGORITHMS)
+    awq_scales: Literal["float", "pow2"] = "float"
     output: str = "runs/tiny/calib.safetensors"
     share_expert_inputs: bool = True
     # the format the weights are held in while calibrating: bf16 = the model's dtype; a quantized
@@ -191,6 +198,8 @@ class CalibrateConfig:
             raise RecipeError(f"{path}.gptq_percdamp: 0 .. 1, got {self.gptq_percdamp}")
         if not 1 <= self.gptq_block <= 1 << 16:
             raise RecipeError(f"{path}.gptq_block: 1 .. 65536, got {self.gptq_block}")
+        if not 1 <= self.awq_grid <= 1000:
+            raise RecipeError(f"{path}.awq_grid: 1 .. 1000, got {self.awq_grid}")
         if self.moe_forward == "grouped" and self.weights_resident != "bf16":
             raise RecipeError(
                 f"{path}.moe_forward: grouped needs {path}.weights_resident: bf16 "

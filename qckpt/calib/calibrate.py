@@ -22,6 +22,7 @@ Order (the same on every rank, so every rank reaches every collective):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
@@ -69,6 +70,7 @@ def calibrate_model(
     moe_forward: str = "eager",
     algorithm: str = "max",
     gptq_options: Any = None,
+    awq_options: Any = None,
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
 
@@ -77,10 +79,11 @@ def calibrate_model(
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
     ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
-    ``algorithm``: ``max`` | ``mse`` | ``gptq`` (``gptq_options``), run after step 4 (see
-    :func:`_algorithm`; gptq's weights: ``state.weights``, this rank's, for the caller to write).
+    ``algorithm``: ``max`` | ``mse`` | ``gptq`` | ``awq``, after step 4 (:func:`_algorithm`);
+    awq's before step 2, folding its scales into the weights that steps 2-4 then calibrate
+    (:func:`_awq`). gptq's and awq's weights: ``state.weights``, for the caller to write.
     """
-    _check_algorithm(algorithm, mesh, runner)
+    check_algorithm(algorithm, mesh, runner)
     t0 = time.perf_counter()
     dev = None if runner is None else runner.device
     kw = dict(share_expert_inputs=share_expert_inputs, calib_dtype=calib_dtype, device=dev)
@@ -94,6 +97,8 @@ def calibrate_model(
         tp_mods = linear_shards(model)
         # a block size that straddles TP shards: a config error, the same on every rank
         check_sharded_quantizers(quantizers.values(), tp_mods)
+        # awq first: the folded weights are what the max calibration then sees
+        awq_res, awq_s = _awq(algorithm, model, instr, batches, mesh, awq_options, parts)
         # resident weights: each DP rank takes the amaxes of its share, the sync the rest
         mine = _weight_share(instr.weights, mesh) if runner is None else None
         failure: BaseException | None = None
@@ -108,25 +113,20 @@ def calibrate_model(
         t_sync = time.perf_counter()
         # the algorithm's own work (and collectives), apart from the amax sync's
         algo = _algorithm(algorithm, model, instr, batches, mesh, mine, gptq_options, parts)
+        algo = algo or awq_res
         t_after = time.perf_counter()
-        expert_ranks = _expert_tokens(instr.experts, mesh)
-        with gc_paused():
-            # every amax on the host at once (a few copies), not a device read per quantizer
-            amaxes = host_amaxes(qs)
-            state = _state(model, qs, amaxes, quant_cfg)
-            report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
-            _apply_algorithm(algorithm, algo, state, report, model, instr, mesh)
+        state, report = _results(algorithm, algo, model, qs, quant_cfg, instr, mesh)
         parts["after_sync"] = time.perf_counter() - t_after
         report.update(
             # dealt batches (pure DP): the ones this rank ran
             batches=len(getattr(batches, "taken", batches)),
             tokens_this_rank=tokens,
-            forward_seconds=round(t_fwd - t0, 4),
+            forward_seconds=round(t_fwd - t0 - awq_s, 4),
             forward_parts={k: round(v, 4) for k, v in parts.items()},
             weight_amax_here=len(mine) if mine is not None else None,
             sync_seconds=round(t_sync - t_fwd, 6),
             sync_collectives=dres.collectives + (tres.collectives if tres else 0) + tp_gathers,
-            algorithm_seconds=round(t_after - t_sync, 4),
+            algorithm_seconds=round(t_after - t_sync + awq_s, 4),  # awq's ran before the forwards
             algorithm_collectives=0 if algo is None else algo.collectives,
             shared_from_layer=len(dres.shared),
         )
@@ -137,9 +137,23 @@ def calibrate_model(
         remove_quantizers(model)
 
 
-def _check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
-    if algorithm not in ("max", "mse", "gptq"):
-        raise CalibrationError(f"calibrate.algorithm: {algorithm!r} is not one of max, mse, gptq")
+def _results(algorithm, algo, model, qs, quant_cfg, instr, mesh: Mesh):
+    """Steps 5-6: (the file's state, the report), with the algorithm's findings."""
+    expert_ranks = _expert_tokens(instr.experts, mesh)
+    with gc_paused():
+        # every amax on the host at once (a few copies), not a device read per quantizer
+        amaxes = host_amaxes(qs)
+        state = _state(model, qs, amaxes, quant_cfg)
+        report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
+        _apply_algorithm(algorithm, algo, state, report, model, instr, mesh)
+    return state, report
+
+
+def check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
+    if algorithm not in ("max", "mse", "gptq", "awq"):
+        raise CalibrationError(
+            f"calibrate.algorithm: {algorithm!r} is not one of max, mse, gptq, awq"
+        )
     if algorithm != "max" and (mesh.tp > 1 or runner is not None):
         # a TP shard is part of a weight whose error is the whole tensor's; a layer at a
         # time would need the search inside the runner (not built yet)
@@ -153,7 +167,7 @@ def _algorithm(algorithm, model, instr, batches, mesh: Mesh, mine, gptq_options,
     """The algorithm's pass after the amax sync (None for max); its pieces into ``parts``.
     mse: :func:`qckpt.calib.mse_pass.run_mse`; gptq: :func:`qckpt.calib.gptq_pass.run_gptq`
     (``gptq_options``: a ``GptqOptions``), the model's weights GPTQ'd in place. Resident BF16
-    weights, no TP (:func:`_check_algorithm`)."""
+    weights, no TP (:func:`check_algorithm`)."""
     with phases.phase(phases.ALGORITHM):  # the phase breakdown's line for its extra cost
         if algorithm == "mse":
             from qckpt.calib.mse_pass import run_mse
@@ -179,13 +193,22 @@ def _apply_algorithm(algorithm, res, state, report, model, instr, mesh: Mesh) ->
             report["layers"].setdefault(layer, {})["gptq"] = row
         report["gptq_hessian_bytes"] = res.hessian_bytes
         report["gptq_hessian_bytes_bound"] = res.hessian_bytes_bound
+    elif algorithm == "awq":
+        from qckpt.calib.awq_pass import tensors_to_write as awq_tensors
+
+        state.weights = awq_tensors(model, res, mesh)
+        for layer, row in res.layers.items():
+            report["layers"].setdefault(layer, {})["awq"] = row
+        report["awq_stat_bytes"] = res.stat_bytes
+        report["awq_hessian_bytes"] = res.hessian_bytes
+        report["awq_hessian_bytes_bound"] = res.hessian_bytes_bound
 
 
-def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
-    """The gptq pass with the quantizers not observing (its forwards see quantized layers,
-    the amaxes are the max pass's; the report's token counts are put back after)."""
-    from qckpt.calib.gptq_pass import GptqOptions, run_gptq
-
+@contextlib.contextmanager
+def _paused(instr):
+    """The quantizers not observing while an algorithm's own forwards run (they see folded or
+    quantized layers; the amaxes are the max pass's), the report's token counts put back after.
+    Yields the ids of the enabled quantizers."""
     tokens = [list(info.tokens) for info in instr.experts]
     qs = list(instr.quantizers.values())
     was = [q.__dict__["_enabled"] for q in qs]
@@ -198,8 +221,7 @@ def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
     for s in segs:
         s.enabled = False
     try:
-        res = run_gptq(model, instr, batches, mesh, options or GptqOptions(), on)
-        settle(model)
+        yield on
     finally:
         for q, w in zip(qs, was, strict=True):
             q.__dict__["_enabled"] = w
@@ -207,8 +229,32 @@ def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
             s.enabled = w
         for info, t in zip(instr.experts, tokens, strict=True):
             info.tokens[:] = t
+
+
+def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
+    """The gptq pass with the quantizers paused (:func:`_paused`)."""
+    from qckpt.calib.gptq_pass import GptqOptions, run_gptq
+
+    with _paused(instr) as on:
+        res = run_gptq(model, instr, batches, mesh, options or GptqOptions(), on)
+        settle(model)
     parts.update(res.parts)
     return res
+
+
+def _awq(algorithm, model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
+    """The awq pass (before the max calibration; (None, 0) for another algorithm) with the
+    quantizers paused: (its result, its seconds)."""
+    if algorithm != "awq":
+        return None, 0.0
+    from qckpt.calib.awq_pass import AwqOptions, run_awq
+
+    t0 = time.perf_counter()
+    with phases.phase(phases.ALGORITHM), _paused(instr) as on:
+        res = run_awq(model, instr, batches, mesh, options or AwqOptions(), on)
+        settle(model)
+    parts.update(res.parts)
+    return res, time.perf_counter() - t0
 
 
 def _add_search(state: CalibrationState, report: dict[str, Any], searched) -> None:

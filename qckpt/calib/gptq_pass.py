@@ -37,7 +37,7 @@ from torch import nn
 
 from qckpt.calib import gptq
 from qckpt.calib.instrument import Instrumentation, WeightSource
-from qckpt.calib.layerwise import capture_layer_calls, decoder_layers
+from qckpt.calib.layerwise import capture_layer_inputs, decoder_layers
 from qckpt.errors import SyncError
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
@@ -96,7 +96,9 @@ def run_gptq(
     tokens = _total_tokens(todo, mesh, res)
     bits = gptq.grid_bits(tokens)
     layers_name, layers = decoder_layers(model)
-    hidden, calls = capture_layer_calls(model, layers, todo, device, "calibrate.algorithm gptq")
+    hidden, calls = capture_layer_inputs(
+        model, layers, todo, device, what="calibrate.algorithm gptq"
+    )
     res.parts["gptq_capture"] = time.perf_counter() - t0
     for i, layer in enumerate(layers):
         prefix = f"{layers_name}.{i}"
@@ -224,7 +226,7 @@ def _unhook(undo) -> None:
             u.tap = None
 
 
-def _per_expert(x: torch.Tensor, ids: torch.Tensor):
+def per_expert(x: torch.Tensor, ids: torch.Tensor):
     """(local row, its rows of ``x``) for each local expert in ``ids`` (sorted by expert)."""
     if x.shape[0] == 0:
         return
@@ -278,7 +280,7 @@ def _layer_amax(model, lin, experts, run, mesh: Mesh, res: GptqResult) -> dict[s
         put(name, x)
 
     def expert(info, side, x, ids):
-        for r, rows in _per_expert(x, ids):
+        for r, rows in per_expert(x, ids):
             put(f"{info.module_name}:{info.local_ids[r]}:{side}", rows)
 
     keys = _amax_keys(lin, experts)
@@ -320,7 +322,7 @@ def _layer_hessians(model, lin, experts, run, amax, bits, mesh: Mesh, res: GptqR
         add(name, x)
 
     def expert(info, side, x, ids):
-        for r, rows in _per_expert(x, ids):
+        for r, rows in per_expert(x, ids):
             add(f"{info.module_name}:{info.local_ids[r]}:{side}", rows)
 
     undo = _hook_all(model, lin, experts, dense, expert)
@@ -414,17 +416,18 @@ def tensors_to_write(model, instr: Instrumentation, mesh: Mesh, res: GptqResult)
     return out
 
 
-def write_weights(state, out: str, mesh: Mesh) -> None:
-    """The GPTQ'd weights beside the calibration file ``out`` (``<out>.gptq/``, one file per
-    EP rank, written by its first DP rank; see qckpt/read/gptq_source.py); the file
-    names go into ``state`` (the same on every rank); stale files of an earlier run removed."""
+def write_weights(state, out: str, mesh: Mesh, suffix: str = ".gptq") -> None:
+    """The algorithm's weights (GPTQ'd, or AWQ's folded ones: ``suffix`` ``.awq``) beside the
+    calibration file ``out`` (``<out>.gptq/``, one file per EP rank, written by its first DP
+    rank; see qckpt/read/gptq_source.py); the file names go into ``state`` (the same on
+    every rank); stale files of an earlier run removed."""
     from pathlib import Path
 
     from safetensors.torch import save
 
     from qckpt.atomic import write_bytes
 
-    root = Path(str(out) + ".gptq")
+    root = Path(str(out) + suffix)
     state.weights_dir = str(root)
     state.weights_files = [f"ep{r:03d}.safetensors" for r in range(mesh.ep)]
     root.mkdir(parents=True, exist_ok=True)

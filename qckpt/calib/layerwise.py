@@ -130,20 +130,21 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def capture_layer_calls(
+def capture_layer_inputs(
     model: nn.Module,
     layers: nn.ModuleList,
     batches: Sequence[torch.Tensor],
-    device: torch.device | str,
-    what: str,
+    device: torch.device,
     *,
-    keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    what: str,
+    keep: Callable[[torch.Tensor, None], torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[list[tuple[tuple, dict]]]]:
-    """Layer 0's input and each layer's other arguments, per batch, as the model's own forward
-    builds them: every layer's ``forward`` replaced by a recorder (the last one stops the
-    forward), equal tensors shared across batches (one causal mask and one rotary table per
-    shape). ``keep``: where layer 0's input is kept (default: as it is). Both the layer-by-layer
-    runner and the GPTQ pass start so; ``what`` names the recipe key a refusal is about."""
+    """Layer 0's input and each layer's other arguments, per batch, from the model's own
+    forward: each decoder layer's ``forward`` replaced by a recorder, the last one stopping the
+    forward there (see the module doc). Batches of one shape share their arguments
+    (:func:`_dedupe`). ``keep(x, None)``: how a layer-0 input is held (as it is by default);
+    ``what``: the setting a forward that skips a layer is reported under. Used by the layer at
+    a time runner and by the algorithms that run layer by layer (gptq, awq)."""
     n = len(layers)
     seen: dict[int, tuple[tuple, dict]] = {}
 
@@ -174,7 +175,7 @@ def capture_layer_calls(
             prev = per_layer
             calls.append(per_layer)
             x = seen[0][0][0]
-            hidden.append(x if keep is None else keep(x))
+            hidden.append(x if keep is None else keep(x, None))
     seen.clear()
     return hidden, calls
 
@@ -246,16 +247,10 @@ class LayerwiseRunner:
     def _capture(
         self, model: nn.Module, layers: nn.ModuleList, batches: Sequence[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[list[tuple[tuple, dict]]]]:
-        n = len(layers)
-        hidden, calls = capture_layer_calls(
-            model,
-            layers,
-            batches,
-            self.device,
-            "calibrate.offload",
-            keep=lambda x: self._keep(x, None),
+        hidden, calls = capture_layer_inputs(
+            model, layers, batches, self.device, what="calibrate.offload", keep=self._keep
         )
-        self._stats["layers"] = n
+        self._stats["layers"] = len(layers)
         self._stats["activation_bytes"] = sum(h.numel() * h.element_size() for h in hidden)
         args = {t.data_ptr(): t for t in _tensors(calls) if t.device.type != "meta"}
         self._stats["layer_args_bytes"] = sum(t.numel() * t.element_size() for t in args.values())

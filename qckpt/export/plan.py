@@ -186,8 +186,9 @@ def _check_amax(
 
 
 def _gptq_source(src, cal: CalibrationState, model_type: str):
-    """A gptq calibration's GPTQ'd weights in place of the checkpoint's; else ``src``."""
-    if cal.algorithm != "gptq":
+    """A gptq calibration's GPTQ'd weights (an awq one's folded weights) in place of the
+    checkpoint's; else ``src``."""
+    if cal.algorithm not in ("gptq", "awq"):
         return src
     from qckpt.read.gptq_source import GptqSource
 

@@ -75,7 +75,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         state, report = calibrate_model(
             model, batches, recipe.quant, mesh, share_expert_inputs=c.share_expert_inputs,
             progress=advance, weight_amax=amax, runner=runner, moe_forward=c.moe_forward,
-            algorithm=c.algorithm, gptq_options=_gptq_options(c),
+            algorithm=c.algorithm, gptq_options=_gptq_options(c), awq_options=_awq_options(c),
         )  # fmt: skip
     if runner is not None:
         from qckpt.pipeline.offload import held_bytes, summary
@@ -88,11 +88,11 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
 
         hooks.log(f"parameters held: {human_bytes(report['param_bytes'])} ({resident})")
     out = recipe.calibrate.output
-    if recipe.calibrate.algorithm == "gptq":
+    if recipe.calibrate.algorithm in ("gptq", "awq"):  # their weights, beside the file
         with phases.phase(phases.WRITE):
             from qckpt.calib.gptq_pass import write_weights
 
-            write_weights(state, out, mesh)
+            write_weights(state, out, mesh, suffix="." + recipe.calibrate.algorithm)
     if mesh.is_main:
         with phases.phase(phases.WRITE):
             state.model = _model_record(recipe.model.source)
@@ -123,6 +123,12 @@ def _gptq_options(c):
         block=c.gptq_block,
         block_search=c.gptq_block_scales == "mse",
     )
+
+
+def _awq_options(c):
+    from qckpt.calib.awq_pass import AwqOptions
+
+    return AwqOptions(grid=c.awq_grid, pow2=c.awq_scales == "pow2")
 
 
 def _data(recipe: Recipe, mesh: Mesh, vocab_size: int, dealt: bool, hooks: Hooks):

@@ -289,6 +289,13 @@ class _Planner:
 
             patterns = list(self.recipe.quant.ignore)
             out.gptq_bytes = gptq_bytes(held, shape, samples, lambda m: ignored(m, patterns))
+        if self.recipe.calibrate.algorithm == "awq":
+            from qckpt.models.naming import ignored
+            from qckpt.plan.predict import awq_bytes
+
+            patterns = list(self.recipe.quant.ignore)
+            grid = self.recipe.calibrate.awq_grid
+            out.awq_bytes = awq_bytes(held, shape, samples, lambda m: ignored(m, patterns), grid)
         return out
 
     def refusal(self, layout: Layout, params: str, held: list[Held]) -> str | None:

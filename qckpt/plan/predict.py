@@ -19,6 +19,15 @@ The rules are the commands' own documented bounds; where one says "about", so do
   this rank's linears only (a dense linear's ``in^2``, an expert's ``hidden^2`` for gate/up
   and ``inter^2`` for down), float64, twice (the sums and the all-reduce's buffer), plus the
   layer inputs and outputs of this rank's samples (``2 x samples x seq_len x hidden``).
+* ``calibrate.algorithm: awq`` (``awq_bytes``): one decoder layer at a time, the ``X^T X``
+  of each quantized consumer's input (float64, twice: the sums and the all-reduce's buffer):
+  q/k/v share the input norm's (``hidden^2``), a dense MLP's gate/up the MLP norm's, o_proj
+  and every down_proj their own (``in^2``), an expert's gate/up one ``hidden^2`` and its down
+  one ``inter^2`` (this rank's experts only); plus the layer inputs and outputs of this
+  rank's samples (as gptq), one layer's quantized weights copied (the outputs pass quantizes
+  them in place and puts them back), one candidate's error work for the largest weight
+  (``2 x out x in`` float64) and the per-channel statistics (the sums of ``|x|``, and where
+  inputs are quantized each candidate's input errors: ``grid x width`` int64 per site).
 * ``export``: no model on the device; per rank, at most 2 x the largest tensor + 256 MiB of
   memory (the export's documented bound), and its share of the reads.
 
@@ -62,6 +71,7 @@ class RankFigures:
     bytes_read: int
     forward_bytes: int = 0  # one batch's forward working set (an estimate, see forward_bytes)
     gptq_bytes: int = 0  # calibrate.algorithm gptq: one layer's Hessians and the layer I/O
+    awq_bytes: int = 0  # calibrate.algorithm awq: the layer I/O, one layer's weights, its search
     host_bytes: int = 0  # host memory the command holds beyond the page cache
     peak_bytes: int = 0
     fits: bool | None = None
@@ -80,6 +90,7 @@ class RankFigures:
             + self.activation_bytes
             + self.forward_bytes
             + self.gptq_bytes
+            + self.awq_bytes
             + self.slack_bytes
         )
         self.fits = None if device_bytes is None else self.peak_bytes <= device_bytes
@@ -253,6 +264,62 @@ def gptq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) ->
     """What ``calibrate.algorithm: gptq`` adds on a rank (see the module doc)."""
     io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
     return 2 * gptq_hessian_bytes(tensors, ignored) + io
+
+
+def _awq_site(module: str) -> str:
+    """The input whose ``X^T X`` a dense linear's AWQ loss takes (see the module doc)."""
+    parent, _, leaf = module.rpartition(".")
+    layer, _, block = parent.rpartition(".")
+    if block == "self_attn" and leaf != "o_proj":
+        return f"{layer}.input_layernorm"
+    if block == "mlp" and leaf != "down_proj":
+        return f"{layer}.post_attention_layernorm"
+    return module
+
+
+def _awq_layer_sites(tensors: list[Held], ignored) -> dict[int, dict[str, tuple[int, int]]]:
+    """Per decoder layer, awq's input sites: name -> (how many: experts, width)."""
+    per_layer: dict[int, dict[str, tuple[int, int]]] = {}
+    for t in tensors:
+        if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
+            continue
+        module = t.name.rpartition(".")[0]
+        if ignored(module) or module.endswith((".mlp.gate", ".router")):
+            continue
+        sites = per_layer.setdefault(t.layer, {})
+        if len(t.shape) == 3:  # fused experts [E, out, in]: one per expert and side
+            sites[t.name] = (t.shape[0], t.shape[2])
+        else:
+            sites[_awq_site(module)] = (1, t.shape[1])
+    return per_layer
+
+
+def awq_hessian_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
+    """The largest layer's ``X^T X`` bytes (float64) of ``calibrate.algorithm: awq`` on a rank
+    holding ``tensors``; routers and anything ``ignored`` take none."""
+    per_layer = _awq_layer_sites(tensors, ignored)
+    return max((8 * sum(n * d * d for n, d in s.values()) for s in per_layer.values()), default=0)
+
+
+def awq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored, grid: int) -> int:
+    """What ``calibrate.algorithm: awq`` adds on a rank (see the module doc)."""
+    io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
+    layer_numel: dict[int, int] = {}
+    largest = 0
+    for t in tensors:
+        if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
+            continue
+        module = t.name.rpartition(".")[0]
+        if ignored(module) or module.endswith((".mlp.gate", ".router")):
+            continue
+        layer_numel[t.layer] = layer_numel.get(t.layer, 0) + t.numel
+        largest = max(largest, t.shape[-2] * t.shape[-1])
+    copies = max(layer_numel.values(), default=0) * shape.itemsize
+    # per site and candidate, the input errors per channel (int64, and the exchange's buffer)
+    per_layer = _awq_layer_sites(tensors, ignored)
+    widths = max((sum(n * d for n, d in s.values()) for s in per_layer.values()), default=0)
+    stats = 16 * widths + 2 * 8 * grid * widths
+    return io + 2 * awq_hessian_bytes(tensors, ignored) + copies + 16 * largest + stats
 
 
 def export_host_bytes(*, largest: int, tensors: int, dcp: bool, cuda: bool) -> int:

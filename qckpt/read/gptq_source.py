@@ -10,6 +10,10 @@ and every other tensor; an entry one of whose checkpoint tensors is in the sidec
 the sidecar (a fused experts tensor assembled from its experts' views), one in flight, and has
 no byte span (the export's bulk path would read the original's bytes). The entries and hence
 the export's files do not depend on how the sidecar is split (DP, EP).
+
+An ``awq`` calibration's sidecar (``<output>.awq/``) is read the same way: it holds every
+tensor its folds changed (norms, routers and linears, in the model's dtype) and no block
+scales, so the export quantizes the folded weights as it would any checkpoint's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """calibrate.algorithm under DP / EP / DP x EP (gloo): the export is the one process's, byte for
-byte, on the tiny MoE with cold experts (experts 5-7 never routed to), for every algorithm."""
+byte, on the tiny MoE with cold experts (experts 5-7 never routed to), for every algorithm
+(max is the other tests'; mse, gptq and awq here)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,12 @@ def sc_calibrate(rank, world, ep, quant, algorithm, out):
 
     r = _recipe(quant, algorithm)
     mesh = init_mesh(ep=ep, timeout_s=10, device="cpu") if world > 1 else Mesh()
-    starve = lambda m: starve_experts(m, cold=COLD)  # noqa: E731
+
+    def starve(m):
+        starve_experts(m, cold=COLD)
+        if algorithm == "awq":
+            _salient(m)
+
     model = build("tiny-moe", mesh, seeded=True, before_shard=starve).model
     batches = calibration_batches(
         r.calibrate.data,
@@ -51,13 +57,24 @@ def sc_calibrate(rank, world, ep, quant, algorithm, out):
         data_world=mesh.data_parallel_size,
     )
     state, report = calibrate_model(model, batches, r.quant, mesh, algorithm=algorithm)
-    if algorithm == "gptq":  # every writer rank (first DP rank of each EP rank) writes its part
+    if algorithm in ("gptq", "awq"):  # every writer rank (first DP rank of each EP rank) writes
         from qckpt.calib.gptq_pass import write_weights
 
-        write_weights(state, out, mesh)
+        write_weights(state, out, mesh, suffix="." + algorithm)
     if rank == 0:
         save_calibration(state, out)
     return {"layers": report["layers"], "collectives": report["sync_collectives"]}
+
+
+def _salient(model) -> None:
+    """A few hidden channels 16x the others after every norm (a trained model's outliers), so
+    that AWQ folds into the norms (and the routers, and every expert's columns) too."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[:4] *= 16
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +83,17 @@ def hf(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("algos")
     build_model("tiny-moe", dtype="bfloat16", seed=0).save_pretrained(root / "hf")
+    return root / "hf"
+
+
+@pytest.fixture(scope="module")
+def hf_salient(tmp_path_factory) -> Path:
+    from qckpt.models.build import build_model
+
+    root = tmp_path_factory.mktemp("algos-salient")
+    model = build_model("tiny-moe", dtype="bfloat16", seed=0)
+    _salient(model)
+    model.save_pretrained(root / "hf")
     return root / "hf"
 
 
@@ -83,14 +111,18 @@ def _search_rows(layers: dict, algorithm: str) -> list[dict]:
 
 
 def _strip(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    # a layer's seconds, and awq's check of its fold (on this rank's first batch)
+    return [{k: v for k, v in r.items() if k not in ("seconds", "fold_error")} for r in rows]
 
 
 @pytest.mark.parametrize(("algorithm", "quant"), [("mse", q) for q in sorted(QUANTS)]
-                         + [("gptq", "nvfp4")])  # fmt: skip
-def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, tmp_path, algorithm, quant):
+                         + [("gptq", "nvfp4")] + [("awq", q) for q in sorted(QUANTS)])  # fmt: skip
+def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(
+    hf, hf_salient, tmp_path, algorithm, quant
+):
     from qckpt.calib.state_file import calibration_differences
 
+    hf = hf_salient if algorithm == "awq" else hf
     one = tmp_path / "one.safetensors"
     ref = sc_calibrate(0, 1, 1, quant, algorithm, one)
     # the algorithm did something a user sees: some clip below max / a lower output error
@@ -98,9 +130,16 @@ def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, tmp_path, algori
     if algorithm == "mse":
         assert rows and any(r["ratio_min"] < 1.0 for r in rows)
         assert sum(r["loss_mse"] for r in rows) < sum(r["loss_max"] for r in rows)
-    else:  # every layer: GPTQ's output error under rounding's; the cold experts rounded
+    elif algorithm == "gptq":  # every layer: GPTQ's output error under rounding's; cold rounded
         assert len(rows) == 2 and all(r["loss_gptq"] < r["loss_rtn"] for r in rows)
         assert all(r["rounded"] == 3 * len(COLD) for r in rows)
+    else:  # awq: every layer searched, never worse than max; some scales folded; cold skipped
+        assert len(rows) == 2 and all(r["loss_awq"] <= r["loss_max"] for r in rows)
+        assert all(r["alpha"]["input_layernorm"] and r["alpha"]["post_attention_layernorm"]
+                   for r in rows)  # fmt: skip
+        for r in rows:
+            assert [r["alpha"][f"mlp.experts.{e}.down_proj"] for e in COLD] == [None] * len(COLD)
+            assert 0 < r["fold_error"] < 0.02  # float scales: a BF16 rounding's worth
     ref_files = _export(hf, one, tmp_path / "x-one", quant, algorithm)
     for n, ep in ((2, 1), (2, 2), (4, 2)):  # DP2, EP2, DP2 x EP2
         cal = tmp_path / f"w{n}ep{ep}.safetensors"
@@ -111,6 +150,9 @@ def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, tmp_path, algori
         assert files == ref_files, (n, ep)
         if algorithm == "mse":  # every rank reports the same search (owners' losses, summed)
             assert all(o.value["layers"] == out[0].value["layers"] for o in out)
+        elif algorithm == "awq":  # every rank picked the same scales, from the same losses
+            for o in out:
+                assert _strip(_search_rows(o.value["layers"], "awq")) == _strip(rows), (n, ep)
         elif ep == 1:  # gptq: each rank's own linears (DP replicas: the same ones, same loss)
             rows = [_search_rows(o.value["layers"], "gptq") for o in out]
             for r in rows:
@@ -182,3 +224,35 @@ def test_mse_export_differs_from_max_and_lowers_weight_error(hf, tmp_path):
             total += float(((dq.reshape(w.shape) - w) ** 2).sum())
         err[algo] = total
     assert err["mse"] < 0.95 * err["max"], err
+
+
+def sc_dies_mid_awq(rank, world, tmp):
+    """Rank 1 dies in the middle of the AWQ pass (the second layer's first forward)."""
+    import os
+
+    from qckpt.calib import awq_pass
+
+    real = awq_pass.LayerRunner.run
+
+    def run(self, batches=None):
+        if rank == 1 and self.i == 1:
+            os._exit(3)
+        return real(self, batches)
+
+    awq_pass.LayerRunner.run = run
+    return sc_calibrate(rank, world, 1, "nvfp4", "awq", Path(tmp) / "c.safetensors")
+
+
+def test_a_rank_killed_mid_awq_ends_the_others_within_the_timeout(tmp_path):
+    import time
+
+    from tests.dist.harness import run_once
+
+    t0 = time.monotonic()
+    out = run_once(sc_dies_mid_awq, 2, str(tmp_path), timeout_s=10, deadline_s=120)
+    took = time.monotonic() - t0
+    assert out[1].exitcode == 3
+    assert not out[0].ok and out[0].exitcode == 1, out[0]
+    assert out[0].error_type in ("SyncError", "PeerError"), out[0].error
+    assert "\n" not in out[0].error and "awq" in out[0].error, out[0].error
+    assert took < 60, took

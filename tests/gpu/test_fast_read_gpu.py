@@ -201,7 +201,6 @@ def test_fused_experts_read_as_runs_on_cuda_equal_plain(moe_hf, monkeypatch, fmt
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4"])
 def test_read_ahead_on_cuda_equals_plain_at_max_inflight_1(dirs, moe_hf, monkeypatch, fmt):
     import qckpt.read.fast_read as fast_read
-    import qckpt.read.fast_tasks as fast_tasks
     from qckpt.load.loader import load_checkpoint
     from qckpt.read.fast_read import FastReadEngine
 

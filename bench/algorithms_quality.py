@@ -67,10 +67,9 @@ def _calib_tokens(work: Path) -> Path:
 
 
 def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
-    from qckpt.parallel.mesh import Mesh
+    from qckpt import init_mesh, recipe_from_dict
     from qckpt.pipeline.calibrate import calibrate
     from qckpt.pipeline.export import export
-    from qckpt.recipe import recipe_from_dict
 
     tag = f"{config}-{algorithm}"
     # gptq+mse: GPTQ with each NVFP4 group's scale searched (calibrate.gptq_block_scales: mse)
@@ -93,7 +92,7 @@ def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
             "export": {"output": str(work / tag), "format": "compressed-tensors"},
         }
     )  # fmt: skip
-    calibrate(recipe, Mesh())
+    calibrate(recipe, init_mesh(device="cpu"))
     export(recipe, None)
     return work / tag
 
@@ -102,7 +101,7 @@ def _fake_inputs(model, export_dir: Path, config: str) -> list:
     """Pre-hooks fake-quantizing every quantized linear's input as the export says."""
     from safetensors import safe_open
 
-    from qckpt.formats import quantize
+    from qckpt import quantize
 
     scales = {}
     for f in export_dir.glob("*.safetensors"):
@@ -139,11 +138,10 @@ def _measure(
 ) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from qckpt.convert.dequantize import dequantize_dir
+    from qckpt.pipeline.convert import dequantize_hf  # qckpt convert --to hf's body
 
     deq = work / f"{export_dir.name}-deq"
-    deq.mkdir()
-    dequantize_dir(export_dir, deq, dtype=torch.float32)
+    dequantize_hf(export_dir, deq, "float32")
     model = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
     out = {"weights": bits_per_byte(model, windows)}
     if weights_only:

@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
 def compare(args: argparse.Namespace) -> int:
     import torch
 
-    from qckpt.calib.state_file import calibration_differences, load_calibration
+    from qckpt import load_calibration
+    from qckpt.calib.state_file import calibration_differences
 
     diffs = calibration_differences(args.a, args.b)
     a, b = load_calibration(args.a).amax, load_calibration(args.b).amax

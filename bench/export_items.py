@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.threads:  # 1: steadier figures on a shared machine (no spinning of idle op threads)
         torch.set_num_threads(a.threads)
-    from qckpt.recipe import recipe_from_dict
+    from qckpt import recipe_from_dict
 
     counts = {"scalar_reads": 0}
     stats = _keep_stats()

@@ -190,8 +190,8 @@ def measure_model(
 ) -> list[dict[str, Any]]:
     import torch
 
-    from qckpt.evaluate.options import EvalOptions
-    from qckpt.evaluate.run import evaluate
+    from qckpt import EvalOptions
+    from qckpt.evaluate.run import evaluate  # evaluate_export's body: it takes the source cache
     from qckpt.evaluate.vllm_client import figures, vllm_available
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

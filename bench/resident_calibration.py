@@ -57,7 +57,7 @@ def _run(recipe: str, sets: list[str], fmt: str, tmp: Path) -> dict:
 
 
 def _compare(path: str, ref_path: str) -> dict:
-    from qckpt.calib.state_file import load_calibration
+    from qckpt import load_calibration
 
     got, ref = load_calibration(path).amax, load_calibration(ref_path).amax
     weights = [k for k in ref if k.endswith(".weight_amax")]

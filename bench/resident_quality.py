@@ -37,7 +37,7 @@ DATA = {"source": "synthetic", "num_samples": 32, "seq_len": 32, "batch_size": 4
 
 
 def _recipe(hf: Path, work: Path, resident: str):
-    from qckpt.recipe import recipe_from_dict
+    from qckpt import recipe_from_dict
 
     return recipe_from_dict(
         {
@@ -159,8 +159,7 @@ def _export_diff(out: Path, ref: Path) -> dict:
 def run_model(source: str, work: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from qckpt import build_model
-    from qckpt.parallel.mesh import Mesh
+    from qckpt import build_model, init_mesh
     from qckpt.pipeline.calibrate import calibrate
     from qckpt.pipeline.export import export
 
@@ -174,7 +173,7 @@ def run_model(source: str, work: Path) -> dict:
     res: dict = {}
     for r in RESIDENT:
         recipe = _recipe(hf, work, r)
-        state = calibrate(recipe, Mesh()).state
+        state = calibrate(recipe, init_mesh(device="cpu")).state
         export(recipe)
         loaded = AutoModelForCausalLM.from_pretrained(work / f"export-{r}", dtype=torch.bfloat16)
         sim = _w8a8(ref, state.amax)

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from bench.formats import timer
-from qckpt.formats import quantize, triton_kernels
+from qckpt import quantize
+from qckpt.formats import triton_kernels
 
 
 def _time(fn, iters: int) -> float:  # noqa: ANN001

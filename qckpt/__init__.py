@@ -4,12 +4,13 @@ The front door for library users (docs/API.md shows a whole load -> calibrate ->
 check). ``import qckpt`` imports no torch: each name below is looked up on first use
 (PEP 562), so a script that only checks an export never pays for torch.
 
-* recipes and worlds: ``load_recipe``, ``init_mesh``;
+* recipes and worlds: ``load_recipe``, ``recipe_from_dict``, ``init_mesh``;
 * models and tensors: ``build_model``, ``quantize``, ``dequantize``, ``empty``;
 * checkpoints: ``open_checkpoint``, ``load_checkpoint`` with ``LoadOptions``;
 * calibration: ``calibrate_model``, ``save_calibration``, ``load_calibration``;
 * export: ``plan_export``, ``write_export``, ``export_checkpoint`` with ``WriteOptions``;
-  ``check_export``; ``evaluate_export`` with ``EvalOptions``;
+  ``check_export``; ``evaluate_export`` with ``EvalOptions``; ``EXPORT_MARKER`` (the file
+  every export dir holds: ``export.overwrite`` replaces only a dir that has it);
 * errors: ``QckptError`` and its kinds (docs/ERRORS.md).
 
 The CLI's command bodies are ``qckpt.pipeline``; every other module is internal.
@@ -43,6 +44,9 @@ _EXPORTS = {
     "check_export": "qckpt.layouts.check",
     "evaluate_export": "qckpt.api",
     "EvalOptions": "qckpt.evaluate.options",
+    # a recipe from a mapping (what load_recipe reads from YAML); the file every export dir holds
+    "recipe_from_dict": "qckpt.recipe",
+    "EXPORT_MARKER": "qckpt.outputs",
     "QckptError": "qckpt.errors",
     "UsageError": "qckpt.errors",
     "RecipeError": "qckpt.errors",

@@ -14,8 +14,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qckpt import build_model, calibrate_model, export_checkpoint, init_mesh, save_calibration
-from qckpt.recipe import recipe_from_dict
+from qckpt import (
+    build_model,
+    calibrate_model,
+    export_checkpoint,
+    init_mesh,
+    recipe_from_dict,
+    save_calibration,
+)
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"  # [64, 64]
 DOWN = "model.layers.1.mlp.experts.3.down_proj"  # [64, 32]

@@ -126,15 +126,3 @@ def test_blockwise_fp8_to_ct_nvfp4_loads_in_transformers(tmp_path):
     )
     assert float(cos.mean()) >= 0.99 and float(cos.min()) >= 0.98, cos
     assert float(w4a4.mean()) >= 0.97, w4a4
-
-
-def test_ct_nvfp4_refuses_what_it_cannot_write():
-    from qckpt import ExportError
-    from qckpt.layouts.registry import make_layout
-
-    q = quant_config(fmt="nvfp4", inputs="token")  # dynamic NVFP4 inputs: no global input scale
-    with pytest.raises(ExportError, match="writes NVFP4 .* with weights and static inputs nvfp4"):
-        make_layout("compressed-tensors", q, torch.bfloat16)
-    layout = make_layout("compressed-tensors", _nvfp4_quant(), torch.bfloat16)
-    with pytest.raises(ExportError, match=r"^m: NVFP4 needs the input dim divisible by 16, got 40"):
-        layout.linear_specs("m", (32, 40))

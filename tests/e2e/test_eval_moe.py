@@ -15,7 +15,7 @@ from tests.conftest import run_qckpt
 
 @pytest.fixture(scope="module")
 def moe_export(tmp_path_factory) -> tuple[Path, Path, Path]:
-    from qckpt.models.build import build_model
+    from qckpt import build_model
 
     tmp = tmp_path_factory.mktemp("eval-moe")
     src = tmp / "src"

@@ -125,8 +125,8 @@ def source_cache() -> dict:
 
 
 def _eval(export: Path, cache: dict | None, windows: int = FEW, fused: str = "vllm") -> dict:
-    from qckpt.evaluate.options import EvalOptions
-    from qckpt.evaluate.run import evaluate
+    from qckpt import EvalOptions
+    from qckpt.evaluate.run import evaluate  # evaluate_export's body: it takes the source cache
 
     opts = EvalOptions(windows=windows, fused=fused)
     return evaluate(export, MODEL, HELDOUT, opts, cache=cache)

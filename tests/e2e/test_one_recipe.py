@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from qckpt.cli import gpu_use
 from tests._inproc import run_main
 from tests.conftest import ROOT
 
@@ -47,7 +46,6 @@ def test_plan_still_takes_the_recipe_as_it_is(calibrated):
 @pytest.mark.parametrize("cmd", ["load", "calibrate"])
 def test_more_ranks_than_gpus_is_one_line_before_any_rank(calibrated, monkeypatch, cmd):
     run, sets = calibrated
-    monkeypatch.setattr(gpu_use, "visible_gpus", lambda *a, **k: 1)
     monkeypatch.setattr("qckpt.cli._common.visible_gpus", lambda *a, **k: 1)
     r = run_main(cmd, RECIPE, *sets, "--nproc-per-node", "2", cwd=run)
     assert r.returncode == 2
@@ -56,13 +54,6 @@ def test_more_ranks_than_gpus_is_one_line_before_any_rank(calibrated, monkeypatc
         "qckpt: error: --nproc-per-node 2: only 1 GPU(s) visible here and each rank needs its "
         "own; use --nproc-per-node 1 or less, or --set load.device=cpu"
     ]
-
-
-def test_the_cpu_needs_no_gpu_per_rank(monkeypatch):
-    monkeypatch.setattr("qckpt.cli._common.visible_gpus", lambda *a, **k: 1)
-    use = gpu_use.GpuUse("load.device", "cpu")
-    assert gpu_use.check_gpus(use, 4, 1) is None
-    assert gpu_use.check_gpus(gpu_use.GpuUse("load.device", "auto"), 4, 0) is None
 
 
 def test_export_ranks_share_the_gpu_and_say_so(calibrated, monkeypatch):
@@ -76,13 +67,3 @@ def test_export_ranks_share_the_gpu_and_say_so(calibrated, monkeypatch):
     assert r.returncode == 0, r.stderr
     assert "2 ranks share 1 GPU(s)" in r.stderr
     assert (out / "config.json").is_file()
-
-
-def test_gpus_are_counted_from_the_device_nodes_and_cuda_visible_devices(tmp_path):
-    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
-        (tmp_path / name).touch()
-    assert gpu_use.visible_gpus({}, tmp_path) == 3
-    assert gpu_use.visible_gpus({"CUDA_VISIBLE_DEVICES": "1"}, tmp_path) == 1
-    assert gpu_use.visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,-1,2"}, tmp_path) == 2
-    assert gpu_use.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, tmp_path) == 0
-    assert gpu_use.visible_gpus({}, tmp_path / "none") == 0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from qckpt.outputs import EXPORT_MARKER
+from qckpt import EXPORT_MARKER
 from tests.conftest import ROOT, run_qckpt
 
 RECIPE = str(ROOT / "configs" / "tiny-dense.yaml")

@@ -16,7 +16,7 @@ def _moe_dir(root, layers: int):
     """A Qwen3-MoE dir of many small tensors (128 experts a layer), saved per expert."""
     from transformers import Qwen3MoeConfig
 
-    from qckpt.models.build import build_model
+    from qckpt import build_model
 
     cfg = Qwen3MoeConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,

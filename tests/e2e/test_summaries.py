@@ -136,21 +136,3 @@ def test_a_run_as_a_user_runs_it_prints_only_qckpts_lines(runs):
     assert lines and lines[0].startswith("export: "), r.stderr
     assert all(ln.startswith("  ") for ln in lines[1:]), r.stderr
     assert r.stdout.strip() == f"wrote {d}/fp8-again (compressed-tensors) on 1 rank(s)"
-
-
-def test_progress_bars_show_rate_and_eta_on_a_terminal_only(monkeypatch):
-    import io
-
-    from rich.console import Console
-
-    from qckpt.cli import output
-
-    for terminal in (True, False):
-        buf = io.StringIO()
-        con = Console(file=buf, force_terminal=terminal, width=120)
-        monkeypatch.setattr(output, "err", con)
-        with output.progress("exporting", 4) as advance:
-            for _ in range(4):
-                advance()
-        text = buf.getvalue()
-        assert ("eta" in text and "/s" in text) if terminal else text == "", (terminal, text)

@@ -15,7 +15,7 @@ PUBLIC = [
     "load_recipe", "init_mesh", "build_model", "quantize", "dequantize", "empty",
     "open_checkpoint", "load_checkpoint", "LoadOptions", "calibrate_model", "save_calibration",
     "load_calibration", "plan_export", "write_export", "export_checkpoint", "WriteOptions",
-    "check_export", "evaluate_export", "EvalOptions",
+    "check_export", "evaluate_export", "EvalOptions", "recipe_from_dict", "EXPORT_MARKER",
     "QckptError", "UsageError", "RecipeError", "FormatError", "CheckpointError",
     "CalibrationError", "SyncError", "PeerError", "ExportError", "OutputPathError", "OutputError",
 ]  # fmt: skip
@@ -23,6 +23,8 @@ PUBLIC = [
 TORCH_FREE = [n for n in PUBLIC if n.endswith(("Error", "EvalOptions", "LoadOptions"))] + [
     "check_export",
     "load_recipe",
+    "recipe_from_dict",
+    "EXPORT_MARKER",
 ]
 
 PROBE = """
@@ -49,20 +51,24 @@ def test_import_qckpt_offers_exactly_the_public_names_and_no_torch():
     assert got["all"] == PUBLIC
     assert got["dir"] == sorted(PUBLIC)
     assert got["after_import"] == [] and got["after_light"] == [], got
-    # every name resolves: a class for the options and errors, a function for the verbs
+    # every name resolves: a class for the options and errors, a function for the verbs, the
+    # marker's file name a string
     kinds = {n: "function" if n[0].islower() else "type" for n in PUBLIC}
+    kinds["EXPORT_MARKER"] = "str"
     assert got["kinds"] == kinds
     assert got["version"]
 
 
 def test_front_door_names_are_the_modules_own_objects():
     import qckpt
+    from qckpt import outputs
     from qckpt.calib import state_file
     from qckpt.errors import QckptError
     from qckpt.export import writer as export
 
     assert qckpt.save_calibration is state_file.save_calibration
     assert qckpt.WriteOptions is export.WriteOptions
+    assert qckpt.EXPORT_MARKER == outputs.EXPORT_MARKER == ".qckpt-export.json"
     assert all(issubclass(getattr(qckpt, n), QckptError) for n in PUBLIC if n.endswith("Error"))
     # a name outside the list is no front-door name (``qckpt.load`` is the package of the
     # loader now: once imported, the import system sets it on qckpt as any submodule)

@@ -46,6 +46,7 @@ from qckpt.errors import CheckpointError
 from qckpt.layouts.registry import refuse_quantized_dcp
 from qckpt.layouts.training import Mapping, Piece, map_checkpoint
 from qckpt.models import naming
+from qckpt.models.build import transformers_config
 from qckpt.read.detect import megatron_config, resolve_iteration
 from qckpt.read.fast_readers import FastReader
 from qckpt.read.source import CheckpointSource, Entry
@@ -497,7 +498,9 @@ class FastTrainingReader(FastReader, TrainingReader):
 
 
 class TrainingSource(CheckpointSource):
-    """A training checkpoint listed and read in HF checkpoint names (per expert)."""
+    """A training checkpoint listed and read in HF checkpoint names (per expert); ``config``:
+    the HF config its tensors map onto, a transformers config or its dict (what an export after
+    ``calibrate`` has: the calibration file's record of the model)."""
 
     def __init__(self, path: str | os.PathLike, framework: str, config: Any) -> None:
         if config is None:
@@ -507,7 +510,9 @@ class TrainingSource(CheckpointSource):
             )
         super().__init__(resolve_iteration(path))
         self.format = framework
-        self.config = config
+        # one config for the meta model's names and the layout's fields (a dict's missing
+        # keys take the transformers defaults, as they do for the HF form's own export)
+        self.config = transformers_config(config)
         self._ckpt: TrainingCheckpoint | None = None
 
     def checkpoint(self) -> TrainingCheckpoint:

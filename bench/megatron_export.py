@@ -17,6 +17,9 @@
    then ``qckpt export`` from it; the HF copy is deleted after.
 5. Both exports' files are hashed: they must be byte-identical ("same_files").
 
+``--open-only``: the checkpoint's ``.metadata`` alone (no data), and the seconds that opening it
+as a source takes (the export's planning), at any ``--layers`` in seconds of disk.
+
 Disk: the checkpoint, plus an export (FP8: ~31 GB), plus during step 4 the HF copy (61 GB):
 about 155 GB for 48 layers. On one H200 (64 GB disk, 128 GiB memory) the checkpoint goes on the
 disk and ``--scratch /dev/shm/mc`` puts both exports and the HF copy in tmpfs (at most the HF copy
@@ -169,6 +172,44 @@ def write_layout(out: Path, cfg, tp: int = 2, ep: int = 8, files: int = 8) -> in
     return total
 
 
+def open_seconds(work: Path, cfg) -> dict:
+    """``--open-only``: the checkpoint's ``.metadata`` alone (every chunk's record pointing into
+    one sparse file), then the seconds that opening it as a source and listing its HF entries
+    take (the export's planning of a training checkpoint, the meta-model build included)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from qckpt.read.training_sources import TrainingSource
+
+    out = work / f"meta-{cfg.num_hidden_layers}l"
+    out.mkdir(parents=True, exist_ok=True)
+    sd_md, storage, pos = {}, {}, 0
+    for name, shape, chunks in _layout(cfg, 2, 8):
+        metas = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in chunks]
+        sd_md[name] = TensorStorageMetadata(
+            TensorProperties(dtype=torch.bfloat16), torch.Size(shape), metas
+        )
+        for o, _ in chunks:
+            storage[MetadataIndex(name, torch.Size(o))] = _StorageInfo("__0_0.distcp", pos, 64)
+            pos += 64
+    md = Metadata(state_dict_metadata=sd_md, storage_data=storage, storage_meta=StorageMeta())
+    (out / ".metadata").write_bytes(pickle.dumps(md))
+    (out / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    with open(out / "__0_0.distcp", "wb") as f:
+        f.truncate(pos)
+    t0 = time.perf_counter()
+    n = len(TrainingSource(out, "megatron", cfg).entries())
+    return {"entries": n, "open_seconds": round(time.perf_counter() - t0, 2)}
+
+
 # above every value write_layout draws (0.02-sigma bases scaled by at most 2): no code saturates
 WEIGHT_AMAX = 0.25
 
@@ -271,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiny", action="store_true", help="a small model: checks the script on a CPU")
+    ap.add_argument(
+        "--open-only",
+        action="store_true",
+        help="only time opening the checkpoint (its .metadata alone, no data): the planning",
+    )
     args = ap.parse_args(argv)
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -281,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg_dir.mkdir(exist_ok=True)
     (cfg_dir / "config.json").write_text(cfg.to_json_string())
     result: dict = {"layers": args.layers}
+    if args.open_only:
+        print(json.dumps({**result, **open_seconds(work, cfg)}))
+        return 0
     if not (mc / ".metadata").exists():
         t0 = time.perf_counter()
         result["checkpoint_bytes"] = write_layout(mc, cfg)

@@ -27,6 +27,7 @@ from qckpt.export.shared_scales import share_fused_amax, share_moe_amax
 from qckpt.layouts.export_layout import ExportLayout, OutSpec
 from qckpt.layouts.names import MOE_SHARED
 from qckpt.layouts.registry import make_layout
+from qckpt.models.build import transformers_config
 from qckpt.models.naming import expert_slices, ignore_matcher, is_fused_experts
 from qckpt.outputs import check_export_target, guard
 from qckpt.phases import PLAN, timed
@@ -57,15 +58,6 @@ def _config_dict(model_config: Any) -> dict:
     return json.loads(model_config.to_json_string(use_diff=False))
 
 
-def _transformers_config(model_config: Any, model_type: str) -> Any:
-    if not isinstance(model_config, dict):
-        return model_config
-    from transformers import AutoConfig
-
-    d = {k: v for k, v in model_config.items() if k not in ("model_type", "quantization_config")}
-    return AutoConfig.for_model(model_config.get("model_type", model_type), **d)
-
-
 def _is_router(name: str, module: torch.nn.Module) -> bool:
     cls = type(module).__name__.lower()
     return "router" in cls or name.endswith((".mlp.gate", ".block_sparse_moe.gate", ".router"))
@@ -79,7 +71,7 @@ def model_linears(model_config: Any, model_type: str) -> tuple[set[str], set[str
     """
     from transformers import AutoModelForCausalLM
 
-    cfg = _transformers_config(model_config, model_type)
+    cfg = transformers_config(model_config, model_type)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
     linears: set[str] = set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,6 +77,18 @@ def load_config(source: str):
         return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises many kinds for a bad config
         raise UsageError(f"model.source: cannot read {path / 'config.json'}: {exc}") from None
+
+
+def transformers_config(config: Any, model_type: str = "") -> Any:
+    """A transformers config of ``config``: itself when it is one, else made from its dict (a
+    config.json's content, as the calibration file records it; ``model_type`` when it names
+    none)."""
+    if not isinstance(config, dict):
+        return config
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    return AutoConfig.for_model(config.get("model_type", model_type), **d)
 
 
 def build_model(

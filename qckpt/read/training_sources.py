@@ -21,6 +21,7 @@ of QKV, one expert of the expert axis) and a rank reads only its shard's chunks.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import io
 import json
@@ -46,6 +47,7 @@ from qckpt.errors import CheckpointError
 from qckpt.layouts.registry import refuse_quantized_dcp
 from qckpt.layouts.training import Mapping, Piece, map_checkpoint
 from qckpt.models import naming
+from qckpt.models.build import transformers_config
 from qckpt.read.detect import megatron_config, resolve_iteration
 from qckpt.read.fast_readers import FastReader
 from qckpt.read.source import CheckpointSource, Entry
@@ -139,14 +141,54 @@ class ChunkPiece:
         return tuple(o), tuple(n)
 
 
-def _cut(piece: Piece, prefix: str, md: Metadata) -> list[ChunkPiece]:
-    """``piece`` intersected with each chunk of its stored tensor."""
+class ChunkIndex:
+    """A stored tensor's chunks found by region: a trie over their offsets, axis by axis (at
+    each level the distinct offsets sorted, and the longest chunk of the level on that axis),
+    so that a piece visits the chunks near it instead of all of them: a stacked expert tensor
+    has a chunk per layer and expert (12k of fc1 at 48 layers), and one piece per layer and
+    expert cut from it, which a scan of every chunk made quadratic in the model's size."""
+
+    def __init__(self, chunks: list[ChunkStorageMetadata]) -> None:
+        self.chunks = chunks
+        self.offsets = [tuple(int(o) for o in c.offsets) for c in chunks]
+        self.ndim = len(chunks[0].offsets) if chunks else 0
+        self.root = self._node(list(range(len(chunks))), 0)
+
+    def _node(self, members: list[int], d: int) -> Any:
+        if d == self.ndim:
+            return members
+        groups: dict[int, list[int]] = {}
+        for i in members:
+            groups.setdefault(self.offsets[i][d], []).append(i)
+        starts = sorted(groups)
+        longest = max(int(self.chunks[i].sizes[d]) for i in members)
+        return starts, [self._node(groups[o], d + 1) for o in starts], longest
+
+    def near(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[int]:
+        """The indices (in stored order) of every chunk that may meet the region: a superset
+        of those that do (the caller intersects), never missing one."""
+        found: list[int] = []
+        todo = [(self.root, 0)]
+        while todo:
+            node, d = todo.pop()
+            if d == self.ndim:
+                found.extend(node)
+                continue
+            starts, kids, longest = node
+            lo = bisect.bisect_right(starts, offsets[d] - longest)
+            hi = bisect.bisect_left(starts, offsets[d] + sizes[d])
+            todo.extend((kids[k], d + 1) for k in range(lo, hi))
+        return sorted(found)
+
+
+def _cut(piece: Piece, prefix: str, index: ChunkIndex) -> list[ChunkPiece]:
+    """``piece`` intersected with each chunk of its stored tensor (``index``: its chunks)."""
     fqn = prefix + piece.stored
-    meta = md.state_dict_metadata[fqn]
     src_axes = [s for s, n in enumerate(piece.src_sizes) if n != 1]
     dest_axes = [d for d, n in enumerate(piece.dest_sizes) if n != 1]
     out: list[ChunkPiece] = []
-    for c in meta.chunks:
+    for i in index.near(piece.src_offsets, piece.src_sizes):
+        c = index.chunks[i]
         lo = [max(a, int(co)) for a, co in zip(piece.src_offsets, c.offsets, strict=True)]
         hi = [
             min(a + n, int(co) + int(cn))
@@ -210,8 +252,16 @@ class TrainingCheckpoint:
         # FP8 parameters saved as their codes (scales elsewhere): no layout of ours reads them
         used = {p.stored for t in self.mapping.targets.values() for p in t.pieces}
         refuse_quantized_dcp({self.prefix + k: dtypes[k] for k in used}, str(self.path))
+        indexes: dict[str, ChunkIndex] = {}
+
+        def cut(p: Piece) -> list[ChunkPiece]:
+            fqn = self.prefix + p.stored
+            if fqn not in indexes:
+                indexes[fqn] = ChunkIndex(list(self.md.state_dict_metadata[fqn].chunks))
+            return _cut(p, self.prefix, indexes[fqn])
+
         self.pieces = {
-            name: [cp for p in t.pieces for cp in _cut(p, self.prefix, self.md)]
+            name: [cp for p in t.pieces for cp in cut(p)]
             for name, t in self.mapping.targets.items()
         }
         self._located: dict[MetadataIndex, StoredTensor | None] = {}
@@ -497,7 +547,9 @@ class FastTrainingReader(FastReader, TrainingReader):
 
 
 class TrainingSource(CheckpointSource):
-    """A training checkpoint listed and read in HF checkpoint names (per expert)."""
+    """A training checkpoint listed and read in HF checkpoint names (per expert); ``config``:
+    the HF config its tensors map onto, a transformers config or its dict (what an export after
+    ``calibrate`` has: the calibration file's record of the model)."""
 
     def __init__(self, path: str | os.PathLike, framework: str, config: Any) -> None:
         if config is None:
@@ -507,7 +559,9 @@ class TrainingSource(CheckpointSource):
             )
         super().__init__(resolve_iteration(path))
         self.format = framework
-        self.config = config
+        # one config for the meta model's names and the layout's fields (a dict's missing
+        # keys take the transformers defaults, as they do for the HF form's own export)
+        self.config = transformers_config(config)
         self._ckpt: TrainingCheckpoint | None = None
 
     def checkpoint(self) -> TrainingCheckpoint:

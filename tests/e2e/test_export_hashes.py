@@ -40,11 +40,6 @@ class Case:
     # and read as an HF dir; "blockwise": that dir quantized DeepSeek-style; "given": the
     # recipe's own checkpoint.path (a committed fixture)
     source: str = "convert"
-    # export through the front door (``qckpt.export_checkpoint``, the model config read from
-    # ``model.source``) instead of the CLI: ``qckpt export`` of a training checkpoint after
-    # ``qckpt calibrate`` passes the calibration file's recorded config (a dict) to the
-    # training reader, which wants a transformers config (a bug of main, left to its own fix)
-    api: bool = False
 
 
 MOE_NVFP4 = (
@@ -97,7 +92,6 @@ CASES = [
         ),
         source="given",
         layouts=LAYOUTS[:1],
-        api=True,
     ),
     Case(
         "torchtitan-llama3",
@@ -110,7 +104,6 @@ CASES = [
         ),
         source="given",
         layouts=LAYOUTS[:1],
-        api=True,
     ),
 ]
 
@@ -163,27 +156,9 @@ def export_case(case: Case, run: Path) -> dict[str, dict[str, str]]:
     for layout in case.layouts:
         dst = run / layout
         more = [f"export.format={layout}", f"export.output={dst}"]
-        if case.api:
-            _api_export(case, [*sets, *more])
-        else:
-            _run("export", str(ROOT / case.recipe), *_sets([*sets, *more]))
+        _run("export", str(ROOT / case.recipe), *_sets([*sets, *more]))
         out[layout] = _digests(dst)
     return out
-
-
-def _api_export(case: Case, sets: list[str]) -> None:
-    import qckpt
-
-    r = qckpt.load_recipe(ROOT / case.recipe, sets)
-    qckpt.export_checkpoint(
-        source=r.checkpoint.path,
-        source_format=r.checkpoint.format,
-        calibration=r.calibrate.output,
-        output=r.export.output,
-        model_config=r.model.source,
-        quant=r.quant,
-        export=r.export,
-    )
 
 
 def _recorded() -> dict:

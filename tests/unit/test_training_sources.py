@@ -456,3 +456,46 @@ def test_inspect_names_framework_version_architecture_and_stacking():
     titan = inspect_path(TITAN / "qwen3_moe", str(TITAN / "qwen3_moe_hf"))
     assert titan["framework"] == "torchtitan" and titan["version"].startswith("0.3 names")
     assert titan["leftover"] == ["layers.0.moe.expert_bias_E", "layers.1.moe.expert_bias_E"]
+
+
+# ---- the chunks a piece meets, found without a scan of every chunk ---------------------------
+
+
+def _meets(c, offs, sizes) -> bool:
+    return all(
+        max(a, int(o)) < min(a + n, int(o) + int(z))
+        for a, n, o, z in zip(offs, sizes, c.offsets, c.sizes, strict=True)
+    )
+
+
+@pytest.mark.parametrize("layout", ["grid", "irregular"])
+def test_chunk_index_finds_every_chunk_a_region_meets(layout):
+    import itertools
+    import random
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as C
+
+    from qckpt.read.training_sources import ChunkIndex
+
+    rnd = random.Random(0)
+    if layout == "grid":  # [L, E, 2F, H]: one chunk per layer, expert and fc1 fragment
+        shape = (3, 5, 8, 4)
+        chunks = [C(torch.Size((i, e, f * 4, 0)), torch.Size((1, 1, 4, 4)))
+                  for i in range(3) for e in range(5) for f in range(2)]  # fmt: skip
+    else:  # rows split unevenly, each row band split in columns its own way
+        shape = (10, 12)
+        chunks = []
+        for r0, r1 in ((0, 3), (3, 4), (4, 10)):
+            cuts = sorted({0, 12, *rnd.sample(range(1, 12), 3)})
+            chunks += [C(torch.Size((r0, a)), torch.Size((r1 - r0, b - a)))
+                       for a, b in itertools.pairwise(cuts)]  # fmt: skip
+        rnd.shuffle(chunks)
+    index = ChunkIndex(chunks)
+    for _ in range(300):
+        offs = tuple(rnd.randrange(n) for n in shape)
+        sizes = tuple(rnd.randint(1, n - o) for n, o in zip(shape, offs, strict=True))
+        near = index.near(offs, sizes)
+        assert near == sorted(near)
+        assert {i for i, c in enumerate(chunks) if _meets(c, offs, sizes)} <= set(near)
+    whole = index.near((0,) * len(shape), shape)
+    assert whole == list(range(len(chunks)))

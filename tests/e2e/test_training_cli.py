@@ -23,7 +23,7 @@ RECIPE = ROOT / "configs" / "tiny-moe.yaml"
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     """The tiny MoE's HF dir (config.json and weights) and its Megatron and torchtitan forms."""
-    from qckpt.models.build import build_model
+    from qckpt import build_model
     from tests.export_fixtures import hf_state
 
     root = tmp_path_factory.mktemp("training-cli")

@@ -55,6 +55,7 @@ ALLOWED = {
     ("bench/megatron_export.py", "qckpt.models.build"): "load_config of the HF model it maps to",
     ("bench/megatron_export.py", "qckpt.models.naming"): "quant.ignore matching",
     ("bench/megatron_export.py", "qckpt.read.readers"): "open_source: the Megatron read alone",
+    ("bench/megatron_export.py", "qckpt.read.training_sources"): "--open-only: the opening alone",
     ("bench/megatron_export.py", "qckpt.recipe"): "the QuantConfig of the synthetic amaxes",
     ("bench/quantized_source.py", "qckpt.calib.state_file"): "a synthetic CalibrationState",
     ("bench/quantized_source.py", "qckpt.memory"): "the process's peak RSS, reset per phase",
@@ -89,6 +90,8 @@ ALLOWED = {
     ("tests/e2e/test_eval_quality.py", "qckpt.evaluate.run"): "the source cache, score_model",
     ("tests/e2e/test_eval_quality.py", "qckpt.evaluate.fused"): "requantized: vLLM's fusing",
     ("tests/e2e/test_eval_quality.py", "qckpt.evaluate.scheme"): "read_scheme of each export",
+    # the bug's path: asserts the export really takes the model from the calibration file
+    ("tests/e2e/test_training_cli.py", "qckpt.export.model_record"): "peek / usable",
 }
 
 

@@ -39,6 +39,7 @@ command allocates besides (allocator rounding, kernels' workspaces).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -241,17 +242,23 @@ def calibrate_figures(
     )
 
 
+def _quantized_linears(tensors: list[Held], ignored) -> Iterator[tuple[Held, str]]:
+    """Each decoder layer's quantized linear weight on a rank and its module name: what the
+    layer-by-layer algorithms keep statistics for (routers and anything ``ignored`` take none)."""
+    for t in tensors:
+        if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
+            continue
+        module = t.name.rpartition(".")[0]
+        if not ignored(module) and not module.endswith((".mlp.gate", ".router")):
+            yield t, module
+
+
 def gptq_hessian_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
     """The largest layer's Hessian bytes (float64) on a rank holding ``tensors``: one per
     quantized linear of the layer, ``in^2`` (experts: per local expert, gate and up sharing
     one); routers and anything ``ignored`` (its module name) take none."""
     per_layer: dict[int, int] = {}
-    for t in tensors:
-        if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
-            continue
-        module = t.name.rpartition(".")[0]
-        if ignored(module) or module.endswith((".mlp.gate", ".router")):
-            continue
+    for t, _ in _quantized_linears(tensors, ignored):
         if len(t.shape) == 3:  # fused experts [E, out, in]: one Hessian of in^2 per expert
             n = t.shape[0] * t.shape[2] ** 2
         else:
@@ -280,12 +287,7 @@ def _awq_site(module: str) -> str:
 def _awq_layer_sites(tensors: list[Held], ignored) -> dict[int, dict[str, tuple[int, int]]]:
     """Per decoder layer, awq's input sites: name -> (how many: experts, width)."""
     per_layer: dict[int, dict[str, tuple[int, int]]] = {}
-    for t in tensors:
-        if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
-            continue
-        module = t.name.rpartition(".")[0]
-        if ignored(module) or module.endswith((".mlp.gate", ".router")):
-            continue
+    for t, module in _quantized_linears(tensors, ignored):
         sites = per_layer.setdefault(t.layer, {})
         if len(t.shape) == 3:  # fused experts [E, out, in]: one per expert and side
             sites[t.name] = (t.shape[0], t.shape[2])
@@ -306,12 +308,7 @@ def awq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored, gri
     io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
     layer_numel: dict[int, int] = {}
     largest = 0
-    for t in tensors:
-        if t.layer is None or not t.name.endswith(("weight", "_proj")) or len(t.shape) < 2:
-            continue
-        module = t.name.rpartition(".")[0]
-        if ignored(module) or module.endswith((".mlp.gate", ".router")):
-            continue
+    for t, _ in _quantized_linears(tensors, ignored):
         layer_numel[t.layer] = layer_numel.get(t.layer, 0) + t.numel
         largest = max(largest, t.shape[-2] * t.shape[-1])
     copies = max(layer_numel.values(), default=0) * shape.itemsize

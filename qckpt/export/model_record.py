@@ -19,6 +19,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from qckpt.errors import CheckpointError
+from qckpt.storage.files import open_regular
+
 META_KEY = "model"
 
 
@@ -46,13 +49,13 @@ def make_record(source: str, config: dict, modules: tuple[set, set, list]) -> di
 def peek(path: str | Path) -> dict[str, Any] | None:
     """The record in the calibration file at ``path`` (its header only); None without one."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(Path(path)) as f:  # a FIFO in its place is no record, not a wait
             (n,) = struct.unpack("<Q", f.read(8))
             if n > _MAX_HEADER:
                 return None
             meta = json.loads(f.read(n)).get("__metadata__") or {}
         rec = json.loads(meta[META_KEY])
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+    except (OSError, ValueError, KeyError, TypeError, struct.error, CheckpointError):
         return None
     return rec if isinstance(rec, dict) else None
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qckpt.errors import CheckpointError
 from qckpt.layouts.names import (
     CT_INPUT_GLOBAL,
     CT_NVFP4_FORMAT,
@@ -53,6 +54,7 @@ from qckpt.layouts.names import (
     WEIGHT_SCALE_2,
 )
 from qckpt.models.fused import FUSED_GROUPS, fused_parts
+from qckpt.storage.files import open_regular
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 
@@ -123,7 +125,8 @@ class CheckResult:
 
 
 def _header(path: Path) -> dict:
-    with open(path, "rb") as f:
+    # a FIFO or device under a shard's name is refused, never waited on
+    with open_regular(path) as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise ValueError("shorter than a safetensors header")
@@ -152,12 +155,12 @@ def _tensors(root: Path, problems: list[str]) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for fname in files:
         f = root / fname
-        if not f.is_file():
+        if not f.exists():
             problems.append(f"{fname}: named by the index but missing")
             continue
         try:
             head = _header(f)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, CheckpointError) as exc:
             problems.append(f"{fname}: unreadable safetensors header ({exc})")
             continue
         base, size = 8 + head.pop("__len__"), f.stat().st_size

@@ -215,3 +215,36 @@ def test_bulk_scale_test_gives_the_one_by_one_problems_in_order(exports, monkeyp
     one_by_one = check_export(d).problems
     assert bulk == one_by_one
     assert len(bulk) == 5 and any("negative scale" in p for p in bulk), bulk
+
+
+def test_a_fifo_in_place_of_a_shard_is_named_not_waited_on(exports):
+    """``qckpt check`` opens a shard only if it is a regular file: a FIFO under a shard's name
+    (nothing ever writes to it) is a named problem within the command's time, not a hang."""
+    import os
+
+    root, out = exports
+    d = _copy(root, out["compressed-tensors"], "ct-fifo")
+    shard = next(d.glob("*.safetensors"))
+    shard.unlink()
+    os.mkfifo(shard)
+    r = run_qckpt("check", str(d), timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"{shard.name}: unreadable safetensors header" in r.stdout
+    assert "not a regular file" in r.stdout, r.stdout
+
+
+def test_the_calibration_record_of_a_fifo_is_none_not_a_wait(tmp_path):
+    import os
+    import threading
+
+    from qckpt.export.model_record import peek
+
+    fifo = tmp_path / "calib.safetensors"
+    os.mkfifo(fifo)
+    got: list = []
+    # in a daemon thread: a regression blocks that thread in open(), and the test fails
+    t = threading.Thread(target=lambda: got.append(peek(fifo)), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "peek waited on a FIFO"
+    assert got == [None]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -249,6 +250,24 @@ def make_calibration(mc: Path, cfg_dir: Path, out: Path) -> Path:
     return save_calibration(state, out)
 
 
+def _room_for(work: Path, scratch: Path, cfg) -> None:
+    """Stop before writing when the disks cannot hold the run: the checkpoint on ``work``, the
+    HF copy plus one FP8 export (about half the model) on ``scratch`` (the same disk when they
+    are one). A full disk mid-write took a whole H200 machine down (2026-12-02)."""
+    model = sum(math.prod(z) * 2 for _, _, chunks in _layout(cfg, 2, 8) for _, z in chunks)
+    margin = 1 << 30
+    need = {work: model + margin}
+    need[scratch] = need.get(scratch, 0) + model + model // 2 + margin
+    for d, n in need.items():
+        free = shutil.disk_usage(d).free
+        if free < n:
+            raise SystemExit(
+                f"megatron_export: {d} has {free / 1e9:.1f} GB free, the run needs "
+                f"{n / 1e9:.1f} GB there (checkpoint {model / 1e9:.1f} GB; use --scratch on "
+                "another disk or tmpfs, or fewer --layers)"
+            )
+
+
 def _step(what: str, t0: float) -> None:
     print(
         f"[megatron_export] {what}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
@@ -331,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**result, **open_seconds(work, cfg)}))
         return 0
     if not (mc / ".metadata").exists():
+        _room_for(work, scratch, cfg)
         t0 = time.perf_counter()
         result["checkpoint_bytes"] = write_layout(mc, cfg)
         result["write_layout_seconds"] = round(time.perf_counter() - t0, 1)

@@ -17,6 +17,7 @@ from qckpt.errors import CheckpointError
 from qckpt.read.detect import TITAN_KEY, is_dcp_dir
 from qckpt.read.sources import DCPSource, SafetensorsSource
 from qckpt.storage import safetensors as stio
+from qckpt.storage.dcp_structure import Kinds, check_data_files, structure_problem
 from qckpt.storage.files import open_regular, read_json
 
 # Importing this module must not import torch: inspecting an HF dir or a calibration file reads
@@ -155,6 +156,13 @@ _LIGHT_CLASSES.update({("torch", n): _Dtype(n) for n in _DTYPE_NAMES})
 _LIGHT_CLASSES[("torch", "strided")] = "torch.strided"
 
 
+_LIGHT_KINDS = Kinds(
+    is_tensor=lambda m: type(m) is _LIGHT_CLASSES[(_DCP_MD, "TensorStorageMetadata")],
+    is_bytes=lambda m: type(m) is _LIGHT_CLASSES[(_DCP_MD, "BytesStorageMetadata")],
+    is_dtype=lambda d: isinstance(d, _Dtype),
+)
+
+
 class _NotLight(Exception):
     """The light reader steps aside: the full one reads (and words any error)."""
 
@@ -172,9 +180,6 @@ def light_dcp(path: Path) -> dict[str, dict] | None:
     (under ``""``), read without torch; None where the full reader must decide: a training
     framework's dir, a class or dtype not admitted here, anything the full reader would refuse
     (structure, data files: then it says why)."""
-    from qckpt.storage.files import require_regular
-    from qckpt.storage.safetensors import shape_fits
-
     if (path / "metadata.json").exists() or (path / "latest_checkpointed_iteration.txt").exists():
         return None  # maybe Megatron's
     try:
@@ -182,57 +187,26 @@ def light_dcp(path: Path) -> dict[str, dict] | None:
             md = _LightUnpickler(io.BytesIO(f.read())).load()
     except Exception:  # noqa: BLE001 - unknown, unsafe or corrupt: the full reader says which
         return None
-    cls = _LIGHT_CLASSES
-    if type(md) is not cls[(_DCP_MD, "Metadata")]:
+    if type(md) is not _LIGHT_CLASSES[(_DCP_MD, "Metadata")]:
         return None
-    sd, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
-    if not isinstance(sd, dict) or not isinstance(storage, dict):
+    # the full reader's own checks, on the stand-ins: any problem and it reads (and words it)
+    if structure_problem(md, _LIGHT_KINDS):
         return None
-
-    def sizes(x: Any) -> bool:
-        return isinstance(x, tuple | list) and all(
-            type(i) is int and i >= 0
-            for i in x  # not bool
-        )
-
-    entries: dict[str, dict] = {}
-    other = 0
-    for name, m in sd.items():
-        if not isinstance(name, str) or TITAN_KEY.match(name):
-            return None
-        if type(m) is cls[(_DCP_MD, "BytesStorageMetadata")]:
-            other += 1
-            continue
-        if type(m) is not cls[(_DCP_MD, "TensorStorageMetadata")]:
-            return None
-        dtype = getattr(getattr(m, "properties", None), "dtype", None)
-        size, chunks = getattr(m, "size", None), getattr(m, "chunks", None)
-        if not isinstance(dtype, _Dtype) or not sizes(size) or not shape_fits(size):
-            return None
-        if not isinstance(chunks, list):
-            return None
-        for c in chunks:
-            offs, lens = getattr(c, "offsets", None), getattr(c, "sizes", None)
-            if not (sizes(offs) and sizes(lens) and len(offs) == len(lens) == len(size)):
-                return None
-            if any(o + n > s for o, n, s in zip(offs, lens, size, strict=True)):
-                return None
-        code = next((k for k, (_, a) in stio.DTYPES.items() if a == dtype), str(dtype))
-        entries[name] = {"dtype": code, "shape": list(size), "chunks": len(chunks)}
-    need: dict[str, int] = {}
-    for idx, info in storage.items():
-        fqn = getattr(idx, "fqn", None)
-        rel, off, n = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
-        if not isinstance(fqn, str) or fqn not in sd or not isinstance(rel, str) or not rel:
-            return None
-        if Path(rel).name != rel or rel in (".", "..") or not sizes((off, n)):
-            return None
-        need[rel] = max(need.get(rel, 0), off + n)
     try:
-        if any(require_regular(path / rel) < end for rel, end in need.items()):
-            return None
+        check_data_files(path, md)
     except CheckpointError:
         return None
+    entries: dict[str, dict] = {}
+    other = 0
+    for name, m in md.state_dict_metadata.items():
+        if TITAN_KEY.match(name):
+            return None
+        if not _LIGHT_KINDS.is_tensor(m):
+            other += 1
+            continue
+        dtype = m.properties.dtype
+        code = next((k for k, (_, a) in stio.DTYPES.items() if a == dtype), str(dtype))
+        entries[name] = {"dtype": code, "shape": list(m.size), "chunks": len(m.chunks)}
     entries[""] = {"non_tensor_items": other}
     return entries
 

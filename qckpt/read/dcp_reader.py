@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from qckpt.errors import CheckpointError, QckptError
-from qckpt.storage.dcp_metadata import SafeFileSystemReader, check_data_files
+from qckpt.storage.dcp_metadata import SafeFileSystemReader
+from qckpt.storage.dcp_structure import check_data_files
 
 
 class OrderedFileSystemReader(SafeFileSystemReader):

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from torch.distributed.checkpoint.metadata import Metadata
 
 from qckpt.errors import CheckpointError
-from qckpt.storage.files import open_regular, require_regular
-from qckpt.storage.safetensors import shape_fits
+from qckpt.storage.dcp_structure import Kinds, check_data_files, structure_problem
+from qckpt.storage.files import open_regular
 
 _ALLOWED: dict[tuple[str, str], Any] = {
     (cls.__module__, cls.__qualname__): cls
@@ -132,68 +132,18 @@ def read_metadata_file(path: str | os.PathLike) -> dcp_md.Metadata:
         raise CheckpointError(f"{path}: corrupt DCP metadata ({type(exc).__name__})") from None
     if not isinstance(md, dcp_md.Metadata):
         raise CheckpointError(f"{path}: not DCP metadata (got {type(md).__name__})")
-    problem = _structure_problem(md)
+    problem = structure_problem(md, _KINDS)
     if problem:
         raise CheckpointError(f"{path}: corrupt DCP metadata ({problem})")
     return md
 
 
-def _sizes(x: Any) -> bool:
-    return isinstance(x, tuple | list) and all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x
-    )
-
-
-def _tensor_problem(name: str, m: Any) -> str:
-    """What is wrong with one unpickled TensorStorageMetadata ("" when nothing)."""
-    dtype = getattr(getattr(m, "properties", None), "dtype", None)
-    size = getattr(m, "size", None)
-    if not isinstance(dtype, torch.dtype):
-        return f"{name} has no dtype"
-    if not _sizes(size) or not shape_fits(size):
-        return f"{name} has no valid size"
-    chunks = getattr(m, "chunks", None)
-    if not isinstance(chunks, list):
-        return f"{name} has no chunk list"
-    for c in chunks:
-        offs, lens = getattr(c, "offsets", None), getattr(c, "sizes", None)
-        if not (_sizes(offs) and _sizes(lens) and len(offs) == len(lens) == len(size)):
-            return f"{name} has a chunk that does not match its shape"
-        if any(o + n > s for o, n, s in zip(offs, lens, size, strict=True)):
-            return f"{name} has a chunk outside its shape {list(size)}"
-    return ""
-
-
-def _structure_problem(md: dcp_md.Metadata) -> str:
-    """The unpickled objects have the fields and types the readers rely on ("" if so).
-
-    The allow-list guarantees only the classes; a corrupt file can still build them with
-    missing or mistyped fields, which would fail much later as an AttributeError.
-    """
-    sd = getattr(md, "state_dict_metadata", None)
-    if not isinstance(sd, dict):
-        return "no state_dict_metadata"
-    for name, m in sd.items():
-        if not isinstance(name, str):
-            return "a non-string tensor name"
-        if isinstance(m, dcp_md.TensorStorageMetadata):
-            problem = _tensor_problem(name, m)
-            if problem:
-                return problem
-        elif not isinstance(m, dcp_md.BytesStorageMetadata):
-            return f"{name} has entry type {type(m).__name__}"
-    storage = getattr(md, "storage_data", None)
-    if not isinstance(storage, dict):  # a filesystem checkpoint always says where data lie
-        return "no storage_data map"
-    for idx, info in storage.items():
-        if not isinstance(getattr(idx, "fqn", None), str):
-            return "a storage entry without a tensor name"
-        if idx.fqn not in sd:
-            return f"storage for {idx.fqn}, which the metadata does not list"
-        rel, off, n = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
-        if not isinstance(rel, str) or not _sizes((off, n)):
-            return f"{idx.fqn} has no valid file range"
-    return ""
+# the full reader's classes, for the shared checks (``storage.dcp_structure``)
+_KINDS = Kinds(
+    is_tensor=lambda m: isinstance(m, dcp_md.TensorStorageMetadata),
+    is_bytes=lambda m: isinstance(m, dcp_md.BytesStorageMetadata),
+    is_dtype=lambda d: isinstance(d, torch.dtype),
+)
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -207,29 +157,6 @@ class SafeFileSystemReader(FileSystemReader):
             md.storage_meta = dcp_md.StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
-
-
-def check_data_files(root: str | os.PathLike, md: Metadata) -> None:
-    """Each data file of ``md`` is a regular file in ``root`` holding the bytes it should."""
-    root = Path(root)
-    need: dict[str, int] = {}
-    for idx, info in (getattr(md, "storage_data", None) or {}).items():
-        rel = getattr(info, "relative_path", None)
-        offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
-        if not isinstance(rel, str) or not rel or Path(rel).name != rel or rel in (".", ".."):
-            raise CheckpointError(
-                f"{root / '.metadata'}: {getattr(idx, 'fqn', idx)} is stored in {rel!r}, "
-                "which is not a file of the checkpoint dir"
-            )
-        if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
-            raise CheckpointError(f"{root / '.metadata'}: bad storage range for {rel}")
-        need[rel] = max(need.get(rel, 0), offset + length)
-    for rel, end in sorted(need.items()):
-        size = require_regular(root / rel)
-        if size < end:
-            raise CheckpointError(
-                f"{root / rel}: truncated: the DCP metadata needs {end} bytes, the file has {size}"
-            )
 
 
 def read_checked_metadata(root: str | os.PathLike) -> Metadata:

@@ -103,6 +103,34 @@ def _layout(cfg, tp: int, ep: int) -> list[tuple[str, tuple, list[tuple[tuple, t
     return out
 
 
+def save_metadata(out: Path, layout: list, storage: dict) -> None:
+    """``.metadata`` (plain DCP: a pickled ``Metadata``) and Megatron's ``metadata.json`` for
+    ``layout`` (``_layout``'s rows), its chunks where ``storage`` says."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    sd_md = {
+        name: TensorStorageMetadata(
+            TensorProperties(dtype=torch.bfloat16),
+            torch.Size(shape),
+            [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in chunks],
+        )
+        for name, shape, chunks in layout
+    }
+    md = Metadata(state_dict_metadata=sd_md, storage_data=storage, storage_meta=StorageMeta())
+    (out / ".metadata").write_bytes(pickle.dumps(md))
+    (out / "metadata.json").write_text(json.dumps({
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+        "common_backend": "torch", "common_backend_version": 1,
+    }))  # fmt: skip
+
+
 def write_layout(out: Path, cfg, tp: int = 2, ep: int = 8, files: int = 8) -> int:
     """The checkpoint at ``out``, streamed chunk by chunk; returns its bytes.
 
@@ -115,12 +143,7 @@ def write_layout(out: Path, cfg, tp: int = 2, ep: int = 8, files: int = 8) -> in
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
         MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
     )
 
     out.mkdir(parents=True, exist_ok=True)
@@ -157,20 +180,8 @@ def write_layout(out: Path, cfg, tp: int = 2, ep: int = 8, files: int = 8) -> in
         for placed in pool.map(write_file, range(files)):
             for name, offs, info in placed:
                 storage[MetadataIndex(name, torch.Size(offs))] = info
-    sd_md, total = {}, 0
-    for name, shape, chunks in layout:
-        metas = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in chunks]
-        total += sum(torch.Size(z).numel() * 2 for _, z in chunks)
-        sd_md[name] = TensorStorageMetadata(
-            TensorProperties(dtype=torch.bfloat16), torch.Size(shape), metas
-        )
-    md = Metadata(state_dict_metadata=sd_md, storage_data=storage, storage_meta=StorageMeta())
-    (out / ".metadata").write_bytes(pickle.dumps(md))
-    (out / "metadata.json").write_text(json.dumps({
-        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
-        "common_backend": "torch", "common_backend_version": 1,
-    }))  # fmt: skip
-    return total
+    save_metadata(out, layout, storage)
+    return sum(math.prod(z) * 2 for _, _, chunks in layout for _, z in chunks)
 
 
 def open_seconds(work: Path, cfg) -> dict:
@@ -180,30 +191,19 @@ def open_seconds(work: Path, cfg) -> dict:
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
         MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
     )
 
     from qckpt.read.training_sources import TrainingSource
 
     out = work / f"meta-{cfg.num_hidden_layers}l"
     out.mkdir(parents=True, exist_ok=True)
-    sd_md, storage, pos = {}, {}, 0
-    for name, shape, chunks in _layout(cfg, 2, 8):
-        metas = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in chunks]
-        sd_md[name] = TensorStorageMetadata(
-            TensorProperties(dtype=torch.bfloat16), torch.Size(shape), metas
-        )
+    layout, storage, pos = _layout(cfg, 2, 8), {}, 0
+    for name, _, chunks in layout:
         for o, _ in chunks:
             storage[MetadataIndex(name, torch.Size(o))] = _StorageInfo("__0_0.distcp", pos, 64)
             pos += 64
-    md = Metadata(state_dict_metadata=sd_md, storage_data=storage, storage_meta=StorageMeta())
-    (out / ".metadata").write_bytes(pickle.dumps(md))
-    (out / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    save_metadata(out, layout, storage)
     with open(out / "__0_0.distcp", "wb") as f:
         f.truncate(pos)
     t0 = time.perf_counter()

@@ -94,7 +94,9 @@ def _speed(nbytes: int | float | None, seconds: float | None) -> str:
     return f" in {seconds:.2f} s ({nbytes / seconds / 1e9:.2f} GB/s of source)"
 
 
-def _finish(lines: list[str], data: dict[str, Any], warnings: list[str]) -> list[str]:
+def finish(lines: list[str], data: dict[str, Any], warnings: list[str]) -> list[str]:
+    """``lines`` and how every command's summary ends: the whole command's peak against its
+    bound, its time, then the warnings (the peak's own last, when it is near the bound)."""
     peak, warn = peak_line(data)
     lines += [f"  {peak}", f"  {time_line(data)}"]
     lines += [w if w.startswith("warning:") else f"warning: {w}" for w in warnings]
@@ -125,7 +127,7 @@ def load_summary(data: dict[str, Any]) -> list[str]:
     if len(runs) == 2 and runs[1].get("transient_bytes") and t:
         b = runs[1]["transient_bytes"]
         lines.append(f"  bulk baseline: transient {human_bytes(b)} ({b / t:.1f}x the stream's)")
-    return _finish(lines, data, warnings)
+    return finish(lines, data, warnings)
 
 
 def calibrate_summary(data: dict[str, Any], output: str, algorithm: str) -> list[str]:
@@ -150,7 +152,7 @@ def calibrate_summary(data: dict[str, Any], output: str, algorithm: str) -> list
         warnings.append(
             f"{len(missing)} quantizer(s) got no data: {', '.join(map(str, missing[:3]))}"
         )
-    return _finish(lines, data, warnings)
+    return finish(lines, data, warnings)
 
 
 def export_summary(data: dict[str, Any]) -> list[str]:
@@ -172,17 +174,17 @@ def export_summary(data: dict[str, Any]) -> list[str]:
         )
         if held > bound:
             warnings.append(f"the write held {held / bound:.2f}x its host bound")
-    return _finish(lines, data, warnings)
+    return finish(lines, data, warnings)
 
 
 def convert_summary(data: dict[str, Any]) -> list[str]:
     lines = [f"convert: {data.get('src')} -> {data.get('dst')} ({data.get('to')})"]
-    return _finish(lines, data, [])
+    return finish(lines, data, [])
 
 
 def figures(data: dict[str, Any]) -> list[str]:
     """The peak and time lines alone, for a command whose result says the rest (check)."""
-    return _finish([], data, [])
+    return finish([], data, [])
 
 
 # what ``inspect`` says by default, of whatever its kind of path holds (the rest: --verbose)

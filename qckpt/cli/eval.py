@@ -12,7 +12,7 @@ from qckpt import phases
 from qckpt.cli import output
 from qckpt.cli._options import JsonOpt, SetOpt
 from qckpt.errors import UsageError
-from qckpt.summary import peak_line, time_line
+from qckpt.summary import finish
 
 TargetArg = Annotated[
     Path,
@@ -136,12 +136,8 @@ def eval_cmd(
     for line in _summary(rep):
         output.result(line)
     # the whole command's peak against its bound and its time, as every command ends
-    peak, near = peak_line(full)
-    for line in (peak, time_line(full)):
-        if line:
-            output.log(f"  {line}")
-    for w in [*(rep.get("warnings") or []), *([near] if near else [])]:
-        output.log(w if w.startswith("warning:") else f"warning: {w}")
+    for line in finish([], full, rep.get("warnings") or []):
+        output.log(line)
     inc = rep.get("relative_increase")
     if fail_above is not None and inc is not None and inc * 100 > fail_above:
         raise typer.Exit(1)

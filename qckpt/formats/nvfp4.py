@@ -90,6 +90,21 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) != 0, -v, v)
 
 
+def e4m3_round_normal(v: torch.Tensor) -> torch.Tensor:
+    """float32 ``v`` in [2**-6, 448] rounded to the nearest E4M3 value, ties to even, as float32.
+
+    Done by hand so that the float8 cast after it is exact on every path: on the H200 (torch
+    2.11) a compiled kernel recompiled for dynamic shapes rounded some block scales just below
+    an E4M3 midpoint up (as if through float16 first), e.g. a block of amax 11776 got 0.0234375
+    where CPU gives 0.021484375. For a normal float32 of biased exponent ``E`` the E4M3 step is
+    2**(E - 130): scale by its inverse (exact, a power of two), round to an integer in [8, 16]
+    (``torch.round`` is ties-to-even), scale back."""
+    e = (v.view(torch.int32) >> 23) & 0xFF
+    inv_step = ((257 - e) << 23).view(torch.float32)
+    step = ((e - 3) << 23).view(torch.float32)
+    return torch.round(v * inv_step) * step
+
+
 def _nvfp4_compute(
     c: torch.Tensor, gs64: torch.Tensor, inv_gs: torch.Tensor, six64: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,10 +121,12 @@ def _nvfp4_compute(
     r, k = c.shape
     blocks = padded_blocks(c, BLOCK)  # (R, nb, 16) float32
     amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
-    sb = div_f32(div_f32(amax, six64), gs64).clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+    sb32 = e4m3_round_normal(div_f32(div_f32(amax, six64), gs64).clamp(E4M3_TINY, E4M3_MAX))
+    sb = sb32.to(torch.float8_e4m3fn)  # exact: sb32 is already an E4M3 value
     # the reciprocal form ((1 / gs) / s_b), not x / (gs * s_b): NVIDIA's kernels and torchao
-    # compute it so, and the E2M1 rounding of a value on a boundary depends on it
-    rec = inv_gs / sb.to(torch.float32)
+    # compute it so, and the E2M1 rounding of a value on a boundary depends on it. A float64
+    # quotient (div_f32) is IEEE in Triton whatever inductor's division option does.
+    rec = div_f32(inv_gs, sb32.to(torch.float64))
     codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)).reshape(r, -1)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     m = amax.amax() if amax.numel() else amax.new_zeros(())

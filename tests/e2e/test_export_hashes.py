@@ -7,6 +7,13 @@ checkpoint), ``calibrate``, then ``export`` into each layout. Nothing an export 
 time or an absolute path (``config.json`` names the transformers version it was saved by, which
 the environment pins), so every file is compared, none left out.
 
+GPTQ's bytes also depend on the BLAS/LAPACK code path (its Cholesky factors and the block
+update's GEMM): MKL picks one per processor, and an AMD and an Intel machine gave different bytes
+for the same case. A case marked ``blas`` therefore runs in a child process under MKL's
+conditional numerical reproducibility (``MKL_CBWR=COMPATIBLE,STRICT``: one code path on every
+x86 processor, whatever the alignment) and ATen's AVX2 kernels, one thread: the same bytes on any
+machine CI lands on.
+
 Record again (only for a change that means to change the bytes, said in its commit):
 ``python -m tests.e2e.test_export_hashes --record``.
 """
@@ -15,6 +22,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +32,7 @@ import pytest
 
 from tests.conftest import ROOT
 
+MODULE = "tests.e2e.test_export_hashes"
 HASHES = Path(__file__).with_name("export_hashes.json")
 LAYOUTS = ("compressed-tensors", "modelopt")
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -40,6 +50,8 @@ class Case:
     # and read as an HF dir; "blockwise": that dir quantized DeepSeek-style; "given": the
     # recipe's own checkpoint.path (a committed fixture)
     source: str = "convert"
+    # the bytes depend on the BLAS/LAPACK code path: run under one pinned path (module doc)
+    blas: bool = False
 
 
 MOE_NVFP4 = (
@@ -76,6 +88,7 @@ CASES = [
         "tiny-dense-nvfp4-gptq",
         "configs/tiny-dense.yaml",
         ("calibrate.algorithm=gptq", "quant.weights.format=nvfp4", "quant.inputs.format=nvfp4"),
+        blas=True,
     ),
     # other readers: an HF dir, a DeepSeek-style blockwise FP8 dir, training checkpoints
     Case("tiny-moe-hf-source", "configs/tiny-moe.yaml", source="hf", layouts=LAYOUTS[:1]),
@@ -147,8 +160,34 @@ def _sets(sets: tuple[str, ...] | list[str]) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
+# one code path for MKL and ATen on any x86 machine, one thread (a thread count changes how a
+# reduction is split)
+PINNED_BLAS = {
+    "MKL_CBWR": "COMPATIBLE,STRICT",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
 def export_case(case: Case, run: Path) -> dict[str, dict[str, str]]:
-    """Each layout's export of ``case`` (made under ``run``) -> file -> sha256."""
+    """Each layout's export of ``case`` (made under ``run``) -> file -> sha256; a ``blas`` case
+    in a child process under :data:`PINNED_BLAS`."""
+    if case.blas:
+        r = subprocess.run(
+            [sys.executable, "-m", MODULE, "--case", case.name, str(run)],
+            cwd=ROOT,
+            env={**os.environ, **PINNED_BLAS},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.splitlines()[-1])
+    return _export_here(case, run)
+
+
+def _export_here(case: Case, run: Path) -> dict[str, dict[str, str]]:
     run.mkdir(parents=True, exist_ok=True)
     sets = [*case.sets, *_source(case, run), f"calibrate.output={run}/calib.safetensors"]
     _run("calibrate", str(ROOT / case.recipe), *_sets(sets))
@@ -189,6 +228,12 @@ def _record() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--record"]:
-        sys.exit(f"usage: python -m {__spec__.name} --record")
-    _record()
+    args = sys.argv[1:]
+    if args[:1] == ["--case"] and len(args) == 3:
+        # a ``blas`` case's child (export_case): its digests as the last line of stdout
+        (case,) = [c for c in CASES if c.name == args[1]]
+        print(json.dumps(_export_here(case, Path(args[2]))))
+    elif args == ["--record"]:
+        _record()
+    else:
+        sys.exit(f"usage: python -m {MODULE} --record")

@@ -40,3 +40,24 @@ def test_float_scale_is_float32_division_clamped() -> None:
         for qmax in (q, numerics.f64_const(q, a.device)):
             got = numerics.float_scale(a, qmax)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), q
+
+
+def test_e4m3_round_normal_is_the_float8_cast() -> None:
+    """NVFP4's block scales are rounded to E4M3 by hand (so the cast after it is exact on every
+    device and kernel): every float32 next to each E4M3 midpoint of the normal range, the
+    midpoints themselves (ties to even) and the E4M3 values must round as torch's cast does."""
+    from qckpt.formats.nvfp4 import E4M3_MAX, E4M3_TINY, e4m3_round_normal
+
+    vals = torch.arange(0, 256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    vals = vals[torch.isfinite(vals) & (vals >= E4M3_TINY) & (vals <= E4M3_MAX)].unique()
+    mids = (vals[:-1] + vals[1:]) / 2  # exact in float32
+    near = torch.cat([mids, vals])
+    bits = near.view(torch.int32)
+    edge = torch.cat([bits + d for d in range(-3, 4)]).view(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    rand = torch.empty(1 << 18).uniform_(-6, 8.8, generator=g).exp2()
+    x = torch.cat([edge, rand]).clamp(E4M3_TINY, E4M3_MAX)
+    want = x.to(torch.float8_e4m3fn).to(torch.float32)
+    got = e4m3_round_normal(x)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(got.to(torch.float8_e4m3fn).to(torch.float32), got)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 import time
 
+KV_CACHE_BYTES = 1 << 30
+
 
 def window_rows(
     plp: list, ids: list[int], k: int
@@ -51,8 +53,15 @@ def _kv_fp8(model_dir: str) -> bool:
 
 def main(argv: list[str]) -> int:
     model_dir, windows_path, out_path, k = argv[0], argv[1], argv[2], int(argv[3])
-    # the share of the GPU this engine may take (several engines at once: a benchmark)
-    extra: dict = {"gpu_memory_utilization": float(argv[4])} if len(argv) > 4 else {}
+    # the share of the GPU this engine may take (several engines at once: a benchmark). The KV
+    # cache is then sized outright: vLLM's memory profiling reads the GPU's free memory, which
+    # engines starting beside it change under it ("Error in memory profiling" with 10 at once);
+    # 1 GiB holds far more than the windows' tokens of the models this serves.
+    extra: dict = (
+        {"gpu_memory_utilization": float(argv[4]), "kv_cache_memory_bytes": KV_CACHE_BYTES}
+        if len(argv) > 4
+        else {}
+    )
     if _kv_fp8(model_dir):
         extra["kv_cache_dtype"] = "fp8"
     import torch

@@ -31,6 +31,7 @@ import datetime as dt
 import json
 import math
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -148,9 +149,21 @@ def transformers_bpb(path: Path, win: Any, device: str) -> float | str:
                 nll += float(
                     F.cross_entropy(logits.flatten(0, 1), b[:, 1:].reshape(-1), reduction="sum")
                 )
+    except ImportError as exc:  # transformers' quantizer needs a package this machine lacks
+        return "not measured: " + " ".join(str(exc).split())[:80]
     except Exception as exc:  # a loader that refuses the dir is a result of the benchmark
+        if "is required for" in str(exc):  # transformers' own "install X" message
+            return "not measured: " + " ".join(str(exc).split())[:80]
         return "fails: " + " ".join(str(exc).split())[:120]
     return nll / math.log(2) / sum(win.nbytes)
+
+
+def failure_line(log: str) -> str:
+    """The line of a worker's log that says why it failed: its last exception line (vLLM ends
+    with shutdown warnings after it), else its last line."""
+    lines = [ln.strip() for ln in log.strip().splitlines() if ln.strip()]
+    errs = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln)]
+    return (errs or lines or ["no output"])[-1][:160]
 
 
 def vllm_runs(dirs: dict[str, Path], win: Any, k: int, parallel: int) -> dict[str, Any]:
@@ -176,9 +189,7 @@ def vllm_runs(dirs: dict[str, Path], win: Any, k: int, parallel: int) -> dict[st
             env=worker_env(),
         )
         if r.returncode or not out.is_file():
-            return name, "fails: " + " | ".join((r.stderr or r.stdout).strip().splitlines()[-2:])[
-                :160
-            ]
+            return name, "fails: " + failure_line(r.stderr or r.stdout)
         return name, torch.load(out, weights_only=True)
 
     with ThreadPoolExecutor(parallel) as pool:

@@ -93,12 +93,12 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
 def e4m3_round_normal(v: torch.Tensor) -> torch.Tensor:
     """float32 ``v`` in [2**-6, 448] rounded to the nearest E4M3 value, ties to even, as float32.
 
-    Done by hand so that the float8 cast after it is exact on every path: on the H200 (torch
-    2.11) a compiled kernel recompiled for dynamic shapes rounded some block scales just below
-    an E4M3 midpoint up (as if through float16 first), e.g. a block of amax 11776 got 0.0234375
-    where CPU gives 0.021484375. For a normal float32 of biased exponent ``E`` the E4M3 step is
-    2**(E - 130): scale by its inverse (exact, a power of two), round to an integer in [8, 16]
-    (``torch.round`` is ties-to-even), scale back."""
+    Done by hand so that the float8 cast after it is exact and the same on every path (no
+    float8 conversion of an arbitrary float32 inside a compiled kernel). For a normal float32 of
+    biased exponent ``E`` the E4M3 step is 2**(E - 130): scale by its inverse (exact, a power of
+    two), round to an integer in [8, 16] (``torch.round`` is ties-to-even, ``nearbyint`` in
+    Triton), scale back. (The H200 difference first blamed on the cast, amax 11776 giving
+    0.0234375 for CPU's 0.021484375, was the folded casts described in ``_nvfp4_compute``.)"""
     e = (v.view(torch.int32) >> 23) & 0xFF
     inv_step = ((257 - e) << 23).view(torch.float32)
     step = ((e - 3) << 23).view(torch.float32)
@@ -121,7 +121,15 @@ def _nvfp4_compute(
     r, k = c.shape
     blocks = padded_blocks(c, BLOCK)  # (R, nb, 16) float32
     amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
-    sb32 = e4m3_round_normal(div_f32(div_f32(amax, six64), gs64).clamp(E4M3_TINY, E4M3_MAX))
+    # fl32(fl32(amax / 6) / gs): the first quotient must be rounded to float32 before the second
+    # division. Inductor's ``pointless_convert`` pass (torch 2.11) folds the float64 -> float32
+    # -> float64 casts between the two div_f32 calls into nothing, which divides once in float64
+    # instead: a block of amax 11776 under gs 0x47aaaaab then lands exactly on an E4M3 tie
+    # (11.5 * 2**-9, rounded up to 0.0234375) where the two roundings give 11.4999990 * 2**-9
+    # (0.021484375). The clamp at 0 (amax is never negative: an identity) is a float32 op
+    # between the casts, so the pattern no longer matches.
+    amax6 = div_f32(amax, six64).clamp_min(0.0)
+    sb32 = e4m3_round_normal(div_f32(amax6, gs64).clamp(E4M3_TINY, E4M3_MAX))
     sb = sb32.to(torch.float8_e4m3fn)  # exact: sb32 is already an E4M3 value
     # the reciprocal form ((1 / gs) / s_b), not x / (gs * s_b): NVIDIA's kernels and torchao
     # compute it so, and the E2M1 rounding of a value on a boundary depends on it. A float64

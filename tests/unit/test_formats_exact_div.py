@@ -61,3 +61,22 @@ def test_e4m3_round_normal_is_the_float8_cast() -> None:
     got = e4m3_round_normal(x)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert torch.equal(got.to(torch.float8_e4m3fn).to(torch.float32), got)
+
+
+def test_nvfp4_block_scale_rounds_the_quotient_by_6_before_dividing_by_the_global_scale() -> None:
+    """``s_b = e4m3(fl32(fl32(amax_b / 6) / gs))``, two float32 roundings. Found on the H200: a
+    compiled kernel that divided once in float64 (inductor folding the casts between) put a
+    block of amax 11776 under gs 0x47aaaaab exactly on an E4M3 tie and rounded it up."""
+    from qckpt.formats import quantize
+
+    gs_bits = 0x47AAAAAB
+    gs = torch.tensor([gs_bits], dtype=torch.int32).view(torch.float32)
+    tensor_amax = float(gs) * 2688.0  # float_scale(tensor_amax, 6 * 448) gives gs back
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    x[0, 0] = 11776.0
+    q = quantize(x, "nvfp4", amax=tensor_amax)
+    assert int(q.global_scale.view(torch.int32)) == gs_bits
+    single = (torch.tensor(11776.0, dtype=torch.float64) / (6 * gs.double())).float()
+    assert float(single) == 11.5 * 2**-9  # the one-rounding quotient is a tie: it would give 12
+    assert q.scale[0, 0].view(torch.uint8).item() == 0x0B  # 11 * 2**-9 = 0.021484375
+    assert float(q.scale[0, 0].float()) == 0.021484375

@@ -66,7 +66,7 @@ def _calib_tokens(work: Path) -> Path:
     return path
 
 
-def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
+def _run(config: str, algorithm: str, work: Path, tokens: Path, model: Path = MODEL) -> Path:
     from qckpt import init_mesh, recipe_from_dict
     from qckpt.pipeline.calibrate import calibrate
     from qckpt.pipeline.export import export
@@ -79,9 +79,10 @@ def _run(config: str, algorithm: str, work: Path, tokens: Path) -> Path:
     algorithm = algorithm.split("+")[0]
     recipe = recipe_from_dict(
         {
-            "model": {"source": str(MODEL)},
-            "checkpoint": {"path": str(MODEL), "format": "safetensors"},
-            "quant": {**CONFIGS[config], "ignore": ["lm_head"]},
+            "model": {"source": str(model)},
+            "checkpoint": {"path": str(model), "format": "safetensors"},
+            # MoE routers stay in BF16, as in bench.quality and the peers' recipes
+            "quant": {**CONFIGS[config], "ignore": ["lm_head", "*.mlp.gate"]},
             "calibrate": {
                 "data": {"source": "tokens", "path": str(tokens), "num_samples": 128,
                          "seq_len": 512, "batch_size": 8},
@@ -160,12 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--windows", type=int, default=64)
     p.add_argument("--weights-only", action="store_true", help="no W4A4 / W8A8 evaluation")
     p.add_argument("--json")
+    p.add_argument(
+        "--model", type=Path, default=MODEL, help="an HF dir (default: the shared Llama)"
+    )
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     windows = heldout_windows(args.windows)
-    base = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32).eval()
     result = {"bf16": bits_per_byte(base, windows), "windows": args.windows, "runs": {}}
     print(f"BF16 weights (float32 compute): {result['bf16']:.4f} bits per byte")
     with tempfile.TemporaryDirectory(prefix="qckpt-algos-") as d:
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens = _calib_tokens(work)
         for config in args.configs.split(","):
             for algo in args.algorithms.split(","):
-                run = _run(config, algo, work, tokens)
+                run = _run(config, algo, work, tokens, args.model)
                 got = _measure(run, config, windows, work, args.weights_only)
                 rel = {k: 100 * (v / result["bf16"] - 1) for k, v in got.items()}
                 result["runs"][f"{config}/{algo}"] = {"bpb": got, "increase_pct": rel}

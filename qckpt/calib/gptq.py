@@ -22,7 +22,7 @@ import math
 import torch
 
 from qckpt.formats.numerics import div_f32, f64_const
-from qckpt.formats.nvfp4 import E2M1_MAX, E4M3_MAX, E4M3_TINY, e2m1_codes, e2m1_values
+from qckpt.formats.nvfp4 import E2M1_MAX, E4M3_MAX, e2m1_codes, e2m1_values, max_block_scales
 
 BLOCK = 128
 NVFP4_GROUP = 16
@@ -100,8 +100,7 @@ class ColumnQuantizer:
             return
         bmax = w.abs().amax(dim=1).to(torch.float32)
         six64 = f64_const(E2M1_MAX, w.device)
-        sb = div_f32(div_f32(bmax, six64), self.gs64).clamp(E4M3_TINY, E4M3_MAX)
-        self._sb = sb.to(torch.float8_e4m3fn)
+        self._sb = max_block_scales(bmax, six64, self.gs64).to(torch.float8_e4m3fn)
         self.block_scales[:, col // NVFP4_GROUP] = self._sb
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
@@ -188,8 +187,7 @@ def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tenso
     blocks = padded_blocks(W, NVFP4_GROUP)  # [rows, nb, 16]
     bmax = blocks.abs().amax(dim=-1)
     six64 = f64_const(E2M1_MAX, W.device)
-    sb = div_f32(div_f32(bmax, six64), quantizer.gs64).clamp(E4M3_TINY, E4M3_MAX)
-    sb = sb.to(torch.float8_e4m3fn)
+    sb = max_block_scales(bmax, six64, quantizer.gs64).to(torch.float8_e4m3fn)
     quantizer.block_scales.copy_(sb)
     sbf = sb.to(torch.float32).unsqueeze(-1)
     codes = e2m1_codes((blocks * (quantizer.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX))

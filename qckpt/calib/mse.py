@@ -31,7 +31,14 @@ import math
 import torch
 
 from qckpt.formats.numerics import div_f32, f64_const, float_scale
-from qckpt.formats.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, E4M3_TINY, e2m1_codes, e2m1_values
+from qckpt.formats.nvfp4 import (
+    BLOCK,
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_codes,
+    e2m1_values,
+    max_block_scales,
+)
 from qckpt.formats.rowblock import padded_blocks, row_chunks, rows2d
 
 FP8 = torch.float8_e4m3fn
@@ -135,7 +142,7 @@ def nvfp4_chunk(c: torch.Tensor, gs, gs64, inv_gs):
     blocks = padded_blocks(c, BLOCK)
     bmax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
     six64 = f64_const(E2M1_MAX, c.device)
-    base = div_f32(div_f32(bmax, six64), gs64).clamp(E4M3_TINY, E4M3_MAX).to(FP8)
+    base = max_block_scales(bmax, six64, gs64).to(FP8)
     sbs = torch.stack([_e4m3_step(base, s).view(torch.uint8) for s in BLOCK_STEPS]).view(FP8)
     codes, err = _block_error(blocks.unsqueeze(0), sbs, gs, inv_gs)
     pick = err.argmin(dim=0, keepdim=True)  # [1, R, nb]

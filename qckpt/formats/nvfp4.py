@@ -98,11 +98,28 @@ def e4m3_round_normal(v: torch.Tensor) -> torch.Tensor:
     biased exponent ``E`` the E4M3 step is 2**(E - 130): scale by its inverse (exact, a power of
     two), round to an integer in [8, 16] (``torch.round`` is ties-to-even, ``nearbyint`` in
     Triton), scale back. (The H200 difference first blamed on the cast, amax 11776 giving
-    0.0234375 for CPU's 0.021484375, was the folded casts described in ``_nvfp4_compute``.)"""
+    0.0234375 for CPU's 0.021484375, was the folded casts described in ``max_block_scales``.)"""
     e = (v.view(torch.int32) >> 23) & 0xFF
     inv_step = ((257 - e) << 23).view(torch.float32)
     step = ((e - 3) << 23).view(torch.float32)
     return torch.round(v * inv_step) * step
+
+
+def max_block_scales(amax: torch.Tensor, six64: torch.Tensor, gs64: torch.Tensor) -> torch.Tensor:
+    """The max rule's block scales ``e4m3(clamp(fl32(fl32(amax / 6) / gs), 2**-6, 448))`` as
+    float32 E4M3 values, for block amaxes ``amax`` (float32, never negative); ``six64`` and
+    ``gs64`` are float64 tensors made outside any compiled kernel (see ``numerics.div_f32``).
+    The one definition the quantizer and the calibration searches (mse, gptq) share.
+
+    The first quotient must be rounded to float32 before the second division. Inductor's
+    ``pointless_convert`` pass (torch 2.11) folds the float64 -> float32 -> float64 casts
+    between the two div_f32 calls into nothing, which divides once in float64 instead: a block
+    of amax 11776 under gs 0x47aaaaab then lands exactly on an E4M3 tie (11.5 * 2**-9, rounded
+    up to 0.0234375) where the two roundings give 11.4999990 * 2**-9 (0.021484375). The clamp
+    at 0 (an identity here) is a float32 op between the casts, so the pattern no longer
+    matches."""
+    amax6 = div_f32(amax, six64).clamp_min(0.0)
+    return e4m3_round_normal(div_f32(amax6, gs64).clamp(E4M3_TINY, E4M3_MAX))
 
 
 def _nvfp4_compute(
@@ -121,15 +138,7 @@ def _nvfp4_compute(
     r, k = c.shape
     blocks = padded_blocks(c, BLOCK)  # (R, nb, 16) float32
     amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
-    # fl32(fl32(amax / 6) / gs): the first quotient must be rounded to float32 before the second
-    # division. Inductor's ``pointless_convert`` pass (torch 2.11) folds the float64 -> float32
-    # -> float64 casts between the two div_f32 calls into nothing, which divides once in float64
-    # instead: a block of amax 11776 under gs 0x47aaaaab then lands exactly on an E4M3 tie
-    # (11.5 * 2**-9, rounded up to 0.0234375) where the two roundings give 11.4999990 * 2**-9
-    # (0.021484375). The clamp at 0 (amax is never negative: an identity) is a float32 op
-    # between the casts, so the pattern no longer matches.
-    amax6 = div_f32(amax, six64).clamp_min(0.0)
-    sb32 = e4m3_round_normal(div_f32(amax6, gs64).clamp(E4M3_TINY, E4M3_MAX))
+    sb32 = max_block_scales(amax, six64, gs64)
     sb = sb32.to(torch.float8_e4m3fn)  # exact: sb32 is already an E4M3 value
     # the reciprocal form ((1 / gs) / s_b), not x / (gs * s_b): NVIDIA's kernels and torchao
     # compute it so, and the E2M1 rounding of a value on a boundary depends on it. A float64

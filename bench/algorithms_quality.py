@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -162,6 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--weights-only", action="store_true", help="no W4A4 / W8A8 evaluation")
     p.add_argument("--json")
     p.add_argument(
+        "--keep",
+        type=Path,
+        help="copy each export here as CONFIG-ALGORITHM (to serve it elsewhere)",
+    )
+    p.add_argument(
         "--model", type=Path, default=MODEL, help="an HF dir (default: the shared Llama)"
     )
     args = p.parse_args(argv)
@@ -179,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
             for algo in args.algorithms.split(","):
                 run = _run(config, algo, work, tokens, args.model)
                 got = _measure(run, config, windows, work, args.weights_only)
+                if args.keep:
+                    shutil.copytree(run, args.keep / run.name, dirs_exist_ok=True)
                 rel = {k: 100 * (v / result["bf16"] - 1) for k, v in got.items()}
                 result["runs"][f"{config}/{algo}"] = {"bpb": got, "increase_pct": rel}
                 line = ", ".join(f"{k} {v:.4f} (+{rel[k]:.3f} %)" for k, v in got.items())

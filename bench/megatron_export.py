@@ -20,10 +20,10 @@
 ``--open-only``: the checkpoint's ``.metadata`` alone (no data), and the seconds that opening it
 as a source takes (the export's planning), at any ``--layers`` in seconds of disk.
 
-Disk: the checkpoint, plus an export (FP8: ~31 GB), plus during step 4 the HF copy (61 GB):
-about 155 GB for 48 layers. On one H200 (64 GB disk, 128 GiB memory) the checkpoint goes on the
-disk and ``--scratch /dev/shm/mc`` puts both exports and the HF copy in tmpfs (at most the HF copy
-and one export there at once: about 92 GB).
+Disk: the checkpoint (61 GB at 48 layers), one export at a time (FP8: ~31 GB) and, during
+step 4, the HF copy (61 GB): about 155 GB. On one H200 (64 GB disk, 128 GiB memory):
+``--work /dev/shm/mc`` (the checkpoint and, by default, the exports in tmpfs: ~92 GB) and
+``--hf-dir /tmp/mc-hf`` (the HF copy alone on the disk). The run checks the room first.
 """
 
 from __future__ import annotations
@@ -250,21 +250,23 @@ def make_calibration(mc: Path, cfg_dir: Path, out: Path) -> Path:
     return save_calibration(state, out)
 
 
-def _room_for(work: Path, scratch: Path, cfg) -> None:
-    """Stop before writing when the disks cannot hold the run: the checkpoint on ``work``, the
-    HF copy plus one FP8 export (about half the model) on ``scratch`` (the same disk when they
-    are one). A full disk mid-write took a whole H200 machine down (2026-12-02)."""
+def _room_for(work: Path, scratch: Path, hf_dir: Path, cfg) -> None:
+    """Stop before writing when the disks cannot hold the run: the checkpoint on ``work``, one
+    FP8 export (about half the model) on ``scratch`` and the HF copy on ``hf_dir``, summed per
+    file system. A full disk mid-write took a whole H200 machine down (2026-12-02)."""
     model = sum(math.prod(z) * 2 for _, _, chunks in _layout(cfg, 2, 8) for _, z in chunks)
     margin = 1 << 30
-    need = {work: model + margin}
-    need[scratch] = need.get(scratch, 0) + model + model // 2 + margin
-    for d, n in need.items():
+    need: dict[int, list] = {}
+    for d, n in ((work, model), (scratch, model // 2), (hf_dir.parent, model)):
+        dev = d.stat().st_dev
+        need.setdefault(dev, [d, margin])[1] += n
+    for d, n in need.values():
         free = shutil.disk_usage(d).free
         if free < n:
             raise SystemExit(
                 f"megatron_export: {d} has {free / 1e9:.1f} GB free, the run needs "
-                f"{n / 1e9:.1f} GB there (checkpoint {model / 1e9:.1f} GB; use --scratch on "
-                "another disk or tmpfs, or fewer --layers)"
+                f"{n / 1e9:.1f} GB there (checkpoint {model / 1e9:.1f} GB; use --scratch / "
+                "--hf-dir on another disk or tmpfs, or fewer --layers)"
             )
 
 
@@ -327,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         "holds only the checkpoint",
     )
     ap.add_argument(
+        "--hf-dir",
+        default=None,
+        help="where the two-step path's HF BF16 copy goes (default: SCRATCH/hf-bf16); on one "
+        "H200 the checkpoint and exports fit in tmpfs and the copy on the disk",
+    )
+    ap.add_argument(
         "--keep-hf", action="store_true", help="keep the HF BF16 copy (scratch/hf-bf16) after"
     )
     ap.add_argument("--json", default=None)
@@ -341,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     scratch = Path(args.scratch).resolve() if args.scratch else work
     scratch.mkdir(parents=True, exist_ok=True)
+    hf = Path(args.hf_dir).resolve() if args.hf_dir else scratch / "hf-bf16"
+    hf.parent.mkdir(parents=True, exist_ok=True)
     cfg = qwen3_30b_config(args.layers, args.tiny)
     cfg_dir, mc = work / "hf-config", work / f"mc-{args.layers}l"
     cfg_dir.mkdir(exist_ok=True)
@@ -350,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({**result, **open_seconds(work, cfg)}))
         return 0
     if not (mc / ".metadata").exists():
-        _room_for(work, scratch, cfg)
+        _room_for(work, scratch, hf, cfg)
         t0 = time.perf_counter()
         result["checkpoint_bytes"] = write_layout(mc, cfg)
         result["write_layout_seconds"] = round(time.perf_counter() - t0, 1)
@@ -371,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     d1 = file_digests(out1)
     _step("one-step export hashed", t0)
     shutil.rmtree(out1)
-    hf, out2 = scratch / "hf-bf16", scratch / "export-two-step"
+    out2 = scratch / "export-two-step"
     shutil.rmtree(hf, ignore_errors=True)
     shutil.rmtree(out2, ignore_errors=True)
     t0 = time.perf_counter()
@@ -394,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     _step("two-step export", t0)
     result["same_files"] = file_digests(out2) == d1
     _step("two-step export hashed", t0)
-    result["scratch"] = str(scratch)
+    result["scratch"], result["hf_dir"] = str(scratch), str(hf)
     if not args.keep_hf:
         shutil.rmtree(hf)
     shutil.rmtree(out2)

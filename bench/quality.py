@@ -18,6 +18,9 @@ then measured on the held-out windows of the shared README (``heldout.bin``, 64 
 * vLLM (when importable): the export served, prompt log-probabilities (one process per engine;
   ``--vllm-parallel N`` runs N engines at once, each with 0.85/N of the GPU).
 
+``--algorithms max,mse,awq,gptq,gptq+mse``: instead of the layouts, the NVFP4 W4A4 variant
+calibrated with each ``calibrate.algorithm`` (a table of its own, "NAME, calibrate.algorithm").
+
 ``--extra NAME=DIR``: another tool's export (llm-compressor's, ModelOpt's) of one of the models
 (the one whose config.json matches), measured the same three ways. The table of each model goes
 into ``--doc`` between markers named by the model and the machine, with the date, the machine
@@ -71,12 +74,36 @@ VARIANTS: dict[str, tuple[str, tuple[str, str], tuple[str, str, bool]]] = {
 }
 
 
+# calibrate.algorithm runs (``--algorithms``): the NVFP4 W4A4 variant, calibrated with the
+# algorithm; "+mse" / "+pow2" add the option that bench.algorithms_quality names the same way
+ALGORITHM_BASE, ALGORITHM_SEP = "compressed-tensors NVFP4 W4A4", ", calibrate.algorithm "
+ALGORITHMS: dict[str, dict[str, str]] = {
+    "max": {"algorithm": "max"},
+    "mse": {"algorithm": "mse"},
+    "awq": {"algorithm": "awq"},
+    "gptq": {"algorithm": "gptq"},
+    "gptq+mse": {"algorithm": "gptq", "gptq_block_scales": "mse"},
+}
+
+
+def variant_names(algorithms: list[str]) -> list[str]:
+    """Every layout variant, or with ``algorithms`` the NVFP4 W4A4 one per algorithm."""
+    if not algorithms:
+        return list(VARIANTS)
+    bad = [a for a in algorithms if a not in ALGORITHMS]
+    if bad:
+        raise SystemExit(f"--algorithms: unknown {bad}; known: {', '.join(ALGORITHMS)}")
+    return [f"{ALGORITHM_BASE}{ALGORITHM_SEP}{a}" for a in algorithms]
+
+
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
 def _recipe(model: Path, work: Path, name: str, calib_bin: Path, heldout: Path) -> Path:
-    fmt, w, i = VARIANTS[name]
+    base, _, algo = name.partition(ALGORITHM_SEP)
+    fmt, w, i = VARIANTS[base]
+    cal = "\n  ".join(f"{k}: {v}" for k, v in ALGORITHMS[algo or "max"].items())
     out = work / _slug(name)
     text = f"""
 model: {{source: {model}}}
@@ -87,6 +114,7 @@ quant:
   ignore: ["lm_head", "*.mlp.gate"]
 calibrate:
   data: {{source: text, path: {calib_bin}, num_samples: 128, seq_len: 512, batch_size: 16}}
+  {cal}
   output: {out}.calib.safetensors
 export: {{format: {fmt}, output: {out}, overwrite: true}}
 eval: {{path: {heldout}}}
@@ -97,15 +125,21 @@ eval: {{path: {heldout}}}
 
 
 def make_exports(
-    model: Path, work: Path, calib_bin: Path, heldout: Path, reuse: bool = False
+    model: Path,
+    work: Path,
+    calib_bin: Path,
+    heldout: Path,
+    reuse: bool = False,
+    variants: list[str] | None = None,
 ) -> dict[str, Path]:
     """Calibrate and export every variant (one process for all: one start-up); ``reuse``: keep
     the exports a previous run left in ``work``."""
     work.mkdir(parents=True, exist_ok=True)
-    names = [n for n in VARIANTS if not (reuse and (work / _slug(n) / "config.json").is_file())]
+    variants = variants or list(VARIANTS)
+    names = [n for n in variants if not (reuse and (work / _slug(n) / "config.json").is_file())]
     recipes = [str(_recipe(model, work, n, calib_bin, heldout)) for n in names]
     if not recipes:
-        return {n: work / _slug(n) for n in VARIANTS}
+        return {n: work / _slug(n) for n in variants}
     code = (
         "import sys\nfrom qckpt.cli.app import main\n"
         "for r in sys.argv[1:]:\n"
@@ -118,7 +152,7 @@ def make_exports(
     p = subprocess.run([sys.executable, "-c", code, *recipes], cwd=ROOT, text=True)
     if p.returncode:
         raise SystemExit(f"calibrate/export failed for {model} (exit {p.returncode})")
-    return {n: work / _slug(n) for n in VARIANTS}
+    return {n: work / _slug(n) for n in variants}
 
 
 def _windows(model: Path, heldout: Path, windows: int) -> Any:
@@ -232,7 +266,11 @@ def measure_model(
         row["transformers"] = transformers_bpb(Path(row["dir"]), win, device)
         print(f"[{label}] {row['export']}: transformers {row['transformers']}", flush=True)
     if args.no_vllm or not vllm_available():
-        note = "not measured (no vLLM on this machine)" if not args.no_vllm else "not measured"
+        note = (
+            "not measured (no vLLM importable here: QCKPT_VLLM_SITE names a vLLM site dir)"
+            if not args.no_vllm
+            else "not measured"
+        )
         for row in rows:
             row["vllm"] = note
         return rows
@@ -347,6 +385,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--vllm-parallel", type=int, default=1)
+    ap.add_argument(
+        "--algorithms",
+        default="",
+        help="instead of the layouts: NVFP4 W4A4 calibrated with each of these (comma-separated: "
+        + ", ".join(ALGORITHMS)
+        + "), in a table of its own",
+    )
     ap.add_argument("--reuse", action="store_true", help="keep exports already in --work")
     args = ap.parse_args(argv)
     args.argv = argv
@@ -374,8 +419,13 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     models, extras = _pairs(args.model, "--model"), _pairs(args.extra, "--extra")
     report = {}
+    names = variant_names([a for a in args.algorithms.split(",") if a])
     for label, model in models.items():
-        exports = make_exports(model, args.work / label, args.calib, args.heldout, args.reuse)
+        if args.algorithms:
+            label = f"{label}, calibrate.algorithm"
+        exports = make_exports(
+            model, args.work / _slug(label), args.calib, args.heldout, args.reuse, names
+        )
         exports |= {n: d for n, d in extras.items() if _same_model(model, d)}
         rows = measure_model(label, model, exports, args)
         update_doc(args.doc, label, rows, args)

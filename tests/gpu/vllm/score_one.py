@@ -38,6 +38,10 @@ def main(argv: list[str]) -> None:
         enforce_eager=True,
         skip_tokenizer_init=True,
         gpu_memory_utilization=0.1,
+        # engines start side by side (test_vllm_quality: three at once); a KV cache sized
+        # outright skips vLLM's start-up profiling, which reads the free GPU memory that the
+        # other engines change under it ("Error in memory profiling", 2026-12-03)
+        kv_cache_memory_bytes=1 << 30,
         max_model_len=windows.shape[1] + 8,
         max_num_seqs=64,
         seed=0,

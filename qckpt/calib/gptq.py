@@ -127,6 +127,11 @@ def _inverse_factor(h: torch.Tensor, percdamp: float) -> torch.Tensor:
     return torch.linalg.cholesky(hinv, upper=True)
 
 
+# the stacked working copies of one batch of linears (weights, results, inverse factors) stay
+# under this many bytes; how the linears are batched never changes a value (see gptq_batch)
+STACK_BYTES = 1 << 30
+
+
 def gptq(
     w: torch.Tensor,
     h: torch.Tensor | None,
@@ -139,40 +144,168 @@ def gptq(
     """The GPTQ'd weight (dequantized values, float32 ``w.shape``) and the Hessian-weighted
     error proxy ``sum(err**2)`` of the spread; ``h`` None or all zero (no token reached this
     linear, a cold expert): plain rounding to nearest."""
-    rows, cols = w.shape
-    W = w.detach().to(torch.float32).clone()
-    if h is None or not bool(h.any()):
-        return round_to_nearest(W, quantizer), 0.0
-    perm = None
-    if act_order:
-        if quantizer.fmt == "nvfp4":
-            raise ValueError("act_order with NVFP4: its 16-column groups must run in order")
-        perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
-        W, h = W[:, perm], h[perm][:, perm]
-        # the scale of a column follows it
-        quantizer.scale = quantizer.scale[:, perm]
-    U = _inverse_factor(h.to(torch.float64), percdamp).to(torch.float32)
+    opts = {"percdamp": percdamp, "act_order": act_order, "block": block}
+    return gptq_batch([w], [h], [quantizer], **opts)[0]
+
+
+def gptq_batch(
+    ws: list[torch.Tensor],
+    hs: list[torch.Tensor | None],
+    quantizers: list[ColumnQuantizer],
+    *,
+    percdamp: float = 0.01,
+    act_order: bool = False,
+    block: int = BLOCK,
+    stats: dict | None = None,
+) -> list[tuple[torch.Tensor, float]]:
+    """:func:`gptq` of each ``(ws[k], hs[k], quantizers[k])``, the weights of one shape and
+    one quantizer kind run side by side: one column loop for all (an MoE layer's experts:
+    hundreds of linears, each thousands of columns of small steps).
+
+    Each linear gets the values it gets alone: everything across the batch is elementwise
+    (the same IEEE operations on the same operands, only more of them at once), and the
+    matrix products (the block updates) and the Cholesky factors stay per linear. So the
+    result does not depend on which linears share a batch (an EP rank holds half the
+    experts) or on :data:`STACK_BYTES`. ``stats["stack_bytes"]``: the largest batch's working
+    copies (what ``qckpt plan`` predicts with :func:`stack_bytes`)."""
+    out: list[tuple[torch.Tensor, float] | None] = [None] * len(ws)
+    live = []
+    for k, (w, h, q) in enumerate(zip(ws, hs, quantizers, strict=True)):
+        if h is None or not bool(h.any()):
+            out[k] = (round_to_nearest(w.detach().to(torch.float32).clone(), q), 0.0)
+        else:
+            live.append(k)
+    if live:
+        rows, cols = ws[live[0]].shape
+        per = linear_stack_bytes(rows, cols)
+        step = max(1, STACK_BYTES // per)
+        if stats is not None:
+            took = per * min(step, len(live))
+            stats["stack_bytes"] = max(stats.get("stack_bytes", 0), took)
+        for at in range(0, len(live), step):
+            part = live[at : at + step]
+            got = _gptq_stack(
+                [ws[k] for k in part], [hs[k] for k in part], [quantizers[k] for k in part],
+                percdamp, act_order, block,
+            )  # fmt: skip
+            for k, r in zip(part, got, strict=True):
+                out[k] = r
+    return out  # type: ignore[return-value]
+
+
+def linear_stack_bytes(rows: int, cols: int) -> int:
+    """One linear's share of a batch: its weight, its result and its FP8 scales (float32
+    ``rows x cols`` each; NVFP4 holds less) and its inverse factor (float32 ``cols x cols``)."""
+    return 4 * (3 * rows * cols + cols * cols)
+
+
+def stack_bytes(shapes: list[tuple[int, int]]) -> int:
+    """The largest batch :func:`gptq_batch` makes of linears of these ``(rows, cols)``."""
+    top = 0
+    for shape in set(shapes):
+        per = linear_stack_bytes(*shape)
+        top = max(top, per * min(max(1, STACK_BYTES // per), shapes.count(shape)))
+    return top
+
+
+def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int):
+    """GPTQ of linears that all got tokens, stacked on a leading dim (see :func:`gptq_batch`)."""
+    W = torch.stack([w.detach().to(torch.float32) for w in ws])  # [N, rows, cols], a copy
+    n, rows, cols = W.shape
+    perms, factors = [], []
+    for k, (h, q) in enumerate(zip(hs, qs, strict=True)):
+        perm = None
+        if act_order:
+            if q.fmt == "nvfp4":
+                raise ValueError("act_order with NVFP4: its 16-column groups must run in order")
+            perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+            W[k] = W[k][:, perm]
+            h = h[perm][:, perm]
+            q.scale = q.scale[:, perm]  # the scale of a column follows it
+        perms.append(perm)
+        factors.append(_inverse_factor(h.to(torch.float64), percdamp).to(torch.float32))
+    U = torch.stack(factors)
+    del factors
+    bq = _StackedQuantizer(qs)
     Q = torch.zeros_like(W)
-    loss = W.new_zeros(())  # on the device: no host wait per column
+    loss = W.new_zeros(n)  # on the device: no host wait per column
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        W1 = W[:, i1:i2].clone()
+        W1 = W[:, :, i1:i2].clone()
         E1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
+        U1 = U[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if quantizer.fmt == "nvfp4" and col % NVFP4_GROUP == 0:
-                quantizer.start_group(W1[:, i : i + NVFP4_GROUP], col)
-            q = quantizer(W1[:, i].clone(), col)
-            Q[:, col] = q
-            err = (W1[:, i] - q) / U1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            E1[:, i] = err
-            loss += (err * err).sum()
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
-    if perm is not None:
-        Q = Q[:, torch.argsort(perm)]
-    return Q, float(loss)
+            if bq.fmt == "nvfp4" and col % NVFP4_GROUP == 0:
+                bq.start_group(W1[:, :, i : i + NVFP4_GROUP], col)
+            q = bq(W1[:, :, i].clone(), col)
+            Q[:, :, col] = q
+            err = (W1[:, :, i] - q) / U1[:, i, i].unsqueeze(1)
+            W1[:, :, i:] -= err.unsqueeze(2) * U1[:, i, i:].unsqueeze(1)
+            E1[:, :, i] = err
+            loss += (err * err).sum(dim=1)
+        if i2 < cols:
+            for k in range(n):  # per linear: a product's bits may depend on its batch
+                W[k, :, i2:] -= E1[k] @ U[k, i1:i2, i2:]
+    bq.finish()
+    out = []
+    for k, perm in enumerate(perms):
+        qk = Q[k] if perm is None else Q[k][:, torch.argsort(perm)]
+        out.append((qk, float(loss[k])))
+    return out
+
+
+class _StackedQuantizer:
+    """The column quantizers of a batch of linears as one: each one's scales stacked on a
+    leading dim, the same elementwise operations as :class:`ColumnQuantizer`'s."""
+
+    def __init__(self, qs: list[ColumnQuantizer]):
+        self.qs, self.fmt = qs, qs[0].fmt
+        if self.fmt == "nvfp4":
+            self.search = qs[0].search
+
+            def col(name):
+                return torch.stack([getattr(q, name).reshape(1) for q in qs])  # [N, 1]
+
+            self.gs, self.gs64, self.inv_gs = col("gs"), col("gs64"), col("inv_gs")
+            self.block_scales = torch.stack([q.block_scales for q in qs])
+            self._sb: torch.Tensor | None = None
+            self._rows: tuple | None = None
+            return
+        self.scale = torch.stack([q.scale for q in qs])  # [N, rows, cols]
+
+    def start_group(self, w: torch.Tensor, col: int) -> None:
+        """:meth:`ColumnQuantizer.start_group` of each linear (``w``: ``[N, rows, <=16]``)."""
+        n, r, k = w.shape
+        if self.search:
+            from qckpt.calib.mse import nvfp4_chunk
+
+            if self._rows is None:  # each row takes its linear's global scale
+                self._rows = tuple(
+                    t.repeat_interleave(r, 0) for t in (self.gs, self.gs64, self.inv_gs)
+                )
+            sb, *_ = nvfp4_chunk(w.reshape(n * r, k).to(torch.float32), *self._rows)
+            self._sb = sb[:, 0].reshape(n, r)
+        else:
+            bmax = w.abs().amax(dim=2).to(torch.float32)
+            six64 = f64_const(E2M1_MAX, w.device)
+            self._sb = max_block_scales(bmax, six64, self.gs64).to(torch.float8_e4m3fn)
+        self.block_scales[:, :, col // NVFP4_GROUP] = self._sb
+
+    def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
+        """The dequantized column ``col`` of each linear (``w``: ``[N, rows]`` float32)."""
+        if self.fmt == "nvfp4":
+            sbf = self._sb.to(torch.float32)
+            codes = e2m1_codes((w * (self.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX))
+            return e2m1_values(codes) * (self.gs * sbf)
+        s = self.scale[:, :, col]
+        return (w / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+
+    def finish(self) -> None:
+        """Each linear's NVFP4 block scales back into its own quantizer (the export's)."""
+        if self.fmt == "nvfp4":
+            for q, sb in zip(self.qs, self.block_scales, strict=True):
+                q.block_scales.copy_(sb)
 
 
 def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tensor:

@@ -62,6 +62,7 @@ class GptqResult:
     # (every linear of the layer: what ``qckpt plan`` predicts)
     hessian_bytes: int = 0
     hessian_bytes_bound: int = 0
+    stack_bytes: int = 0  # the largest batch of GPTQ's working copies (gptq.gptq_batch)
 
 
 @dataclass
@@ -362,24 +363,46 @@ def _sum(hs, keys, lin, group, res: GptqResult) -> None:
 
 
 def _quantize_layer(model, lin: list[_Linear], hs, unit, opts: GptqOptions, res: GptqResult):
-    """Step 3: GPTQ of every weight of the layer; the weights in the model replaced. The row
-    for the report: the output error over the calibration tokens (sum of squares), rounded to
-    nearest vs GPTQ'd, over the linears some token reached."""
+    """Step 3: GPTQ of every weight of the layer; the weights in the model replaced. Linears of
+    one shape and quantizer kind run as one batch (:func:`qckpt.calib.gptq.gptq_batch`: an MoE
+    layer's experts at once; the same values as one by one). The row for the report: the
+    output error over the calibration tokens (sum of squares), rounded to nearest vs GPTQ'd,
+    over the linears some token reached."""
     row = {"linears": 0, "rounded": 0, "loss_rtn": 0.0, "loss_gptq": 0.0}
     with torch.no_grad():
-        for x in lin:
-            _gptq_one(model, x, hs.get(x.hkey), unit.get(x.hkey, 0.0), opts, res, row)
+        jobs = [_job(model, x, opts) for x in lin]
+        groups: dict[tuple, list[int]] = {}
+        for k, (_, w, make, _) in enumerate(jobs):
+            q = lin[k].src.quantizer
+            key = (tuple(w.shape), q.format, make.args[1], tuple(q.block_size or ()), str(w.device))
+            groups.setdefault(key, []).append(k)
+        new: dict[int, torch.Tensor] = {}
+        stats: dict[str, int] = {}
+        for ks in groups.values():
+            got = gptq.gptq_batch(
+                [jobs[k][1] for k in ks], [hs.get(lin[k].hkey) for k in ks],
+                [jobs[k][3] for k in ks], percdamp=opts.percdamp, act_order=opts.act_order,
+                block=opts.block, stats=stats,
+            )  # fmt: skip
+            new.update({k: q for k, (q, _) in zip(ks, got, strict=True)})
+        res.stack_bytes = max(res.stack_bytes, stats.get("stack_bytes", 0))
+        for k, x in enumerate(lin):  # in the layer's order: the report's sums, the sidecar's
+            _finish_one(x, jobs[k], new.pop(k), hs.get(x.hkey), unit.get(x.hkey, 0.0), res, row)
     return row
 
 
-def _gptq_one(model, x: _Linear, h, unit: float, opts, res: GptqResult, row: dict) -> None:
+def _job(model, x: _Linear, opts: GptqOptions):
+    """(its quantizer, its weight (a view into the model), a quantizer maker, the quantizer
+    GPTQ runs with)."""
     q = x.src.quantizer
     w = x.src.take(model.get_parameter(x.src.param))
     gran = "tensor" if q.format == "nvfp4" else q.granularity
-    shape = tuple(w.shape)
-    make = partial(gptq.ColumnQuantizer, q.format, gran, x.amax, shape, q.block_size)
-    cq = make(search=opts.block_search)
-    new, _ = gptq.gptq(w, h, cq, percdamp=opts.percdamp, act_order=opts.act_order, block=opts.block)
+    make = partial(gptq.ColumnQuantizer, q.format, gran, x.amax, tuple(w.shape), q.block_size)
+    return q, w, make, make(search=opts.block_search)
+
+
+def _finish_one(x: _Linear, job, new: torch.Tensor, h, unit: float, res: GptqResult, row) -> None:
+    q, w, make, cq = job
     if h is not None:  # the output error on the calibration tokens, rounded vs GPTQ'd
         rtn = gptq.round_to_nearest(w.detach().float().clone(), make())
         row["loss_rtn"] += unit * _out_err(rtn - w.float(), h)

@@ -18,7 +18,9 @@ The rules are the commands' own documented bounds; where one says "about", so do
 * ``calibrate.algorithm: gptq`` (``gptq_bytes``): the Hessians of one decoder layer at a time,
   this rank's linears only (a dense linear's ``in^2``, an expert's ``hidden^2`` for gate/up
   and ``inter^2`` for down), float64, twice (the sums and the all-reduce's buffer), plus the
-  layer inputs and outputs of this rank's samples (``2 x samples x seq_len x hidden``).
+  layer inputs and outputs of this rank's samples (``2 x samples x seq_len x hidden``), plus
+  the largest batch of GPTQ's float32 working copies (weights, results, scales and inverse
+  factors of linears of one shape, at most 1 GiB unless one linear alone is larger).
 * ``calibrate.algorithm: awq`` (``awq_bytes``): one decoder layer at a time, the ``X^T X``
   of each quantized consumer's input (float64, twice: the sums and the all-reduce's buffer):
   q/k/v share the input norm's (``hidden^2``), a dense MLP's gate/up the MLP norm's, o_proj
@@ -267,10 +269,27 @@ def gptq_hessian_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
     return max(per_layer.values(), default=0)
 
 
+def gptq_stack_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
+    """The largest batch of GPTQ's working copies on a rank (``qckpt.calib.gptq.stack_bytes``
+    of each layer's linears: an expert's fused gate/up is two linears of half its rows)."""
+    from qckpt.calib.gptq import stack_bytes
+
+    per_layer: dict[int, list[tuple[int, int]]] = {}
+    for t, _ in _quantized_linears(tensors, ignored):
+        shapes = per_layer.setdefault(t.layer, [])
+        if len(t.shape) == 3:
+            e, rows, cols = t.shape
+            fused = "gate_up" in t.name
+            shapes += [(rows // 2 if fused else rows, cols)] * (e * (2 if fused else 1))
+        else:
+            shapes.append((t.shape[0], t.shape[1]))
+    return max((stack_bytes(v) for v in per_layer.values()), default=0)
+
+
 def gptq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) -> int:
     """What ``calibrate.algorithm: gptq`` adds on a rank (see the module doc)."""
     io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
-    return 2 * gptq_hessian_bytes(tensors, ignored) + io
+    return 2 * gptq_hessian_bytes(tensors, ignored) + io + gptq_stack_bytes(tensors, ignored)
 
 
 def _awq_site(module: str) -> str:

@@ -122,3 +122,55 @@ def test_the_export_writes_gptqs_codes_from_its_bf16_weights_and_block_scales(se
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(32, -1)
     dq = (e2m1_values(codes).view(32, -1, 16) * (gs * sb.float()).unsqueeze(-1)).reshape(32, -1)
     assert torch.equal(dq, q)  # the very values GPTQ chose, not re-rounded ones
+
+
+@pytest.mark.parametrize(
+    ("fmt", "gran", "search", "act_order"),
+    [
+        ("fp8", "tensor", False, False),
+        ("fp8", "channel", False, True),
+        ("fp8", "block", False, False),
+        ("nvfp4", "tensor", False, False),
+        ("nvfp4", "tensor", True, False),
+    ],
+)
+@pytest.mark.parametrize("stack_bytes", [1, 1 << 30])
+def test_gptq_of_linears_side_by_side_gives_each_its_own_values(
+    fmt, gran, search, act_order, stack_bytes, monkeypatch
+):
+    # an MoE layer's experts run as one batch; an EP rank holds a different set of them, so
+    # each expert's values must not depend on which others share its batch (or how many fit)
+    monkeypatch.setattr(gptq, "STACK_BYTES", stack_bytes)
+    shape = (40, 144)  # 144 columns: one full block of 128 and a partial one
+
+    def case(k: int):
+        g = torch.Generator().manual_seed(20 + k)
+        w = (0.02 * (k + 1)) * torch.randn(shape, generator=g)
+        x = _correlated(300 + 50 * k, shape[1])
+        h = None if k == 2 else gptq.hessian_add(None, x, float(x.abs().max()), gptq.grid_bits(600))
+        if gran == "channel":
+            amax = w.abs().amax(dim=1)
+        elif gran == "block":
+            amax = torch.stack([w[:, :128].abs().max(), w[:, 128:].abs().max()]).reshape(1, 2)
+        else:
+            amax = w.abs().max()
+
+        def quantizer():
+            return gptq.ColumnQuantizer(fmt, gran, amax, shape, block=(128, 128), search=search)
+
+        return w, h, quantizer
+
+    cases = [case(k) for k in range(4)]  # case 2: a cold expert (no Hessian)
+    qs = [make() for _, _, make in cases]
+    together = gptq.gptq_batch(
+        [w for w, _, _ in cases], [h for _, h, _ in cases], qs, act_order=act_order
+    )
+    for (w, h, make), q_batch, (got, _) in zip(cases, qs, together, strict=True):
+        alone_q = make()
+        alone, _ = gptq.gptq(w, h, alone_q, act_order=act_order)
+        assert torch.equal(got, alone)
+        if fmt == "nvfp4":
+            assert torch.equal(
+                q_batch.block_scales.view(torch.uint8), alone_q.block_scales.view(torch.uint8)
+            )
+    assert torch.equal(together[2][0], gptq.round_to_nearest(cases[2][0].clone(), cases[2][2]()))

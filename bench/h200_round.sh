@@ -28,6 +28,8 @@ PY=${PY:-python3}
 OUT=${OUT:-$PWD/round-out}
 WORK=${QCKPT_ROUND_WORK:-/tmp/qckpt-round}
 RES="$WORK/results"
+# the GPU a one-GPU step runs on (QCKPT_ROUND_GPU=1: the second, while the first runs the tests)
+GPU=${QCKPT_ROUND_GPU:-0}
 CKPT48="$WORK/qwen3-30b-a3b"
 CKPT8="${QCKPT_CKPT8:-$WORK/qwen3-30b-a3b-8l}"  # /dev/shm/... where the disk holds only the 48 layers
 mkdir -p "$OUT" "$RES"
@@ -80,7 +82,8 @@ STEPS=(
   pyc_warm:180
   gptq_tests:300
   gptq_8l:600
-  gptq_48l:600
+  gptq_48l:1500
+  quality_algos:1200
   imports:120
   startup_8l:240
   export_lanes_48l:300
@@ -108,10 +111,10 @@ step_disk() {
 # 8-layer model, one process on the GPU and on the CPU; the fast FP8 load on cuda:0
 profile_cmds() {  # CKPT TAG
   local rc=0
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.export --src "$1" --calib "$WORK/export_calib_$2.safetensors" \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.export --src "$1" --calib "$WORK/export_calib_$2.safetensors" \
     --nprocs 1 --workdir "$WORK/export_prof" --profile "$RES/prof_export_$2.txt" \
     --json "$RES/prof_export_$2.json" || rc=1
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.profile --out "$RES/prof_load_$2.txt" -- -m qckpt load \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.profile --out "$RES/prof_load_$2.txt" -- -m qckpt load \
     configs/tiny-moe.yaml --set model.source="$1" --set checkpoint.path="$1" \
     --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
     --json "$RES/prof_load_$2.json" || rc=1
@@ -119,7 +122,7 @@ profile_cmds() {  # CKPT TAG
 }
 step_profile_8l() {
   profile_cmds "$CKPT8" 8l
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.export --src "$CKPT8" --calib "$WORK/export_calib_8l.safetensors" \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.export --src "$CKPT8" --calib "$WORK/export_calib_8l.safetensors" \
     --nprocs 1 --device cpu --workdir "$WORK/export_prof" --profile "$RES/prof_export_cpu_8l.txt" \
     --json "$RES/prof_export_cpu_8l.json"
 }
@@ -128,10 +131,10 @@ step_profile_8l() {
 step_loadprof_8l() {
   local i rc=0
   df -h /dev/shm /tmp
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.read_ceiling "$CKPT8" --device cuda --warm \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.read_ceiling "$CKPT8" --device cuda --warm \
     | tee "$RES/ceiling_8l.json" || rc=1
   for i in 1 2; do
-    CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.profile --out "$RES/prof_load_8l_$i.txt" -- -m qckpt \
+    CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.profile --out "$RES/prof_load_8l_$i.txt" -- -m qckpt \
       load configs/tiny-moe.yaml --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
       --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
       --json "$RES/prof_load_8l_$i.json" || rc=1
@@ -140,14 +143,14 @@ step_loadprof_8l() {
 }
 # the fast read's knobs (threads, switch interval, max_inflight, piece size) in one process
 step_knobs_8l() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.read_knobs configs/tiny-moe.yaml \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.read_knobs configs/tiny-moe.yaml \
     --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" \
     --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
     ${KNOBS_ONLY:+--only "$KNOBS_ONLY"} --json "$RES/knobs_8l.json"
 }
 # the FP8 load of the 48-layer model, profiled (where the calling thread and the readers wait)
 step_loadprof_48l() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.profile --out "$RES/prof_load_48l.txt" -- -m qckpt load \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.profile --out "$RES/prof_load_48l.txt" -- -m qckpt load \
     configs/tiny-moe.yaml --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
     --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
     --json "$RES/prof_load_48l.json"
@@ -158,7 +161,7 @@ step_profile_48l() {
 # where calibrate's first batch spends its host time (48 layers: ~3.3 s over a steady batch,
 # all of it before the forward returns): a two-batch calibrate under the sampling profiler
 step_calib_prof_48l() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.profile --out "$RES/prof_calib_48l.txt" -- -m qckpt \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.profile --out "$RES/prof_calib_48l.txt" -- -m qckpt \
     calibrate configs/tiny-moe.yaml --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
     --set checkpoint.format=safetensors --set load.device=cuda --set calibrate.data.num_samples=16 \
     --set calibrate.data.seq_len=2048 --set calibrate.data.batch_size=8 \
@@ -172,8 +175,7 @@ step_calib_prof_48l() {
 # with its --json (forward_parts: gptq_capture / gptq_layers; layers.*.gptq.seconds per layer;
 # gptq_hessian_bytes; the phases' device peaks) and `qckpt plan`'s prediction (gptq_bytes)
 # beside it. gptq_8l: the 8-layer checkpoint (per-layer seconds to extrapolate from);
-# gptq_48l: the 48-layer one (expected to pass its 600 s limit: GPTQ runs one linear at a time,
-# column by column; the per-layer seconds in its log still come back)
+# gptq_48l: the 48-layer one (an MoE layer's experts go through GPTQ side by side, gptq_batch)
 GPTQ_SETS=(--set checkpoint.format=safetensors --set load.device=cuda
   --set calibrate.algorithm=gptq --set quant.weights.format=nvfp4 --set quant.inputs.format=nvfp4
   --set calibrate.data.num_samples=128 --set calibrate.data.seq_len=2048
@@ -185,13 +187,27 @@ gptq_on() {  # $1 checkpoint, $2 name
   local rc=0
   "$PY" -m qckpt plan configs/tiny-moe.yaml --set model.source="$1" --set checkpoint.path="$1" \
     "${GPTQ_SETS[@]}" --nproc-per-node 1 --gpu-memory 139GiB --json "$RES/plan_$2.json" || rc=1
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m qckpt calibrate configs/tiny-moe.yaml --set model.source="$1" \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m qckpt calibrate configs/tiny-moe.yaml --set model.source="$1" \
     --set checkpoint.path="$1" "${GPTQ_SETS[@]}" --set calibrate.output="$WORK/$2.safetensors" \
     --json "$RES/$2.json" || rc=1
   return $rc
 }
 step_gptq_8l() { gptq_on "$CKPT8" gptq_8l; }
 step_gptq_48l() { gptq_on "$CKPT48" gptq_48l; }
+
+# issue 27's table: bench.quality --algorithms on both trained models (NVFP4 W4A4 per
+# calibrate.algorithm; qckpt eval, transformers and vLLM side by side; vLLM carried in /tmp/site),
+# the updated docs/QUALITY.md kept beside the JSON
+step_quality_algos() {
+  local q=${QCKPT_QUALITY:-$PWD/../shared/quality}
+  CUDA_VISIBLE_DEVICES=$GPU QCKPT_VLLM_SITE=${QCKPT_VLLM_SITE:-/tmp/site} "$PY" -m bench.quality \
+    --algorithms max,mse,awq,gptq,gptq+mse --model "llama=$q/models/llama-textlm" \
+    --model "qwen3moe=$q/models/qwen3moe-textlm" --calib "$q/calib.bin" --heldout "$q/heldout.bin" \
+    --work "$WORK/quality-algos" --vllm-parallel 5 --json "$RES/quality_algos.json"
+  local rc=$?
+  cp docs/QUALITY.md "$RES/QUALITY.md"
+  return $rc
+}
 
 # issue 29: `qckpt export` straight from a 61 GB Qwen3-30B-A3B-shaped checkpoint in Megatron-Core's
 # torch_dist layout beside the two-step path (convert to HF BF16, then export). The checkpoint is on
@@ -213,7 +229,7 @@ step_plan_export_host_48l() {
 # the same check on the HF checkpoint ckpt_48l makes, calibrated on one short batch (the export's
 # memory does not depend on the calibration's values)
 step_peh_48l() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m qckpt calibrate configs/tiny-moe.yaml --set model.source="$CKPT48" \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m qckpt calibrate configs/tiny-moe.yaml --set model.source="$CKPT48" \
     --set checkpoint.path="$CKPT48" --set checkpoint.format=safetensors --set load.device=cuda \
     --set calibrate.data.num_samples=2 --set calibrate.data.seq_len=64 \
     --set calibrate.data.batch_size=2 --set calibrate.output="$WORK/peh_calib.safetensors" \
@@ -251,7 +267,7 @@ step_startup_8l() {
   local rc=0
   /usr/bin/time -f "python -c pass: %e s" "$PY" -c pass
   /usr/bin/time -f "import torch + cuda init: %e s" "$PY" -c 'import torch; torch.zeros(1, device="cuda")'
-  CUDA_VISIBLE_DEVICES=0 "$PY" -X importtime -m qckpt load configs/tiny-moe.yaml \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -X importtime -m qckpt load configs/tiny-moe.yaml \
     --set model.source="$CKPT8" --set checkpoint.path="$CKPT8" --set checkpoint.format=safetensors \
     --set load.params=fp8 --set load.device=cuda --json "$RES/startup_load.json" \
     2>"$RES/importtime_load.txt" >/dev/null || rc=1
@@ -300,7 +316,7 @@ step_pyc_warm() {
 step_knobs_48l() {
   local tc="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
   echo "triton cache entries before: $(ls "$tc" 2>/dev/null | wc -l)"
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.read_knobs configs/tiny-moe.yaml \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.read_knobs configs/tiny-moe.yaml \
     --set model.source="$CKPT48" --set checkpoint.path="$CKPT48" \
     --set checkpoint.format=safetensors --set load.params=fp8 --set load.device=cuda \
     --only "${KNOBS_ONLY:-default,default again,ahead 0,ahead 64 MiB,ahead 1 GiB,inflight 2}" \
@@ -312,7 +328,7 @@ step_knobs_48l() {
 
 # whole-command device peaks and exact load windows on CUDA (tests/gpu, skipped on CPU)
 step_gpu_phases() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m pytest -x -q -p no:cacheprovider \
     tests/gpu/test_phases_gpu.py tests/gpu/test_load_gpu.py
 }
 
@@ -340,10 +356,10 @@ step_whole_48l() {
 # host's own ceiling for the same files (parallel read into pinned memory, and on to the GPU)
 step_fastread_48l() {
   local r rc=0
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.read_ceiling "$CKPT48" --device cuda --warm \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.read_ceiling "$CKPT48" --device cuda --warm \
     | tee "$RES/ceiling_48l.json" || rc=1
   for r in fast plain; do
-    CUDA_VISIBLE_DEVICES=0 "$PY" -m qckpt load configs/tiny-moe.yaml --set model.source="$CKPT48" \
+    CUDA_VISIBLE_DEVICES=$GPU "$PY" -m qckpt load configs/tiny-moe.yaml --set model.source="$CKPT48" \
       --set checkpoint.path="$CKPT48" --set checkpoint.format=safetensors --set load.params=fp8 \
       --set load.device=cuda --set load.reader=$r --json "$RES/fastread_48l_$r.json" || rc=1
   done
@@ -351,26 +367,26 @@ step_fastread_48l() {
 }
 # fast reader on CUDA == plain for every format (pinned pieces, cast path, Triton kernels taken)
 step_fastread_tests() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_fast_read_gpu.py
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_fast_read_gpu.py
 }
 # bench/load.py at full size (48 x 8192^2 DCP, 6.4 GB): fast vs plain reader, stream vs plain on
 # the same reader, host read ceiling, side by side; exit 1 if a target is missed
 step_load_bench() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.load --dir "$WORK/loadbench" --json "$RES/load_bench.json"
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.load --dir "$WORK/loadbench" --json "$RES/load_bench.json"
 }
 
 # meta builds on CUDA: fresh quantized fields, meta build + load == seeded build + load
 step_meta_tests() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_meta_build_gpu.py
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_meta_build_gpu.py
 }
 
 # issue 17's bound for the whole qckpt load (meta build, one scratch: load.max_inflight=1):
 # device peak (never reset) <= the FP8 model + 2*max(numel) + 64 MiB; exit 1 if over
 step_meta_8l() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.load_bound "$CKPT8" --device cuda --json "$RES/meta_8l.json"
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.load_bound "$CKPT8" --device cuda --json "$RES/meta_8l.json"
 }
 step_meta_48l() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.load_bound "$CKPT48" --device cuda \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.load_bound "$CKPT48" --device cuda \
     --json "$RES/meta_48l.json"
 }
 
@@ -379,10 +395,10 @@ step_meta_48l() {
 # resident weights on one GPU, each a whole `qckpt calibrate` process: both device peaks
 # (max_memory_allocated, never reset), the ratio (target <= 0.6), weight amaxes bit-identical
 step_resident_tests() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_resident_gpu.py
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_resident_gpu.py
 }
 resident_bench() {  # CKPT JSON [bench args]
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.resident_calibration configs/tiny-moe.yaml \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.resident_calibration configs/tiny-moe.yaml \
     --set model.source="$1" --set checkpoint.path="$1" \
     --set checkpoint.format=safetensors --set load.device=cuda --set parallel.timeout_s=600 \
     --set calibrate.data.num_samples=16 --set calibrate.data.seq_len=256 \
@@ -409,12 +425,12 @@ step_offload_ref_48l() {
   "$PY" -m qckpt calibrate configs/tiny-moe.yaml "${OFF_SETS[@]}" --nproc-per-node 2 \
     --set parallel.ep=2 --set calibrate.output="$RES/cal_ep2.safetensors" \
     --json "$RES/offload_ref_ep2.json" || return 1
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m qckpt calibrate configs/tiny-moe.yaml "${OFF_SETS[@]}" \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m qckpt calibrate configs/tiny-moe.yaml "${OFF_SETS[@]}" \
     --set calibrate.output="$RES/cal_1gpu.safetensors" --json "$RES/offload_ref_1gpu.json"
 }
 step_offload_48l() {
   local rc=0
-  CUDA_VISIBLE_DEVICES=0 "$PY" bench/calibrate_offload.py run --gpu-mem-gib 20 \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" bench/calibrate_offload.py run --gpu-mem-gib 20 \
     --json "$RES/offload_20g_run.json" -- configs/tiny-moe.yaml "${OFF_SETS[@]}" \
     --set calibrate.offload=layer --set calibrate.output="$RES/cal_off_20g.safetensors" \
     --json "$RES/offload_20g.json" || return 1
@@ -436,10 +452,10 @@ step_offload_48l() {
 # the grouped run against the eager one (bit-identical or the measured difference)
 # the grouped forward's Triton combine against torch's ordered additions, bit for bit
 step_calib_tests() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_moe_combine_gpu.py
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_moe_combine_gpu.py
 }
 step_calib_speed() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m bench.calibrate_speed forward --preset qwen3-30b-a3b \
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m bench.calibrate_speed forward --preset qwen3-30b-a3b \
     --device cuda --batches 8 --batch-size 4 --seq-len 512 --json "$RES/calib_speed.json"
 }
 # DP scaling of `qckpt calibrate`: one process vs torchrun --nproc-per-node 2, same recipe and
@@ -470,7 +486,7 @@ step_calib_dp_48l_pyc() { calib_dp_pyc_on "$CKPT48" calib_dp_48l; }
 # qckpt export on a GPU (issue 18): byte-identical to the CPU export for every layout, tiny
 # models and 4096-wide ones
 step_export_tests() {
-  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_export_gpu.py
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m pytest -x -q -p no:cacheprovider tests/gpu/test_export_gpu.py
 }
 # qckpt export of the 48-layer checkpoint (issues 17, 18), each a whole CLI process: one process
 # on one GPU beside torchrun with 2 (a GPU each), every file compared by hash; GB/s, phases,

@@ -287,6 +287,9 @@ class EvalConfig:
     # fused linears (q/k/v, gate/up): vllm = one scale per fused weight, as vLLM makes it at
     # load | as-stored = each shard with its own scales, as the files mean them
     fused: Literal["vllm", "as-stored"] = "vllm"
+    # as-exported: inputs quantized as the export says | unquantized: the export's weights with
+    # inputs in the model dtype (a weight-only kernel: vLLM's NVFP4 on Hopper is W4A16)
+    inputs: Literal["as-exported", "unquantized"] = "as-exported"
 
     def validate(self, path: str) -> None:
         for name, hi in (

@@ -99,6 +99,13 @@ def eval_cmd(
             help="vllm (one scale per fused q/k/v, gate/up weight, as vLLM loads it) | as-stored."
         ),
     ] = None,
+    inputs: Annotated[
+        str | None,
+        typer.Option(
+            help="as-exported (inputs quantized as the export says) | unquantized (the weights "
+            "alone: a weight-only kernel, as vLLM runs NVFP4 on Hopper)."
+        ),
+    ] = None,
     client: Annotated[
         str, typer.Option(help="qckpt (emulated here) | vllm (served by vLLM, when installed).")
     ] = "qckpt",
@@ -123,11 +130,17 @@ def eval_cmd(
         qckpt eval recipe.yaml --json eval.json
 
         qckpt eval runs/llama/fp8 --source models/llama --data heldout.bin --client vllm
+
+        qckpt eval runs/llama/nvfp4 --source models/llama --data heldout.bin --inputs unquantized
     """
     opts, export_dir, source_dir, data_path = _resolve(target, source, data, set_)
-    opts = _override(opts, windows, seq_len, seed, batch_size, device, offload, fused)
+    opts = _override(opts, windows, seq_len, seed, batch_size, device, offload, fused, inputs)
     if client not in ("qckpt", "vllm"):
         raise UsageError(f"--client: qckpt or vllm; got {client!r}")
+    if client == "vllm" and opts.inputs != "as-exported":
+        raise UsageError(
+            f"--inputs {opts.inputs}: the qckpt client's; vLLM runs the export its own way"
+        )
     _guard(json_path, export_dir, source_dir, data_path)
     rep = _evaluate(client, export_dir, source_dir, data_path, opts, top_k)
     with phases.phase(phases.REPORT):
@@ -152,6 +165,7 @@ def _override(
     device: str | None,
     offload: str | None,
     fused: str | None,
+    inputs: str | None = None,
 ) -> Any:
     """The options with the flags the user gave (each checked) in place of the recipe's."""
     given = {"windows": windows, "seq_len": seq_len, "seed": seed, "batch_size": batch_size}
@@ -168,6 +182,10 @@ def _override(
         if fused not in ("vllm", "as-stored"):
             raise UsageError(f"--fused: vllm or as-stored; got {fused!r}")
         opts = replace(opts, fused=fused)
+    if inputs is not None:
+        if inputs not in ("as-exported", "unquantized"):
+            raise UsageError(f"--inputs: as-exported or unquantized; got {inputs!r}")
+        opts = replace(opts, inputs=inputs)
     return opts
 
 

@@ -18,6 +18,9 @@ class EvalOptions:
     # fused linears (q/k/v, gate/up): vllm = one scale per fused weight as vLLM makes it at
     # load | as-stored = every shard with its own scales, as the files mean them
     fused: str = "vllm"
+    # as-exported: each linear's inputs quantized as the export says | unquantized: the weights
+    # alone, what a weight-only kernel computes (vLLM runs NVFP4 so on Hopper: Marlin, W4A16)
+    inputs: str = "as-exported"
 
 
 def options_from(ev: Any) -> EvalOptions:
@@ -31,4 +34,5 @@ def options_from(ev: Any) -> EvalOptions:
         top_layers=ev.top_layers,
         offload=ev.offload,
         fused=ev.fused,
+        inputs=ev.inputs,
     )

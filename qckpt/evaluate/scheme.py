@@ -21,7 +21,7 @@ and for down (for NVFP4 the smallest global scale, i.e. the largest amax).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,14 @@ class ExportScheme:
             "fused_fp8_requantized": len(self.requant),
             "fused_nvfp4_global_scale_replaced": len(self.nvfp4_global),
         }
+
+
+def weights_only(scheme: ExportScheme) -> ExportScheme:
+    """``scheme`` with every linear's inputs left unquantized: what a client computes whose
+    kernel dequantizes the weights and multiplies in the model dtype (``eval.inputs:
+    unquantized``; the report's ``scheme.input_quantization`` then counts them as ``none``).
+    The KV-cache scales stay: the cache is quantized whatever the linears do."""
+    return replace(scheme, inputs={m: InputQuant("none") for m in scheme.inputs})
 
 
 def _target_matches(target: str, module: str) -> bool:

@@ -124,11 +124,11 @@ def source_cache() -> dict:
     return {}
 
 
-def _eval(export: Path, cache: dict | None, windows: int = FEW, fused: str = "vllm") -> dict:
+def _eval(export: Path, cache: dict | None, windows: int = FEW, fused: str = "vllm", **kw) -> dict:
     from qckpt import EvalOptions
     from qckpt.evaluate.run import evaluate  # evaluate_export's body: it takes the source cache
 
-    opts = EvalOptions(windows=windows, fused=fused)
+    opts = EvalOptions(windows=windows, fused=fused, **kw)
     return evaluate(export, MODEL, HELDOUT, opts, cache=cache)
 
 
@@ -210,6 +210,24 @@ def test_fused_shards_are_computed_as_vllm_loads_them(exports):
     assert stored.nvfp4_global == {} and stored.notes == []
 
 
+def test_unquantized_inputs_give_the_weights_alone(exports, source_cache):
+    """``--inputs unquantized``: no linear's input quantized, the same figure as the export's
+    weights dequantized into a plain model (what a weight-only kernel computes), and below the
+    W4A4 figure of the same export."""
+    from qckpt import EvalOptions
+    from qckpt.evaluate.run import score_model
+
+    w4a4 = _eval(exports["ct-nvfp4"], source_cache)
+    w4a16 = _eval(exports["ct-nvfp4"], source_cache, inputs="unquantized")
+    assert w4a16["scheme"]["input_quantization"] == {"unquantized": 42}
+    assert w4a16["options"]["inputs"] == "unquantized"
+    assert w4a16["source_bits_per_byte"] == w4a4["source_bits_per_byte"]
+    plain = score_model(exports["ct-nvfp4"], HELDOUT, EvalOptions(windows=FEW))
+    assert abs(w4a16["export_bits_per_byte"] / plain["bits_per_byte"] - 1) < 1e-3, plain
+    assert w4a16["export_bits_per_byte"] < w4a4["export_bits_per_byte"]
+    assert w4a16["kl_mean"] < w4a4["kl_mean"]
+
+
 def _broken(exports: dict, how: str) -> Path:
     dst = exports["_tmp"] / f"broken-{how}"
     if dst.exists():
@@ -265,8 +283,15 @@ def test_cli_from_a_recipe(exports):
         (["{model}", "--source", "{model}", "--data", "{data}"], 1, "not a quantized export"),
         (["{model}", "--source", "{model}", "--data", "/nope.bin"], 2, "--data: /nope.bin"),
         (["{model}", "--source", "{model}", "--data", "{data}", "--client", "x"], 2, "--client"),
+        (["{model}", "--source", "{model}", "--data", "{data}", "--inputs", "x"], 2, "--inputs"),
+        (
+            ["{model}", "--source", "{model}", "--data", "{data}", "--client", "vllm"]
+            + ["--inputs", "unquantized"],
+            2,
+            "--inputs unquantized: the qckpt client's",
+        ),
     ],
-    ids=["missing", "no-source", "not-an-export", "no-data", "bad-client"],
+    ids=["missing", "no-source", "not-an-export", "no-data", "bad-client", "bad-inputs", "vllm"],
 )
 def test_cli_refusals_are_one_line(args, code, says):
     fill = {"model": str(MODEL), "data": str(HELDOUT)}

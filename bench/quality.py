@@ -3,7 +3,8 @@ byte through ``qckpt eval``, through transformers and through vLLM, side by side
 
     python -m bench.quality [--model llama=../shared/quality/models/llama-textlm]
         [--model qwen3moe=DIR] [--extra NAME=DIR ...] [--windows 64] [--work /tmp/qckpt-quality]
-        [--doc docs/QUALITY.md] [--json out.json] [--no-vllm] [--vllm-parallel N]
+        [--doc docs/QUALITY.md] [--json out.json] [--no-vllm] [--no-transformers]
+        [--vllm-parallel N]
 
 For each ``--model NAME=DIR`` (an HF dir of BF16 safetensors; default: the shared Llama), each
 variant of :data:`VARIANTS` is calibrated on 128 x 512 bytes of ``calib.bin`` (``max``, batches
@@ -11,7 +12,8 @@ of 16) and exported (``qckpt calibrate`` and ``qckpt export``, all of one model 
 then measured on the held-out windows of the shared README (``heldout.bin``, 64 x 513, seed 7):
 
 * ``qckpt eval``: the export emulated from its own files as a serving stack computes it (with
-  mean KL(source || export) and top-1 agreement);
+  mean KL(source || export) and top-1 agreement), and again with ``--inputs unquantized`` (the
+  weights alone: what a weight-only kernel computes, as vLLM runs NVFP4 on Hopper);
 * transformers: ``AutoModelForCausalLM.from_pretrained(EXPORT)`` (compressed-tensors' own
   quantizer; ModelOpt dirs are skipped: transformers has no ModelOpt quantizer and would read
   the codes as weights);
@@ -19,7 +21,8 @@ then measured on the held-out windows of the shared README (``heldout.bin``, 64 
   ``--vllm-parallel N`` runs N engines at once, each with 0.85/N of the GPU).
 
 ``--algorithms max,mse,awq,gptq,gptq+mse``: instead of the layouts, the NVFP4 W4A4 variant
-calibrated with each ``calibrate.algorithm`` (a table of its own, "NAME, calibrate.algorithm").
+calibrated with each ``calibrate.algorithm`` (a table of its own, "NAME, calibrate.algorithm");
+``--algorithms-on fp8`` (or ``nvfp4,fp8``) calibrates the FP8 per-tensor variant instead (or too).
 
 ``--extra NAME=DIR``: another tool's export (llm-compressor's, ModelOpt's) of one of the models
 (the one whose config.json matches), measured the same three ways. The table of each model goes
@@ -74,9 +77,14 @@ VARIANTS: dict[str, tuple[str, tuple[str, str], tuple[str, str, bool]]] = {
 }
 
 
-# calibrate.algorithm runs (``--algorithms``): the NVFP4 W4A4 variant, calibrated with the
-# algorithm; "+mse" / "+pow2" add the option that bench.algorithms_quality names the same way
-ALGORITHM_BASE, ALGORITHM_SEP = "compressed-tensors NVFP4 W4A4", ", calibrate.algorithm "
+# calibrate.algorithm runs (``--algorithms``): a variant (``--algorithms-on``: the NVFP4 W4A4 one
+# unless said) calibrated with each algorithm; "+mse" / "+pow2" add the option that
+# bench.algorithms_quality names the same way
+ALGORITHM_SEP = ", calibrate.algorithm "
+ALGORITHM_BASES = {
+    "nvfp4": "compressed-tensors NVFP4 W4A4",
+    "fp8": "compressed-tensors FP8 per-tensor, static inputs",
+}
 ALGORITHMS: dict[str, dict[str, str]] = {
     "max": {"algorithm": "max"},
     "mse": {"algorithm": "mse"},
@@ -86,14 +94,19 @@ ALGORITHMS: dict[str, dict[str, str]] = {
 }
 
 
-def variant_names(algorithms: list[str]) -> list[str]:
-    """Every layout variant, or with ``algorithms`` the NVFP4 W4A4 one per algorithm."""
+def variant_names(algorithms: list[str], on: list[str] | None = None) -> list[str]:
+    """Every layout variant, or with ``algorithms`` each variant of ``on`` (keys of
+    :data:`ALGORITHM_BASES`; NVFP4 W4A4 by default) once per algorithm."""
     if not algorithms:
         return list(VARIANTS)
     bad = [a for a in algorithms if a not in ALGORITHMS]
     if bad:
         raise SystemExit(f"--algorithms: unknown {bad}; known: {', '.join(ALGORITHMS)}")
-    return [f"{ALGORITHM_BASE}{ALGORITHM_SEP}{a}" for a in algorithms]
+    on = on or ["nvfp4"]
+    bad = [b for b in on if b not in ALGORITHM_BASES]
+    if bad:
+        raise SystemExit(f"--algorithms-on: unknown {bad}; known: {', '.join(ALGORITHM_BASES)}")
+    return [f"{ALGORITHM_BASES[b]}{ALGORITHM_SEP}{a}" for b in on for a in algorithms]
 
 
 def _slug(name: str) -> str:
@@ -256,6 +269,8 @@ def measure_model(
             "moved": rep["layers_moved_most"],
             "warnings": rep["warnings"],
         }
+        w_only = evaluate(d, model, args.heldout, replace(opts, inputs="unquantized"), cache=cache)
+        row["qckpt_weights"] = w_only["export_bits_per_byte"]
         sch = rep["scheme"]
         if sch["fused_fp8_requantized"] or sch["fused_nvfp4_global_scale_replaced"]:
             stored = evaluate(d, model, args.heldout, replace(opts, fused="as-stored"), cache=cache)
@@ -263,7 +278,11 @@ def measure_model(
         rows.append(row)
         print(f"[{label}] {name}: qckpt eval {rep['export_bits_per_byte']:.4f}", flush=True)
     for row in rows:
-        row["transformers"] = transformers_bpb(Path(row["dir"]), win, device)
+        row["transformers"] = (
+            "not measured"
+            if args.no_transformers
+            else transformers_bpb(Path(row["dir"]), win, device)
+        )
         print(f"[{label}] {row['export']}: transformers {row['transformers']}", flush=True)
     if args.no_vllm or not vllm_available():
         note = (
@@ -304,9 +323,9 @@ def _cell(v: Any, base: Any) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]
     out = [
-        "| export | qckpt eval | KL (qckpt eval) | top-1 (qckpt eval) | qckpt eval, fused shards "
-        "as stored | transformers | vLLM |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| export | qckpt eval | KL (qckpt eval) | top-1 (qckpt eval) | qckpt eval, weights alone "
+        "(`--inputs unquantized`) | qckpt eval, fused shards as stored | transformers | vLLM |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         kl = f"{r['kl']:.5f}" if isinstance(r.get("kl"), float) else "-"
@@ -316,6 +335,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             _cell(r.get("qckpt"), None if first else base.get("qckpt")),
             kl,
             top1,
+            _cell(r.get("qckpt_weights"), base.get("qckpt")) if not first else "-",
             _cell(r.get("qckpt_as_stored"), None if first else base.get("qckpt"))
             if "qckpt_as_stored" in r
             else ("-" if first else "same"),
@@ -384,6 +404,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "QUALITY.md")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers column")
     ap.add_argument("--vllm-parallel", type=int, default=1)
     ap.add_argument(
         "--algorithms",
@@ -391,6 +412,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="instead of the layouts: NVFP4 W4A4 calibrated with each of these (comma-separated: "
         + ", ".join(ALGORITHMS)
         + "), in a table of its own",
+    )
+    ap.add_argument(
+        "--algorithms-on",
+        default="nvfp4",
+        help="with --algorithms: the variants calibrated with each (comma-separated: "
+        + ", ".join(ALGORITHM_BASES)
+        + ")",
     )
     ap.add_argument("--reuse", action="store_true", help="keep exports already in --work")
     args = ap.parse_args(argv)
@@ -419,10 +447,13 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     models, extras = _pairs(args.model, "--model"), _pairs(args.extra, "--extra")
     report = {}
-    names = variant_names([a for a in args.algorithms.split(",") if a])
+    on = [b for b in args.algorithms_on.split(",") if b]
+    names = variant_names([a for a in args.algorithms.split(",") if a], on)
     for label, model in models.items():
         if args.algorithms:
-            label = f"{label}, calibrate.algorithm"
+            label = f"{label}, calibrate.algorithm" + (
+                "" if on == ["nvfp4"] else f" ({', '.join(on)})"
+            )
         exports = make_exports(
             model, args.work / _slug(label), args.calib, args.heldout, args.reuse, names
         )

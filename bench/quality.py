@@ -451,12 +451,12 @@ def main(argv: list[str]) -> int:
     names = variant_names([a for a in args.algorithms.split(",") if a], on)
     for label, model in models.items():
         if args.algorithms:
-            label = f"{label}, calibrate.algorithm" + (
-                "" if on == ["nvfp4"] else f" ({', '.join(on)})"
-            )
-        exports = make_exports(
-            model, args.work / _slug(label), args.calib, args.heldout, args.reuse, names
-        )
+            label = f"{label}, calibrate.algorithm"
+        # the work dir of a model's algorithm runs whatever --algorithms-on says (--reuse)
+        work = args.work / _slug(label)
+        if args.algorithms and on != ["nvfp4"]:
+            label = f"{label} ({', '.join(on)})"
+        exports = make_exports(model, work, args.calib, args.heldout, args.reuse, names)
         exports |= {n: d for n, d in extras.items() if _same_model(model, d)}
         rows = measure_model(label, model, exports, args)
         update_doc(args.doc, label, rows, args)

@@ -23,6 +23,24 @@ TargetArg = Annotated[
     ),
 ]
 
+OffloadOpt = Annotated[
+    str | None,
+    typer.Option(help="none (both models resident) | layer (one decoder layer at a time)."),
+]
+FusedOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="vllm (one scale per fused q/k/v, gate/up weight, as vLLM loads it) | as-stored."
+    ),
+]
+InputsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="as-exported (inputs quantized as the export says) | unquantized (the weights "
+        "alone: a weight-only kernel, as vLLM runs NVFP4 on Hopper)."
+    ),
+]
+
 
 def _has_weights(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
@@ -89,23 +107,9 @@ def eval_cmd(
     seed: Annotated[int | None, typer.Option(min=0, help="Window draw seed (7).")] = None,
     batch_size: Annotated[int | None, typer.Option(min=1, help="Windows per forward (16).")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda.")] = None,
-    offload: Annotated[
-        str | None,
-        typer.Option(help="none (both models resident) | layer (one decoder layer at a time)."),
-    ] = None,
-    fused: Annotated[
-        str | None,
-        typer.Option(
-            help="vllm (one scale per fused q/k/v, gate/up weight, as vLLM loads it) | as-stored."
-        ),
-    ] = None,
-    inputs: Annotated[
-        str | None,
-        typer.Option(
-            help="as-exported (inputs quantized as the export says) | unquantized (the weights "
-            "alone: a weight-only kernel, as vLLM runs NVFP4 on Hopper)."
-        ),
-    ] = None,
+    offload: OffloadOpt = None,
+    fused: FusedOpt = None,
+    inputs: InputsOpt = None,
     client: Annotated[
         str, typer.Option(help="qckpt (emulated here) | vllm (served by vLLM, when installed).")
     ] = "qckpt",
@@ -135,12 +139,7 @@ def eval_cmd(
     """
     opts, export_dir, source_dir, data_path = _resolve(target, source, data, set_)
     opts = _override(opts, windows, seq_len, seed, batch_size, device, offload, fused, inputs)
-    if client not in ("qckpt", "vllm"):
-        raise UsageError(f"--client: qckpt or vllm; got {client!r}")
-    if client == "vllm" and opts.inputs != "as-exported":
-        raise UsageError(
-            f"--inputs {opts.inputs}: the qckpt client's; vLLM runs the export its own way"
-        )
+    _check_client(client, opts)
     _guard(json_path, export_dir, source_dir, data_path)
     rep = _evaluate(client, export_dir, source_dir, data_path, opts, top_k)
     with phases.phase(phases.REPORT):
@@ -154,6 +153,15 @@ def eval_cmd(
     inc = rep.get("relative_increase")
     if fail_above is not None and inc is not None and inc * 100 > fail_above:
         raise typer.Exit(1)
+
+
+def _check_client(client: str, opts: Any) -> None:
+    if client not in ("qckpt", "vllm"):
+        raise UsageError(f"--client: qckpt or vllm; got {client!r}")
+    if client == "vllm" and opts.inputs != "as-exported":
+        raise UsageError(
+            f"--inputs {opts.inputs}: the qckpt client's; vLLM runs the export its own way"
+        )
 
 
 def _override(

@@ -290,6 +290,9 @@ class EvalConfig:
     # as-exported: inputs quantized as the export says | unquantized: the export's weights with
     # inputs in the model dtype (a weight-only kernel: vLLM's NVFP4 on Hopper is W4A16)
     inputs: Literal["as-exported", "unquantized"] = "as-exported"
+    # as-exported: weights dequantized from the export | unquantized: the source's weights, the
+    # export's input quantization (what the inputs alone cost; both unquantized: the source)
+    weights: Literal["as-exported", "unquantized"] = "as-exported"
 
     def validate(self, path: str) -> None:
         for name, hi in (

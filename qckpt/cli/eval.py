@@ -41,6 +41,18 @@ InputsOpt = Annotated[
     ),
 ]
 
+FailAboveOpt = Annotated[
+    float | None,
+    typer.Option(metavar="PCT", help="Exit 1 when the export is more than PCT % worse."),
+]
+WeightsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="as-exported (dequantized from the export) | unquantized (the source's weights with "
+        "the export's input quantization: what the inputs alone cost)."
+    ),
+]
+
 
 def _has_weights(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
@@ -63,13 +75,19 @@ def _from_recipe(target: Path, set_: list[str] | None) -> tuple[Path, Path, Any]
     return Path(r.export.output).expanduser(), source, r.eval
 
 
+def _measured(options: dict[str, Any]) -> str:
+    """What the export figure leaves out, when it does (``--inputs`` / ``--weights``)."""
+    off = [k for k in ("weights", "inputs") if options.get(k, "as-exported") != "as-exported"]
+    return f" ({' and '.join(off)} unquantized)" if off else ""
+
+
 def _summary(rep: dict[str, Any]) -> list[str]:
     unit = rep["unit"]
     src, exp = rep[f"source_bits_per_{unit}"], rep[f"export_bits_per_{unit}"]
     lines = [
         f"source  {src:.4f} bits/{unit}  (perplexity {rep['source_perplexity']:.4f})",
         f"export  {exp:.4f} bits/{unit}  (perplexity {rep['export_perplexity']:.4f}), "
-        f"{rep['relative_increase'] * 100:+.2f} %",
+        f"{rep['relative_increase'] * 100:+.2f} %{_measured(rep.get('options') or {})}",
     ]
     if rep.get("kl_mean") is not None:
         lines.append(
@@ -110,14 +128,12 @@ def eval_cmd(
     offload: OffloadOpt = None,
     fused: FusedOpt = None,
     inputs: InputsOpt = None,
+    weights: WeightsOpt = None,
     client: Annotated[
         str, typer.Option(help="qckpt (emulated here) | vllm (served by vLLM, when installed).")
     ] = "qckpt",
     top_k: Annotated[int, typer.Option(min=1, help="vllm: prompt log-probabilities kept.")] = 20,
-    fail_above: Annotated[
-        float | None,
-        typer.Option(metavar="PCT", help="Exit 1 when the export is more than PCT % worse."),
-    ] = None,
+    fail_above: FailAboveOpt = None,
     set_: SetOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
@@ -136,9 +152,22 @@ def eval_cmd(
         qckpt eval runs/llama/fp8 --source models/llama --data heldout.bin --client vllm
 
         qckpt eval runs/llama/nvfp4 --source models/llama --data heldout.bin --inputs unquantized
+
+        qckpt eval runs/llama/nvfp4 --source models/llama --data heldout.bin --weights unquantized
     """
     opts, export_dir, source_dir, data_path = _resolve(target, source, data, set_)
-    opts = _override(opts, windows, seq_len, seed, batch_size, device, offload, fused, inputs)
+    opts = _override(
+        opts,
+        windows=windows,
+        seq_len=seq_len,
+        seed=seed,
+        batch_size=batch_size,
+        device=device,
+        offload=offload,
+        fused=fused,
+        inputs=inputs,
+        weights=weights,
+    )
     _check_client(client, opts)
     _guard(json_path, export_dir, source_dir, data_path)
     rep = _evaluate(client, export_dir, source_dir, data_path, opts, top_k)
@@ -158,42 +187,32 @@ def eval_cmd(
 def _check_client(client: str, opts: Any) -> None:
     if client not in ("qckpt", "vllm"):
         raise UsageError(f"--client: qckpt or vllm; got {client!r}")
-    if client == "vllm" and opts.inputs != "as-exported":
-        raise UsageError(
-            f"--inputs {opts.inputs}: the qckpt client's; vLLM runs the export its own way"
-        )
+    for key in ("inputs", "weights"):
+        if client == "vllm" and getattr(opts, key) != "as-exported":
+            raise UsageError(
+                f"--{key} {getattr(opts, key)}: the qckpt client's; vLLM runs the export its own way"
+            )
 
 
-def _override(
-    opts: Any,
-    windows: int | None,
-    seq_len: int | None,
-    seed: int | None,
-    batch_size: int | None,
-    device: str | None,
-    offload: str | None,
-    fused: str | None,
-    inputs: str | None = None,
-) -> Any:
+# each choice flag: the values it takes (the first one is the recipe default's spelling)
+_CHOICES = {
+    "device": ("auto", "cpu", "cuda"),
+    "offload": ("none", "layer"),
+    "fused": ("vllm", "as-stored"),
+    "inputs": ("as-exported", "unquantized"),
+    "weights": ("as-exported", "unquantized"),
+}
+
+
+def _override(opts: Any, **given: Any) -> Any:
     """The options with the flags the user gave (each checked) in place of the recipe's."""
-    given = {"windows": windows, "seq_len": seq_len, "seed": seed, "batch_size": batch_size}
-    opts = replace(opts, **{k: v for k, v in given.items() if v is not None})
-    if device is not None:
-        if device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"--device: auto, cpu or cuda; got {device!r}")
-        opts = replace(opts, device=device)
-    if offload is not None:
-        if offload not in ("none", "layer"):
-            raise UsageError(f"--offload: none or layer; got {offload!r}")
-        opts = replace(opts, offload=offload)
-    if fused is not None:
-        if fused not in ("vllm", "as-stored"):
-            raise UsageError(f"--fused: vllm or as-stored; got {fused!r}")
-        opts = replace(opts, fused=fused)
-    if inputs is not None:
-        if inputs not in ("as-exported", "unquantized"):
-            raise UsageError(f"--inputs: as-exported or unquantized; got {inputs!r}")
-        opts = replace(opts, inputs=inputs)
+    for key, value in given.items():
+        allowed = _CHOICES.get(key)
+        if value is None:
+            continue
+        if allowed is not None and value not in allowed:
+            raise UsageError(f"--{key}: {', '.join(allowed[:-1])} or {allowed[-1]}; got {value!r}")
+        opts = replace(opts, **{key: value})
     return opts
 
 

@@ -108,7 +108,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Modul
 def _weight32(scheme: ExportScheme, fetch: SafetensorsFetch, name: str, like: torch.Tensor):
     """A linear's weight as the client holds it, float32 (fused shards as vLLM fuses them)."""
     w = scheme.weights.get(name)
-    if w is None:
+    if w is None or scheme.weights_from_model:
         return like.detach().to(torch.float32), None
     module = name[: -len(".weight")]
     if module in scheme.requant:

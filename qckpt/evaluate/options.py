@@ -21,6 +21,9 @@ class EvalOptions:
     # as-exported: each linear's inputs quantized as the export says | unquantized: the weights
     # alone, what a weight-only kernel computes (vLLM runs NVFP4 so on Hopper: Marlin, W4A16)
     inputs: str = "as-exported"
+    # as-exported: the weights dequantized from the export | unquantized: the source's weights
+    # (with inputs as-exported: what the inputs' quantization alone costs)
+    weights: str = "as-exported"
 
 
 def options_from(ev: Any) -> EvalOptions:
@@ -35,4 +38,5 @@ def options_from(ev: Any) -> EvalOptions:
         offload=ev.offload,
         fused=ev.fused,
         inputs=ev.inputs,
+        weights=ev.weights,
     )

@@ -53,6 +53,8 @@ class ExportScheme:
     requant: dict[str, torch.Tensor] = field(default_factory=dict)
     nvfp4_global: dict[str, torch.Tensor] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # the linears keep the model's own (source) weights; only their inputs are quantized
+    weights_from_model: bool = False
 
     def fetch(self) -> SafetensorsFetch:
         return SafetensorsFetch(self.path, self.index)
@@ -76,6 +78,19 @@ def weights_only(scheme: ExportScheme) -> ExportScheme:
     unquantized``; the report's ``scheme.input_quantization`` then counts them as ``none``).
     The KV-cache scales stay: the cache is quantized whatever the linears do."""
     return replace(scheme, inputs={m: InputQuant("none") for m in scheme.inputs})
+
+
+def inputs_only(scheme: ExportScheme, source_dir: Path) -> ExportScheme:
+    """The export's input quantization on the source's weights (``eval.weights: unquantized``):
+    the model is filled from ``source_dir`` and each quantized linear keeps its BF16 weight."""
+    return replace(
+        scheme,
+        path=Path(source_dir),
+        index=hf_index(source_dir),
+        requant={},
+        nvfp4_global={},
+        weights_from_model=True,
+    )
 
 
 def _target_matches(target: str, module: str) -> bool:

@@ -228,6 +228,25 @@ def test_unquantized_inputs_give_the_weights_alone(exports, source_cache):
     assert w4a16["kl_mean"] < w4a4["kl_mean"]
 
 
+def test_unquantized_weights_give_the_inputs_alone(exports, source_cache):
+    """``--weights unquantized``: the source's weights under the export's input quantization.
+    With the inputs unquantized too it is the source itself (the same bits per byte, KL 0);
+    alone it costs less than W4A4 and more than nothing, and layer-by-layer gives it too."""
+    w4a4 = _eval(exports["ct-nvfp4"], source_cache)
+    a4 = _eval(exports["ct-nvfp4"], source_cache, weights="unquantized")
+    assert a4["options"]["weights"] == "unquantized"
+    assert a4["scheme"]["input_quantization"] == w4a4["scheme"]["input_quantization"]
+    src = a4["source_bits_per_byte"]
+    assert src < a4["export_bits_per_byte"] < w4a4["export_bits_per_byte"]
+    assert 0 < a4["kl_mean"] < w4a4["kl_mean"]
+    none = _eval(exports["ct-nvfp4"], source_cache, weights="unquantized", inputs="unquantized")
+    # the emulated linears multiply in float32 where the source's run in BF16: not bit for bit
+    assert abs(none["export_bits_per_byte"] - src) < 0.1 * (a4["export_bits_per_byte"] - src)
+    assert none["kl_mean"] < 0.1 * a4["kl_mean"]
+    layered = _eval(exports["ct-nvfp4"], None, weights="unquantized", offload="layer")
+    assert abs(layered["export_bits_per_byte"] / a4["export_bits_per_byte"] - 1) < 1e-4
+
+
 def _broken(exports: dict, how: str) -> Path:
     dst = exports["_tmp"] / f"broken-{how}"
     if dst.exists():
@@ -290,8 +309,25 @@ def test_cli_from_a_recipe(exports):
             2,
             "--inputs unquantized: the qckpt client's",
         ),
+        (
+            ["{model}", "--source", "{model}", "--data", "{data}", "--client", "vllm"]
+            + ["--weights", "unquantized"],
+            2,
+            "--weights unquantized: the qckpt client's",
+        ),
+        (["{model}", "--source", "{model}", "--data", "{data}", "--weights", "x"], 2, "--weights"),
     ],
-    ids=["missing", "no-source", "not-an-export", "no-data", "bad-client", "bad-inputs", "vllm"],
+    ids=[
+        "missing",
+        "no-source",
+        "not-an-export",
+        "no-data",
+        "bad-client",
+        "bad-inputs",
+        "vllm",
+        "vllm-weights",
+        "bad-weights",
+    ],
 )
 def test_cli_refusals_are_one_line(args, code, says):
     fill = {"model": str(MODEL), "data": str(HELDOUT)}

@@ -44,6 +44,9 @@ def _mode(p: Path) -> int:
 
 def _umask_027() -> None:
     os.umask(0o027)
+    # a shell without job control starts background jobs with SIGINT ignored, and Python keeps
+    # an ignored SIGINT so: the child gets the default a terminal user's qckpt has
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="module")

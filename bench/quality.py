@@ -13,7 +13,8 @@ then measured on the held-out windows of the shared README (``heldout.bin``, 64 
 
 * ``qckpt eval``: the export emulated from its own files as a serving stack computes it (with
   mean KL(source || export) and top-1 agreement), and again with ``--inputs unquantized`` (the
-  weights alone: what a weight-only kernel computes, as vLLM runs NVFP4 on Hopper);
+  weights alone: what a weight-only kernel computes, as vLLM runs NVFP4 on Hopper) and with
+  ``--weights unquantized`` (the inputs alone: the source's weights, the export's inputs);
 * transformers: ``AutoModelForCausalLM.from_pretrained(EXPORT)`` (compressed-tensors' own
   quantizer; ModelOpt dirs are skipped: transformers has no ModelOpt quantizer and would read
   the codes as weights);
@@ -243,6 +244,17 @@ def vllm_runs(dirs: dict[str, Path], win: Any, k: int, parallel: int) -> dict[st
         return dict(pool.map(one, dirs.items()))
 
 
+def inputs_alone(name: str, d: Path, model: Path, heldout: Path, opts: Any, cache: dict) -> Any:
+    """The export's inputs on the source's weights (``--weights unquantized``); not for awq,
+    whose input scales were calibrated on the smoothed model, not on the source's inputs."""
+    from qckpt.evaluate.run import evaluate
+
+    if name.endswith(f"{ALGORITHM_SEP}awq"):
+        return "n/a (awq: its input scales are the smoothed model's)"
+    rep = evaluate(d, model, heldout, replace(opts, weights="unquantized"), cache=cache)
+    return rep["export_bits_per_byte"]
+
+
 def measure_model(
     label: str, model: Path, exports: dict[str, Path], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
@@ -271,6 +283,7 @@ def measure_model(
         }
         w_only = evaluate(d, model, args.heldout, replace(opts, inputs="unquantized"), cache=cache)
         row["qckpt_weights"] = w_only["export_bits_per_byte"]
+        row["qckpt_inputs"] = inputs_alone(name, d, model, args.heldout, opts, cache)
         sch = rep["scheme"]
         if sch["fused_fp8_requantized"] or sch["fused_nvfp4_global_scale_replaced"]:
             stored = evaluate(d, model, args.heldout, replace(opts, fused="as-stored"), cache=cache)
@@ -324,8 +337,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]
     out = [
         "| export | qckpt eval | KL (qckpt eval) | top-1 (qckpt eval) | qckpt eval, weights alone "
-        "(`--inputs unquantized`) | qckpt eval, fused shards as stored | transformers | vLLM |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "(`--inputs unquantized`) | qckpt eval, inputs alone (`--weights unquantized`) "
+        "| qckpt eval, fused shards as stored | transformers | vLLM |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         kl = f"{r['kl']:.5f}" if isinstance(r.get("kl"), float) else "-"
@@ -336,6 +350,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             kl,
             top1,
             _cell(r.get("qckpt_weights"), base.get("qckpt")) if not first else "-",
+            _cell(r.get("qckpt_inputs"), base.get("qckpt")) if not first else "-",
             _cell(r.get("qckpt_as_stored"), None if first else base.get("qckpt"))
             if "qckpt_as_stored" in r
             else ("-" if first else "same"),

@@ -41,7 +41,7 @@ def hadamard_rotation(n: int, seed: int) -> torch.Tensor:
 def rotate(sd: dict[str, torch.Tensor], layers: int, q: torch.Tensor) -> None:
     """Fold the norms and turn the residual stream of a dense Llama state dict, in place."""
 
-    def fold(norm: str, readers: list[str]) -> None:
+    def fold_and_turn(norm: str, readers: list[str]) -> None:
         gain = sd[norm]
         for r in readers:
             sd[r] = sd[r] * gain[None, :] @ q
@@ -51,14 +51,16 @@ def rotate(sd: dict[str, torch.Tensor], layers: int, q: torch.Tensor) -> None:
         p = f"model.layers.{i}."
         if p + "mlp.gate_proj.weight" not in sd:
             raise SystemExit(f"{p}mlp: not a dense gate/up/down MLP (this probe turns those only)")
-        fold(p + "input_layernorm.weight", [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
-        fold(
+        fold_and_turn(
+            p + "input_layernorm.weight", [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        )
+        fold_and_turn(
             p + "post_attention_layernorm.weight",
             [p + f"mlp.{x}_proj.weight" for x in ("gate", "up")],
         )
         for writer in (p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"):
             sd[writer] = q.T @ sd[writer]
-    fold("model.norm.weight", ["lm_head.weight"])
+    fold_and_turn("model.norm.weight", ["lm_head.weight"])
     sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"] @ q
 
 

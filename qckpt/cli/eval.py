@@ -194,22 +194,22 @@ def _check_client(client: str, opts: Any) -> None:
             )
 
 
-# each choice flag: the values it takes (the first one is the recipe default's spelling)
-_CHOICES = {
-    "device": ("auto", "cpu", "cuda"),
-    "offload": ("none", "layer"),
-    "fused": ("vllm", "as-stored"),
-    "inputs": ("as-exported", "unquantized"),
-    "weights": ("as-exported", "unquantized"),
-}
+def _choices(key: str) -> tuple[str, ...] | None:
+    """The values ``eval.<key>`` takes, read from the recipe's ``Literal`` (one list for both)."""
+    import typing
+
+    from qckpt.recipe import EvalConfig
+
+    hint = typing.get_type_hints(EvalConfig).get(key)
+    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
 
 
 def _override(opts: Any, **given: Any) -> Any:
     """The options with the flags the user gave (each checked) in place of the recipe's."""
     for key, value in given.items():
-        allowed = _CHOICES.get(key)
         if value is None:
             continue
+        allowed = _choices(key)
         if allowed is not None and value not in allowed:
             raise UsageError(f"--{key}: {', '.join(allowed[:-1])} or {allowed[-1]}; got {value!r}")
         opts = replace(opts, **{key: value})

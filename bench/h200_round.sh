@@ -30,7 +30,7 @@ WORK=${QCKPT_ROUND_WORK:-/tmp/qckpt-round}
 RES="$WORK/results"
 # the GPU a one-GPU step runs on (QCKPT_ROUND_GPU=1: the second, while the first runs the tests)
 GPU=${QCKPT_ROUND_GPU:-0}
-CKPT48="$WORK/qwen3-30b-a3b"
+CKPT48="${QCKPT_CKPT48:-$WORK/qwen3-30b-a3b}"  # /dev/shm/... beside other work on the disk
 CKPT8="${QCKPT_CKPT8:-$WORK/qwen3-30b-a3b-8l}"  # /dev/shm/... where the disk holds only the 48 layers
 mkdir -p "$OUT" "$RES"
 # PYC=1: Python's bytecode caches kept in $WORK/pyc (the device sets PYTHONDONTWRITEBYTECODE=1, so
@@ -80,6 +80,7 @@ STEPS=(
   knobs_48l:360
   loadprof_48l:240
   pyc_warm:180
+  moe_model:300
   gptq_tests:300
   gptq_8l:600
   gptq_48l:1500
@@ -187,13 +188,23 @@ gptq_on() {  # $1 checkpoint, $2 name
   local rc=0
   "$PY" -m qckpt plan configs/tiny-moe.yaml --set model.source="$1" --set checkpoint.path="$1" \
     "${GPTQ_SETS[@]}" --nproc-per-node 1 --gpu-memory 139GiB --json "$RES/plan_$2.json" || rc=1
-  CUDA_VISIBLE_DEVICES=$GPU "$PY" -m qckpt calibrate configs/tiny-moe.yaml --set model.source="$1" \
-    --set checkpoint.path="$1" "${GPTQ_SETS[@]}" --set calibrate.output="$WORK/$2.safetensors" \
-    --json "$RES/$2.json" || rc=1
+  CUDA_VISIBLE_DEVICES=$GPU QCKPT_TRACE=1 "$PY" -m qckpt calibrate configs/tiny-moe.yaml \
+    --set model.source="$1" --set checkpoint.path="$1" "${GPTQ_SETS[@]}" \
+    --set calibrate.output="$WORK/$2.safetensors" --json "$RES/$2.json" || rc=1
   return $rc
 }
 step_gptq_8l() { gptq_on "$CKPT8" gptq_8l; }
 step_gptq_48l() { gptq_on "$CKPT48" gptq_48l; }
+
+# the Qwen3-MoE that learned real text (../shared/quality/train_textlm.py --arch qwen3moe, 150 s),
+# made again on a machine that lacks it (its weights do not travel back); the script and the
+# training text are where bench/h200_session.sh stages them
+step_moe_model() {
+  local q=${QCKPT_QUALITY:-$PWD/../shared/quality}
+  [ -f "$q/models/qwen3moe-textlm/config.json" ] && { echo "have $q/models/qwen3moe-textlm"; return 0; }
+  CUDA_VISIBLE_DEVICES=$GPU "$PY" "$q/train_textlm.py" --arch qwen3moe --out "$q/models/qwen3moe-textlm" \
+    --train "$q/train64.bin" --heldout "$q/heldout.bin" --seconds 150
+}
 
 # issue 27's table: bench.quality --algorithms on both trained models (NVFP4 W4A4 per
 # calibrate.algorithm; qckpt eval, transformers and vLLM side by side; vLLM carried in /tmp/site),

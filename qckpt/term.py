@@ -66,3 +66,12 @@ def quiet_torch_logs() -> None:
 
     for name in ("torch.utils._pytree", "torch.distributed", "torch.distributed.checkpoint"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def trace(msg: str) -> None:
+    """A progress line for long passes run into a log file (no terminal, so no progress bar):
+    written only when ``QCKPT_TRACE`` is set, after the wall-clock time."""
+    if os.environ.get("QCKPT_TRACE"):
+        import time
+
+        err.print(f"[{time.strftime('%H:%M:%S')}] {msg}", markup=False, highlight=False)

@@ -41,6 +41,7 @@ from qckpt.calib.layerwise import capture_layer_inputs, decoder_layers
 from qckpt.errors import SyncError
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
+from qckpt.term import trace
 
 
 @dataclass
@@ -119,6 +120,7 @@ def run_gptq(
         hidden = _outputs(layer, hidden, calls, i)
         row["seconds"] = round(time.perf_counter() - t1, 4)
         res.layers[prefix] = row
+        trace(f"gptq {prefix}: {row['seconds']:.2f} s ({i + 1}/{len(layers)} layers)")
     res.parts["gptq_layers"] = time.perf_counter() - t0 - res.parts["gptq_capture"]
     return res
 

@@ -197,13 +197,20 @@ def transformers_bpb(path: Path, win: Any, device: str) -> float | str:
                 nll += float(
                     F.cross_entropy(logits.flatten(0, 1), b[:, 1:].reshape(-1), reduction="sum")
                 )
-    except ImportError as exc:  # transformers' quantizer needs a package this machine lacks
-        return "not measured: " + " ".join(str(exc).split())[:80]
-    except Exception as exc:  # a loader that refuses the dir is a result of the benchmark
-        if "is required for" in str(exc):  # transformers' own "install X" message
-            return "not measured: " + " ".join(str(exc).split())[:80]
+    except Exception as exc:
+        # a package this machine lacks (an ImportError, or transformers' own "X is required
+        # for" message) is not measured; a loader that refuses the dir is a result
+        if isinstance(exc, ImportError) or "is required for" in str(exc):
+            return not_measured(exc)
         return "fails: " + " ".join(str(exc).split())[:120]
     return nll / math.log(2) / sum(win.nbytes)
+
+
+def not_measured(exc: BaseException) -> str:
+    """The cell for a client that needs a package this machine lacks, naming the package."""
+    text = " ".join(str(exc).split())
+    m = re.search(r"(\S+) is required for", text) or re.search(r"No module named '([^']+)'", text)
+    return f"not measured ({m.group(1)} not installed)" if m else f"not measured: {text[:80]}"
 
 
 def failure_line(log: str) -> str:

@@ -22,7 +22,7 @@ import math
 import torch
 
 from qckpt.formats.numerics import div_f32, f64_const
-from qckpt.formats.nvfp4 import E2M1_MAX, E4M3_MAX, e2m1_codes, e2m1_values, max_block_scales
+from qckpt.formats.nvfp4 import E2M1_MAX, E4M3_MAX, e2m1_codes, e2m1_round, max_block_scales
 
 BLOCK = 128
 NVFP4_GROUP = 16
@@ -107,8 +107,8 @@ class ColumnQuantizer:
         """The dequantized column ``col`` (``w``: its current values, float32 ``[rows]``)."""
         if self.fmt == "nvfp4":
             sbf = self._sb.to(torch.float32)
-            codes = e2m1_codes((w * (self.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX))
-            return e2m1_values(codes) * (self.gs * sbf)
+            y = (w * (self.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX)
+            return e2m1_round(y) * (self.gs * sbf)
         s = self.scale[:, col]
         return (w / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
 
@@ -176,6 +176,13 @@ def gptq_batch(
         else:
             live.append(k)
     if live:
+        # linears that share a Hessian (an expert's gate and up, attention's q, k, v) side by
+        # side, so that each Hessian's inverse factor is made once (``last`` keeps one)
+        first: dict[int, int] = {}
+        for k in live:
+            first.setdefault(id(hs[k]), k)
+        live.sort(key=lambda k: (first[id(hs[k])], k))
+        last: dict[str, torch.Tensor] = {}
         rows, cols = ws[live[0]].shape
         per = linear_stack_bytes(rows, cols)
         step = max(1, STACK_BYTES // per)
@@ -186,7 +193,7 @@ def gptq_batch(
             part = live[at : at + step]
             got = _gptq_stack(
                 [ws[k] for k in part], [hs[k] for k in part], [quantizers[k] for k in part],
-                percdamp, act_order, block,
+                percdamp, act_order, block, last,
             )  # fmt: skip
             for k, r in zip(part, got, strict=True):
                 out[k] = r
@@ -208,13 +215,13 @@ def stack_bytes(shapes: list[tuple[int, int]]) -> int:
     return top
 
 
-def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int):
+def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int, last: dict):
     """GPTQ of linears that all got tokens, stacked on a leading dim (see :func:`gptq_batch`)."""
     W = torch.stack([w.detach().to(torch.float32) for w in ws])  # [N, rows, cols], a copy
     n, rows, cols = W.shape
     perms, factors = [], []
     for k, (h, q) in enumerate(zip(hs, qs, strict=True)):
-        perm = None
+        given, perm = h, None
         if act_order:
             if q.fmt == "nvfp4":
                 raise ValueError("act_order with NVFP4: its 16-column groups must run in order")
@@ -223,7 +230,10 @@ def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int):
             h = h[perm][:, perm]
             q.scale = q.scale[:, perm]  # the scale of a column follows it
         perms.append(perm)
-        factors.append(_inverse_factor(h.to(torch.float64), percdamp).to(torch.float32))
+        if last.get("h") is not given:  # the factor depends on the Hessian alone
+            last["h"] = given
+            last["u"] = _inverse_factor(h.to(torch.float64), percdamp).to(torch.float32)
+        factors.append(last["u"])
     U = torch.stack(factors)
     del factors
     bq = _StackedQuantizer(qs)
@@ -238,7 +248,7 @@ def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int):
             col = i1 + i
             if bq.fmt == "nvfp4" and col % NVFP4_GROUP == 0:
                 bq.start_group(W1[:, :, i : i + NVFP4_GROUP], col)
-            q = bq(W1[:, :, i].clone(), col)
+            q = bq(W1[:, :, i], col)  # bq reads its column, never writes it
             Q[:, :, col] = q
             err = (W1[:, :, i] - q) / U1[:, i, i].unsqueeze(1)
             W1[:, :, i:] -= err.unsqueeze(2) * U1[:, i, i:].unsqueeze(1)
@@ -291,13 +301,14 @@ class _StackedQuantizer:
             six64 = f64_const(E2M1_MAX, w.device)
             self._sb = max_block_scales(bmax, six64, self.gs64).to(torch.float8_e4m3fn)
         self.block_scales[:, :, col // NVFP4_GROUP] = self._sb
+        sbf = self._sb.to(torch.float32)
+        self._rec, self._step = self.inv_gs / sbf, self.gs * sbf
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` of each linear (``w``: ``[N, rows]`` float32)."""
-        if self.fmt == "nvfp4":
-            sbf = self._sb.to(torch.float32)
-            codes = e2m1_codes((w * (self.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX))
-            return e2m1_values(codes) * (self.gs * sbf)
+        if self.fmt == "nvfp4":  # the group's two factors made once, at start_group
+            y = (w * self._rec).clamp_(-E2M1_MAX, E2M1_MAX)
+            return e2m1_round(y) * self._step
         s = self.scale[:, :, col]
         return (w / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
 
@@ -323,8 +334,8 @@ def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tenso
     sb = max_block_scales(bmax, six64, quantizer.gs64).to(torch.float8_e4m3fn)
     quantizer.block_scales.copy_(sb)
     sbf = sb.to(torch.float32).unsqueeze(-1)
-    codes = e2m1_codes((blocks * (quantizer.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX))
-    return (e2m1_values(codes) * (quantizer.gs * sbf)).reshape(rows, -1)[:, :cols]
+    y = (blocks * (quantizer.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX)
+    return (e2m1_round(y) * (quantizer.gs * sbf)).reshape(rows, -1)[:, :cols]
 
 
 def nvfp4_with_scales(w: torch.Tensor, amax: torch.Tensor, sb: torch.Tensor):

@@ -92,6 +92,11 @@ ALGORITHMS: dict[str, dict[str, str]] = {
     "awq": {"algorithm": "awq"},
     "gptq": {"algorithm": "gptq"},
     "gptq+mse": {"algorithm": "gptq", "gptq_block_scales": "mse"},
+    "gptq+mse+qin": {
+        "algorithm": "gptq",
+        "gptq_block_scales": "mse",
+        "gptq_inputs": "quantized",
+    },
 }
 
 

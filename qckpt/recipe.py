@@ -164,6 +164,9 @@ class CalibrateConfig:
     # NVFP4 weights: each 16-column group's E4M3 scale by the max rule (max) or searched for
     # the least squared error of the group's current values (mse), as GPTQ reaches it
     gptq_block_scales: Literal["max", "mse"] = "max"
+    # the Hessians of each linear's inputs as they are (source), or as the export's clients
+    # quantize them (quantized: GPTQ minimises |W X - Q Qa(X)|^2, W4A4's output error)
+    gptq_inputs: Literal["source", "quantized"] = "source"
     awq_grid: int = 20  # exponents alpha searched: 0, 1/grid, ..., (grid - 1)/grid
     # the scales as they come (float: the folded weights rounded to BF16 once) or as powers of
     # two (pow2: the fold exact in BF16, the folded model computes the original's values; a

@@ -194,6 +194,7 @@ def _apply_algorithm(algorithm, res, state, report, model, instr, mesh: Mesh) ->
         report["gptq_hessian_bytes"] = res.hessian_bytes
         report["gptq_hessian_bytes_bound"] = res.hessian_bytes_bound
         report["gptq_stack_bytes"] = res.stack_bytes
+        report["gptq_inputs"] = res.inputs
     elif algorithm == "awq":
         from qckpt.calib.awq_pass import tensors_to_write as awq_tensors
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qckpt.calib import gptq
+from qckpt.calib import gptq, gptq_inputs
 from qckpt.calib.instrument import Instrumentation, WeightSource
 from qckpt.calib.layerwise import capture_layer_inputs, decoder_layers
 from qckpt.errors import SyncError
@@ -50,6 +50,10 @@ class GptqOptions:
     act_order: bool = False
     block: int = gptq.BLOCK
     block_search: bool = False  # NVFP4: group scales searched (mse) instead of the max rule
+    # calibrate.gptq_inputs: source (the Hessians of the inputs as they are) or quantized (of
+    # the inputs as the export's clients quantize them, ``input_mode``: qckpt.calib.gptq_inputs)
+    inputs: str = gptq_inputs.SOURCE
+    input_mode: gptq_inputs.InputMode | None = None
 
 
 @dataclass
@@ -64,6 +68,7 @@ class GptqResult:
     hessian_bytes: int = 0
     hessian_bytes_bound: int = 0
     stack_bytes: int = 0  # the largest batch of GPTQ's working copies (gptq.gptq_batch)
+    inputs: str = gptq_inputs.SOURCE  # calibrate.gptq_inputs it ran with
 
 
 @dataclass
@@ -90,7 +95,7 @@ def run_gptq(
 ) -> GptqResult:
     """The pass of the module doc; raises :class:`SyncError` on every rank if any rank failed.
     ``on``: ids of the enabled quantizers (the caller pauses them all while this runs)."""
-    res = GptqResult()
+    res = GptqResult(inputs=opts.inputs)
     on = on if on is not None else {id(q) for q in instr.quantizers.values() if q.enabled}
     t0 = time.perf_counter()
     todo = _batches(batches)
@@ -107,22 +112,34 @@ def run_gptq(
         lin, experts = _layer_linears(instr, prefix, on)
         t1 = time.perf_counter()
         run = partial(run_layer, layer, hidden, calls, i)
-        amax = _layer_amax(model, lin, experts, run, mesh, res)
-        hs = _layer_hessians(model, lin, experts, run, amax, bits, mesh, res)
-        held = sum(h.numel() * h.element_size() for h in hs.values())
+        qa = _input_quants(instr, lin, experts, opts)
+        amax = _layer_amax(model, lin, experts, run, mesh, res, qa)
+        hs, cs = _layer_hessians(model, lin, experts, run, amax, bits, mesh, res, qa)
+        held = sum(h.numel() * h.element_size() for h in [*hs.values(), *cs.values()])
         dims = {x.hkey: x.src.quantizer.shape[1] for x in lin}
         res.hessian_bytes = max(res.hessian_bytes, held)
+        per = 8 * (2 if qa else 1)  # float64; with quantized inputs C beside H
         res.hessian_bytes_bound = max(
-            res.hessian_bytes_bound, sum(8 * d * d for d in dims.values())
+            res.hessian_bytes_bound, sum(per * d * d for d in dims.values())
         )
         unit = {k: (a / 2.0**bits) ** 2 for k, a in amax.items()}  # grid units -> squared values
-        row = _quantize_layer(model, lin, hs, unit, opts, res)
+        row = _quantize_layer(model, lin, hs, cs, unit, opts, res)
         hidden = _outputs(layer, hidden, calls, i)
         row["seconds"] = round(time.perf_counter() - t1, 4)
         res.layers[prefix] = row
         trace(f"gptq {prefix}: {row['seconds']:.2f} s ({i + 1}/{len(layers)} layers)")
     res.parts["gptq_layers"] = time.perf_counter() - t0 - res.parts["gptq_capture"]
     return res
+
+
+def _input_quants(instr, lin, experts, opts: GptqOptions) -> gptq_inputs.LayerInputs:
+    """hkey -> the quantization of its inputs (``calibrate.gptq_inputs: quantized``; else
+    none)."""
+    if opts.inputs != gptq_inputs.QUANTIZED:
+        return gptq_inputs.LayerInputs()
+    if opts.input_mode is None:
+        raise ValueError("GptqOptions: inputs quantized needs an input_mode")
+    return gptq_inputs.layer_input_quants(instr, lin, experts, opts.input_mode)
 
 
 def _total_tokens(todo, mesh: Mesh, res: GptqResult) -> int:
@@ -270,14 +287,19 @@ def _amax_keys(lin: list[_Linear], experts) -> list[str]:
     return keys
 
 
-def _layer_amax(model, lin, experts, run, mesh: Mesh, res: GptqResult) -> dict[str, float]:
-    """Step 1: every input amax of the layer, MAX over the data group (+ a failure flag)."""
+def _layer_amax(model, lin, experts, run, mesh: Mesh, res: GptqResult, qa) -> dict[str, float]:
+    """Step 1: every input amax of the layer, MAX over the data group (+ a failure flag); with
+    quantized inputs (``qa``: hkey -> their quantization) the max of both, the inputs and their
+    quantized values, which go on one grid."""
     got: dict[str, torch.Tensor] = {}
 
     def put(key: str, x: torch.Tensor) -> None:
-        a = torch.linalg.vector_norm(x.detach().float(), float("inf")) if x.numel() else None
-        if a is not None:
-            got[key] = a if key not in got else torch.maximum(got[key], a)
+        if not x.numel():
+            return
+        a = torch.linalg.vector_norm(x.detach().float(), float("inf"))
+        if key in qa:
+            a = torch.maximum(a, torch.linalg.vector_norm(qa.quantized(key, x), float("inf")))
+        got[key] = a if key not in got else torch.maximum(got[key], a)
 
     def dense(name, x):
         put(name, x)
@@ -295,6 +317,7 @@ def _layer_amax(model, lin, experts, run, mesh: Mesh, res: GptqResult) -> dict[s
         failure = exc
     finally:
         _unhook(undo)
+        qa.forget()
     buf = torch.zeros(len(keys) + 1, dtype=torch.float32)
     for j, k in enumerate(keys):
         if k in got:
@@ -313,13 +336,21 @@ def _layer_amax(model, lin, experts, run, mesh: Mesh, res: GptqResult) -> dict[s
     return dict(zip(keys, buf[:-1].tolist(), strict=True))
 
 
-def _layer_hessians(model, lin, experts, run, amax, bits, mesh: Mesh, res: GptqResult):
-    """Step 2: the layer's Hessians on the grid, summed over the ranks that share them."""
+def _layer_hessians(model, lin, experts, run, amax, bits, mesh: Mesh, res: GptqResult, qa):
+    """Step 2: the layer's Hessians on the grid, summed over the ranks that share them: (H, C)
+    by hkey. Inputs as they are: ``H = X^T X``, no C. Quantized (``qa[hkey]``): ``H = Xq^T Xq``
+    and ``C = X^T Xq`` (:func:`qckpt.calib.gptq.quantized_add`), summed in the same all-reduce."""
     hs: dict[str, torch.Tensor] = {}
+    cs: dict[str, torch.Tensor] = {}
 
     def add(key: str, x: torch.Tensor) -> None:
-        if x.numel() and amax.get(key, 0.0) > 0:
+        if not x.numel() or amax.get(key, 0.0) <= 0:
+            return
+        if key not in qa:
             hs[key] = gptq.hessian_add(hs.get(key), x, amax[key], bits)
+            return
+        xq = qa.quantized(key, x)
+        hs[key], cs[key] = gptq.quantized_add(hs.get(key), cs.get(key), x, xq, amax[key], bits)
 
     def dense(name, x):
         add(name, x)
@@ -333,43 +364,49 @@ def _layer_hessians(model, lin, experts, run, amax, bits, mesh: Mesh, res: GptqR
         run()
     finally:
         _unhook(undo)
+        qa.forget()
     dense_keys = sorted({x.hkey for x in lin if ":" not in x.hkey})
     expert_keys = sorted({x.hkey for x in lin if ":" in x.hkey})
-    _sum(hs, dense_keys, lin, mesh.data_group, res)
-    _sum(hs, expert_keys, lin, mesh.dp_group if mesh.ep > 1 else mesh.data_group, res)
-    return hs
+    mats = [hs, cs] if qa else [hs]
+    _sum(mats, dense_keys, lin, mesh.data_group, res)
+    _sum(mats, expert_keys, lin, mesh.dp_group if mesh.ep > 1 else mesh.data_group, res)
+    return hs, cs
 
 
-def _sum(hs, keys, lin, group, res: GptqResult) -> None:
-    """Sum the Hessians ``keys`` over ``group`` in one float64 all-reduce (zeros for none)."""
+def _sum(mats: list[dict], keys, lin, group, res: GptqResult) -> None:
+    """Sum the matrices ``keys`` of each dict of ``mats`` (the Hessians, and C beside them)
+    over ``group`` in one float64 all-reduce (zeros for none)."""
     if group is None or dist.get_world_size(group) == 1 or not keys:
         return
     dims = {x.hkey: x.src.quantizer.shape[1] for x in lin}
-    sizes = [dims[k] ** 2 for k in keys]
-    flat = torch.zeros(sum(sizes), dtype=torch.float64)
+    slots = [(m, k, dims[k] ** 2) for m in mats for k in keys]
+    flat = torch.zeros(sum(n for *_, n in slots), dtype=torch.float64)
     at = 0
-    for k, n in zip(keys, sizes, strict=True):
-        if k in hs:
-            flat[at : at + n] = hs[k].reshape(-1).cpu()
+    for m, k, n in slots:
+        if k in m:
+            flat[at : at + n] = m[k].reshape(-1).cpu()
         at += n
     flat = flat.to(group_device(group))
     _reduce(flat, dist.ReduceOp.SUM, group, "the gptq Hessians")
     res.collectives += 1
     flat = flat.cpu()
     at = 0
-    for k, n in zip(keys, sizes, strict=True):
+    for m, k, n in slots:
         part = flat[at : at + n]
         if bool(part.any()):
-            hs[k] = part.view(dims[k], dims[k])
+            m[k] = part.view(dims[k], dims[k])
         at += n
 
 
-def _quantize_layer(model, lin: list[_Linear], hs, unit, opts: GptqOptions, res: GptqResult):
+def _quantize_layer(model, lin: list[_Linear], hs, cs, unit, opts: GptqOptions, res):
     """Step 3: GPTQ of every weight of the layer; the weights in the model replaced. Linears of
     one shape and quantizer kind run as one batch (:func:`qckpt.calib.gptq.gptq_batch`: an MoE
-    layer's experts at once; the same values as one by one). The row for the report: the
-    output error over the calibration tokens (sum of squares), rounded to nearest vs GPTQ'd,
-    over the linears some token reached."""
+    layer's experts at once; the same values as one by one). With C (quantized inputs) GPTQ
+    runs on the input-aware target (:func:`qckpt.calib.gptq.input_aware_target`), made for
+    one batch at a time. The row for the report: the output error over the calibration
+    tokens (sum of squares; quantized inputs: against the target, i.e. the output error with
+    quantized inputs less a constant), rounded to nearest vs GPTQ'd, over the linears some
+    token reached."""
     row = {"linears": 0, "rounded": 0, "loss_rtn": 0.0, "loss_gptq": 0.0}
     with torch.no_grad():
         jobs = [_job(model, x, opts) for x in lin]
@@ -378,18 +415,28 @@ def _quantize_layer(model, lin: list[_Linear], hs, unit, opts: GptqOptions, res:
             q = lin[k].src.quantizer
             key = (tuple(w.shape), q.format, make.args[1], tuple(q.block_size or ()), str(w.device))
             groups.setdefault(key, []).append(k)
-        new: dict[int, torch.Tensor] = {}
-        stats: dict[str, int] = {}
+        new: dict[int, tuple[torch.Tensor, tuple[float, float] | None]] = {}
         for ks in groups.values():
+            stats: dict[str, int] = {}
+            hk = [lin[k].hkey for k in ks]
+            aim = {
+                k: gptq.input_aware_target(jobs[k][1], hs[h], cs[h], opts.percdamp)
+                for k, h in zip(ks, hk, strict=True)
+                if h in cs and h in hs
+            }
             got = gptq.gptq_batch(
-                [jobs[k][1] for k in ks], [hs.get(lin[k].hkey) for k in ks],
+                [aim.get(k, jobs[k][1]) for k in ks], [hs.get(h) for h in hk],
                 [jobs[k][3] for k in ks], percdamp=opts.percdamp, act_order=opts.act_order,
                 block=opts.block, stats=stats,
             )  # fmt: skip
-            new.update({k: q for k, (q, _) in zip(ks, got, strict=True)})
-        res.stack_bytes = max(res.stack_bytes, stats.get("stack_bytes", 0))
+            for k, h, (q, _) in zip(ks, hk, got, strict=True):
+                new[k] = (q, _losses(jobs[k], q, hs.get(h), aim.get(k)))
+            # the targets of the group are held beside its batches' working copies
+            took = stats.get("stack_bytes", 0) + sum(4 * a.numel() for a in aim.values())
+            res.stack_bytes = max(res.stack_bytes, took)
+            del aim
         for k, x in enumerate(lin):  # in the layer's order: the report's sums, the sidecar's
-            _finish_one(x, jobs[k], new.pop(k), hs.get(x.hkey), unit.get(x.hkey, 0.0), res, row)
+            _finish_one(x, jobs[k], *new.pop(k), unit.get(x.hkey, 0.0), res, row)
     return row
 
 
@@ -403,12 +450,23 @@ def _job(model, x: _Linear, opts: GptqOptions):
     return q, w, make, make(search=opts.block_search)
 
 
-def _finish_one(x: _Linear, job, new: torch.Tensor, h, unit: float, res: GptqResult, row) -> None:
-    q, w, make, cq = job
-    if h is not None:  # the output error on the calibration tokens, rounded vs GPTQ'd
-        rtn = gptq.round_to_nearest(w.detach().float().clone(), make())
-        row["loss_rtn"] += unit * _out_err(rtn - w.float(), h)
-        row["loss_gptq"] += unit * _out_err(new - w.float(), h)
+def _losses(job, new: torch.Tensor, h, aim) -> tuple[float, float] | None:
+    """The output error on the calibration tokens (grid units) of the weight rounded to
+    nearest and of the GPTQ'd one, against the target (``aim``, or the weight itself); None
+    without a Hessian (no token reached the linear)."""
+    if h is None:
+        return None
+    _, w, make, _ = job
+    rtn = gptq.round_to_nearest(w.detach().float().clone(), make())
+    ref = w.float() if aim is None else aim
+    return _out_err(rtn - ref, h), _out_err(new - ref, h)
+
+
+def _finish_one(x: _Linear, job, new, losses, unit: float, res: GptqResult, row) -> None:
+    q, w, _, cq = job
+    if losses is not None:
+        row["loss_rtn"] += unit * losses[0]
+        row["loss_gptq"] += unit * losses[1]
     else:
         row["rounded"] += 1
     w.copy_(new.to(w.dtype))

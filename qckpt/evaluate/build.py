@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from qckpt.errors import CheckpointError, UsageError
-from qckpt.evaluate.act_quant import InputQuant
 from qckpt.evaluate.emulated import EmulatedLinear, emulated_experts_forward, register_kv_attention
 from qckpt.evaluate.fused import GlobalScaleFetch, requantized
 from qckpt.evaluate.scheme import ExportScheme
+from qckpt.formats.act_quant import InputQuant
 from qckpt.layouts.dequantize import dequantize, dequantize_into
 from qckpt.models import naming
 from qckpt.models.build import materialize

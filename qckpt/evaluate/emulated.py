@@ -2,7 +2,7 @@
 
 A quantized GEMM multiplies codes and accumulates in float32, then applies the scales and
 rounds once to the output dtype. Here the weight is held dequantized in float32 (code times
-scale: exact in float32), the input is quantized by :mod:`qckpt.evaluate.act_quant` (also exact
+scale: exact in float32), the input is quantized by :mod:`qckpt.formats.act_quant` (also exact
 float32 values), the product runs in float32 and is rounded once to the model dtype. What this
 does not reproduce is a kernel's summation order (fp32 rounding, ~1e-7 relative).
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from qckpt.evaluate.act_quant import InputQuant, fp8_static
+from qckpt.formats.act_quant import InputQuant, fp8_static
 
 
 class EmulatedLinear(nn.Module):

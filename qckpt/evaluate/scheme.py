@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from qckpt.errors import CheckpointError
-from qckpt.evaluate.act_quant import InputQuant
 from qckpt.evaluate.fused import fused_groups, plan_fused
+from qckpt.formats.act_quant import InputQuant
 from qckpt.layouts.registry import source_layout
 from qckpt.layouts.source_layout import QuantWeight, SourceLayout, read_json_if_any
 from qckpt.read.hf_reader import hf_index

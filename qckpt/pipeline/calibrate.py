@@ -75,7 +75,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         state, report = calibrate_model(
             model, batches, recipe.quant, mesh, share_expert_inputs=c.share_expert_inputs,
             progress=advance, weight_amax=amax, runner=runner, moe_forward=c.moe_forward,
-            algorithm=c.algorithm, gptq_options=_gptq_options(c), awq_options=_awq_options(c),
+            algorithm=c.algorithm, gptq_options=gptq_options(recipe), awq_options=_awq_options(c),
         )  # fmt: skip
     if runner is not None:
         from qckpt.pipeline.offload import held_bytes, summary
@@ -114,14 +114,26 @@ def _model_record(source: str) -> dict:
     return make_record(source, config_dict(cfg), model_modules(cfg))
 
 
-def _gptq_options(c):
+def gptq_options(recipe):
+    """The gptq pass's options (``qckpt.calib.gptq_pass.GptqOptions``) from ``recipe``."""
+    import torch
+
+    from qckpt.calib.gptq_inputs import QUANTIZED, input_mode
     from qckpt.calib.gptq_pass import GptqOptions
 
+    c, i = recipe.calibrate, recipe.quant.inputs
+    mode = None
+    if c.gptq_inputs == QUANTIZED:  # FP8 static scales as stored: compressed-tensors' model dtype
+        ct = recipe.export.format == "compressed-tensors"
+        dtype = getattr(torch, recipe.model.dtype) if ct else torch.float32
+        mode = input_mode(i.format, i.granularity, i.dynamic, i.block_size, dtype)
     return GptqOptions(
         percdamp=c.gptq_percdamp,
         act_order=c.gptq_act_order,
         block=c.gptq_block,
         block_search=c.gptq_block_scales == "mse",
+        inputs=c.gptq_inputs,
+        input_mode=mode,
     )
 
 

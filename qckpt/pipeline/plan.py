@@ -288,7 +288,8 @@ class _Planner:
             from qckpt.plan.predict import gptq_bytes
 
             patterns = list(self.recipe.quant.ignore)
-            out.gptq_bytes = gptq_bytes(held, shape, samples, lambda m: ignored(m, patterns))
+            cross = self.recipe.calibrate.gptq_inputs == "quantized"  # C beside each Hessian
+            out.gptq_bytes = gptq_bytes(held, shape, samples, lambda m: ignored(m, patterns), cross)
         if self.recipe.calibrate.algorithm == "awq":
             from qckpt.models.naming import ignored
             from qckpt.plan.predict import awq_bytes

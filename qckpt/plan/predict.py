@@ -17,10 +17,12 @@ The rules are the commands' own documented bounds; where one says "about", so do
   (:func:`forward_bytes`).
 * ``calibrate.algorithm: gptq`` (``gptq_bytes``): the Hessians of one decoder layer at a time,
   this rank's linears only (a dense linear's ``in^2``, an expert's ``hidden^2`` for gate/up
-  and ``inter^2`` for down), float64, twice (the sums and the all-reduce's buffer), plus the
+  and ``inter^2`` for down; with ``calibrate.gptq_inputs: quantized`` each has a second matrix of
+  that size beside it, ``C``), float64, twice (the sums and the all-reduce's buffer), plus the
   layer inputs and outputs of this rank's samples (``2 x samples x seq_len x hidden``), plus
   the largest batch of GPTQ's float32 working copies (weights, results, scales and inverse
-  factors of linears of one shape, at most 1 GiB unless one linear alone is larger).
+  factors of linears of one shape, at most 1 GiB unless one linear alone is larger; with
+  ``gptq_inputs: quantized`` plus the input-aware targets of every linear of that shape).
 * ``calibrate.algorithm: awq`` (``awq_bytes``): one decoder layer at a time, the ``X^T X``
   of each quantized consumer's input (float64, twice: the sums and the all-reduce's buffer):
   q/k/v share the input norm's (``hidden^2``), a dense MLP's gate/up the MLP norm's, o_proj
@@ -255,23 +257,25 @@ def _quantized_linears(tensors: list[Held], ignored) -> Iterator[tuple[Held, str
             yield t, module
 
 
-def gptq_hessian_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
+def gptq_hessian_bytes(tensors: list[Held], ignored=lambda name: False, cross=False) -> int:
     """The largest layer's Hessian bytes (float64) on a rank holding ``tensors``: one per
     quantized linear of the layer, ``in^2`` (experts: per local expert, gate and up sharing
-    one); routers and anything ``ignored`` (its module name) take none."""
+    one); routers and anything ``ignored`` (its module name) take none. ``cross``
+    (``calibrate.gptq_inputs: quantized``): a second ``in^2`` beside each, the sums ``C``."""
     per_layer: dict[int, int] = {}
     for t, _ in _quantized_linears(tensors, ignored):
         if len(t.shape) == 3:  # fused experts [E, out, in]: one Hessian of in^2 per expert
             n = t.shape[0] * t.shape[2] ** 2
         else:
             n = t.shape[1] ** 2
-        per_layer[t.layer] = per_layer.get(t.layer, 0) + 8 * n
+        per_layer[t.layer] = per_layer.get(t.layer, 0) + (16 if cross else 8) * n
     return max(per_layer.values(), default=0)
 
 
-def gptq_stack_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
+def gptq_stack_bytes(tensors: list[Held], ignored=lambda name: False, cross=False) -> int:
     """The largest batch of GPTQ's working copies on a rank (``qckpt.calib.gptq.stack_bytes``
-    of each layer's linears: an expert's fused gate/up is two linears of half its rows)."""
+    of each layer's linears: an expert's fused gate/up is two linears of half its rows);
+    ``cross``: with the input-aware targets (``calibrate.gptq_inputs: quantized``)."""
     from qckpt.calib.gptq import stack_bytes
 
     per_layer: dict[int, list[tuple[int, int]]] = {}
@@ -283,13 +287,17 @@ def gptq_stack_bytes(tensors: list[Held], ignored=lambda name: False) -> int:
             shapes += [(rows // 2 if fused else rows, cols)] * (e * (2 if fused else 1))
         else:
             shapes.append((t.shape[0], t.shape[1]))
-    return max((stack_bytes(v) for v in per_layer.values()), default=0)
+    return max((stack_bytes(v, cross) for v in per_layer.values()), default=0)
 
 
-def gptq_bytes(tensors: list[Held], shape: CalibShape, samples: int, ignored) -> int:
-    """What ``calibrate.algorithm: gptq`` adds on a rank (see the module doc)."""
+def gptq_bytes(
+    tensors: list[Held], shape: CalibShape, samples: int, ignored, cross: bool = False
+) -> int:
+    """What ``calibrate.algorithm: gptq`` adds on a rank (see the module doc); ``cross``:
+    ``calibrate.gptq_inputs: quantized`` (``C`` beside each Hessian)."""
     io = 2 * samples * shape.seq_len * shape.hidden * shape.itemsize
-    return 2 * gptq_hessian_bytes(tensors, ignored) + io + gptq_stack_bytes(tensors, ignored)
+    hess = gptq_hessian_bytes(tensors, ignored, cross)
+    return 2 * hess + io + gptq_stack_bytes(tensors, ignored, cross)
 
 
 def _awq_site(module: str) -> str:

@@ -1,6 +1,7 @@
 """calibrate.algorithm under DP / EP / DP x EP (gloo): the export is the one process's, byte for
 byte, on the tiny MoE with cold experts (experts 5-7 never routed to), for every algorithm
-(max is the other tests'; mse, gptq and awq here)."""
+(max is the other tests'; mse, gptq, gptq with calibrate.gptq_inputs: quantized, and awq
+here)."""
 
 from __future__ import annotations
 
@@ -23,13 +24,16 @@ QUANTS = {
     "nvfp4": {"weights": {"format": "nvfp4"}, "inputs": {"format": "nvfp4"}},
 }
 COLD = [5, 6, 7]
+# a case's name -> its calibrate options beside the algorithm
+OPTIONS = {"gptq+qin": {"algorithm": "gptq", "gptq_inputs": "quantized"}}
 
 
 def _recipe(quant: str, algorithm: str):
     from qckpt.recipe import recipe_from_dict
 
     q = {**QUANTS[quant], "ignore": ["lm_head", "*.mlp.gate"]}
-    return recipe_from_dict({"quant": q, "calibrate": {"data": DATA, "algorithm": algorithm}})
+    cal = OPTIONS.get(algorithm, {"algorithm": algorithm})
+    return recipe_from_dict({"quant": q, "calibrate": {"data": DATA, **cal}})
 
 
 def sc_calibrate(rank, world, ep, quant, algorithm, out):
@@ -38,10 +42,12 @@ def sc_calibrate(rank, world, ep, quant, algorithm, out):
     from qckpt.calib.data import calibration_batches
     from qckpt.calib.state_file import save_calibration
     from qckpt.parallel.mesh import Mesh, init_mesh
+    from qckpt.pipeline.calibrate import gptq_options
     from qckpt.pipeline.model import build
     from tests.dist.test_ep_calibration import starve_experts
 
     r = _recipe(quant, algorithm)
+    algorithm = r.calibrate.algorithm
     mesh = init_mesh(ep=ep, timeout_s=10, device="cpu") if world > 1 else Mesh()
 
     def starve(m):
@@ -56,7 +62,9 @@ def sc_calibrate(rank, world, ep, quant, algorithm, out):
         data_rank=mesh.data_rank,
         data_world=mesh.data_parallel_size,
     )
-    state, report = calibrate_model(model, batches, r.quant, mesh, algorithm=algorithm)
+    state, report = calibrate_model(
+        model, batches, r.quant, mesh, algorithm=algorithm, gptq_options=gptq_options(r)
+    )
     if algorithm in ("gptq", "awq"):  # every writer rank (first DP rank of each EP rank) writes
         from qckpt.calib.gptq_pass import write_weights
 
@@ -115,16 +123,16 @@ def _strip(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("seconds", "fold_error")} for r in rows]
 
 
-@pytest.mark.parametrize(("algorithm", "quant"), [("mse", q) for q in sorted(QUANTS)]
-                         + [("gptq", "nvfp4")] + [("awq", q) for q in sorted(QUANTS)])  # fmt: skip
-def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(
-    hf, hf_salient, tmp_path, algorithm, quant
-):
+@pytest.mark.parametrize(("case", "quant"), [("mse", q) for q in sorted(QUANTS)]
+                         + [("gptq", "nvfp4"), ("gptq+qin", "nvfp4")]
+                         + [("awq", q) for q in sorted(QUANTS)])  # fmt: skip
+def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, hf_salient, tmp_path, case, quant):
     from qckpt.calib.state_file import calibration_differences
 
+    algorithm = OPTIONS.get(case, {"algorithm": case})["algorithm"]
     hf = hf_salient if algorithm == "awq" else hf
     one = tmp_path / "one.safetensors"
-    ref = sc_calibrate(0, 1, 1, quant, algorithm, one)
+    ref = sc_calibrate(0, 1, 1, quant, case, one)
     # the algorithm did something a user sees: some clip below max / a lower output error
     rows = _search_rows(ref["layers"], algorithm)
     if algorithm == "mse":
@@ -143,7 +151,7 @@ def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(
     ref_files = _export(hf, one, tmp_path / "x-one", quant, algorithm)
     for n, ep in ((2, 1), (2, 2), (4, 2)):  # DP2, EP2, DP2 x EP2
         cal = tmp_path / f"w{n}ep{ep}.safetensors"
-        out = shared_world(n).run(sc_calibrate, ep, quant, algorithm, cal, deadline_s=240)
+        out = shared_world(n).run(sc_calibrate, ep, quant, case, cal, deadline_s=240)
         assert all(o.ok for o in out), [o.traceback for o in out if not o.ok]
         assert calibration_differences(one, cal) == [], (n, ep)
         files = _export(hf, cal, tmp_path / f"x-{n}-{ep}", quant, algorithm)

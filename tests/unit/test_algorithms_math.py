@@ -174,3 +174,56 @@ def test_gptq_of_linears_side_by_side_gives_each_its_own_values(
                 q_batch.block_scales.view(torch.uint8), alone_q.block_scales.view(torch.uint8)
             )
     assert torch.equal(together[2][0], gptq.round_to_nearest(cases[2][0].clone(), cases[2][2]()))
+
+
+def _nvfp4_inputs(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a client quantizes NVFP4 inputs (per-16 blocks under the static global scale
+    of its amax, as the export writes it)."""
+    from qckpt.formats.act_quant import nvfp4
+
+    s = (x.abs().max().double() / (6.0 * 448.0)).float()
+    return nvfp4(x, (1.0 / s.double()).float())
+
+
+def test_gptq_on_quantized_inputs_lowers_the_w4a4_output_error():
+    """calibrate.gptq_inputs: quantized: GPTQ of the input-aware target with the quantized
+    inputs' Hessian gives a lower ``|W X - Q Qa(X)|`` than GPTQ on the inputs as they are;
+    the target is ``W`` itself when quantizing leaves the inputs unchanged."""
+    x = _correlated(2048, 128)
+    xq = _nvfp4_inputs(x)
+    w = 0.05 * torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
+    bits = gptq.grid_bits(2048)
+    amax = float(torch.maximum(x.abs().max(), xq.abs().max()))  # one grid for X and Qa(X)
+    h_src = gptq.hessian_add(None, x, amax, bits)
+    h_q, c = gptq.quantized_add(None, None, x, xq, amax, bits)
+    assert torch.equal(h_q, gptq.hessian_add(None, xq, amax, bits))
+    assert bool((c == c.round()).all())  # exact integer sums, as the Hessian's
+
+    def quantizer():
+        return gptq.ColumnQuantizer("nvfp4", "tensor", w.abs().max(), tuple(w.shape))
+
+    q_src, _ = gptq.gptq(w, h_src, quantizer())
+    aim = gptq.input_aware_target(w, h_q, c, 0.01)
+    q_in, _ = gptq.gptq(aim, h_q, quantizer())
+
+    def w4a4(q):
+        return float(((x @ w.t() - xq @ q.t()) ** 2).sum().sqrt())
+
+    src, quantized = w4a4(q_src), w4a4(q_in)
+    assert quantized < 0.9 * src, (quantized, src)
+    # inputs that quantizing leaves as they are: the target is the weight (GPTQ as before)
+    same = gptq.input_aware_target(w, h_src, h_src, 0.01)
+    assert torch.allclose(same, w, rtol=0, atol=1e-6)
+
+
+def test_gptq_inputs_quantize_as_the_export_layouts_write_the_inputs():
+    from qckpt.calib.gptq_inputs import InputMode, input_mode
+    from qckpt.errors import CalibrationError
+
+    bf16 = torch.bfloat16
+    assert input_mode("nvfp4", "tensor", False, [128, 128], bf16) == InputMode("nvfp4")
+    assert input_mode("fp8", "tensor", False, [128, 128], bf16) == InputMode("fp8_static", 0, bf16)
+    assert input_mode("fp8", "tensor", True, [128, 128], bf16) == InputMode("fp8_token")
+    assert input_mode("fp8", "block", True, [128, 64], bf16) == InputMode("fp8_group", 64)
+    with pytest.raises(CalibrationError, match=r"^calibrate\.gptq_inputs: quantized .* fp8 block"):
+        input_mode("fp8", "block", False, [128, 128], bf16)

@@ -14,8 +14,8 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
-from qckpt.evaluate.act_quant import InputQuant, quantize_input
 from qckpt.evaluate.emulated import EmulatedLinear
+from qckpt.formats.act_quant import InputQuant, quantize_input
 
 FP8 = torch.float8_e4m3fn
 

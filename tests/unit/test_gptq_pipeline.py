@@ -20,19 +20,24 @@ from tests.conftest import ROOT
 RECIPE = str(ROOT / "configs" / "tiny-moe.yaml")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gptq")
-    save_model_dcp(build_model("tiny-moe", seed=0), d / "dcp")
-    r = load_recipe(
+def _recipe(d, *more: str):
+    return load_recipe(
         RECIPE,
         [
             f"checkpoint.path={d / 'dcp'}",
             "calibrate.algorithm=gptq",
             f"calibrate.output={d / 'calib.safetensors'}",
             f"export.output={d / 'out'}",
+            *more,
         ],
     )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gptq")
+    save_model_dcp(build_model("tiny-moe", seed=0), d / "dcp")
+    r = _recipe(d)
     return d, r, calibrate(r, Mesh())
 
 
@@ -71,3 +76,21 @@ def test_plan_predicts_the_hessians_the_run_held(run):
     predicted = row.gptq_bytes - 2 * got.report["gptq_hessian_bytes_bound"] - io
     assert predicted == 18 * 4 * (3 * 32 * 64 + 64 * 64)
     assert 0 < got.report["gptq_stack_bytes"] <= predicted
+
+
+def test_quantized_inputs_hold_c_beside_each_hessian_and_plan_counts_it(run, tmp_path):
+    """calibrate.gptq_inputs: quantized (FP8 static inputs here): a second matrix (C) beside
+    every Hessian, and the input-aware targets of a shape's linears beside its batch: both
+    in ``qckpt plan``'s figure, which bounds what the run held."""
+    d, _, src = run
+    r = _recipe(d, "calibrate.gptq_inputs=quantized", f"calibrate.output={tmp_path / 'c'}")
+    got = calibrate(r, Mesh())
+    assert got.report["gptq_inputs"] == "quantized" and src.report["gptq_inputs"] == "source"
+    for key in ("gptq_hessian_bytes", "gptq_hessian_bytes_bound"):
+        assert got.report[key] == 2 * src.report[key], key
+    (row,) = plan(r, nproc_per_node=1).rows["calibrate"]
+    io = 2 * r.calibrate.data.num_samples * r.calibrate.data.seq_len * 64 * 2
+    predicted = row.gptq_bytes - 2 * got.report["gptq_hessian_bytes_bound"] - io
+    # the batch of 18 linears [32, 64] (see above) and their 18 targets, float32
+    assert predicted == 18 * 4 * (3 * 32 * 64 + 64 * 64) + 18 * 4 * 32 * 64
+    assert src.report["gptq_stack_bytes"] < got.report["gptq_stack_bytes"] <= predicted

@@ -40,6 +40,10 @@ def test_defaults_match_design():
             "calibrate.offload: must be one of none, layer, host; got 'disk'",
         ),
         (
+            {"calibrate": {"gptq_inputs": "int4"}},
+            "calibrate.gptq_inputs: must be one of source, quantized; got 'int4'",
+        ),
+        (
             {"calibrate": {"activations": "host"}},
             "calibrate.activations: host needs calibrate.offload: layer or host",
         ),

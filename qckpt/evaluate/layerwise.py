@@ -26,6 +26,7 @@ from torch import nn
 from qckpt.calib.layerwise import decoder_layers
 from qckpt.evaluate import metrics
 from qckpt.evaluate.build import DirTensors, empty_meta, emulate, use_kv_attention
+from qckpt.evaluate.cpu_linear import half_linears_in_float32
 from qckpt.evaluate.scheme import ExportScheme
 from qckpt.models.build import materialize
 
@@ -135,7 +136,7 @@ def run_layerwise(
     exp = _Side(scheme.path, dtype, dev, scheme)
     batches = [ids[i : i + batch_size].to(dev) for i in range(0, ids.shape[0], batch_size)]
     sums = metrics.Sums()
-    with torch.no_grad():
+    with torch.no_grad(), half_linears_in_float32(dev):
         for b in batches:
             src.capture(b[:, :-1])
             exp.capture(b[:, :-1])

@@ -19,6 +19,7 @@ from torch import nn
 from qckpt.errors import UsageError
 from qckpt.evaluate import metrics
 from qckpt.evaluate.build import load_emulated, load_model
+from qckpt.evaluate.cpu_linear import half_linears_in_float32
 from qckpt.evaluate.options import EvalOptions
 from qckpt.evaluate.scheme import inputs_only, read_scheme, weights_only
 from qckpt.evaluate.windows import Windows, data_section, make_windows, tokenizer_of
@@ -103,7 +104,7 @@ def _run(
     sums = metrics.Sums()
     tap_e, tap_s, model = _LayerTap(exp), None, None
     try:
-        with torch.no_grad():
+        with torch.no_grad(), half_linears_in_float32(dev):
             for i in range(0, win.ids.shape[0], opts.batch_size):
                 batch = win.ids[i : i + opts.batch_size].to(dev)
                 key = (i, tuple(win.starts[i : i + opts.batch_size]))
@@ -211,7 +212,7 @@ def score_model(model_dir: Path, data: Path, opts: EvalOptions) -> dict[str, Any
     dev = pick_device(opts.device)
     model = load_model(model_dir, model_dtype(cfg), dev)
     nll, tokens = 0.0, 0
-    with torch.no_grad():
+    with torch.no_grad(), half_linears_in_float32(dev):
         for i in range(0, win.ids.shape[0], opts.batch_size):
             b = win.ids[i : i + opts.batch_size].to(dev)
             logits = model(b[:, :-1]).logits.float()

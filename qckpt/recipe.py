@@ -190,12 +190,17 @@ class CalibrateConfig:
 
     def validate(self, path: str) -> None:
         self.data.validate(f"{path}.data")
-        if self.algorithm != "max" and (self.offload != "none" or self.weights_resident != "bf16"):
-            # the search reads each weight's own values: resident, in the model's dtype
+        if self.algorithm != "max" and self.weights_resident != "bf16":
+            # the algorithms read each weight's own values, in the model's dtype
             raise RecipeError(
-                f"{path}.algorithm: {self.algorithm} needs {path}.offload: none and "
-                f"{path}.weights_resident: bf16 (got offload {self.offload}, weights_resident "
-                f"{self.weights_resident})"
+                f"{path}.algorithm: {self.algorithm} needs {path}.weights_resident: bf16 "
+                f"(got {self.weights_resident})"
+            )
+        if self.algorithm in ("mse", "awq") and self.offload != "none":
+            # their searches hold every weight of the model; gptq's goes one layer at a time
+            raise RecipeError(
+                f"{path}.algorithm: {self.algorithm} needs {path}.offload: none (got "
+                f"{self.offload}; max and gptq run with offload)"
             )
         if not 0.0 <= self.gptq_percdamp <= 1.0:
             raise RecipeError(f"{path}.gptq_percdamp: 0 .. 1, got {self.gptq_percdamp}")

@@ -112,7 +112,7 @@ def calibrate_model(
         dres, tres, tp_gathers = _sync_all(qs, mesh, tp_mods, failure)
         t_sync = time.perf_counter()
         # the algorithm's own work (and collectives), apart from the amax sync's
-        algo = _algorithm(algorithm, model, instr, batches, mesh, mine, gptq_options, parts)
+        algo = _algorithm(algorithm, model, instr, batches, mesh, mine, gptq_options, parts, runner)
         algo = algo or awq_res
         t_after = time.perf_counter()
         state, report = _results(algorithm, algo, model, qs, quant_cfg, instr, mesh)
@@ -154,19 +154,24 @@ def check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
         raise CalibrationError(
             f"calibrate.algorithm: {algorithm!r} is not one of max, mse, gptq, awq"
         )
-    if algorithm != "max" and (mesh.tp > 1 or runner is not None):
-        # a TP shard is part of a weight whose error is the whole tensor's; a layer at a
-        # time would need the search inside the runner (not built yet)
+    # a TP shard is part of a weight whose error is the whole tensor's; mse's and awq's
+    # searches read every weight of the model at once (gptq's runs one layer at a time)
+    if algorithm != "max" and mesh.tp > 1:
         raise CalibrationError(
-            f"calibrate.algorithm: {algorithm} runs with parallel.tp: 1 and calibrate.offload: "
-            f"none (got tp {mesh.tp}, offload {'none' if runner is None else 'on'})"
+            f"calibrate.algorithm: {algorithm} runs with parallel.tp: 1 (got tp {mesh.tp})"
+        )
+    if algorithm in ("mse", "awq") and runner is not None:
+        raise CalibrationError(
+            f"calibrate.algorithm: {algorithm} runs with calibrate.offload: none "
+            "(max and gptq run one layer at a time)"
         )
 
 
-def _algorithm(algorithm, model, instr, batches, mesh: Mesh, mine, gptq_options, parts):
+def _algorithm(algorithm, model, instr, batches, mesh: Mesh, mine, gptq_options, parts, runner):
     """The algorithm's pass after the amax sync (None for max); its pieces into ``parts``.
     mse: :func:`qckpt.calib.mse_pass.run_mse`; gptq: :func:`qckpt.calib.gptq_pass.run_gptq`
-    (``gptq_options``: a ``GptqOptions``), the model's weights GPTQ'd in place. Resident BF16
+    (``gptq_options``: a ``GptqOptions``), the model's weights GPTQ'd in place, or, with
+    ``runner`` (``calibrate.offload``), layer by layer as each comes onto the device. BF16
     weights, no TP (:func:`check_algorithm`)."""
     with phases.phase(phases.ALGORITHM):  # the phase breakdown's line for its extra cost
         if algorithm == "mse":
@@ -176,7 +181,7 @@ def _algorithm(algorithm, model, instr, batches, mesh: Mesh, mine, gptq_options,
             parts.update(res.parts)
             return res
         if algorithm == "gptq":
-            return _gptq(model, instr, batches, mesh, gptq_options, parts)
+            return _gptq(model, instr, batches, mesh, gptq_options, parts, runner)
     return None
 
 
@@ -233,12 +238,12 @@ def _paused(instr):
             info.tokens[:] = t
 
 
-def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
+def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float], runner=None):
     """The gptq pass with the quantizers paused (:func:`_paused`)."""
     from qckpt.calib.gptq_pass import GptqOptions, run_gptq
 
     with _paused(instr) as on:
-        res = run_gptq(model, instr, batches, mesh, options or GptqOptions(), on)
+        res = run_gptq(model, instr, batches, mesh, options or GptqOptions(), on, runner)
         settle(model)
     parts.update(res.parts)
     return res

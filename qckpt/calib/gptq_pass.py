@@ -69,6 +69,8 @@ class GptqResult:
     hessian_bytes_bound: int = 0
     stack_bytes: int = 0  # the largest batch of GPTQ's working copies (gptq.gptq_batch)
     inputs: str = gptq_inputs.SOURCE  # calibrate.gptq_inputs it ran with
+    # calibrate.offload: the sidecar's tensors, taken layer by layer before each layer left
+    written: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -92,26 +94,42 @@ def run_gptq(
     mesh: Mesh,
     opts: GptqOptions,
     on: set[int] | None = None,
+    runner: Any = None,
 ) -> GptqResult:
     """The pass of the module doc; raises :class:`SyncError` on every rank if any rank failed.
-    ``on``: ids of the enabled quantizers (the caller pauses them all while this runs)."""
+    ``on``: ids of the enabled quantizers (the caller pauses them all while this runs).
+    ``runner`` (``calibrate.offload``: a :class:`qckpt.calib.layerwise.LayerwiseRunner`): the
+    model is on meta and each layer's weights come onto the device for its turn (the next
+    one's read meanwhile); its GPTQ'd weights go to host memory before it leaves."""
     res = GptqResult(inputs=opts.inputs)
     on = on if on is not None else {id(q) for q in instr.quantizers.values() if q.enabled}
     t0 = time.perf_counter()
     todo = _batches(batches)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     tokens = _total_tokens(todo, mesh, res)
     bits = gptq.grid_bits(tokens)
     layers_name, layers = decoder_layers(model)
-    hidden, calls = capture_layer_inputs(
-        model, layers, todo, device, what="calibrate.algorithm gptq"
-    )
+    if runner is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        io = _LayerIo(device, lambda x, slot: x)
+        hidden, calls = capture_layer_inputs(
+            model, layers, todo, device, what="calibrate.algorithm gptq"
+        )
+    else:
+        io = _LayerIo(runner.device, runner.keep)
+        res.written = {}
+        with runner.outer(model):
+            hidden, calls = capture_layer_inputs(
+                model, layers, todo, runner.device, what="calibrate.algorithm gptq",
+                keep=runner.keep,
+            )  # fmt: skip
     res.parts["gptq_capture"] = time.perf_counter() - t0
-    for i, layer in enumerate(layers):
+
+    def one(i: int) -> None:
+        layer = layers[i]
         prefix = f"{layers_name}.{i}"
         lin, experts = _layer_linears(instr, prefix, on)
         t1 = time.perf_counter()
-        run = partial(run_layer, layer, hidden, calls, i)
+        run = partial(io.run, layer, hidden, calls, i)
         qa = _input_quants(instr, lin, experts, opts)
         amax = _layer_amax(model, lin, experts, run, mesh, res, qa)
         hs, cs = _layer_hessians(model, lin, experts, run, amax, bits, mesh, res, qa)
@@ -124,10 +142,19 @@ def run_gptq(
         )
         unit = {k: (a / 2.0**bits) ** 2 for k, a in amax.items()}  # grid units -> squared values
         row = _quantize_layer(model, lin, hs, cs, unit, opts, res)
-        hidden = _outputs(layer, hidden, calls, i)
+        del hs, cs
+        io.outputs(layer, hidden, calls, i)
+        if res.written is not None:  # the layer's weights leave the device after this
+            res.written.update(tensors_to_write(model, instr, mesh, res, within=prefix + "."))
         row["seconds"] = round(time.perf_counter() - t1, 4)
         res.layers[prefix] = row
         trace(f"gptq {prefix}: {row['seconds']:.2f} s ({i + 1}/{len(layers)} layers)")
+
+    if runner is None:
+        for i in range(len(layers)):
+            one(i)
+    else:
+        runner.walk(layers_name, layers, one)
     res.parts["gptq_layers"] = time.perf_counter() - t0 - res.parts["gptq_capture"]
     return res
 
@@ -158,21 +185,28 @@ def _reduce(t: torch.Tensor, op, group, what: str) -> None:
     dl.run(what, dist.all_reduce, t, op=op, group=group, error=SyncError)
 
 
-def run_layer(layer, hidden, calls, i) -> None:
-    with torch.no_grad():
-        for b, h in enumerate(hidden):
-            args, kwargs = calls[b][i]
-            layer(h, *args, **kwargs)
+@dataclass(frozen=True)
+class _LayerIo:
+    """How a layer's batches run: each input brought to ``device`` (it may wait in host
+    memory under ``calibrate.activations: host``), each output kept by ``keep(y, slot)`` in
+    its input's place (a batch's input is not needed once its output is made)."""
 
+    device: torch.device
+    keep: Any
 
-def _outputs(layer, hidden, calls, i) -> list[torch.Tensor]:
-    out = []
-    with torch.no_grad():
-        for b, h in enumerate(hidden):
-            args, kwargs = calls[b][i]
-            y = layer(h, *args, **kwargs)
-            out.append(y[0] if isinstance(y, tuple) else y)
-    return out
+    def run(self, layer, hidden, calls, i) -> None:
+        with torch.no_grad():
+            for b, h in enumerate(hidden):
+                args, kwargs = calls[b][i]
+                layer(h.to(self.device), *args, **kwargs)
+
+    def outputs(self, layer, hidden, calls, i) -> None:
+        with torch.no_grad():
+            for b, h in enumerate(hidden):
+                args, kwargs = calls[b][i]
+                y = layer(h.to(self.device), *args, **kwargs)
+                y = y[0] if isinstance(y, tuple) else y
+                hidden[b] = self.keep(y, h if h.device != y.device else None)
 
 
 def _layer_linears(instr: Instrumentation, prefix: str, on: set[int]):
@@ -482,15 +516,21 @@ def _out_err(d: torch.Tensor, h: torch.Tensor) -> float:
     return float(((d @ h.to(d.device)) * d).sum())
 
 
-def tensors_to_write(model, instr: Instrumentation, mesh: Mesh, res: GptqResult):
+def tensors_to_write(model, instr: Instrumentation, mesh: Mesh, res: GptqResult, within=""):
     """This rank's share of the GPTQ sidecar: the first DP rank of each EP rank writes its
-    experts, the first of all (EP rank 0 too) the dense linears; name -> host tensor."""
+    experts, the first of all (EP rank 0 too) the dense linears; name -> host tensor. Those of
+    the modules named ``within...`` only; under ``calibrate.offload`` (``res.written`` kept
+    layer by layer, the model on meta now) what was kept."""
+    if res.written is not None and not within:
+        return res.written
     out: dict[str, torch.Tensor] = {}
     if mesh.dp_rank != 0:
         return out
     for src in instr.weights:
         q = src.quantizer
         if q.name not in res.done or (q.expert_layer is None and mesh.ep_rank != 0):
+            continue
+        if not q.name.startswith(within):
             continue
         w = src.take(model.get_parameter(src.param))
         out[f"{q.name}.weight"] = w.detach().cpu().contiguous().clone()

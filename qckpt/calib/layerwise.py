@@ -285,7 +285,12 @@ class LayerwiseRunner:
         with self._lock:
             self._live -= n
 
-    def _layers(self, model, layers_name, layers, hidden, calls, progress) -> None:
+    def walk(self, layers_name: str, layers: nn.ModuleList, body: Callable[[int], Any]) -> None:
+        """``body(i)`` for each decoder layer in order, with that layer's weights on the device.
+        The next layer's read runs in a thread meanwhile, and a layer goes back to meta only
+        after that read has ended, so the two are live together on every step (the bound
+        ``qckpt plan`` predicts), not only on the steps whose read was quicker than the body.
+        Used by the max pass (:meth:`run`) and by GPTQ's pass with ``calibrate.offload``."""
         t0 = time.perf_counter()
         names = [f"{layers_name}.{i}" for i in range(len(layers))]
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qckpt-layer-prefetch")
@@ -305,11 +310,8 @@ class LayerwiseRunner:
                 if i + 1 < len(layers):
                     nxt = pool.submit(self._fetch, names[i + 1], layers[i + 1])
                 try:
-                    self._run_layer(model, names[i], layer, i, hidden, calls, progress)
+                    body(i)
                 finally:
-                    # the next layer's read ends before this layer's weights go, so the two are
-                    # live together on every step (the bound `qckpt plan` predicts), not only on
-                    # the steps whose read happened to be quicker than the forward
                     if nxt is not None:
                         take(i + 1, nxt)
                 self._release(names[i], layer, held.pop(i))
@@ -318,7 +320,33 @@ class LayerwiseRunner:
             for j, n in list(held.items()):
                 with contextlib.suppress(Exception):
                     self._release(names[j], layers[j], n)
-        self._stats["layers_seconds"] = time.perf_counter() - t0
+        self._stats["layers_seconds"] += time.perf_counter() - t0
+
+    def outer(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """The weights outside the decoder layers (not the output embedding) on the device
+        inside the block: what capturing the layers' inputs needs."""
+        layers_name, _ = decoder_layers(model)
+        return self._holding(_outer_modules(model, layers_name, head=False))
+
+    @contextlib.contextmanager
+    def _holding(self, modules: Modules) -> Iterator[None]:
+        self.weights.fetch(modules)
+        try:
+            yield
+        finally:
+            self.weights.release(modules)
+
+    def keep(self, x: torch.Tensor, slot: torch.Tensor | None) -> torch.Tensor:
+        """A layer output kept for the next layer (see ``calibrate.activations``)."""
+        return self._keep(x, slot)
+
+    def _layers(self, model, layers_name, layers, hidden, calls, progress) -> None:
+        names = [f"{layers_name}.{i}" for i in range(len(layers))]
+        self.walk(
+            layers_name,
+            layers,
+            lambda i: self._run_layer(model, names[i], layers[i], i, hidden, calls, progress),
+        )
 
     def _run_layer(self, model, name, layer, i, hidden, calls, progress) -> None:
         inside = name + "."

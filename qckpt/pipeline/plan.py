@@ -205,12 +205,16 @@ class _Planner:
         quantizer lives there (not in ``quant.ignore``), as ``calib.layerwise`` decides."""
         from qckpt.models.naming import ignored
 
-        head = None
+        head = emb = None
         out_emb = self.whole.get_output_embeddings()
         for name, mod in self.whole.named_modules():
-            if mod is out_emb and ignored(name, self.recipe.quant.ignore):
-                head = name
-        return Offload(mode=layout.offload, activations=layout.activations, head=head)
+            if mod is out_emb:
+                emb = name
+                head = name if ignored(name, self.recipe.quant.ignore) else None
+        return Offload(
+            mode=layout.offload, activations=layout.activations, head=head, out_emb=emb,
+            second_pass=self.recipe.calibrate.algorithm == "gptq",
+        )  # fmt: skip
 
     def tensors(self, layout: Layout, params: str) -> list[Held]:
         return rank_tensors(self.sharded(layout), params=params, ignore=self.recipe.quant.ignore)

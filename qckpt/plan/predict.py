@@ -178,6 +178,10 @@ class Offload:
     mode: str = "none"  # none | layer | host
     activations: str = "device"  # device | host
     head: str | None = None  # the output embedding's module name when it stays off
+    out_emb: str | None = None  # the output embedding's module name
+    # calibrate.algorithm gptq: a second pass over the layers, each fetched again (from the
+    # checkpoint, or from host memory), with the modules outside them but the output embedding
+    second_pass: bool = False
 
 
 def _in_head(t: Held, off: Offload) -> bool:
@@ -234,6 +238,10 @@ def calibrate_figures(
         else:
             activations = kept
         read = [t for t in tensors if not _in_head(t, off)]  # the head is never fetched
+        if off.second_pass:
+            emb = replace(off, head=off.out_emb)
+            again = [t for t in tensors if not _in_head(t, emb)]
+            read = read + (again if off.mode == "layer" else [t for t in again if t.layer is None])
     return RankFigures(
         command="calibrate",
         rank=rank,

@@ -171,3 +171,25 @@ def test_a_read_failing_on_one_rank_fails_every_rank(ckpts, tmp_path):
     assert not out[0].ok and "rank 1 of 2 failed before the sync" in out[0].error, out[0].error
     assert "\n" not in out[0].error
     assert not (tmp_path / "off.safetensors").exists()
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_gptq_with_offload_writes_the_resident_files_on_dp2_and_ep2(ckpts, tmp_path, ep):
+    """calibrate.algorithm gptq with offload layer and host: every rank walks the layers in
+    the same order (EP's exchanges and the Hessians' all-reduces meet), and the calibration
+    file and each EP rank's sidecar of GPTQ'd weights are the resident run's, byte for byte."""
+    gptq = {"algorithm": "gptq"}
+    runs = [(name, off, {**cal, **gptq}) for name, off, cal in RUNS]
+    src = "tiny-moe"
+    out = shared_world(2).run(
+        _calibrate_runs, src, ckpts[src], ep, runs, str(tmp_path), 1, deadline_s=400
+    )
+    assert all(o.ok for o in out), [o.error for o in out]
+    ref = tmp_path / "resident.safetensors"
+    sidecars = [f"ep{r:03d}.safetensors" for r in range(ep)]
+    for name in ("layer", "host"):
+        assert calibration_differences(ref, tmp_path / f"{name}.safetensors") == [], name
+        for f in sidecars:
+            a = (tmp_path / "resident.safetensors.gptq" / f).read_bytes()
+            assert a == (tmp_path / f"{name}.safetensors.gptq" / f).read_bytes(), (name, f)
+    assert all(o.value["layer"]["layers"] == 2 for o in out)

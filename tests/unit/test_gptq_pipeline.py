@@ -94,3 +94,50 @@ def test_quantized_inputs_hold_c_beside_each_hessian_and_plan_counts_it(run, tmp
     # the batch of 18 linears [32, 64] (see above) and their 18 targets, float32
     assert predicted == 18 * 4 * (3 * 32 * 64 + 64 * 64) + 18 * 4 * 32 * 64
     assert src.report["gptq_stack_bytes"] < got.report["gptq_stack_bytes"] <= predicted
+
+
+@pytest.mark.parametrize("offload", ["layer", "host"])
+def test_offload_gives_the_resident_sidecar_bit_for_bit(run, tmp_path, offload):
+    """calibrate.offload with gptq: the model on meta, one layer at a time on the device (its
+    weights read from the checkpoint, or from host memory), GPTQ'd and taken to the sidecar
+    before it leaves: the same GPTQ'd weights and calibration file as the resident run, with
+    at most two layers' weights on the device, which ``qckpt plan`` bounds."""
+    from qckpt.calib.state_file import load_calibration
+
+    d, _, src = run
+    out = tmp_path / "c.safetensors"
+    r = _recipe(d, f"calibrate.offload={offload}", f"calibrate.output={out}")
+    got = calibrate(r, Mesh())
+    a = load_file(str(d / "calib.safetensors.gptq" / "ep000.safetensors"))
+    b = load_file(str(tmp_path / "c.safetensors.gptq" / "ep000.safetensors"))
+    assert a.keys() == b.keys() and len(a) == 2 * 4 + 2 * 8 * 3
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+    ca, cb = load_calibration(d / "calib.safetensors"), load_calibration(out)
+    assert ca.amax.keys() == cb.amax.keys()
+    assert all(torch.equal(ca.amax[k], cb.amax[k]) for k in ca.amax)
+    rows = ("loss_rtn", "loss_gptq", "linears", "rounded")
+    for i in range(2):
+        ga = src.report["layers"][f"model.layers.{i}"]["gptq"]
+        gb = got.report["layers"][f"model.layers.{i}"]["gptq"]
+        assert [ga[k] for k in rows] == [gb[k] for k in rows]
+    off = got.report["offload"]
+    assert off["mode"] == offload and off["layers"] == 2
+    assert off["layer_weight_bytes_peak"] <= 2 * off["layer_weight_bytes_max"]
+    (row,) = plan(r, nproc_per_node=1).rows["calibrate"]
+    assert row.parameter_bytes >= off["layer_weight_bytes_peak"] + off["outer_weight_bytes"]
+    assert row.gptq_bytes >= 2 * got.report["gptq_hessian_bytes"]
+    # the layers are read twice (the max pass, then GPTQ's), or once into host memory
+    assert row.bytes_read == off["bytes_read"] > 0
+
+
+def test_mse_and_awq_refuse_offload_and_gptq_takes_it():
+    from qckpt.errors import RecipeError
+    from qckpt.recipe import recipe_from_dict
+
+    for algo in ("mse", "awq"):
+        with pytest.raises(RecipeError, match=f"{algo} needs calibrate.offload: none") as e:
+            recipe_from_dict({"calibrate": {"algorithm": algo, "offload": "layer"}})
+        assert "\n" not in str(e.value)
+    r = recipe_from_dict({"calibrate": {"algorithm": "gptq", "offload": "layer"}})
+    assert r.calibrate.offload == "layer"

@@ -25,10 +25,12 @@ The weights leave through :func:`tensors_to_write` (this rank's share of the sid
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +56,9 @@ class GptqOptions:
     # the inputs as the export's clients quantize them, ``input_mode``: qckpt.calib.gptq_inputs)
     inputs: str = gptq_inputs.SOURCE
     input_mode: gptq_inputs.InputMode | None = None
+    # calibrate.offload: names -> a writer whose add(name, tensor) takes this rank's share of
+    # the sidecar layer by layer (:func:`streamed_sidecar`); else the share is held in memory
+    sidecar: Any = None
 
 
 @dataclass
@@ -117,6 +122,8 @@ def run_gptq(
     else:
         io = _LayerIo(runner.device, runner.keep)
         res.written = {}
+        names = _share_names(instr, mesh, on, layers_name + ".")
+        sink = opts.sidecar(names) if opts.sidecar is not None else None
         with runner.outer(model):
             hidden, calls = capture_layer_inputs(
                 model, layers, todo, runner.device, what="calibrate.algorithm gptq",
@@ -145,7 +152,11 @@ def run_gptq(
         del hs, cs
         io.outputs(layer, hidden, calls, i)
         if res.written is not None:  # the layer's weights leave the device after this
-            res.written.update(tensors_to_write(model, instr, mesh, res, within=prefix + "."))
+            mine = tensors_to_write(model, instr, mesh, res, within=prefix + ".")
+            if sink is None:
+                res.written.update(mine)
+            for name, t in mine.items() if sink is not None else ():
+                sink.add(name, t)
         row["seconds"] = round(time.perf_counter() - t1, 4)
         res.layers[prefix] = row
         trace(f"gptq {prefix}: {row['seconds']:.2f} s ({i + 1}/{len(layers)} layers)")
@@ -539,22 +550,73 @@ def tensors_to_write(model, instr: Instrumentation, mesh: Mesh, res: GptqResult,
     return out
 
 
-def write_weights(state, out: str, mesh: Mesh, suffix: str = ".gptq") -> None:
+def _writes(q, mesh: Mesh) -> bool:
+    """Whether this rank writes quantizer ``q``'s weight (:func:`tensors_to_write`'s rule)."""
+    return mesh.dp_rank == 0 and (q.expert_layer is not None or mesh.ep_rank == 0)
+
+
+def _share_names(instr: Instrumentation, mesh: Mesh, on: set[int], inside: str) -> list[str]:
+    """Every name this rank's share of the sidecar may hold (a streamed file's header room)."""
+    out = []
+    for src in instr.weights:
+        q = src.quantizer
+        if id(q) in on and q.name.startswith(inside) and _writes(q, mesh):
+            out.append(f"{q.name}.weight")
+            if q.format == "nvfp4":
+                out.append(f"{q.name}.weight_block_scale")
+    return out
+
+
+def _sidecar_file(out: str, mesh: Mesh, suffix: str) -> Path:
+    return Path(str(out) + suffix) / f"ep{mesh.ep_rank:03d}.safetensors"
+
+
+@contextlib.contextmanager
+def streamed_sidecar(out: str, mesh: Mesh, opts: GptqOptions) -> Iterator[bool]:
+    """Inside the block GPTQ under ``calibrate.offload`` writes this rank's share of the
+    sidecar as each layer is done (``opts.sidecar``), so a model's GPTQ'd weights are never
+    all in host memory; the file takes its name when the block ends without an error, and is
+    gone after one. Yields whether this rank writes a share (the first DP rank of each EP
+    rank); :func:`write_weights` is then told ``streamed``."""
+    if mesh.dp_rank != 0:
+        yield False
+        return
+    from qckpt.atomic import atomic_file
+    from qckpt.storage.safetensors_stream import StreamWriter
+
+    made: list[StreamWriter] = []
+    with atomic_file(_sidecar_file(out, mesh, ".gptq"), key="calibrate.output") as tmp:
+        with open(tmp, "wb") as f:
+
+            def start(names: list[str]) -> StreamWriter:
+                made.append(StreamWriter(f, names))
+                return made[-1]
+
+            opts.sidecar = start
+            try:
+                yield True
+                (made[-1] if made else StreamWriter(f, [])).finish({"format": "pt"})
+            finally:
+                opts.sidecar = None
+
+
+def write_weights(
+    state, out: str, mesh: Mesh, suffix: str = ".gptq", streamed: bool = False
+) -> None:
     """The algorithm's weights (GPTQ'd, or AWQ's folded ones: ``suffix`` ``.awq``) beside the
     calibration file ``out`` (``<out>.gptq/``, one file per EP rank, written by its first DP
     rank; see qckpt/read/gptq_source.py); the file names go into ``state`` (the same on
-    every rank); stale files of an earlier run removed."""
-    from pathlib import Path
-
+    every rank); stale files of an earlier run removed. ``streamed``: this rank's file is
+    written already (:func:`streamed_sidecar`)."""
     from safetensors.torch import save
 
     from qckpt.atomic import write_bytes
 
-    root = Path(str(out) + suffix)
+    root = _sidecar_file(out, mesh, suffix).parent
     state.weights_dir = str(root)
     state.weights_files = [f"ep{r:03d}.safetensors" for r in range(mesh.ep)]
     root.mkdir(parents=True, exist_ok=True)
-    if mesh.dp_rank == 0:
+    if mesh.dp_rank == 0 and not streamed:  # streamed: in place already
         mine = root / state.weights_files[mesh.ep_rank]
         write_bytes(mine, save(state.weights, metadata={"format": "pt"}), key="calibrate.output")
     if mesh.is_main:  # an earlier run's files of more EP ranks (never a peer's temp file)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +27,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     """Calibrate ``recipe``'s model on its data over ``mesh``; the main rank writes the file."""
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.deal import dealable
+    from qckpt.calib.gptq_pass import streamed_sidecar
     from qckpt.calib.state_file import save_calibration
 
     # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
@@ -67,15 +69,22 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     hooks.log(f"calibrating on {len(batches)} batches{how}")
     # the amax sync inside is charged to its own phase (calib.sync is timed); with offload
     # the layer reads overlap the forwards and are charged here too
-    with phases.phase(phases.FORWARD), hooks.progress("calibrating", steps) as advance:
-        c = recipe.calibrate
+    c = recipe.calibrate
+    gopts = gptq_options(recipe)
+    # gptq under offload writes its sidecar layer by layer (never the whole model in memory)
+    streaming = c.algorithm == "gptq" and runner is not None
+    with (
+        phases.phase(phases.FORWARD),
+        hooks.progress("calibrating", steps) as advance,
+        streamed_sidecar(c.output, mesh, gopts) if streaming else contextlib.nullcontext(),
+    ):
         amax = tap.amax() if tap is not None else None
         if dealt:  # the bar shows the batches every rank has taken
             advance = partial(_advance_dealt, advance, batches)
         state, report = calibrate_model(
             model, batches, recipe.quant, mesh, share_expert_inputs=c.share_expert_inputs,
             progress=advance, weight_amax=amax, runner=runner, moe_forward=c.moe_forward,
-            algorithm=c.algorithm, gptq_options=gptq_options(recipe), awq_options=_awq_options(c),
+            algorithm=c.algorithm, gptq_options=gopts, awq_options=_awq_options(c),
         )  # fmt: skip
     if runner is not None:
         from qckpt.pipeline.offload import held_bytes, summary
@@ -92,7 +101,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         with phases.phase(phases.WRITE):
             from qckpt.calib.gptq_pass import write_weights
 
-            write_weights(state, out, mesh, suffix="." + recipe.calibrate.algorithm)
+            write_weights(state, out, mesh, "." + recipe.calibrate.algorithm, streaming)
     if mesh.is_main:
         with phases.phase(phases.WRITE):
             state.model = _model_record(recipe.model.source)

@@ -84,6 +84,7 @@ STEPS=(
   gptq_tests:300
   gptq_8l:600
   gptq_48l:1500
+  gptq_off_48l:1700
   quality_algos:1200
   imports:120
   startup_8l:240
@@ -184,17 +185,34 @@ GPTQ_SETS=(--set checkpoint.format=safetensors --set load.device=cuda
 step_gptq_tests() {
   "$PY" -m pytest -q tests/unit/test_algorithms_math.py tests/unit/test_gptq_pipeline.py
 }
-gptq_on() {  # $1 checkpoint, $2 name
-  local rc=0
-  "$PY" -m qckpt plan configs/tiny-moe.yaml --set model.source="$1" --set checkpoint.path="$1" \
-    "${GPTQ_SETS[@]}" --nproc-per-node 1 --gpu-memory 139GiB --json "$RES/plan_$2.json" || rc=1
+gpu_gib() {  # this GPU's memory in GiB, for qckpt plan's fit
+  nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "${GPU:-0}" \
+    | awk '{printf "%dGiB", $1 / 1024}'
+}
+gptq_on() {  # $1 checkpoint, $2 name, then more --set pairs (e.g. calibrate.offload=layer)
+  local rc=0 ck=$1 name=$2 out=${GPTQ_OUT:-$WORK}
+  shift 2
+  "$PY" -m qckpt plan configs/tiny-moe.yaml --set model.source="$ck" --set checkpoint.path="$ck" \
+    "${GPTQ_SETS[@]}" "$@" --nproc-per-node 1 --gpu-memory "$(gpu_gib)" \
+    --json "$RES/plan_$name.json" || rc=1
   CUDA_VISIBLE_DEVICES=$GPU QCKPT_TRACE=1 "$PY" -m qckpt calibrate configs/tiny-moe.yaml \
-    --set model.source="$1" --set checkpoint.path="$1" "${GPTQ_SETS[@]}" \
-    --set calibrate.output="$WORK/$2.safetensors" --json "$RES/$2.json" || rc=1
+    --set model.source="$ck" --set checkpoint.path="$ck" "${GPTQ_SETS[@]}" "$@" \
+    --set calibrate.output="$out/$name.safetensors" --json "$RES/$name.json" || rc=1
+  du -sh "$out/$name.safetensors.gptq" 2>/dev/null
+  rm -rf "$out/$name.safetensors.gptq"  # a whole model's GPTQ'd weights: make room again
   return $rc
 }
 step_gptq_8l() { gptq_on "$CKPT8" gptq_8l; }
 step_gptq_48l() { gptq_on "$CKPT48" gptq_48l; }
+# the 48 layers with calibrate.offload: layer (fits an 80 GB GPU), and qckpt plan of the
+# resident run beside it; GPTQ_OUT=/dev/shm when the checkpoint is on the disk (the sidecar is
+# the whole model's weights again: the 64 GiB disk holds one of the two)
+step_gptq_off_48l() {
+  "$PY" -m qckpt plan configs/tiny-moe.yaml --set model.source="$CKPT48" \
+    --set checkpoint.path="$CKPT48" "${GPTQ_SETS[@]}" --nproc-per-node 1 \
+    --gpu-memory "$(gpu_gib)" --json "$RES/plan_gptq_48l.json"
+  gptq_on "$CKPT48" gptq_off_48l --set calibrate.offload=layer
+}
 
 # the Qwen3-MoE that learned real text (../shared/quality/train_textlm.py --arch qwen3moe, 150 s),
 # made again on a machine that lacks it (its weights do not travel back); the script and the
@@ -350,7 +368,7 @@ step_ckpt_8l() {
 }
 step_ckpt_48l() {
   "$PY" -m bench.whole_command make "$CKPT48" --preset qwen3-30b-a3b --device cuda \
-    | tee "$RES/ckpt_48l.json"
+    | tee "$RES/ckpt_48l.json" && touch "$CKPT48.written"  # what TESTS_AFTER waits for
 }
 
 # qckpt load (FP8) beside transformers' BF16 and FP8 loads, whole processes, on cuda:0; and

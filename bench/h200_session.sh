@@ -51,9 +51,13 @@ start() {
   gpus=$(nvidia-smi -L | wc -l)
   [ "$gpus" -ge 2 ] && where="QCKPT_ROUND_GPU=1 CUDA_VISIBLE_DEVICES=1"
   env="cd $REPO && export PYTHONPATH=$REPO QCKPT_QUALITY=$Q QCKPT_VLLM_SITE=/tmp/site \
-    QCKPT_CKPT48=/dev/shm/qwen3-30b-a3b PYTHONUNBUFFERED=1"
+    QCKPT_CKPT48=${QCKPT_CKPT48:-/dev/shm/qwen3-30b-a3b} GPTQ_OUT=${GPTQ_OUT:-} PYTHONUNBUFFERED=1"
   tests="python3 -m pytest tests/gpu -q -rs --durations=25 -p no:cacheprovider \
     --junitxml=$S/gpu-junit.xml >$S/gpu.log 2>&1; echo \$? >$S/gpu.rc"
+  # TESTS_AFTER=FILE: the tests wait (up to 600 s) for a chain to make it, e.g. the 48-layer
+  # checkpoint, which transformers builds on the GPU (61 GB) before anything else may share it
+  [ -n "${TESTS_AFTER:-}" ] && tests="for i in \$(seq 120); do [ -e $TESTS_AFTER ] && break; \
+    sleep 5; done; $tests"
   setsid nohup bash -c "$env && $tests" >/dev/null 2>&1 </dev/null &
   IFS=';' read -ra chains <<<"$CHAINS"
   for chain in "${chains[@]}"; do
@@ -102,7 +106,7 @@ wait_for() {  # up to $1 seconds, until the tests and the chains have ended
   tail -n 5 "$S/gpu.log" 2>/dev/null
   echo "--- round"
   cat /tmp/qckpt-round/results/summary.txt 2>/dev/null | tail -n 12
-  tail -n 3 /tmp/qckpt-round/results/gptq_48l.log 2>/dev/null
+  tail -n 3 /tmp/qckpt-round/results/gptq_48l.log /tmp/qckpt-round/results/gptq_off_48l.log 2>/dev/null
   ended && echo "all done"
   send_back
 }

@@ -105,7 +105,8 @@ def run_gptq(
     ``on``: ids of the enabled quantizers (the caller pauses them all while this runs).
     ``runner`` (``calibrate.offload``: a :class:`qckpt.calib.layerwise.LayerwiseRunner`): the
     model is on meta and each layer's weights come onto the device for its turn (the next
-    one's read meanwhile); its GPTQ'd weights go to host memory before it leaves."""
+    one's read meanwhile); its GPTQ'd weights go to the sidecar file (``opts.sidecar``), or
+    else to host memory, before it leaves."""
     res = GptqResult(inputs=opts.inputs)
     on = on if on is not None else {id(q) for q in instr.quantizers.values() if q.enabled}
     t0 = time.perf_counter()
@@ -113,6 +114,7 @@ def run_gptq(
     tokens = _total_tokens(todo, mesh, res)
     bits = gptq.grid_bits(tokens)
     layers_name, layers = decoder_layers(model)
+    sink = None  # offload: this rank's sidecar file, written layer by layer
     if runner is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         io = _LayerIo(device, lambda x, slot: x)
@@ -155,8 +157,9 @@ def run_gptq(
             mine = tensors_to_write(model, instr, mesh, res, within=prefix + ".")
             if sink is None:
                 res.written.update(mine)
-            for name, t in mine.items() if sink is not None else ():
-                sink.add(name, t)
+            else:
+                for name, t in mine.items():
+                    sink.add(name, t)
         row["seconds"] = round(time.perf_counter() - t1, 4)
         res.layers[prefix] = row
         trace(f"gptq {prefix}: {row['seconds']:.2f} s ({i + 1}/{len(layers)} layers)")

@@ -428,12 +428,13 @@ def _child(hf_dir: str, cal: str, out: str, marker: str) -> None:
 
 
 def _start_and_pause(hf_dir: Path, cal: Path, out: Path, marker: Path):
-    # fork: the child has torch and transformers imported already (a fresh interpreter would
-    # spend seconds importing them); its progress callback stops it mid-write
+    # spawn, not fork: a child forked from this process (after many tests have run torch's
+    # thread pools) once hung on the signal in a full CI run; a fresh interpreter costs a few
+    # seconds of imports. Its progress callback stops it mid-write
     import multiprocessing as mp
 
     args = (str(hf_dir), str(cal), str(out), str(marker))
-    proc = mp.get_context("fork").Process(target=_child, args=args)
+    proc = mp.get_context("spawn").Process(target=_child, args=args)
     proc.start()
     deadline = time.monotonic() + 60
     while not marker.exists():

@@ -27,7 +27,6 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     """Calibrate ``recipe``'s model on its data over ``mesh``; the main rank writes the file."""
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.deal import dealable
-    from qckpt.calib.gptq_pass import streamed_sidecar
     from qckpt.calib.state_file import save_calibration
 
     # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
@@ -69,14 +68,12 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     hooks.log(f"calibrating on {len(batches)} batches{how}")
     # the amax sync inside is charged to its own phase (calib.sync is timed); with offload
     # the layer reads overlap the forwards and are charged here too
-    c = recipe.calibrate
-    gopts = gptq_options(recipe)
-    # gptq under offload writes its sidecar layer by layer (never the whole model in memory)
+    c, gopts = recipe.calibrate, gptq_options(recipe)
     streaming = c.algorithm == "gptq" and runner is not None
     with (
         phases.phase(phases.FORWARD),
         hooks.progress("calibrating", steps) as advance,
-        streamed_sidecar(c.output, mesh, gopts) if streaming else contextlib.nullcontext(),
+        _sidecar(streaming, c.output, mesh, gopts),
     ):
         amax = tap.amax() if tap is not None else None
         if dealt:  # the bar shows the batches every rank has taken
@@ -86,16 +83,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
             progress=advance, weight_amax=amax, runner=runner, moe_forward=c.moe_forward,
             algorithm=c.algorithm, gptq_options=gopts, awq_options=_awq_options(c),
         )  # fmt: skip
-    if runner is not None:
-        from qckpt.pipeline.offload import held_bytes, summary
-
-        hooks.log(summary(report["offload"]))
-        report.update(weights_resident=resident, param_bytes=held_bytes(report["offload"]))
-    else:
-        report.update(weights_resident=resident, param_bytes=param_bytes(model), read=read)
-        from qckpt.report import human_bytes
-
-        hooks.log(f"parameters held: {human_bytes(report['param_bytes'])} ({resident})")
+    _held(report, runner, model, resident, read, hooks)
     out = recipe.calibrate.output
     if recipe.calibrate.algorithm in ("gptq", "awq"):  # their weights, beside the file
         with phases.phase(phases.WRITE):
@@ -109,6 +97,28 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     return CalibrateResult(
         state=state, report=report, data=data_report, output=out, world_size=mesh.world_size
     )
+
+
+def _sidecar(streaming: bool, out: str, mesh: Mesh, gopts):
+    """gptq under offload writes its sidecar layer by layer (never the whole model in memory:
+    ``qckpt.calib.gptq_pass.streamed_sidecar``); otherwise nothing here."""
+    from qckpt.calib.gptq_pass import streamed_sidecar
+
+    return streamed_sidecar(out, mesh, gopts) if streaming else contextlib.nullcontext()
+
+
+def _held(report: dict, runner, model, resident: str, read, hooks: Hooks) -> None:
+    """What the calibration held on the device, into the report and the log."""
+    if runner is not None:
+        from qckpt.pipeline.offload import held_bytes, summary
+
+        hooks.log(summary(report["offload"]))
+        report.update(weights_resident=resident, param_bytes=held_bytes(report["offload"]))
+        return
+    from qckpt.report import human_bytes
+
+    report.update(weights_resident=resident, param_bytes=param_bytes(model), read=read)
+    hooks.log(f"parameters held: {human_bytes(report['param_bytes'])} ({resident})")
 
 
 def _model_record(source: str) -> dict:

@@ -25,9 +25,8 @@ The weights leave through :func:`tensors_to_write` (this rank's share of the sid
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -57,7 +56,7 @@ class GptqOptions:
     inputs: str = gptq_inputs.SOURCE
     input_mode: gptq_inputs.InputMode | None = None
     # calibrate.offload: names -> a writer whose add(name, tensor) takes this rank's share of
-    # the sidecar layer by layer (:func:`streamed_sidecar`); else the share is held in memory
+    # the sidecar layer by layer (qckpt.pipeline.calibrate.streamed_sidecar); else in memory
     sidecar: Any = None
 
 
@@ -117,12 +116,12 @@ def run_gptq(
     sink = None  # offload: this rank's sidecar file, written layer by layer
     if runner is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        io = _LayerIo(device, lambda x, slot: x)
+        io = LayerIo(device, lambda x, slot: x)
         hidden, calls = capture_layer_inputs(
             model, layers, todo, device, what="calibrate.algorithm gptq"
         )
     else:
-        io = _LayerIo(runner.device, runner.keep)
+        io = LayerIo(runner.device, runner.keep)
         res.written = {}
         names = _share_names(instr, mesh, on, layers_name + ".")
         sink = opts.sidecar(names) if opts.sidecar is not None else None
@@ -200,7 +199,7 @@ def _reduce(t: torch.Tensor, op, group, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class _LayerIo:
+class LayerIo:
     """How a layer's batches run: each input brought to ``device`` (it may wait in host
     memory under ``calibrate.activations: host``), each output kept by ``keep(y, slot)`` in
     its input's place (a batch's input is not needed once its output is made)."""
@@ -570,37 +569,9 @@ def _share_names(instr: Instrumentation, mesh: Mesh, on: set[int], inside: str) 
     return out
 
 
-def _sidecar_file(out: str, mesh: Mesh, suffix: str) -> Path:
+def sidecar_file(out: str, mesh: Mesh, suffix: str) -> Path:
+    """This rank's file of the sidecar (``<out><suffix>/ep{r:03d}.safetensors``)."""
     return Path(str(out) + suffix) / f"ep{mesh.ep_rank:03d}.safetensors"
-
-
-@contextlib.contextmanager
-def streamed_sidecar(out: str, mesh: Mesh, opts: GptqOptions) -> Iterator[bool]:
-    """Inside the block GPTQ under ``calibrate.offload`` writes this rank's share of the
-    sidecar as each layer is done (``opts.sidecar``), so a model's GPTQ'd weights are never
-    all in host memory; the file takes its name when the block ends without an error, and is
-    gone after one. Yields whether this rank writes a share (the first DP rank of each EP
-    rank); :func:`write_weights` is then told ``streamed``."""
-    if mesh.dp_rank != 0:
-        yield False
-        return
-    from qckpt.atomic import atomic_file
-    from qckpt.storage.safetensors_stream import StreamWriter
-
-    made: list[StreamWriter] = []
-    with atomic_file(_sidecar_file(out, mesh, ".gptq"), key="calibrate.output") as tmp:
-        with open(tmp, "wb") as f:
-
-            def start(names: list[str]) -> StreamWriter:
-                made.append(StreamWriter(f, names))
-                return made[-1]
-
-            opts.sidecar = start
-            try:
-                yield True
-                (made[-1] if made else StreamWriter(f, [])).finish({"format": "pt"})
-            finally:
-                opts.sidecar = None
 
 
 def write_weights(
@@ -610,12 +581,12 @@ def write_weights(
     calibration file ``out`` (``<out>.gptq/``, one file per EP rank, written by its first DP
     rank; see qckpt/read/gptq_source.py); the file names go into ``state`` (the same on
     every rank); stale files of an earlier run removed. ``streamed``: this rank's file is
-    written already (:func:`streamed_sidecar`)."""
+    written already (``qckpt.pipeline.calibrate.streamed_sidecar``)."""
     from safetensors.torch import save
 
     from qckpt.atomic import write_bytes
 
-    root = _sidecar_file(out, mesh, suffix).parent
+    root = sidecar_file(out, mesh, suffix).parent
     state.weights_dir = str(root)
     state.weights_files = [f"ep{r:03d}.safetensors" for r in range(mesh.ep)]
     root.mkdir(parents=True, exist_ok=True)

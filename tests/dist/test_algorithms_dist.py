@@ -175,14 +175,14 @@ def sc_dies_mid_gptq(rank, world, tmp):
 
     from qckpt.calib import gptq_pass
 
-    real = gptq_pass._LayerIo.run
+    real = gptq_pass.LayerIo.run
 
     def run(self, layer, hidden, calls, i):
         if rank == 1 and i == 1:
             os._exit(3)
         return real(self, layer, hidden, calls, i)
 
-    gptq_pass._LayerIo.run = run
+    gptq_pass.LayerIo.run = run
     return sc_calibrate(rank, world, 1, "nvfp4", "gptq", Path(tmp) / "c.safetensors")
 
 

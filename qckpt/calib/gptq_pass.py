@@ -537,13 +537,9 @@ def tensors_to_write(model, instr: Instrumentation, mesh: Mesh, res: GptqResult,
     if res.written is not None and not within:
         return res.written
     out: dict[str, torch.Tensor] = {}
-    if mesh.dp_rank != 0:
-        return out
     for src in instr.weights:
         q = src.quantizer
-        if q.name not in res.done or (q.expert_layer is None and mesh.ep_rank != 0):
-            continue
-        if not q.name.startswith(within):
+        if q.name not in res.done or not q.name.startswith(within) or not _writes(q, mesh):
             continue
         w = src.take(model.get_parameter(src.param))
         out[f"{q.name}.weight"] = w.detach().cpu().contiguous().clone()

@@ -28,6 +28,12 @@ class RecipeError(UsageError):
     """A recipe that does not parse or validate; the message names the YAML path."""
 
 
+class SchemeError(UsageError):
+    """A ``quant`` scheme that cannot be: one that splits projections a client fuses, a target
+    that matches no module, a scheme the export layout cannot write. Exit code 2, before any
+    work."""
+
+
 class FormatError(QckptError):
     """A value a quantization format cannot represent (NaN/Inf input, a bad shape)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import re
 import types
 import typing
@@ -95,19 +96,97 @@ class TensorQuantConfig:
 
 
 @dataclass(kw_only=True)
+class SchemeConfig:
+    """One entry of ``quant.schemes``: the linears it quantizes (fnmatch globs of module names,
+    as ``save_pretrained`` names them: per-expert names for MoE) and how."""
+
+    targets: list[str] = field(default_factory=list)
+    weights: TensorQuantConfig = field(default_factory=TensorQuantConfig)
+    inputs: TensorQuantConfig = field(default_factory=TensorQuantConfig)
+
+    def validate(self, path: str) -> None:
+        if not self.targets:
+            raise RecipeError(f"{path}.targets: name at least one module glob")
+        for i, t in enumerate(self.targets):
+            if not t.strip():
+                raise RecipeError(f"{path}.targets[{i}]: an empty glob")
+        self.weights.validate(f"{path}.weights")
+        self.inputs.validate(f"{path}.inputs")
+        _check_inputs(self.inputs, f"{path}.inputs")
+
+
+def _check_inputs(inputs: TensorQuantConfig, path: str) -> None:
+    if inputs.granularity == "channel":
+        raise RecipeError(f"{path}.granularity: inputs take tensor or block, not channel")
+
+
+@dataclass(kw_only=True)
 class QuantConfig:
     weights: TensorQuantConfig = field(default_factory=TensorQuantConfig)
     inputs: TensorQuantConfig = field(default_factory=TensorQuantConfig)
     ignore: list[str] = field(default_factory=lambda: ["lm_head", "*.mlp.gate"])
     kv_cache: bool = False
+    # several schemes in one export, instead of weights / inputs: the first entry whose targets
+    # match a linear quantizes it, a linear no entry matches stays in the model dtype (as one
+    # that ``ignore`` matches does; ``ignore`` still applies first)
+    schemes: list[SchemeConfig] = field(default_factory=list)
+
+    @staticmethod
+    def validate_raw(raw: dict, path: str) -> None:
+        if raw.get("schemes") and ({"weights", "inputs"} & set(raw)):
+            both = "weights" if "weights" in raw else "inputs"
+            raise RecipeError(
+                f"{path}.{both}: give either {path}.schemes or {path}.weights / {path}.inputs, "
+                "not both"
+            )
 
     def validate(self, path: str) -> None:
         self.weights.validate(f"{path}.weights")
         self.inputs.validate(f"{path}.inputs")
-        if self.inputs.granularity == "channel":
-            raise RecipeError(
-                f"{path}.inputs.granularity: inputs take tensor or block, not channel"
-            )
+        _check_inputs(self.inputs, f"{path}.inputs")
+        for i, sc in enumerate(self.schemes):
+            # built (and validated) by the loader already; a library caller's list is checked too
+            sc.validate(f"{path}.schemes[{i}]")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether this recipe says several schemes (``quant.schemes``)."""
+        return bool(self.schemes)
+
+    def entries(self) -> list[SchemeConfig]:
+        """The schemes in match order; the one-scheme shorthand is one entry matching all."""
+        if self.schemes:
+            return list(self.schemes)
+        return [SchemeConfig(targets=["*"], weights=self.weights, inputs=self.inputs)]
+
+    def entry_index(self, module: str) -> int | None:
+        """The index into :meth:`entries` of the scheme that quantizes ``module`` (a module
+        name as the checkpoint names it), or None: left in the model dtype."""
+        if any(fnmatch.fnmatchcase(module, p) for p in self.ignore):
+            return None
+        for i, sc in enumerate(self.entries()):
+            if any(fnmatch.fnmatchcase(module, p) for p in sc.targets):
+                return i
+        return None
+
+    def single(self, entry: SchemeConfig) -> QuantConfig:
+        """A one-scheme QuantConfig of ``entry`` (no ignore list: the caller matched already)."""
+        return QuantConfig(
+            weights=entry.weights, inputs=entry.inputs, ignore=[], kv_cache=self.kv_cache
+        )
+
+    def for_module(self, module: str) -> QuantConfig | None:
+        """The one-scheme QuantConfig quantizing ``module``, or None (model dtype)."""
+        i = self.entry_index(module)
+        return None if i is None else self.single(self.entries()[i])
+
+    def record(self) -> dict:
+        """What a calibration file records of this config (``schemes`` only when given, so a
+        one-scheme recipe's record is what it was before schemes existed)."""
+        d = dataclasses.asdict(self)
+        if not self.schemes:
+            d.pop("schemes")
+        return d
 
 
 @dataclass(kw_only=True)
@@ -450,6 +529,8 @@ def _build(cls: type, raw: Any, path: str) -> Any:
         raise RecipeError(f"{path or 'recipe'}: expected a mapping, got {show(raw)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    if hasattr(cls, "validate_raw"):
+        cls.validate_raw(raw, path)
     kwargs = {}
     for key, value in raw.items():
         # a key that is not printable text (a newline, a control char) is quoted, so the message

@@ -40,8 +40,8 @@ from torch import nn
 from qckpt.calib import awq
 from qckpt.calib.awq import Spec
 from qckpt.calib.instrument import ExpertsInfo, Instrumentation
-from qckpt.calib.shapes import weight_block
 from qckpt.errors import CalibrationError
+from qckpt.formats.shapes import weight_block
 from qckpt.models.naming import is_fused_experts
 
 

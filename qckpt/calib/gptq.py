@@ -22,7 +22,7 @@ import math
 import torch
 
 from qckpt.formats.numerics import div_f32, f64_const
-from qckpt.formats.nvfp4 import E2M1_MAX, E4M3_MAX, e2m1_codes, e2m1_round, max_block_scales
+from qckpt.formats.nvfp4 import E2M1_MAX, E4M3_MAX, e2m1_round, max_block_scales
 
 BLOCK = 128
 NVFP4_GROUP = 16
@@ -118,7 +118,7 @@ class ColumnQuantizer:
         columns, ``[rows, <=16]``) by the max rule, or searched (:attr:`search`: the E4M3
         scale of least squared error over the group's current values, ``qckpt.calib.mse``)."""
         if self.search:
-            from qckpt.calib.mse import nvfp4_chunk
+            from qckpt.formats.nvfp4_search import nvfp4_chunk
 
             sb, *_ = nvfp4_chunk(w.to(torch.float32), self.gs, self.gs64, self.inv_gs)
             self._sb = sb[:, 0]
@@ -323,7 +323,7 @@ class _StackedQuantizer:
         """:meth:`ColumnQuantizer.start_group` of each linear (``w``: ``[N, rows, <=16]``)."""
         n, r, k = w.shape
         if self.search:
-            from qckpt.calib.mse import nvfp4_chunk
+            from qckpt.formats.nvfp4_search import nvfp4_chunk
 
             if self._rows is None:  # each row takes its linear's global scale
                 self._rows = tuple(
@@ -371,23 +371,3 @@ def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tenso
     sbf = sb.to(torch.float32).unsqueeze(-1)
     y = (blocks * (quantizer.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX)
     return (e2m1_round(y) * (quantizer.gs * sbf)).reshape(rows, -1)[:, :cols]
-
-
-def nvfp4_with_scales(w: torch.Tensor, amax: torch.Tensor, sb: torch.Tensor):
-    """NVFP4 of 2-D ``w`` with global amax ``amax`` and the given E4M3 block scales ``sb``
-    (``[rows, ceil(cols/16)]``): (packed codes, ``sb``, global scale), the codes as the
-    formats layer computes them (``x * ((1 / gs) / sb)``, E2M1 round to nearest even)."""
-    from qckpt.formats.numerics import float_scale
-    from qckpt.formats.rowblock import padded_blocks
-
-    rows, cols = w.shape
-    gs = float_scale(amax.to(device=w.device, dtype=torch.float32).reshape(()), 6.0 * 448.0)
-    inv_gs = (1.0 / gs.to(torch.float64)).to(torch.float32)
-    sb = sb.to(w.device)
-    blocks = padded_blocks(w.detach(), NVFP4_GROUP)
-    rec = inv_gs / sb.to(torch.float32)
-    codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)).reshape(rows, -1)
-    if codes.shape[1] % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4))[:, : -(-cols // 2)]
-    return packed.contiguous(), sb, gs

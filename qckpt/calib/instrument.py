@@ -40,8 +40,8 @@ from torch import nn
 
 from qckpt.calib.moe_forward import MOE_FORWARDS, ExpertsObserver, experts_forward
 from qckpt.calib.quantizer import DTYPE_CODE, AmaxStore, TensorQuantizer
-from qckpt.calib.shapes import calib_granularity
 from qckpt.errors import CalibrationError
+from qckpt.formats.shapes import calib_granularity
 from qckpt.formats.tensor import is_quantized
 from qckpt.models.naming import expert_slices, ignored, is_fused_experts
 from qckpt.parallel.shard import shard_of

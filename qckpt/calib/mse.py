@@ -8,10 +8,11 @@ Weights (a function of the weight alone, so the same on any rank that holds it):
   max calibration, so the search is never worse than max on this measure). The scale the
   export derives is ``clip / 448``, as from an amax.
 * NVFP4: per 16-block, the E4M3 block scale among the max rule's scale and its neighbours
-  (:data:`BLOCK_STEPS` E4M3 steps around it) with the least squared error of the block, for
+  (:data:`qckpt.formats.nvfp4_search.BLOCK_STEPS` E4M3 steps around it) with the least squared error of the block, for
   a global scale ``clip / (6 * 448)``; the clip is ``r * amax`` for the ratio of
   :data:`GLOBAL_RATIOS` whose blocks' total error is least. The export makes the block scales
-  again from the weight and the stored clip with :func:`nvfp4_mse_quantize` (the same
+  again from the weight and the stored clip with
+  :func:`qckpt.formats.nvfp4_search.nvfp4_mse_quantize` (the same
   function), so nothing but the clip is carried.
 
 Every error is a sum in float64 of squares of float64 differences; a block's 16 squares are
@@ -30,28 +31,15 @@ import math
 
 import torch
 
-from qckpt.formats.numerics import div_f32, f64_const, float_scale
-from qckpt.formats.nvfp4 import (
-    BLOCK,
-    E2M1_MAX,
-    E4M3_MAX,
-    e2m1_codes,
-    e2m1_values,
-    max_block_scales,
-)
-from qckpt.formats.rowblock import padded_blocks, row_chunks, rows2d
+from qckpt.formats.numerics import div_f32, f64_const
+from qckpt.formats.nvfp4_search import nvfp4_mse_quantize
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 WEIGHT_RATIOS = tuple(1.0 - k / 32 for k in range(16))  # 1.0 .. 0.53
 GLOBAL_RATIOS = tuple(1.0 - k / 16 for k in range(6))  # 1.0 .. 0.69
 INPUT_RATIOS = tuple(1.0 - k / 64 for k in range(48))  # 1.0 .. 0.27
-# E4M3 steps from the max rule's block scale: 0 first (ties keep it), then smaller, then larger
-BLOCK_STEPS = (0, -1, -2, -3, -4, -5, -6, 1)
 HIST_BINS = 2048
-_E4M3_MIN_CODE = 0x08  # 2**-6, the smallest normal: the max rule's floor
-_E4M3_MAX_CODE = 0x7E  # 448
-_CHUNK = 1 << 17  # elements per chunk of the NVFP4 search (x 8 candidates at once)
 
 
 def _ratio_amax(amax: torch.Tensor, r: float) -> torch.Tensor:
@@ -101,77 +89,6 @@ def fp8_weight_clip(
         best = torch.where(better, clip, best)
         best_err = torch.where(better, err, best_err)
     return best.reshape(amax.shape).cpu(), err_max, float(best_err.sum())
-
-
-def _e4m3_step(sb: torch.Tensor, step: int) -> torch.Tensor:
-    """The E4M3 value ``step`` codes from positive ``sb`` (consecutive codes of positive
-    normals are consecutive values), kept within the max rule's range [2**-6, 448]."""
-    if step == 0:
-        return sb
-    code = sb.view(torch.uint8).to(torch.int16) + step
-    code = code.clamp_(_E4M3_MIN_CODE, _E4M3_MAX_CODE).to(torch.uint8)
-    return code.view(FP8)
-
-
-def _block_error(blocks: torch.Tensor, sb: torch.Tensor, gs: torch.Tensor, inv_gs) -> tuple:
-    """(codes, float64 squared error per block) of ``blocks`` [R, nb, 16] at block scales
-    ``sb`` (E4M3 [R, nb]); the codes as the formats layer computes them."""
-    sbf = sb.to(torch.float32)
-    rec = inv_gs / sbf
-    codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX))
-    dq = e2m1_values(codes) * (gs * sbf).unsqueeze(-1)
-    d = blocks.to(torch.float64) - dq.to(torch.float64)
-    sq = d * d
-    while sq.shape[-1] > 1:  # a fixed tree of elementwise additions: the same on every device
-        half = sq.shape[-1] // 2
-        sq = sq[..., :half] + sq[..., half:]
-    return codes, sq[..., 0]
-
-
-def _nvfp4_scalars(amax: torch.Tensor, device: torch.device):
-    """(gs, gs as float64, fl32(1 / gs)) for global amax ``amax``, as the formats layer."""
-    gs = float_scale(amax.to(device=device, dtype=torch.float32).reshape(()), E2M1_MAX * E4M3_MAX)
-    gs64 = gs.to(torch.float64)
-    return gs, gs64, (1.0 / gs64).to(torch.float32)
-
-
-def nvfp4_chunk(c: torch.Tensor, gs, gs64, inv_gs):
-    """The searched block scales, codes and error per block of a ``[R, K]`` chunk, and the
-    max rule's error per block. Every candidate at once (a leading dim of
-    :data:`BLOCK_STEPS`); ``argmin`` takes the first least error: the max rule on a tie."""
-    blocks = padded_blocks(c, BLOCK)
-    bmax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=-1)
-    six64 = f64_const(E2M1_MAX, c.device)
-    base = max_block_scales(bmax, six64, gs64).to(FP8)
-    sbs = torch.stack([_e4m3_step(base, s).view(torch.uint8) for s in BLOCK_STEPS]).view(FP8)
-    codes, err = _block_error(blocks.unsqueeze(0), sbs, gs, inv_gs)
-    pick = err.argmin(dim=0, keepdim=True)  # [1, R, nb]
-    best_err = err.gather(0, pick)[0]
-    best_sb = sbs.view(torch.uint8).gather(0, pick)[0].view(FP8)
-    best_codes = codes.gather(0, pick.unsqueeze(-1).expand(1, *codes.shape[1:]))[0]
-    return best_sb, best_codes, best_err, err[0]
-
-
-def nvfp4_mse_quantize(w: torch.Tensor, clip: torch.Tensor):
-    """NVFP4 of 2-D ``w`` with global amax ``clip`` and searched block scales: (packed codes
-    uint8 ``[R, ceil(K/2)]``, E4M3 scales ``[R, ceil(K/16)]``, global scale float32 ``()``,
-    the error (float) with searched and with max-rule block scales). The layout is the formats
-    layer's nvfp4 (low nibble first)."""
-    x2 = rows2d(w.detach())
-    r, k = x2.shape
-    gs, gs64, inv_gs = _nvfp4_scalars(clip, x2.device)
-    packed = torch.empty((r, -(-k // 2)), dtype=torch.uint8, device=x2.device)
-    scales = torch.empty((r, -(-k // BLOCK)), dtype=FP8, device=x2.device)
-    err = err0 = 0.0
-    for lo, hi in row_chunks(r, k, _CHUNK):
-        sb, codes, e, e0 = nvfp4_chunk(x2[lo:hi], gs, gs64, inv_gs)
-        codes = codes.reshape(hi - lo, -1)
-        if codes.shape[1] % 2:
-            codes = torch.nn.functional.pad(codes, (0, 1))
-        packed[lo:hi] = (codes[:, 0::2] | (codes[:, 1::2] << 4))[:, : packed.shape[1]]
-        scales[lo:hi] = sb
-        err, err0 = err + float(e.sum()), err0 + float(e0.sum())
-    return packed, scales, gs, err, err0
 
 
 def nvfp4_weight_clip(w: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, float, float]:

@@ -34,9 +34,9 @@ from torch import nn
 from qckpt.calib import mse
 from qckpt.calib.instrument import Instrumentation, WeightSource, settle
 from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
-from qckpt.calib.shapes import weight_block
 from qckpt.calib.sync import sync_amax
 from qckpt.errors import CalibrationError, SyncError
+from qckpt.formats.shapes import weight_block
 from qckpt.formats.tensor import dequantized_compute
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from qckpt.calib.shapes import SCALAR_GRANULARITIES, amax_shape, weight_block
 from qckpt.errors import CalibrationError
+from qckpt.formats.shapes import SCALAR_GRANULARITIES, amax_shape, weight_block
 
 GRANULARITIES = ("tensor", "channel", "block", "dynamic_block")
 # calibrator dtypes an amax may have, by code; the order is the preference when ranks that

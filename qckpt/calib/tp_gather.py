@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qckpt.calib.shapes import amax_shape, weight_block
 from qckpt.errors import SyncError, UsageError
+from qckpt.formats.shapes import amax_shape, weight_block
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import group_device
 from qckpt.parallel.shard import ShardSpec, model_shards

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from qckpt.calib.shapes import config_amax_shape, weight_block
 from qckpt.errors import CheckpointError, ExportError
+from qckpt.formats.shapes import config_amax_shape, weight_block
 from qckpt.layouts.export_layout import (
     EXPERT,
     MIN_AMAX,

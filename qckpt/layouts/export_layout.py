@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qckpt.calib.shapes import config_amax_shape
 from qckpt.formats.numerics import div_f32, f64_const
+from qckpt.formats.shapes import config_amax_shape
 from qckpt.layouts.names import (
     FP8_MAX,
 )
@@ -57,7 +57,7 @@ class ExportLayout:
 
     name: str = ""
     # NVFP4 block scales: the max rule (False) or searched per block (True: a calibration
-    # made with calibrate.algorithm mse; :func:`qckpt.calib.mse.nvfp4_mse_quantize`)
+    # made with calibrate.algorithm mse; :func:`qckpt.formats.nvfp4_search.nvfp4_mse_quantize`)
     block_search: bool = False
     # module -> the E4M3 block scales to write (a gptq calibration's), or None: the rule above
     given_block_scales = None
@@ -68,11 +68,11 @@ class ExportLayout:
         :attr:`block_search` says."""
         given = None if self.given_block_scales is None else self.given_block_scales(module)
         if given is not None:
-            from qckpt.calib.gptq import nvfp4_with_scales
+            from qckpt.formats.nvfp4_search import nvfp4_with_scales
 
             return nvfp4_with_scales(w, amax, given)
         if self.block_search:
-            from qckpt.calib.mse import nvfp4_mse_quantize
+            from qckpt.formats.nvfp4_search import nvfp4_mse_quantize
 
             qdata, scale, gs, *_ = nvfp4_mse_quantize(w, amax)
             return qdata, scale, gs

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qckpt.calib import gptq, mse
-from qckpt.formats import quantize
+from qckpt.formats import nvfp4_search, quantize
 from qckpt.formats.nvfp4 import e2m1_values
 
 
@@ -23,7 +23,7 @@ def _fp8_err(w: torch.Tensor, amax: torch.Tensor, gran: str, block=(32, 32)) -> 
 
 
 def _amax(w: torch.Tensor, gran: str, block=(32, 32)) -> torch.Tensor:
-    from qckpt.calib.shapes import amax_shape
+    from qckpt.formats.shapes import amax_shape
 
     shape = amax_shape(gran, "weight", tuple(w.shape), block)
     return mse.weight_groups(w, gran, block).abs().amax(dim=1).reshape(shape)
@@ -44,7 +44,7 @@ def test_fp8_mse_clip_is_never_worse_than_max(gran):
 def test_nvfp4_block_search_lowers_the_error_and_decodes_to_its_own_values():
     w = _heavy(32, 64)
     a = w.float().abs().max()
-    packed, scales, gs, err, err0 = mse.nvfp4_mse_quantize(w, a)
+    packed, scales, gs, err, err0 = nvfp4_search.nvfp4_mse_quantize(w, a)
     ref = quantize(w, "nvfp4", amax=a)  # the max rule: the formats layer
     assert torch.equal(gs, ref.global_scale)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(32, -1)
@@ -118,7 +118,7 @@ def test_the_export_writes_gptqs_codes_from_its_bf16_weights_and_block_scales(se
     cq = gptq.ColumnQuantizer("nvfp4", "tensor", w.abs().max(), tuple(w.shape), search=search)
     q, _ = gptq.gptq(w, h, cq)
     stored = q.to(torch.bfloat16)  # what the sidecar holds
-    packed, sb, gs = gptq.nvfp4_with_scales(stored.float(), w.abs().max(), cq.block_scales)
+    packed, sb, gs = nvfp4_search.nvfp4_with_scales(stored.float(), w.abs().max(), cq.block_scales)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(32, -1)
     dq = (e2m1_values(codes).view(32, -1, 16) * (gs * sb.float()).unsqueeze(-1)).reshape(32, -1)
     assert torch.equal(dq, q)  # the very values GPTQ chose, not re-rounded ones

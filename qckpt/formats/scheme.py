@@ -1,0 +1,232 @@
+"""Quantization schemes: what one side of a quantized linear (its weights, or its inputs) is.
+
+A recipe's ``quant.weights`` / ``quant.inputs`` (and each ``quant.schemes[i]``'s) is a
+``TensorQuantConfig``: a format name, a granularity, a block size, dynamic or not. Every stage
+outside :mod:`qckpt.formats` turns it into a :class:`Scheme` with :func:`scheme_of` and asks
+the scheme, never the name: what a quantizer calibrates, the amax's shape, the largest code, the
+block scales made at quantize time, how clients quantize an input. Adding a format is adding a
+``Scheme`` subclass registered here (and its layout encodings), not editing the stages.
+
+Registered: ``fp8`` (E4M3, per tensor / channel / block; static or dynamic inputs), ``nvfp4``
+(E2M1 under E4M3 scales per 16 and a float32 global scale), ``mxfp8`` (E4M3 under E8M0 scales
+per 32) and ``none`` (left in the model dtype: an unquantized side).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from qckpt.errors import FormatError
+
+# E4M3's largest finite value; E2M1's; the scale rule is amax / qmax
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+NVFP4_GROUP = 16
+MX_BLOCK = 32
+
+# granularities whose calibrated amax is one number (NVFP4's block scales are made when
+# quantizing; only its per-tensor global amax is calibrated)
+SCALAR_GRANULARITIES = ("tensor", "dynamic_block")
+
+SCHEMES: dict[str, type[Scheme]] = {}
+
+
+def register(cls: type[Scheme]) -> type[Scheme]:
+    """Class decorator: make ``cls`` the scheme of format ``cls.name``."""
+    SCHEMES[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One side of a quantized linear. Frozen and hashable: two sides that quantize alike are
+    equal, whatever recipe entry they came from."""
+
+    name: ClassVar[str] = ""
+    # the granularities a recipe may ask of this scheme, for weights and for inputs
+    weight_granularities: ClassVar[tuple[str, ...]] = ("tensor",)
+    input_granularities: ClassVar[tuple[str, ...]] = ("tensor",)
+    quantized: ClassVar[bool] = True
+    # the largest code magnitude: a per-tensor / channel / block scale is amax / qmax
+    qmax: ClassVar[float] = 1.0
+    # block scales made per ``group`` values along the last dim when quantizing (0: none)
+    group: ClassVar[int] = 0
+    # codes of 4 bits, two per byte (the even column in the low nibble)
+    packed_fp4: ClassVar[bool] = False
+    # the qckpt.formats name of a parameter tensor of this scheme (None: none exists)
+    param_format: ClassVar[str | None] = None
+
+    granularity: str = "tensor"
+    block: tuple[int, int] = (128, 128)
+    dynamic: bool = False
+
+    # -- what is calibrated ---------------------------------------------------------------------
+    @property
+    def calib_granularity(self) -> str:
+        """What a quantizer of this side calibrates (an amax per tensor, channel or block)."""
+        return self.granularity
+
+    @property
+    def scalar_amax(self) -> bool:
+        """Whether the calibrated amax of this side is one number."""
+        return self.calib_granularity in SCALAR_GRANULARITIES
+
+    def calibrates(self, kind: str) -> bool:
+        """Whether a quantizer of ``kind`` ("weight" / "input") of this side records anything:
+        an unquantized side and a dynamic input (scaled per batch at run time) do not."""
+        return self.quantized and not (kind == "input" and self.dynamic)
+
+    def amax_shape(self, kind: str, shape: Sequence[int]) -> tuple[int, ...]:
+        """The calibrated amax of a ``kind`` tensor of ``shape`` (see :func:`amax_shape`)."""
+        from qckpt.formats.shapes import amax_shape
+
+        return amax_shape(self.calib_granularity, kind, shape, self.block)
+
+    # -- what clients do ------------------------------------------------------------------------
+    def input_mode(self) -> str:
+        """How a client quantizes an input of this side (a :mod:`qckpt.formats.act_quant` mode)."""
+        raise FormatError(f"{self.describe()}: no client quantizes inputs this way")
+
+    def stacks(self) -> bool:
+        """Whether weights of one shape quantize as one stack (per-tensor or per-row scales)."""
+        return False
+
+    def describe(self) -> str:
+        extra = f" {self.block[0]}x{self.block[1]}" if self.granularity == "block" else ""
+        return f"{self.name} {self.granularity}{extra}{' dynamic' if self.dynamic else ''}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.name,
+            "granularity": self.granularity,
+            "block_size": list(self.block),
+            "dynamic": self.dynamic,
+        }
+
+
+@register
+@dataclass(frozen=True)
+class Fp8Scheme(Scheme):
+    name: ClassVar[str] = "fp8"
+    weight_granularities: ClassVar[tuple[str, ...]] = ("tensor", "channel", "block")
+    input_granularities: ClassVar[tuple[str, ...]] = ("tensor", "block")
+    qmax: ClassVar[float] = FP8_MAX
+    param_format: ClassVar[str | None] = "fp8"
+
+    def input_mode(self) -> str:
+        if not self.dynamic:
+            if self.granularity != "tensor":
+                raise FormatError(f"{self.describe()}: static FP8 inputs are per tensor")
+            return "fp8_static"
+        return "fp8_token" if self.granularity == "tensor" else "fp8_group"
+
+    def stacks(self) -> bool:
+        return self.granularity in ("tensor", "channel")
+
+
+@register
+@dataclass(frozen=True)
+class Nvfp4Scheme(Scheme):
+    name: ClassVar[str] = "nvfp4"
+    weight_granularities: ClassVar[tuple[str, ...]] = ("tensor",)
+    input_granularities: ClassVar[tuple[str, ...]] = ("tensor",)
+    qmax: ClassVar[float] = FP4_MAX * FP8_MAX
+    group: ClassVar[int] = NVFP4_GROUP
+    packed_fp4: ClassVar[bool] = True
+    param_format: ClassVar[str | None] = "nvfp4"
+
+    @property
+    def calib_granularity(self) -> str:
+        return "dynamic_block"
+
+    def input_mode(self) -> str:
+        if self.dynamic:
+            raise FormatError("nvfp4 inputs take a static global scale (dynamic: false)")
+        return "nvfp4"
+
+
+@register
+@dataclass(frozen=True)
+class Mxfp8Scheme(Scheme):
+    name: ClassVar[str] = "mxfp8"
+    qmax: ClassVar[float] = FP8_MAX
+    group: ClassVar[int] = MX_BLOCK
+    param_format: ClassVar[str | None] = "mxfp8"
+
+    @property
+    def calib_granularity(self) -> str:
+        return "dynamic_block"
+
+    def calibrates(self, kind: str) -> bool:
+        return False  # every 32-block's E8M0 scale comes from the block itself
+
+
+@register
+@dataclass(frozen=True)
+class NoScheme(Scheme):
+    """A side left in the model dtype (``inputs: {format: none}``: weight-only quantization)."""
+
+    name: ClassVar[str] = "none"
+    quantized: ClassVar[bool] = False
+
+    def input_mode(self) -> str:
+        return "none"
+
+    def describe(self) -> str:
+        return "unquantized"
+
+
+def scheme_of(cfg: Any, kind: str = "weight") -> Scheme:
+    """The scheme of a recipe's ``TensorQuantConfig`` (or anything with ``format``,
+    ``granularity``, ``block_size``, ``dynamic``). Raises ``FormatError`` naming the format
+    when none is registered, or the granularity when the scheme does not take it."""
+    return make_scheme(
+        cfg.format,
+        granularity=cfg.granularity,
+        block=getattr(cfg, "block_size", (128, 128)),
+        dynamic=bool(getattr(cfg, "dynamic", False)),
+        kind=kind,
+    )
+
+
+def make_scheme(
+    fmt: str,
+    *,
+    granularity: str = "tensor",
+    block: Sequence[int] = (128, 128),
+    dynamic: bool = False,
+    kind: str = "weight",
+) -> Scheme:
+    cls = SCHEMES.get(fmt)
+    if cls is None:
+        raise FormatError(f"unknown quantization scheme {fmt!r}; known: {', '.join(SCHEMES)}")
+    allowed = cls.weight_granularities if kind == "weight" else cls.input_granularities
+    if cls.quantized and granularity not in allowed:
+        raise FormatError(
+            f"{fmt} {kind}s take granularity {' or '.join(allowed)}, not {granularity}"
+        )
+    b = tuple(int(x) for x in block)
+    if len(b) == 1:
+        b = (b[0], b[0])
+    return cls(granularity=granularity, block=b, dynamic=dynamic)
+
+
+def scheme_bits(s: Scheme, shape: Sequence[int], model_bits: int = 16) -> float:
+    """Bits a weight of ``shape`` takes under ``s`` (codes and scales), as an export holds it."""
+    n = math.prod(int(d) for d in shape)
+    if not s.quantized:
+        return float(n * model_bits)
+    if s.packed_fp4:
+        return n * 4 + math.ceil(n / s.group) * 8 + 32
+    if s.group:
+        return n * 8 + math.ceil(n / s.group) * 8
+    amax = s.amax_shape("weight", shape)
+    return n * 8 + max(1, math.prod(amax)) * model_bits
+
+
+def replace(s: Scheme, **changes: Any) -> Scheme:
+    return dataclasses.replace(s, **changes)

@@ -86,6 +86,7 @@ STEPS=(
   gptq_48l:1500
   gptq_off_48l:1700
   quality_algos:1200
+  quality_mixes:900
   imports:120
   startup_8l:240
   export_lanes_48l:300
@@ -233,6 +234,20 @@ step_quality_algos() {
     --algorithms max,mse,awq,gptq,gptq+mse --model "llama=$q/models/llama-textlm" \
     --model "qwen3moe=$q/models/qwen3moe-textlm" --calib "$q/calib.bin" --heldout "$q/heldout.bin" \
     --work "$WORK/quality-algos" --vllm-parallel 5 --json "$RES/quality_algos.json"
+  local rc=$?
+  cp docs/QUALITY.md "$RES/QUALITY.md"
+  return $rc
+}
+
+# issue 41's table: bench.quality --mixes on both trained models (NVFP4 MLP / experts + FP8
+# attention in both layouts, beside all-FP8 and all-NVFP4; bits per weight, qckpt eval,
+# transformers and vLLM side by side)
+step_quality_mixes() {
+  local q=${QCKPT_QUALITY:-$PWD/../shared/quality}
+  CUDA_VISIBLE_DEVICES=$GPU QCKPT_VLLM_SITE=${QCKPT_VLLM_SITE:-/tmp/site} "$PY" -m bench.quality \
+    --mixes --model "llama=$q/models/llama-textlm" --model "qwen3moe=$q/models/qwen3moe-textlm" \
+    --calib "$q/calib.bin" --heldout "$q/heldout.bin" --work "$WORK/quality-mixes" \
+    --vllm-parallel 4 --json "$RES/quality_mixes.json"
   local rc=$?
   cp docs/QUALITY.md "$RES/QUALITY.md"
   return $rc

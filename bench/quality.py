@@ -77,6 +77,29 @@ VARIANTS: dict[str, tuple[str, tuple[str, str], tuple[str, str, bool]]] = {
     "ModelOpt NVFP4": ("modelopt", ("nvfp4", "tensor"), ("nvfp4", "tensor", False)),
 }
 
+# several schemes in one export (``--mixes``): name -> (export.format, the recipe's quant section).
+# The MLP (for an MoE: its routed experts; the router stays BF16 through ignore) in NVFP4 W4A4,
+# attention in FP8 per-tensor with static inputs: what ModelOpt's nvfp4_mlp_only / experts-only
+# recipes ship; compared in one table with the all-FP8 and all-NVFP4 exports of the same layout
+_MIX_QUANT = """
+  ignore: ["lm_head", "*.mlp.gate"]
+  schemes:
+    - targets: ["*.mlp.*"]
+      weights: {format: nvfp4}
+      inputs: {format: nvfp4}
+    - targets: ["*.self_attn.*"]
+      weights: {format: fp8, granularity: tensor}
+      inputs: {format: fp8, granularity: tensor, dynamic: false}"""
+MIXES: dict[str, tuple[str, str]] = {
+    "compressed-tensors mixed: NVFP4 MLP + FP8 attention": ("compressed-tensors", _MIX_QUANT),
+    "ModelOpt mixed (MIXED_PRECISION): NVFP4 MLP + FP8 attention": ("modelopt", _MIX_QUANT),
+}
+MIX_BASES = [
+    "compressed-tensors FP8 per-tensor, static inputs",
+    "compressed-tensors NVFP4 W4A4",
+    "ModelOpt FP8",
+    "ModelOpt NVFP4",
+]
 
 # calibrate.algorithm runs (``--algorithms``): a variant (``--algorithms-on``: the NVFP4 W4A4 one
 # unless said) calibrated with each algorithm; "+mse" / "+pow2" add the option that
@@ -100,9 +123,14 @@ ALGORITHMS: dict[str, dict[str, str]] = {
 }
 
 
-def variant_names(algorithms: list[str], on: list[str] | None = None) -> list[str]:
+def variant_names(
+    algorithms: list[str], on: list[str] | None = None, mixes: bool = False
+) -> list[str]:
     """Every layout variant, or with ``algorithms`` each variant of ``on`` (keys of
-    :data:`ALGORITHM_BASES`; NVFP4 W4A4 by default) once per algorithm."""
+    :data:`ALGORITHM_BASES`; NVFP4 W4A4 by default) once per algorithm, or with ``mixes`` the
+    mixed exports beside the one-scheme ones they mix."""
+    if mixes:
+        return [*MIX_BASES, *MIXES]
     if not algorithms:
         return list(VARIANTS)
     bad = [a for a in algorithms if a not in ALGORITHMS]
@@ -121,16 +149,20 @@ def _slug(name: str) -> str:
 
 def _recipe(model: Path, work: Path, name: str, calib_bin: Path, heldout: Path) -> Path:
     base, _, algo = name.partition(ALGORITHM_SEP)
-    fmt, w, i = VARIANTS[base]
+    if base in MIXES:
+        fmt, quant = MIXES[base]
+    else:
+        fmt, w, i = VARIANTS[base]
+        quant = f"""
+  weights: {{format: {w[0]}, granularity: {w[1]}}}
+  inputs: {{format: {i[0]}, granularity: {i[1]}, dynamic: {str(i[2]).lower()}}}
+  ignore: ["lm_head", "*.mlp.gate"]"""
     cal = "\n  ".join(f"{k}: {v}" for k, v in ALGORITHMS[algo or "max"].items())
     out = work / _slug(name)
     text = f"""
 model: {{source: {model}}}
 checkpoint: {{path: {model}}}
-quant:
-  weights: {{format: {w[0]}, granularity: {w[1]}}}
-  inputs: {{format: {i[0]}, granularity: {i[1]}, dynamic: {str(i[2]).lower()}}}
-  ignore: ["lm_head", "*.mlp.gate"]
+quant:{quant}
 calibrate:
   data: {{source: text, path: {calib_bin}, num_samples: 128, seq_len: 512, batch_size: 16}}
   {cal}
@@ -172,6 +204,46 @@ def make_exports(
     if p.returncode:
         raise SystemExit(f"calibrate/export failed for {model} (exit {p.returncode})")
     return {n: work / _slug(n) for n in variants}
+
+
+# what a linear's weight is stored as in an export: its codes and the scales that go with them
+_WEIGHT_PARTS = (
+    "weight",
+    "weight_packed",
+    "weight_scale",
+    "weight_scale_2",
+    "weight_global_scale",
+    "weight_scale_inv",
+)
+
+
+def bits_per_weight(export: Path, source: Path) -> float:
+    """The average bits a weight of the source's linears takes in ``export``: the bytes of each
+    linear's stored weight and weight scales (BF16 for the linears left unquantized), over the
+    source's count of linear weights. Embeddings, norms and input / KV scales are not counted."""
+    from safetensors import safe_open
+
+    def tensors(d: Path) -> dict[str, tuple[int, int]]:
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    n = math.prod(sl.get_shape())
+                    out[k] = (n, n * _itemsize(sl.get_dtype()))
+        return out
+
+    src = tensors(source)
+    linears = [k[: -len(".weight")] for k, (n, _) in src.items() if k.endswith(".weight")]
+    linears = [m for m in linears if "embed" not in m and "norm" not in m]
+    got = tensors(export)
+    numel = sum(src[f"{m}.weight"][0] for m in linears)
+    nbytes = sum(got.get(f"{m}.{p}", (0, 0))[1] for m in linears for p in _WEIGHT_PARTS)
+    return 8.0 * nbytes / numel
+
+
+def _itemsize(dtype: str) -> int:
+    return {"F64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I64": 8}.get(dtype, 1)
 
 
 def _windows(model: Path, heldout: Path, windows: int) -> Any:
@@ -280,7 +352,7 @@ def measure_model(
     win = _windows(model, args.heldout, args.windows)
     opts = EvalOptions(windows=args.windows, device=device)
     cache: dict = {}
-    rows: list[dict[str, Any]] = [{"export": "BF16 source", "dir": str(model)}]
+    rows: list[dict[str, Any]] = [{"export": "BF16 source", "dir": str(model), "bpw": 16.0}]
     for name, d in exports.items():
         rep = evaluate(d, model, args.heldout, opts, cache=cache)
         rows[0]["qckpt"] = rep["source_bits_per_byte"]
@@ -292,6 +364,7 @@ def measure_model(
             "top1": rep["top1_agreement"],
             "moved": rep["layers_moved_most"],
             "warnings": rep["warnings"],
+            "bpw": bits_per_weight(d, model),
         }
         w_only = evaluate(d, model, args.heldout, replace(opts, inputs="unquantized"), cache=cache)
         row["qckpt_weights"] = w_only["export_bits_per_byte"]
@@ -348,16 +421,17 @@ def _cell(v: Any, base: Any) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]
     out = [
-        "| export | qckpt eval | KL (qckpt eval) | top-1 (qckpt eval) | qckpt eval, weights alone "
+        "| export | bits per weight | qckpt eval | KL (qckpt eval) | top-1 (qckpt eval) | qckpt eval, weights alone "
         "(`--inputs unquantized`) | qckpt eval, inputs alone (`--weights unquantized`) "
         "| qckpt eval, fused shards as stored | transformers | vLLM |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         kl = f"{r['kl']:.5f}" if isinstance(r.get("kl"), float) else "-"
         top1 = f"{r['top1'] * 100:.2f} %" if isinstance(r.get("top1"), float) else "-"
         first = r is base
         cells = [
+            f"{r['bpw']:.2f}" if isinstance(r.get("bpw"), float) else "-",
             _cell(r.get("qckpt"), None if first else base.get("qckpt")),
             kl,
             top1,
@@ -447,6 +521,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         + ", ".join(ALGORITHM_BASES)
         + ")",
     )
+    ap.add_argument(
+        "--mixes",
+        action="store_true",
+        help="instead of the layouts: the mixed-scheme exports beside all-FP8 and all-NVFP4",
+    )
     ap.add_argument("--reuse", action="store_true", help="keep exports already in --work")
     args = ap.parse_args(argv)
     args.argv = argv
@@ -475,8 +554,10 @@ def main(argv: list[str]) -> int:
     models, extras = _pairs(args.model, "--model"), _pairs(args.extra, "--extra")
     report = {}
     on = [b for b in args.algorithms_on.split(",") if b]
-    names = variant_names([a for a in args.algorithms.split(",") if a], on)
+    names = variant_names([a for a in args.algorithms.split(",") if a], on, args.mixes)
     for label, model in models.items():
+        if args.mixes:
+            label = f"{label}, mixed schemes"
         if args.algorithms:
             label = f"{label}, calibrate.algorithm"
         # the work dir of a model's algorithm runs whatever --algorithms-on says (--reuse)

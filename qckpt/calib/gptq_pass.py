@@ -25,8 +25,9 @@ The weights leave through :func:`tensors_to_write` (this rank's share of the sid
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -56,7 +57,7 @@ class GptqOptions:
     inputs: str = gptq_inputs.SOURCE
     input_mode: gptq_inputs.InputMode | None = None
     # calibrate.offload: names -> a writer whose add(name, tensor) takes this rank's share of
-    # the sidecar layer by layer (qckpt.pipeline.calibrate.streamed_sidecar); else in memory
+    # the sidecar layer by layer (:func:`streamed_sidecar`); else the share is held in memory
     sidecar: Any = None
 
 
@@ -570,6 +571,35 @@ def sidecar_file(out: str, mesh: Mesh, suffix: str) -> Path:
     return Path(str(out) + suffix) / f"ep{mesh.ep_rank:03d}.safetensors"
 
 
+@contextlib.contextmanager
+def streamed_sidecar(out: str, mesh: Mesh, opts: GptqOptions) -> Iterator[bool]:
+    """Inside the block GPTQ under ``calibrate.offload`` writes this rank's share of the
+    sidecar as each layer is done (``opts.sidecar``), so a model's GPTQ'd weights are never
+    all in host memory; the file takes its name when the block ends without an error, and is
+    gone after one. Yields whether this rank writes a share (the first DP rank of each EP
+    rank); :func:`write_weights` is then told ``streamed``."""
+    if mesh.dp_rank != 0:
+        yield False
+        return
+    from qckpt.atomic import atomic_file
+    from qckpt.storage.safetensors_stream import StreamWriter
+
+    made: list[StreamWriter] = []
+    with atomic_file(sidecar_file(out, mesh, ".gptq"), key="calibrate.output") as tmp:
+        with open(tmp, "wb") as f:
+
+            def start(names: list[str]) -> StreamWriter:
+                made.append(StreamWriter(f, names))
+                return made[-1]
+
+            opts.sidecar = start
+            try:
+                yield True
+                (made[-1] if made else StreamWriter(f, [])).finish({"format": "pt"})
+            finally:
+                opts.sidecar = None
+
+
 def write_weights(
     state, out: str, mesh: Mesh, suffix: str = ".gptq", streamed: bool = False
 ) -> None:
@@ -577,7 +607,7 @@ def write_weights(
     calibration file ``out`` (``<out>.gptq/``, one file per EP rank, written by its first DP
     rank; see qckpt/read/gptq_source.py); the file names go into ``state`` (the same on
     every rank); stale files of an earlier run removed. ``streamed``: this rank's file is
-    written already (``qckpt.pipeline.calibrate.streamed_sidecar``)."""
+    written already (:func:`streamed_sidecar`)."""
     from safetensors.torch import save
 
     from qckpt.atomic import write_bytes

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -100,39 +99,11 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     )
 
 
-@contextlib.contextmanager
-def streamed_sidecar(out: str, mesh: Mesh, opts) -> Iterator[bool]:
-    """Inside the block GPTQ under ``calibrate.offload`` writes this rank's share of the
-    sidecar as each layer is done (``opts.sidecar``), so a model's GPTQ'd weights are never
-    all in host memory; the file takes its name when the block ends without an error, and is
-    gone after one. Yields whether this rank writes a share (the first DP rank of each EP
-    rank); ``write_weights`` is then told ``streamed``."""
-    if mesh.dp_rank != 0:
-        yield False
-        return
-    from qckpt.atomic import atomic_file
-    from qckpt.calib.gptq_pass import sidecar_file
-    from qckpt.storage.safetensors_stream import StreamWriter
-
-    made: list[StreamWriter] = []
-    with atomic_file(sidecar_file(out, mesh, ".gptq"), key="calibrate.output") as tmp:
-        with open(tmp, "wb") as f:
-
-            def start(names: list[str]) -> StreamWriter:
-                made.append(StreamWriter(f, names))
-                return made[-1]
-
-            opts.sidecar = start
-            try:
-                yield True
-                (made[-1] if made else StreamWriter(f, [])).finish({"format": "pt"})
-            finally:
-                opts.sidecar = None
-
-
 def _sidecar(streaming: bool, out: str, mesh: Mesh, gopts):
     """gptq under offload writes its sidecar layer by layer (never the whole model in memory:
-    :func:`streamed_sidecar`); otherwise nothing here."""
+    ``qckpt.calib.gptq_pass.streamed_sidecar``); otherwise nothing here."""
+    from qckpt.calib.gptq_pass import streamed_sidecar
+
     return streamed_sidecar(out, mesh, gopts) if streaming else contextlib.nullcontext()
 
 

@@ -42,9 +42,9 @@ def recipe_dict(arch: Architecture, c: InitChoices) -> dict[str, Any]:
         "output": f"{run}/calib.safetensors",
     }
     lay = c.layout
-    if lay.resident != "bf16":
+    if lay.quantized_resident:
         cal["weights_resident"] = lay.resident
-    if lay.offload != "none":
+    if lay.offloaded:
         cal["offload"] = lay.offload
     if lay.activations != "device":
         cal["activations"] = lay.activations

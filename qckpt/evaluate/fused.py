@@ -51,11 +51,12 @@ def plan_fused(weights: dict[str, QuantWeight], fetch: Any) -> tuple[dict, dict,
     worst, groups = 1.0, 0
     for members in fused_groups(weights):
         ws = [weights[f"{m}.weight"] for m in members]
-        if all(w.scheme == "fp8" and w.granularity == "tensor" for w in ws):
+        # QuantWeight.scheme is a Scheme: FP8 per tensor stacks with one scale per shard
+        if all(w.scheme.stacks() and w.granularity == "tensor" for w in ws):
             scales = [_scalar(fetch, w.scale) for w in ws]
             smax = torch.stack(scales).max()
             requant.update({m: smax for m, s in zip(members, scales, strict=True) if s != smax})
-        elif all(w.scheme == "nvfp4" for w in ws):
+        elif all(w.scheme.packed_fp4 for w in ws):
             gs = [_scalar(fetch, w.global_scale) for w in ws]
             used = gs[0] if ".experts." in members[0] else torch.stack(gs).max()
             for m, g in zip(members, gs, strict=True):

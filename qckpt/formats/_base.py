@@ -49,6 +49,27 @@ class Format:
     Options: ClassVar[type]
     # options every caller may pass and this format ignores (its layout fixes them)
     ignored_opts: ClassVar[tuple[str, ...]] = ()
+    # keeps delayed-scaling state: it quantizes with the scale it holds (from an amax history),
+    # not with one made from the value it is given
+    delayed_state: ClassVar[bool] = False
+
+    # -- what the scales span (sharded loads and same-layout copies ask, not the name) ----------
+    def scale_block(self, opts: dict[str, Any], dim: int, ndim: int) -> int:
+        """The length of the blocks ``dim`` (of ``ndim``) is cut into, one scale each (1: the
+        scales do not block ``dim``; a scale spanning the whole dim is :meth:`whole_scale`'s)."""
+        return 1
+
+    def whole_scale(self, opts: dict[str, Any]) -> str | None:
+        """Which scale is made from more than one block of the tensor: ``"tensor"`` (one for
+        the whole tensor, or a global second-level one), ``"rows"`` (one per row, over all
+        columns), None (every scale is local to its block)."""
+        return None
+
+    def stored_scheme(self, opts: dict[str, Any]) -> Any:
+        """The :class:`qckpt.formats.scheme.Scheme` whose codes and scales this format stores
+        bit for bit with ``opts`` (what a checkpoint of that scheme can be copied into without
+        a dequantize), or None."""
+        return None
 
     def parse_opts(self, opts: dict[str, Any]) -> dict[str, Any]:
         """Validate and default the format options through :attr:`Options`; an unknown key is a

@@ -239,6 +239,16 @@ class Fp8Format(Format):
 
     Options = Fp8Options
 
+    def whole_scale(self, opts: dict[str, Any]) -> str | None:
+        return "tensor" if opts.get("granularity", "tensor") == "tensor" else "rows"
+
+    def stored_scheme(self, opts: dict[str, Any]) -> Any:
+        from qckpt.formats.scheme import Fp8Scheme
+
+        if opts.get("dtype") != torch.float8_e4m3fn:
+            return None
+        return Fp8Scheme(granularity=opts.get("granularity", "tensor"))
+
     def _amax(
         self, x: torch.Tensor, opts: dict[str, Any], amax: Any
     ) -> tuple[torch.Tensor, bool, bool]:
@@ -384,6 +394,12 @@ class Fp8DelayedFormat(Format):
     state_fields = ("amax_history", "quant_scale")
 
     Options = Fp8DelayedOptions
+    delayed_state = True
+
+    def whole_scale(self, opts: dict[str, Any]) -> str | None:
+        # a tensor built without a scale (on meta) takes its first one from the amax of what
+        # it is given; a built one keeps its own
+        return "tensor"
 
     @staticmethod
     def scale_from_history(

@@ -163,6 +163,20 @@ class Fp8BlockFormat(Format):
 
     Options = Fp8BlockOptions
 
+    def scale_block(self, opts: dict[str, Any], dim: int, ndim: int) -> int:
+        if ndim == 1:
+            return int(opts["block_size"][-1])
+        if ndim >= 2 and dim >= ndim - 2:
+            return int(opts["block_size"][dim - (ndim - 2)])
+        return 1
+
+    def stored_scheme(self, opts: dict[str, Any]) -> Any:
+        from qckpt.formats.scheme import Fp8Scheme
+
+        if opts.get("dtype") != torch.float8_e4m3fn:
+            return None
+        return Fp8Scheme(granularity="block", block=tuple(opts["block_size"]))
+
     @staticmethod
     def scale_shape(shape: tuple[int, ...], bs: tuple[int, int]) -> tuple[int, ...]:
         if len(shape) == 0:

@@ -143,6 +143,9 @@ class MxFp8Format(Format):
     Options = MxFp8Options
     ignored_opts = ("granularity",)
 
+    def scale_block(self, opts: dict[str, Any], dim: int, ndim: int) -> int:
+        return BLOCK if dim == ndim - 1 else 1
+
     def _write(
         self, x: torch.Tensor, opts: dict[str, Any], qdata: torch.Tensor, scale: torch.Tensor
     ) -> None:

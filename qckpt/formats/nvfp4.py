@@ -206,6 +206,17 @@ class NvFp4Format(Format):
     Options = NvFp4Options
     ignored_opts = ("granularity",)
 
+    def scale_block(self, opts: dict[str, Any], dim: int, ndim: int) -> int:
+        return BLOCK if dim == ndim - 1 else 1
+
+    def whole_scale(self, opts: dict[str, Any]) -> str | None:
+        return "tensor"  # the float32 global scale
+
+    def stored_scheme(self, opts: dict[str, Any]) -> Any:
+        from qckpt.formats.scheme import Nvfp4Scheme
+
+        return Nvfp4Scheme()
+
     def _write(
         self,
         x: torch.Tensor,

@@ -9,6 +9,7 @@ nvfp4           ``e2m1 * (scale / global_scale)`` (compressed-tensors) or
                 ``e2m1 * (weight_scale_2 * scale)`` (ModelOpt)
 ==============  =================================================================================
 
+The weight's ``QuantWeight.scheme`` says which (its ``packed_fp4``, its ``group``).
 Each product is computed in float32 (the codes and scales are exact there) and rounded once to
 the destination's dtype, which is what compressed-tensors' decompressor and DeepSeek's
 ``weight_dequant`` do (checked bit for bit in the tests). Dequantizing works on any rectangle of
@@ -23,7 +24,6 @@ from typing import Any
 import torch
 
 from qckpt.errors import CheckpointError
-from qckpt.layouts.names import NVFP4_GROUP
 from qckpt.layouts.source_layout import QuantWeight
 from qckpt.storage.slices import Fetch
 
@@ -53,7 +53,7 @@ def _chunk_value(
 ) -> torch.Tensor:
     """float32 value of rows r x cols c of ``w``, computed on ``dev``."""
     (r0, r1), (c0, c1) = r, c
-    if w.scheme == "fp8":
+    if not w.scheme.packed_fp4:
         v = fetch(w.codes, r, c).to(dev).to(torch.float32)
         if w.granularity == "tensor":
             return v.mul_(fetch(w.scale, None, None).to(dev, torch.float32).reshape(()))
@@ -63,7 +63,7 @@ def _chunk_value(
         b0, b1 = w.block
         s = fetch(w.scale, (r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1))).to(dev)
         return v.mul_(_expand(s, b0, b1, r, c))
-    g = NVFP4_GROUP
+    g = w.scheme.group
     packed = fetch(w.codes, r, (c0 // 2, -(-c1 // 2))).to(dev)
     v = _e2m1(packed, c0, c1, (c0 // 2) * 2)
     sb = fetch(w.scale, r, (c0 // g, -(-c1 // g))).to(dev, torch.float32)

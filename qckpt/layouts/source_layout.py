@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from qckpt.errors import CheckpointError
+from qckpt.formats.scheme import Fp8Scheme, Nvfp4Scheme, Scheme
 from qckpt.layouts.names import NVFP4_GROUP, PARAM_SUFFIXES
 from qckpt.storage.slices import Index
 
@@ -35,7 +36,7 @@ class QuantWeight:
 
     name: str  # the logical name, e.g. model.layers.0.mlp.down_proj.weight
     shape: tuple[int, int]  # logical (dequantized) shape
-    scheme: str  # "fp8" | "nvfp4"
+    scheme: Scheme  # what the codes and scales are (asked, never named)
     granularity: str  # fp8: tensor | channel | block; nvfp4: group
     block: tuple[int, int] = (1, 1)  # block: (b0, b1); nvfp4: (1, 16)
     codes: str  # stored key of the codes
@@ -47,11 +48,13 @@ class QuantWeight:
     @property
     def scale_layout(self) -> str:
         """A short description for ``inspect``."""
-        if self.scheme == "nvfp4":
-            return "nvfp4 e4m3 per 16 + " + ("global 1/scale" if self.global_divides else "scale_2")
+        s = self.scheme
+        if s.packed_fp4:
+            second = "global 1/scale" if self.global_divides else "scale_2"
+            return f"{s.name} e4m3 per {s.group} + {second}"
         if self.granularity == "block":
-            return f"fp8 block {list(self.block)}"
-        return f"fp8 {self.granularity}"
+            return f"{s.name} block {list(self.block)}"
+        return f"{s.name} {self.granularity}"
 
 
 @dataclass(kw_only=True)
@@ -145,6 +148,14 @@ def fp8_granularity(
     )
 
 
+def fp8_scheme(granularity: str, block: tuple[int, int]) -> Scheme:
+    """The scheme of FP8 codes stored with ``granularity`` scales (``block`` where blocked):
+    equal to what a destination of that layout stores (``Format.stored_scheme``)."""
+    if granularity == "block":
+        return Fp8Scheme(granularity="block", block=tuple(block))
+    return Fp8Scheme(granularity=granularity)
+
+
 def check_2d(key: str, shape: tuple[int, ...]) -> None:
     if len(shape) != 2:
         raise CheckpointError(f"{key}: a quantized weight must be 2-D, got shape {list(shape)}")
@@ -168,7 +179,7 @@ def fp8_weights(
         out[key] = QuantWeight(
             name=key,
             shape=(shape[0], shape[1]),
-            scheme="fp8",
+            scheme=fp8_scheme(gran, block),
             granularity=gran,
             block=block,
             codes=key,
@@ -204,7 +215,7 @@ def nvfp4_weights(index: Index, codes_leaf: str, global_leaf: str, divides: bool
         out[f"{mod}.weight"] = QuantWeight(
             name=f"{mod}.weight",
             shape=logical,
-            scheme="nvfp4",
+            scheme=Nvfp4Scheme(),
             granularity="group",
             block=(1, NVFP4_GROUP),
             codes=key,

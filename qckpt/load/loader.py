@@ -31,6 +31,7 @@ from qckpt.load.meter import MemoryMeter
 from qckpt.load.planner import StreamingDequantLoadPlanner
 from qckpt.load.preflight import preflight
 from qckpt.load.shard_scales import WholeScales, check_blocks
+from qckpt.models.quantize_params import PLAIN_PARAMS
 from qckpt.parallel.deadline import deadline_of
 from qckpt.parallel.shard import ShardSpec, model_shards
 
@@ -298,7 +299,7 @@ def _formats_and_transient(
 
 def _check_args(main_params: str | None, reader: str, max_inflight: int) -> str | None:
     """The arguments a recipe gives a load, checked; ``main_params`` normalized."""
-    if main_params in ("none", ""):
+    if main_params in (PLAIN_PARAMS, ""):  # load.main_params: none
         main_params = None
     if main_params not in (None, "fp32"):
         raise UsageError(f"load.main_params: must be none or fp32; got {main_params!r}")

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from qckpt.layouts.names import NVFP4_GROUP
-from qckpt.layouts.source_layout import FP8, QuantWeight
+from qckpt.formats import FORMATS
+from qckpt.layouts.source_layout import QuantWeight
 from qckpt.storage.slices import Fetch
 
 _WHOLE = 0  # a dim that one scale spans entirely (per-tensor; the columns of per-channel)
@@ -22,18 +22,27 @@ _WHOLE = 0  # a dim that one scale spans entirely (per-tensor; the columns of pe
 def _dest_blocks(dest: Any, w: QuantWeight) -> tuple[int, int] | None:
     """The block (rows, cols) over which ``dest`` keeps one scale, when it stores ``w``'s
     layout bit for bit (same codes, same scale values); else None."""
-    fmt, opts = getattr(dest, "fmt", None), getattr(dest, "opts", {})
-    if w.scheme == "fp8" and opts.get("dtype") == FP8:
-        if fmt == "fp8_block" and w.granularity == "block":
-            return w.block if tuple(opts["block_size"]) == w.block else None
-        if fmt == "fp8" and opts.get("granularity") == w.granularity == "tensor":
-            return (_WHOLE, _WHOLE)
-        if fmt == "fp8" and opts.get("granularity") == w.granularity == "channel":
-            return (1, _WHOLE) if dest.dim() == 2 else None
-    if fmt == "nvfp4" and w.scheme == "nvfp4" and not w.global_divides:
-        # one global scale per tensor: only a destination fed by one source tensor
-        return (1, NVFP4_GROUP)
+    spec = FORMATS.get(getattr(dest, "fmt", None))
+    stored = spec.stored_scheme(getattr(dest, "opts", {})) if spec is not None else None
+    if stored is None or stored != w.scheme:
+        return None
+    if w.scheme.packed_fp4:
+        # one global scale per tensor: only a destination fed by one source tensor; and it
+        # must multiply, as qckpt's nvfp4 does (a dividing global scale rounds otherwise)
+        return None if w.global_divides else (1, w.scheme.group)
+    if w.granularity == "block":
+        return w.block
+    if w.granularity == "tensor":
+        return (_WHOLE, _WHOLE)
+    if w.granularity == "channel":
+        return (1, _WHOLE) if dest.dim() == 2 else None
     return None
+
+
+def _whole_tensor(dest: Any) -> bool:
+    """Whether ``dest`` holds a scale made from the whole tensor (per tensor, or global)."""
+    spec = FORMATS.get(getattr(dest, "fmt", None))
+    return spec is not None and spec.whole_scale(getattr(dest, "opts", {})) == "tensor"
 
 
 def _aligned(g0: int, g1: int, o: int, s: int, lo: int, d: int, b: int) -> bool:
@@ -82,7 +91,7 @@ def copy_plan(
     if len(blocks) != 1 or None in blocks:
         return None
     (b0, b1) = blocks.pop()
-    whole_tensor = b0 == _WHOLE or getattr(dest, "fmt", "") == "nvfp4"
+    whole_tensor = b0 == _WHOLE or _whole_tensor(dest)
     if whole_tensor and len(_overlaps(pieces, (0,) * len(whole), whole)) != 1:
         return None  # one scale for the whole tensor, several source tensors
     for p, cut in hits:
@@ -110,11 +119,11 @@ def copy_into(dest: Any, hits: list[Any], lo: tuple[int, ...], fetch: Fetch) -> 
             rows = (r0 - p.offsets[-2], r1 - p.offsets[-2])
             cols = (c0 - p.offsets[-1], c1 - p.offsets[-1])
             dev = dest.qdata.device
-            if w.scheme == "nvfp4":
+            if w.scheme.packed_fp4:
                 lead, lr, lc = local[:-2], local[-2], local[-1]
                 packed = fetch(w.codes, rows, (cols[0] // 2, -(-cols[1] // 2)))
                 dest.qdata[(*lead, lr, slice(lc.start // 2, -(-lc.stop // 2)))].copy_(packed)
-                g = NVFP4_GROUP
+                g = w.scheme.group
                 sb = fetch(w.scale, rows, (cols[0] // g, -(-cols[1] // g)))
                 dest.scale[(*lead, lr, slice(lc.start // g, -(-lc.stop // g)))].copy_(sb)
                 dest.global_scale.copy_(fetch(w.global_scale, None, None).reshape(()).to(dev))

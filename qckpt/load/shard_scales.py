@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qckpt.errors import CheckpointError, UsageError
+from qckpt.formats import FORMATS
 from qckpt.parallel.deadline import collective
 from qckpt.parallel.shard import ShardSpec, model_shards
 
@@ -62,32 +63,19 @@ def whole_amax_kind(target: Any, spec: ShardSpec) -> str | None:
     """What a sharded destination's scale needs from the whole tensor: ``"tensor"`` (one amax),
     ``"rows"`` (one per row), or None. A function of format, options and spec alone, so every
     rank of a group decides alike."""
-    fmt = getattr(target, "fmt", None)
-    opts = getattr(target, "opts", None) or {}
-    if fmt in ("nvfp4", "fp8_delayed"):
-        # fp8_delayed: a tensor built without a scale (on meta) takes its first one from the
-        # amax of what it is given; a built one keeps its own (agree_delayed_state)
-        return "tensor"
-    if fmt == "fp8":
-        if opts.get("granularity", "tensor") == "tensor":
-            return "tensor"
-        return "rows" if spec.dim != 0 else None
-    return None
+    fmt = FORMATS.get(getattr(target, "fmt", None))
+    whole = None if fmt is None else fmt.whole_scale(getattr(target, "opts", None) or {})
+    # one scale per row: a split along dim 0 keeps whole rows, nothing to reduce
+    return None if whole == "rows" and spec.dim == 0 else whole
 
 
 def _block_along(target: Any, dim: int) -> int:
     """The block length of ``target``'s scales along ``dim`` (1: none spans it; 0: the dim is
     not blocked but the whole dim shares one scale, handled by the amax reduction)."""
-    fmt = getattr(target, "fmt", None)
-    opts = getattr(target, "opts", None) or {}
-    nd = target.dim()
-    if fmt in ("mxfp8", "nvfp4") and dim == nd - 1:
-        return 32 if fmt == "mxfp8" else 16
-    if fmt == "fp8_block" and nd >= 2 and dim >= nd - 2:
-        return int(opts["block_size"][dim - (nd - 2)])
-    if fmt == "fp8_block" and nd == 1:
-        return int(opts["block_size"][-1])
-    return 1
+    fmt = FORMATS.get(getattr(target, "fmt", None))
+    if fmt is None:
+        return 1
+    return fmt.scale_block(getattr(target, "opts", None) or {}, dim, target.dim())
 
 
 def check_blocks(state: dict[str, Any], specs: dict[str, ShardSpec]) -> None:
@@ -197,7 +185,7 @@ def agree_delayed_state(model: nn.Module, mesh: Any, names: Iterable[str] | None
             continue
         p = params.get(name)
         group = groups.get(spec.kind)
-        if group is None or not is_quantized(p) or p.fmt != "fp8_delayed":
+        if group is None or not is_quantized(p) or not FORMATS[p.fmt].delayed_state:
             continue
         with torch.no_grad():
             hist = p.amax_history.detach().to(group_device(group), torch.float32).clone()

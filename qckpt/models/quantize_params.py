@@ -22,6 +22,14 @@ from torch import nn
 from qckpt.errors import UsageError
 from qckpt.models.naming import ignored, is_fused_experts_param
 
+# ``load.params`` of a model left in its dtype (no quantized parameters)
+PLAIN_PARAMS = "none"
+
+
+def plain_params(params_fmt: str | None) -> bool:
+    """Whether ``load.params`` (or a resident format) leaves the parameters plain."""
+    return params_fmt in (None, "", PLAIN_PARAMS)
+
 
 def quantizable_params(model: nn.Module, *, ignore: Iterable[str] = ()) -> list[str]:
     """Names of the parameters ``quantize_model_params`` would replace, in model order."""
@@ -52,7 +60,7 @@ def quantize_model_params(
     ``params_fmt="none"`` leaves the model as is and returns ``{}``. ``opts`` go to
     ``qckpt.formats.quantize`` (e.g. ``block_size``).
     """
-    if params_fmt in (None, "none"):
+    if plain_params(params_fmt):
         return {}
     if backend == "te":
         # Transformer Engine linears with TE quantized weights (qckpt.formats.te, issue 9)

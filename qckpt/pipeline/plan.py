@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from qckpt.errors import UsageError
+from qckpt.models.quantize_params import PLAIN_PARAMS
 from qckpt.parallel.mesh import Mesh
 from qckpt.pipeline.model import shard
 from qckpt.plan.layouts import (
@@ -233,8 +234,10 @@ class _Planner:
 
         if command == "export":
             return self._export(ranks)
-        params = self.recipe.load.params if command == "load" else layout.resident
-        params = "none" if params == "bf16" else params
+        if command == "load":
+            params = self.recipe.load.params
+        else:  # resident in the model dtype: plain parameters
+            params = layout.resident if layout.quantized_resident else PLAIN_PARAMS
         base = self.tensors(layout, params)
         refused = self.refusal(layout, params, base)
         one = self._load_one if command == "load" else self._calibrate_one
@@ -276,7 +279,7 @@ class _Planner:
         off = self.offload(layout)
         # the resident load reads with the recipe's reader; calibrate.offload's layer reads
         # with load_checkpoint's default one (fast)
-        reader = self.recipe.load.reader if off.mode == "none" else "fast"
+        reader = "fast" if off.active else self.recipe.load.reader
         shape = self.calib_shape(layout)
         out = calibrate_figures(
             held,

@@ -46,11 +46,21 @@ class Layout:
     def dp(self, world: int) -> int:
         return world // self.model_parallel
 
+    @property
+    def quantized_resident(self) -> bool:
+        """Weights held quantized while calibrating (not in the model dtype, the default)."""
+        return self.resident != Layout.resident
+
+    @property
+    def offloaded(self) -> bool:
+        """Weights waiting off the device while calibrating (the default: none)."""
+        return self.offload != Layout.offload
+
     def label(self) -> str:
         parts = [f"ep={self.ep}", f"tp={self.tp}"]
-        if self.resident != "bf16":
+        if self.quantized_resident:
             parts.append(f"resident={self.resident}")
-        if self.offload != "none":
+        if self.offloaded:
             parts.append(f"offload={self.offload}")
         if self.activations != "device":
             parts.append(f"activations={self.activations}")
@@ -78,9 +88,9 @@ class Layout:
 
     def problem(self) -> str | None:
         """Why the recipe would refuse this combination (None when it would not)."""
-        if self.offload != "none" and self.resident != "bf16":
+        if self.offloaded and self.quantized_resident:
             return "offload does not combine with resident weights other than bf16"
-        if self.activations == "host" and self.offload == "none":
+        if self.activations == "host" and not self.offloaded:
             return "activations=host needs offload=layer or host"
         return None
 

@@ -183,6 +183,11 @@ class Offload:
     # checkpoint, or from host memory), with the modules outside them but the output embedding
     second_pass: bool = False
 
+    @property
+    def active(self) -> bool:
+        """Whether weights wait off the device (``calibrate.offload`` other than none)."""
+        return self.mode != Offload.mode
+
 
 def _in_head(t: Held, off: Offload) -> bool:
     return off.head is not None and t.name.startswith(off.head + ".")
@@ -223,7 +228,7 @@ def calibrate_figures(
     transient = sum(scratch[: max(1, max_inflight)])
     host = activations = 0
     read = tensors
-    if off.mode == "none":
+    if not off.active:
         params = sum(t.nbytes for t in tensors)
         forward = forward_bytes(shape)
     else:

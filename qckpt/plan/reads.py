@@ -200,7 +200,6 @@ def quantized_read_bytes(w: Any, raw: dict, rows: tuple[int, int], cols: tuple[i
     """What ``dequantize_into`` fetches for rows x cols of a quantized source weight ``w``:
     codes chunk by chunk, and the scales each chunk multiplies by."""
     from qckpt.layouts.dequantize import CHUNK_ELEMS
-    from qckpt.layouts.names import NVFP4_GROUP
 
     def nbytes(key: str, shape: tuple[int, ...]) -> int:
         return math.prod(shape) * raw[key][2].itemsize
@@ -213,7 +212,7 @@ def quantized_read_bytes(w: Any, raw: dict, rows: tuple[int, int], cols: tuple[i
     total = 0
     for a in range(rows[0], rows[1], step):
         b = min(rows[1], a + step)
-        if w.scheme == "fp8":
+        if not w.scheme.packed_fp4:
             total += nbytes(w.codes, (b - a, nc))
             if w.granularity == "block":
                 b0, b1 = w.block
@@ -222,7 +221,8 @@ def quantized_read_bytes(w: Any, raw: dict, rows: tuple[int, int], cols: tuple[i
                 total += nbytes(w.scale, raw[w.scale][1])
             continue
         total += nbytes(w.codes, (b - a, -(-c1 // 2) - c0 // 2))
-        total += nbytes(w.scale, (b - a, -(-c1 // NVFP4_GROUP) - c0 // NVFP4_GROUP))
+        g = w.scheme.group
+        total += nbytes(w.scale, (b - a, -(-c1 // g) - c0 // g))
         total += nbytes(w.global_scale, raw[w.global_scale][1])
     return total
 

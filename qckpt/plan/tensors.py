@@ -75,9 +75,9 @@ def rank_tensors(
 ) -> list[Held]:
     """Every tensor ``model`` (sharded, on meta) holds, with ``params`` as the format of the
     weights ``quantize_model_params`` would replace (``"none"``: all plain)."""
-    from qckpt.models.quantize_params import quantizable_params
+    from qckpt.models.quantize_params import plain_params, quantizable_params
 
-    quantized = set() if params in (None, "none") else set(quantizable_params(model, ignore=ignore))
+    quantized = set() if plain_params(params) else set(quantizable_params(model, ignore=ignore))
     shards = model_shards(model)
     names_of: dict[int, list[str]] = {}
     state = model.state_dict(keep_vars=True)

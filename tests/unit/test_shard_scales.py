@@ -8,6 +8,7 @@ import torch
 
 from qckpt import formats
 from qckpt.errors import UsageError
+from qckpt.formats.scheme import Fp8Scheme
 from qckpt.kernel_policy import KernelPolicy
 from qckpt.load.shard_scales import check_blocks, whole_amax_kind
 from qckpt.parallel.shard import ShardSpec
@@ -95,7 +96,7 @@ def test_the_copy_decision_of_a_whole_tensor_scale_is_made_on_the_whole_tensor()
         def __init__(self, offsets, sizes):
             self.offsets, self.sizes = offsets, sizes
             self.quant = QuantWeight(
-                name="w", shape=sizes[-2:], scheme="fp8", granularity="tensor", codes="w",
+                name="w", shape=sizes[-2:], scheme=Fp8Scheme(), granularity="tensor", codes="w",
                 scale="w_scale",
             )  # fmt: skip
 

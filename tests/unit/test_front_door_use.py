@@ -15,7 +15,7 @@ import ast
 from pathlib import Path
 
 import qckpt
-from tests.unit.test_layers import ROOT, imports
+from tests.unit.layer_rules import ROOT, imports
 
 FRONT = {"qckpt", "qckpt.api", "qckpt.pipeline", "qckpt.cli.app", "qckpt.__main__"}
 SCANNED = ("tests/e2e/*.py", "bench/**/*.py")

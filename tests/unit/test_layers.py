@@ -18,6 +18,9 @@ Every import counts: a lazy one inside a function as much as one at the top, and
 
 from __future__ import annotations
 
+import re
+from itertools import takewhile
+
 from tests.unit.layer_rules import (
     ROOT,
     Never,
@@ -156,3 +159,29 @@ def test_no_import_circle():
 
 def test_no_private_name_crosses_a_module():
     assert private_names(ROOT, ("qckpt/**/*.py", "tests/**/*.py", "bench/**/*.py")) == {}
+
+
+def _unit_word(word: str) -> bool:
+    return re.fullmatch(r"\w+(/|\.py)", word) is not None
+
+
+def _doc_section() -> str:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    return text.split("## Layers and seams\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_architecture_doc_states_these_layers_and_this_graph():
+    section = _doc_section()
+    block = section.split("```\n", 2)[1]
+    # a layer line names its units first (``export/  convert/``), then says what they hold
+    named = [
+        {w.removesuffix("/").removesuffix(".py") for w in takewhile(_unit_word, line.split())}
+        for line in block.splitlines()
+    ]
+    assert named == [set(members) for _, members in LAYERS]
+    table: dict[str, frozenset[str]] = {}
+    for row in re.findall(r"^\| (`.+?) \| (.+) \|$", section, re.M):
+        below_of = re.match(r"every unit below `(\w+)`", row[1])
+        said = below(below_of[1]) if below_of else frozenset(re.findall(r"`(\w+)`", row[1]))
+        table |= {unit: said for unit in re.findall(r"`(\w+)`", row[0])}
+    assert table == MAY_IMPORT

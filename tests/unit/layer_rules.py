@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +28,17 @@ def is_module(name: str, root: Path = ROOT) -> bool:
     """Whether dotted ``name`` is a module or package under ``root``."""
     path = root.joinpath(*name.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+@lru_cache(maxsize=4096)
+def _parsed(path: str, mtime_ns: int) -> ast.Module:
+    return ast.parse(Path(path).read_text(), path)
+
+
+def parse(path: Path) -> ast.Module:
+    """``path`` parsed, once per version of the file (the rules read every module more than
+    once)."""
+    return _parsed(str(path), path.stat().st_mtime_ns)
 
 
 def type_only(tree: ast.Module) -> set[int]:
@@ -42,7 +54,7 @@ def imports_at(path: Path, root: Path = ROOT) -> Iterator[tuple[str, bool, int]]
     """(module imported, whether only for typing, line) for every import of ``path`` (a file
     under ``root``): a name taken from a package counts as that package's submodule when it
     is one."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse(path)
     typing = type_only(tree)
     rel = path.relative_to(root).with_suffix("")
     package = list(rel.parts[:-1])  # a module's package; an __init__'s is its own
@@ -285,7 +297,7 @@ def private_uses(
 ) -> list[str]:
     """Every private name ``path`` takes from another first-party module (one under ``root``
     whose top package is in ``first_party``), as ``line: what``."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse(path)
     home = _home(path, root)
 
     def ours(mod: str) -> bool:

@@ -4,9 +4,11 @@ commented YAML (:func:`render_recipe`), so a person reads why each one is what i
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from qckpt.errors import UsageError
 from qckpt.models.arch import Architecture
 from qckpt.plan.layouts import Layout
 from qckpt.report import human_bytes
@@ -20,9 +22,58 @@ BATCH = 4
 class InitChoices:
     model_dir: str
     name: str
-    fmt: str  # fp8 | nvfp4
+    fmt: str  # fp8 | nvfp4: the one-scheme spelling (--format), or a preset's name
     gpus: int
     layout: Layout
+
+
+# FP8 block-wise weights (128x128) with dynamic per-token FP8 inputs in groups of 128: what
+# DeepSeek's and ModelOpt's mixed exports give the layers that stay at 8 bits
+FP8_BLOCK = (
+    {"format": "fp8", "granularity": "block", "block_size": [128, 128]},
+    {"format": "fp8", "granularity": "block", "block_size": [1, 128], "dynamic": True},
+)
+NVFP4 = (
+    {"format": "nvfp4", "granularity": "tensor"},
+    {"format": "nvfp4", "granularity": "tensor", "dynamic": False},
+)
+MIXED_PRESETS = ("nvfp4-experts", "nvfp4-mlp")  # quant.schemes; the others are --format's
+# --preset NAME -> what it writes (the one-scheme presets are --format's recipes)
+PRESETS = {
+    "fp8": "FP8 E4M3, one scale per tensor, static inputs: vLLM's fp8 W8A8",
+    "nvfp4": "NVFP4 (E2M1, an E4M3 scale per 16 values): compressed-tensors nvfp4-pack",
+    "nvfp4-experts": "NVFP4 routed experts (weights and inputs); FP8 block 128x128 weights with "
+    "dynamic 1x128 inputs for attention, shared experts and the rest (MoE only)",
+    "nvfp4-mlp": "NVFP4 MLP (experts and shared experts of an MoE); FP8 block 128x128 weights "
+    "with dynamic 1x128 inputs for attention and the rest",
+}
+# the checkpoint's name of a layer's MLP, where it is not "mlp"
+_MLP_GLOB = {"mixtral": "*.block_sparse_moe.*"}
+
+
+def preset_schemes(arch: Architecture, preset: str) -> list[dict[str, Any]]:
+    """``quant.schemes`` of a mixed preset for ``arch`` (first match wins: the 4-bit part,
+    then FP8 block for every other linear; ``ignore`` keeps lm_head and routers in BF16)."""
+    if preset == "nvfp4-experts":
+        if not arch.moe:
+            raise UsageError(
+                f"--preset nvfp4-experts: {arch.model_type} is dense (no routed experts); "
+                "--preset nvfp4-mlp is its mix (NVFP4 MLP + FP8 attention)"
+            )
+        four = ["*.experts.*"]  # per-expert names; shared_experts.* and shared_expert.* differ
+    else:
+        four = [_MLP_GLOB.get(arch.model_type, "*.mlp.*")]
+    return [
+        {"targets": four, "weights": dict(NVFP4[0]), "inputs": dict(NVFP4[1])},
+        {"targets": ["*"], "weights": dict(FP8_BLOCK[0]), "inputs": dict(FP8_BLOCK[1])},
+    ]
+
+
+def _quant(arch: Architecture, c: InitChoices) -> dict[str, Any]:
+    if c.fmt in MIXED_PRESETS:
+        return {"schemes": preset_schemes(arch, c.fmt), "ignore": list(arch.ignore)}
+    q = {"format": c.fmt, "granularity": "tensor"}
+    return {"weights": dict(q), "inputs": {**q, "dynamic": False}, "ignore": list(arch.ignore)}
 
 
 def _seq_len(arch: Architecture) -> int:
@@ -31,7 +82,6 @@ def _seq_len(arch: Architecture) -> int:
 
 def recipe_dict(arch: Architecture, c: InitChoices) -> dict[str, Any]:
     run = f"runs/{c.name}"
-    q = {"format": c.fmt, "granularity": "tensor"}
     cal: dict[str, Any] = {
         "data": {
             "source": "synthetic",
@@ -52,11 +102,7 @@ def recipe_dict(arch: Architecture, c: InitChoices) -> dict[str, Any]:
         "model": {"source": c.model_dir, "dtype": "bfloat16"},
         "checkpoint": {"path": c.model_dir if arch.has_weights else f"{run}/bf16"},
         "load": {"params": "fp8"},
-        "quant": {
-            "weights": dict(q),
-            "inputs": {**q, "dynamic": False},
-            "ignore": list(arch.ignore),
-        },  # fmt: skip
+        "quant": _quant(arch, c),
         "calibrate": cal,
         "parallel": {"ep": lay.ep, "tp": lay.tp},
         "export": {"format": "compressed-tensors", "output": f"{run}/{c.fmt}"},
@@ -98,6 +144,23 @@ def _data_comment(arch: Architecture) -> list[str]:
     return out
 
 
+def _quant_lines(q: dict[str, Any], note: str) -> list[str]:
+    if "schemes" not in q:
+        return [
+            f"  # {note}",
+            f"  weights: {_flow(q['weights'])}",
+            f"  inputs: {_flow(q['inputs'])}",
+        ]
+    out = ["  # " + ln for ln in textwrap.wrap(note + ".", 92)]
+    out.append("  # First match wins; a linear no entry matches stays in BF16.")
+    out.append("  schemes:")
+    for s in q["schemes"]:
+        out.append(f"    - targets: {_flow(s['targets'])}")
+        out.append(f"      weights: {_flow(s['weights'])}")
+        out.append(f"      inputs: {_flow(s['inputs'])}")
+    return out
+
+
 def render_recipe(
     arch: Architecture,
     c: InitChoices,
@@ -106,10 +169,6 @@ def render_recipe(
     misfits: list[str] | None = None,
 ) -> str:
     d = recipe_dict(arch, c)
-    fmt_note = {
-        "fp8": "FP8 E4M3, one scale per tensor, static inputs: vLLM's fp8 W8A8",
-        "nvfp4": "NVFP4 (E2M1, an E4M3 scale per 16 values): compressed-tensors nvfp4-pack",
-    }[c.fmt]
     ckpt = (
         "# the model dir's own safetensors"
         if arch.has_weights
@@ -131,9 +190,7 @@ def render_recipe(
         "load:",
         "  params: fp8   # the format `qckpt load` holds parameters in (training-side choice)",
         "quant:",
-        f"  # {fmt_note}",
-        f"  weights: {_flow(d['quant']['weights'])}",
-        f"  inputs: {_flow(d['quant']['inputs'])}",
+        *_quant_lines(d["quant"], PRESETS[c.fmt]),
         f"  # left in BF16, as serving stacks expect: {why_ignore}",
         f"  ignore: {_flow(d['quant']['ignore'])}",
         "calibrate:",

@@ -21,6 +21,15 @@ class Fmt(str, Enum):
     nvfp4 = "nvfp4"
 
 
+class Preset(str, Enum):
+    """``qckpt.recipe_init.PRESETS``: the one-scheme ones are --format's recipes."""
+
+    fp8 = "fp8"
+    nvfp4 = "nvfp4"
+    nvfp4_experts = "nvfp4-experts"
+    nvfp4_mlp = "nvfp4-mlp"
+
+
 def _gpu_memory_here() -> int | None:
     """The first GPU's memory from nvidia-smi (no torch); None without one."""
     exe = shutil.which("nvidia-smi")
@@ -54,11 +63,27 @@ def _memory(text: str | None) -> tuple[int, str]:
         raise UsageError(f"--gpu-memory: {exc}") from None
 
 
+_FormatOption = Annotated[
+    Fmt | None,
+    typer.Option("--format", help="One format for every linear (default fp8).", show_default=False),
+]
+_PresetOption = Annotated[
+    Preset | None,
+    typer.Option(
+        "--preset",
+        help="A common mix: nvfp4-experts (MoE: NVFP4 routed experts, FP8 block attention and "
+        "shared experts), nvfp4-mlp (NVFP4 MLP, FP8 block attention), fp8, nvfp4.",
+        show_default=False,
+    ),
+]
+
+
 def init_cmd(
     model_dir: Annotated[
         Path, typer.Argument(help="An HF model dir (config.json, weights optional).")
     ],
-    fmt: Annotated[Fmt, typer.Option("--format", help="The export's weight format.")] = Fmt.fp8,
+    fmt: _FormatOption = None,
+    preset: _PresetOption = None,
     gpus: Annotated[
         int, typer.Option("--gpus", min=1, metavar="N", help="GPUs to calibrate on.")
     ] = 1,
@@ -92,13 +117,18 @@ def init_cmd(
         qckpt init /models/Qwen3-30B-A3B --gpus 2 -o qwen3.yaml
 
         qckpt init /models/Llama-3.1-8B --format nvfp4 --gpu-memory 80GiB
+
+        qckpt init /models/Qwen3-30B-A3B --preset nvfp4-experts --gpus 2
     """  # fmt: skip
     from qckpt.models.remote_code import refuse_custom_code
 
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"MODEL_DIR: {model_dir}: no config.json there")
     refuse_custom_code(model_dir)
-    out = output or Path(f"{model_dir.resolve().name}-{fmt.value}.yaml")
+    if fmt is not None and preset is not None:
+        raise UsageError("--format and --preset: give one (--preset fp8 is --format fp8)")
+    what = (preset or fmt or Fmt.fp8).value
+    out = output or Path(f"{model_dir.resolve().name}-{what}.yaml")
     if out.exists() and not force:
         raise UsageError(f"--output: {out} exists (--force replaces it)")
     gpu_bytes, note = _memory(gpu_memory)
@@ -109,9 +139,7 @@ def init_cmd(
     from qckpt.pipeline.init import make_recipe
     from qckpt.report import human_bytes
 
-    res = make_recipe(
-        str(model_dir), fmt=fmt.value, gpus=gpus, gpu_bytes=gpu_bytes, memory_note=note
-    )
+    res = make_recipe(str(model_dir), fmt=what, gpus=gpus, gpu_bytes=gpu_bytes, memory_note=note)
     write_text(out, res.text, key="--output")
     lay = res.layout
     peak = max(res.peaks.values())

@@ -63,6 +63,12 @@ def is_fused_experts(mod: torch.nn.Module) -> bool:
     return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3
 
 
+def is_router(name: str, mod: torch.nn.Module) -> bool:
+    """An MoE router (a linear by type in some models): it stays in the model dtype."""
+    cls = type(mod).__name__.lower()
+    return "router" in cls or name.endswith((".mlp.gate", ".block_sparse_moe.gate", ".router"))
+
+
 def ignored(module_name: str, patterns: Iterable[str]) -> bool:
     """Whether ``quant.ignore`` (fnmatch patterns of module names) leaves a module unquantized."""
     return any(fnmatch.fnmatchcase(module_name, p) for p in patterns)

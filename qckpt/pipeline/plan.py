@@ -41,6 +41,7 @@ from qckpt.plan.predict import (
     split_evenly,
 )
 from qckpt.plan.reads import Reads
+from qckpt.plan.schemes import SchemePlan, checkpoint_linears, plan_schemes
 from qckpt.plan.tensors import Held, for_rank, rank_tensors
 from qckpt.recipe import Recipe
 
@@ -63,6 +64,7 @@ class PlanResult:
     suggestions: dict[str, Layout | None] = field(default_factory=dict)
     extra: dict[str, dict[str, list[RankFigures]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    schemes: SchemePlan | None = None
 
     def fits(self, command: str) -> bool | None:
         rows = self.rows[command]
@@ -96,6 +98,7 @@ class PlanResult:
                 for label, cmds in self.extra.items()
             },
             "notes": self.notes,
+            **(self.schemes.to_dict() if self.schemes is not None else {}),
         }
 
 
@@ -144,6 +147,9 @@ class _Planner:
         # a node's host memory, shared by its ranks
         self.host_share = None if host_bytes is None else host_bytes // nproc
         self.whole = _whole(recipe.model.source, recipe.model.dtype)
+        # the recipe's schemes on this model's linears: a split fused group, a target that
+        # matches nothing or a scheme that cannot be is refused before anything is read
+        self.schemes = _scheme_plan(recipe, self.whole)
         expected = {k: v.shape for k, v in self.whole.state_dict(keep_vars=True).items()}
         self.reads = Reads.open(
             recipe.checkpoint.path,
@@ -204,18 +210,23 @@ class _Planner:
     def offload(self, layout: Layout) -> Offload:
         """``calibrate.offload``'s setting; the output embedding stays off the device unless a
         quantizer lives there (not in ``quant.ignore``), as ``calib.layerwise`` decides."""
-        from qckpt.models.naming import ignored
-
         head = emb = None
         out_emb = self.whole.get_output_embeddings()
         for name, mod in self.whole.named_modules():
             if mod is out_emb:
                 emb = name
-                head = name if ignored(name, self.recipe.quant.ignore) else None
+                head = name if self.unquantized(name) else None
         return Offload(
             mode=layout.offload, activations=layout.activations, head=head, out_emb=emb,
             second_pass=self.recipe.calibrate.algorithm == "gptq",
         )  # fmt: skip
+
+    def unquantized(self, module: str) -> bool:
+        """Whether the model's ``module`` is left in the model dtype: ``quant.ignore`` matches
+        it, or no scheme of the recipe quantizes it."""
+        from qckpt.models.naming import ignored
+
+        return ignored(module, self.recipe.quant.ignore) or not self.schemes.quantizes(module)
 
     def tensors(self, layout: Layout, params: str) -> list[Held]:
         return rank_tensors(self.sharded(layout), params=params, ignore=self.recipe.quant.ignore)
@@ -291,19 +302,15 @@ class _Planner:
             max_inflight=self._inflight(),
         )
         if self.recipe.calibrate.algorithm == "gptq":
-            from qckpt.models.naming import ignored
             from qckpt.plan.predict import gptq_bytes
 
-            patterns = list(self.recipe.quant.ignore)
             cross = self.recipe.calibrate.gptq_inputs == "quantized"  # C beside each Hessian
-            out.gptq_bytes = gptq_bytes(held, shape, samples, lambda m: ignored(m, patterns), cross)
+            out.gptq_bytes = gptq_bytes(held, shape, samples, self.unquantized, cross)
         if self.recipe.calibrate.algorithm == "awq":
-            from qckpt.models.naming import ignored
             from qckpt.plan.predict import awq_bytes
 
-            patterns = list(self.recipe.quant.ignore)
             grid = self.recipe.calibrate.awq_grid
-            out.awq_bytes = awq_bytes(held, shape, samples, lambda m: ignored(m, patterns), grid)
+            out.awq_bytes = awq_bytes(held, shape, samples, self.unquantized, grid)
         return out
 
     def refusal(self, layout: Layout, params: str, held: list[Held]) -> str | None:
@@ -419,6 +426,7 @@ def plan(
         suggestions=suggestions,
         extra=extra,
         notes=notes,
+        schemes=p.schemes,
     )
 
 
@@ -436,6 +444,15 @@ def _block_refusal(held: list[Held]) -> str | None:
     except UsageError as exc:
         return str(exc)
     return None
+
+
+def _scheme_plan(recipe: Recipe, whole: nn.Module) -> SchemePlan:
+    from qckpt.models.build import model_type
+
+    sd = whole.state_dict()
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    linears = checkpoint_linears(whole, model_type(whole))
+    return plan_schemes(recipe.quant, linears, total, whole.dtype.itemsize)
 
 
 def _model_summary(p: _Planner) -> dict[str, Any]:

@@ -101,6 +101,22 @@ def suggestion_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def scheme_lines(data: dict[str, Any]) -> list[str]:
+    """One line per recipe scheme: what it quantizes and what the export stores of it."""
+    rows = data.get("schemes") or []
+    if not rows:
+        return []
+    out = [f"export: {human_bytes(data['export_bytes'])} in all; per scheme:"]
+    for r in rows:
+        what = r["weights"] if r["weights"] == r["inputs"] else f"{r['weights']} / {r['inputs']}"
+        out.append(
+            f"  {r['entry']}: {what}: {r['linears']} linears, "
+            f"{human_bytes(r['export_bytes'])} ({r['bits_per_weight']:.2f} bits per weight), "
+            f"{human_bytes(r['amax_bytes'])} of amaxes"
+        )
+    return out
+
+
 def render_plan(data: dict[str, Any], console: Console) -> None:
     world, lay = data["world_size"], data["layout"]
     mem = data.get("gpu_memory_bytes")
@@ -130,6 +146,8 @@ def render_plan(data: dict[str, Any], console: Console) -> None:
             why = next((r["refused"] for r in rows if r.get("refused")), None)
             if why:
                 console.print(f"{cmd} refuses {label}: {why}", markup=False, highlight=False)
+    for line in scheme_lines(data):
+        console.print(line, markup=False, highlight=False)
     for note in data.get("notes", []):
         console.print(f"note: {note}", markup=False, highlight=False)
     for line in suggestion_lines(data):

@@ -23,7 +23,6 @@ Order (the same on every rank, so every rank reaches every collective):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -436,7 +435,7 @@ def _state(model: nn.Module, qs: list[TensorQuantizer], amaxes: list, quant_cfg:
         quantizers={q.key: q.describe(a) for q, a in zip(qs, amaxes, strict=True)},
         model_type=mtype,
         model_fingerprint=model_fingerprint(model_names_shapes(model)),
-        quant=dataclasses.asdict(quant_cfg),
+        quant=quant_cfg.record(),
     )
 
 

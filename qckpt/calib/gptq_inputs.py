@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from qckpt.errors import CalibrationError
+from qckpt.errors import CalibrationError, FormatError
 from qckpt.formats.act_quant import InputQuant
 from qckpt.formats.numerics import div_f32, f64_const
+from qckpt.formats.scheme import Scheme
 
 SOURCE, QUANTIZED = "source", "quantized"
 MIN_AMAX = 1e-12  # the export's clamp (qckpt.layouts.export_layout.MIN_AMAX)
@@ -36,36 +37,59 @@ MIN_AMAX = 1e-12  # the export's clamp (qckpt.layouts.export_layout.MIN_AMAX)
 
 @dataclass(frozen=True)
 class InputMode:
-    """How the export's clients quantize every linear input (one recipe: one mode)."""
+    """How the export's clients quantize one linear's inputs (a module's input scheme)."""
 
-    mode: str  # an act_quant mode: nvfp4, fp8_static, fp8_token or fp8_group
+    mode: str  # an act_quant mode: none, nvfp4, fp8_static, fp8_token or fp8_group
     group: int = 0  # fp8_group: the group width
     scale_dtype: torch.dtype = torch.float32  # fp8_static: the stored input_scale's dtype
+    # a static scale is amax / qmax; ``reciprocal``: clients take its float32 reciprocal
+    # (NVFP4's global scale), else the scale stored in ``scale_dtype`` (FP8 per tensor)
+    qmax: float = 1.0
+    reciprocal: bool = False
+
+    @property
+    def dynamic(self) -> bool:
+        return self.mode in ("fp8_token", "fp8_group")
+
+    @property
+    def quantized(self) -> bool:
+        return self.mode in ("fp8_static", "fp8_token", "fp8_group") or self.reciprocal
 
 
-def input_mode(fmt: str, granularity: str, dynamic: bool, block, scale_dtype) -> InputMode:
-    """The mode of a recipe's ``quant.inputs`` (``fmt``, ``granularity``, ``dynamic``,
-    ``block``), as the export layouts write it; CalibrationError for one they do not."""
-    if fmt == "nvfp4" and not dynamic:
-        return InputMode("nvfp4")
-    if fmt == "fp8" and granularity == "tensor":
-        return InputMode("fp8_token") if dynamic else InputMode("fp8_static", 0, scale_dtype)
-    if fmt == "fp8" and granularity == "block" and dynamic:
-        return InputMode("fp8_group", int(block[-1]))
-    kind = f"{fmt} {granularity}{' dynamic' if dynamic else ''}"
-    raise CalibrationError(
-        f"calibrate.gptq_inputs: quantized does not know the clients' quantization of {kind} "
-        "inputs; use calibrate.gptq_inputs: source"
-    )
+def input_mode(scheme: Scheme, scale_dtype: torch.dtype) -> InputMode:
+    """The mode of an input ``scheme`` (a quantizer's, or a recipe entry's inputs), as the
+    export layouts write it; CalibrationError for one they do not."""
+    try:
+        mode = scheme.input_mode()
+    except FormatError:
+        mode = None
+    if mode is None or mode not in _KNOWN:
+        raise CalibrationError(
+            f"calibrate.gptq_inputs: quantized does not know the clients' quantization of "
+            f"{scheme.describe()} inputs; use calibrate.gptq_inputs: source"
+        )
+    if not scheme.quantized:
+        return InputMode(mode)
+    if scheme.dynamic:
+        group = int(scheme.block[-1]) if scheme.granularity == "block" else 0
+        return InputMode(mode, group)
+    # a static scale: NVFP4's global (its block scales are made per 16 when quantizing) is
+    # read as a reciprocal, FP8's per-tensor scale as stored
+    reciprocal = bool(scheme.group)
+    dtype = torch.float32 if reciprocal else scale_dtype
+    return InputMode(mode, 0, dtype, qmax=scheme.qmax, reciprocal=reciprocal)
+
+
+# the act_quant modes whose scales this module derives (or which need none)
+_KNOWN = ("none", "nvfp4", "fp8_static", "fp8_token", "fp8_group")
 
 
 def _static(mode: InputMode, amax: torch.Tensor) -> InputQuant:
     a = amax.detach().to(device="cpu", dtype=torch.float32).reshape(()).clamp_min(MIN_AMAX)
-    if mode.mode == "nvfp4":
-        s = div_f32(a, f64_const(6.0 * 448.0, a.device))
-        return InputQuant("nvfp4", (1.0 / s.to(torch.float64)).to(torch.float32))
-    s = div_f32(a, f64_const(448.0, a.device)).to(mode.scale_dtype).to(torch.float32)
-    return InputQuant("fp8_static", s)
+    s = div_f32(a, f64_const(mode.qmax, a.device))
+    if mode.reciprocal:
+        return InputQuant(mode.mode, (1.0 / s.to(torch.float64)).to(torch.float32))
+    return InputQuant(mode.mode, s.to(mode.scale_dtype).to(torch.float32))
 
 
 def _largest(qs) -> torch.Tensor | None:
@@ -97,26 +121,36 @@ class LayerInputs(dict):
         self._last = None
 
 
-def layer_input_quants(instr, lin, experts, mode: InputMode) -> LayerInputs:
-    """Each GPTQ Hessian key of the layer (``_Linear.hkey``) -> its inputs' quantization; a
-    static one whose input was never calibrated (no token reached it) has none."""
+def layer_input_quants(instr, lin, experts, scale_dtype: torch.dtype) -> LayerInputs:
+    """Each GPTQ Hessian key of the layer (``_Linear.hkey``) -> its inputs' quantization, by
+    each module's own input scheme; a static one whose input was never calibrated (no token
+    reached it) has none, nor has an unquantized one."""
     out = LayerInputs()
-    dynamic = mode.mode in ("fp8_token", "fp8_group")
     for x in lin:
         if ":" in x.hkey:
             continue
         q = instr.quantizers.get(f"{x.hkey}.input_amax")
-        if dynamic:
+        if q is None:
+            continue
+        mode = input_mode(q.scheme, scale_dtype)
+        if not mode.quantized:
+            continue
+        if mode.dynamic:
             out[x.hkey] = InputQuant(mode.mode, group=mode.group)
-        elif q is not None and q.amax is not None:
+        elif q.amax is not None:
             out[x.hkey] = _static(mode, q.amax)
     for info, _ in experts:
         for side, roles in (("gate_up", ("gate", "up")), ("down", ("down",))):
             qs = [info.input_q[e][r] for e in info.input_q for r in roles if r in info.input_q[e]]
-            top = None if dynamic else _largest(qs)
-            if not dynamic and top is None:
+            if not qs:
                 continue
-            iq = InputQuant(mode.mode, group=mode.group) if dynamic else _static(mode, top)
+            mode = input_mode(qs[0].scheme, scale_dtype)  # one scheme per experts module
+            if not mode.quantized:
+                continue
+            top = None if mode.dynamic else _largest(qs)
+            if not mode.dynamic and top is None:
+                continue
+            iq = InputQuant(mode.mode, group=mode.group) if mode.dynamic else _static(mode, top)
             for e in range(info.num_experts):
                 out[f"{info.module_name}:{e}:{side}"] = iq
     return out

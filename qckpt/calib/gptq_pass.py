@@ -53,9 +53,10 @@ class GptqOptions:
     block: int = gptq.BLOCK
     block_search: bool = False  # NVFP4: group scales searched (mse) instead of the max rule
     # calibrate.gptq_inputs: source (the Hessians of the inputs as they are) or quantized (of
-    # the inputs as the export's clients quantize them, ``input_mode``: qckpt.calib.gptq_inputs)
+    # the inputs as the export's clients quantize them, each module's by its own input scheme:
+    # qckpt.calib.gptq_inputs; ``input_dtype``: the dtype static FP8 input scales are stored in)
     inputs: str = gptq_inputs.SOURCE
-    input_mode: gptq_inputs.InputMode | None = None
+    input_dtype: torch.dtype = torch.float32
     # calibrate.offload: names -> a writer whose add(name, tensor) takes this rank's share of
     # the sidecar layer by layer (:func:`streamed_sidecar`); else the share is held in memory
     sidecar: Any = None
@@ -178,9 +179,7 @@ def _input_quants(instr, lin, experts, opts: GptqOptions) -> gptq_inputs.LayerIn
     none)."""
     if opts.inputs != gptq_inputs.QUANTIZED:
         return gptq_inputs.LayerInputs()
-    if opts.input_mode is None:
-        raise ValueError("GptqOptions: inputs quantized needs an input_mode")
-    return gptq_inputs.layer_input_quants(instr, lin, experts, opts.input_mode)
+    return gptq_inputs.layer_input_quants(instr, lin, experts, opts.input_dtype)
 
 
 def _total_tokens(todo, mesh: Mesh, res: GptqResult) -> int:

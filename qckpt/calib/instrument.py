@@ -40,10 +40,11 @@ from torch import nn
 
 from qckpt.calib.moe_forward import MOE_FORWARDS, ExpertsObserver, experts_forward
 from qckpt.calib.quantizer import DTYPE_CODE, AmaxStore, TensorQuantizer
-from qckpt.errors import CalibrationError
-from qckpt.formats.shapes import calib_granularity
+from qckpt.errors import CalibrationError, FormatError
+from qckpt.formats.scheme import SCHEMES, Fp8Scheme, Scheme, scheme_of
 from qckpt.formats.tensor import is_quantized
 from qckpt.models.naming import expert_slices, ignored, is_fused_experts
+from qckpt.models.schemes import assign_schemes
 from qckpt.parallel.shard import shard_of
 from qckpt.recipe import QuantConfig
 
@@ -115,27 +116,29 @@ def insert_quantizers(
         )
     if getattr(model, _ATTR, None) is not None:
         raise CalibrationError("model already has quantizers; call remove_quantizers first")
-    wcfg, icfg = quant_cfg.weights, quant_cfg.inputs
     ignore = list(quant_cfg.ignore)
     mtype = _model_type(model)
+    # every linear's scheme, checked (fused groups, targets that match nothing) before any
+    # quantizer is made: a bad mixed recipe is one line and exit 2, before any data runs
+    entries = _entries(model, quant_cfg, ignore, mtype)
     instr = Instrumentation(quantizers={}, weights=[], experts=[])
     # one store for every amax (one bank per device inside): the sync then moves the per-tensor
     # ones as one tensor per device
     store = AmaxStore(capacity=1024)
+    schemes = _SchemeCache(quant_cfg)
 
-    def make(name: str, kind: str, shape, dev, **kw) -> TensorQuantizer:
-        cfg = wcfg if kind == "weight" else icfg
-        gran = calib_granularity(cfg.format, cfg.granularity)
+    def make(name: str, kind: str, shape, dev, *, entry: int, **kw) -> TensorQuantizer:
+        sch = schemes.get(entry, kind)
         q = TensorQuantizer(
             name,
             kind,
             shape=shape,
-            granularity=gran,
-            fmt=cfg.format,
+            granularity=sch.calib_granularity,
+            scheme=sch,
             store=store,
-            block_size=cfg.block_size,
+            block_size=sch.block,
             # a dynamic input is scaled per batch at run time: nothing to calibrate or sync
-            enabled=not (kind == "input" and cfg.dynamic),
+            enabled=sch.calibrates(kind),
             calib_dtype=calib_dtype,
             device=device or dev,
             **kw,
@@ -144,12 +147,13 @@ def insert_quantizers(
         return q
 
     for name, mod in model.named_modules():
+        entry = entries.get(name)
+        if entry is None:
+            continue
         if isinstance(mod, nn.Linear):
-            if ignored(name, ignore):
-                continue
             dev = device or mod.weight.device
-            wq = make(name, "weight", tuple(mod.weight.shape), dev)
-            iq = make(name, "input", (mod.in_features,), dev)
+            wq = make(name, "weight", tuple(mod.weight.shape), dev, entry=entry)
+            iq = make(name, "input", (mod.in_features,), dev, entry=entry)
             instr.weights.append(WeightSource(wq, f"{name}.weight", _whole))
             instr.hooks.append(mod.register_forward_pre_hook(_input_hook(iq)))
             if quant_cfg.kv_cache and name.rpartition(".")[2] in ("k_proj", "v_proj"):
@@ -157,16 +161,85 @@ def insert_quantizers(
                 # rotary, which a per-tensor amax of k_proj's output bounds only approximately)
                 oq = TensorQuantizer(
                     name, "output", shape=(mod.out_features,), granularity="tensor",
-                    fmt="fp8", calib_dtype=calib_dtype, device=dev, store=store,
+                    scheme=KV_SCHEME, calib_dtype=calib_dtype, device=dev, store=store,
                 )  # fmt: skip
                 instr.quantizers[oq.key] = oq
                 instr.hooks.append(mod.register_forward_hook(_output_hook(oq)))
-        elif is_fused_experts(mod):
-            if ignored(name, ignore):
-                continue
-            _instrument_experts(name, mod, mtype, make, instr, share_expert_inputs, moe_forward)
+        else:
+            mk = partial(make, entry=entry)
+            _instrument_experts(name, mod, mtype, mk, instr, share_expert_inputs, moe_forward)
     object.__setattr__(model, _ATTR, instr)
     return dict(instr.quantizers)
+
+
+KV_SCHEME = Fp8Scheme()  # the KV cache's scales: FP8 per tensor, whatever the linears' scheme
+
+
+class _SchemeCache:
+    """Each recipe entry's weight and input :class:`Scheme`, made once (an MoE has thousands
+    of expert linears of a few entries)."""
+
+    def __init__(self, quant_cfg: QuantConfig) -> None:
+        self.entries = quant_cfg.entries()
+        self.made: dict[tuple[int, str], Scheme] = {}
+
+    def get(self, entry: int, kind: str) -> Scheme:
+        got = self.made.get((entry, kind))
+        if got is None:
+            e = self.entries[entry]
+            got = self.made[(entry, kind)] = entry_scheme(
+                e.weights if kind == "weight" else e.inputs, kind
+            )
+        return got
+
+
+def entry_scheme(cfg, kind: str) -> Scheme:  # noqa: ANN001 - a recipe TensorQuantConfig
+    """``cfg``'s scheme; one the scheme seam refuses for its granularity is made as
+    calibration always made it (its calibrated granularity is the scheme's own: an NVFP4
+    weight asked per channel calibrates its global amax, as before schemes existed)."""
+    try:
+        return scheme_of(cfg, kind)
+    except FormatError:
+        cls = SCHEMES.get(cfg.format)
+        if cls is None:
+            raise
+        return cls(granularity=cfg.granularity, block=tuple(cfg.block_size), dynamic=cfg.dynamic)
+
+
+def _entries(model: nn.Module, quant_cfg: QuantConfig, ignore, mtype: str) -> dict[str, int]:
+    """Instrumented module -> its index into ``quant_cfg.entries()``; linears and fused
+    experts modules no entry quantizes are absent. :func:`assign_schemes` sees every linear
+    in checkpoint naming (each expert's gate / up / down): a recipe that splits a fused group
+    or names a target no linear has raises its ``SchemeError`` here."""
+    names: list[str] = []
+    first: dict[str, str] = {}  # a module -> the checkpoint name its scheme is resolved from
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            names.append(name)
+            first[name] = name
+        elif is_fused_experts(mod):
+            got = [s.hf_module for s in expert_slices(name, mtype, *_expert_shapes(mod))]
+            names.extend(got)
+            if got:
+                first[name] = got[0]  # every expert of one module has one scheme (checked)
+    assign_schemes(quant_cfg, names)
+    out: dict[str, int] = {}
+    for name, hf in first.items():
+        if ignored(name, ignore):
+            continue
+        # one scheme: the ignore list above is the whole rule, as before schemes existed
+        i = quant_cfg.entry_index(hf) if quant_cfg.mixed else 0
+        if i is not None:
+            out[name] = i
+    return out
+
+
+def _expert_shapes(mod: nn.Module) -> tuple[torch.Size, torch.Size]:
+    """The global shapes of a fused experts module's two weights (an EP shard's ids too)."""
+    gu, dn = mod.gate_up_proj, mod.down_proj
+    spec = shard_of(mod, "gate_up_proj")
+    n = spec.total if spec is not None else gu.shape[0]
+    return torch.Size((n, *gu.shape[1:])), torch.Size((n, *dn.shape[1:]))
 
 
 def _input_hook(q: TensorQuantizer):

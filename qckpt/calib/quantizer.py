@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from qckpt.errors import CalibrationError
+from qckpt.formats.scheme import SCHEMES, Scheme
 from qckpt.formats.shapes import SCALAR_GRANULARITIES, amax_shape, weight_block
 
 GRANULARITIES = ("tensor", "channel", "block", "dynamic_block")
@@ -281,6 +282,7 @@ class TensorQuantizer:
         share_group: str | None = None,
         expert_layer: str | None = None,
         expert: int | None = None,
+        scheme: Scheme | None = None,
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -292,7 +294,9 @@ class TensorQuantizer:
             int(s) for s in shape
         )  # the observed tensor's shape ([..., in] for inputs)
         self.granularity = granularity
-        self.format = fmt
+        # what this quantizer's tensor becomes: every question about the format goes to it
+        self.scheme = scheme if scheme is not None else _scheme_named(fmt, granularity, block_size)
+        self.format = self.scheme.name  # the calibration file's "format" entry
         self.axis = axis
         self.block_size = tuple(int(b) for b in block_size)
         self.store = store if store is not None else AmaxStore(capacity=1)
@@ -530,6 +534,16 @@ class TensorQuantizer:
         if self.expert is not None:
             d["expert"] = self.expert
         return d
+
+
+def _scheme_named(fmt: str, granularity: str, block: Sequence[int]) -> Scheme:
+    """The scheme of a quantizer made from a format name (a caller that gave no scheme)."""
+    cls = SCHEMES.get(fmt)
+    if cls is None:
+        raise ValueError(f"unknown format {fmt!r}; known: {', '.join(SCHEMES)}")
+    b = tuple(int(x) for x in block) or (128, 128)
+    gran = "tensor" if granularity == "dynamic_block" else granularity
+    return cls(granularity=gran, block=b if len(b) == 2 else (b[0], b[0]))
 
 
 def host_amaxes(quantizers: Sequence[TensorQuantizer]) -> list[torch.Tensor | None]:

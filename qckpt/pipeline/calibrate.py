@@ -139,20 +139,24 @@ def gptq_options(recipe):
 
     from qckpt.calib.gptq_inputs import QUANTIZED, input_mode
     from qckpt.calib.gptq_pass import GptqOptions
+    from qckpt.calib.instrument import entry_scheme
 
-    c, i = recipe.calibrate, recipe.quant.inputs
-    mode = None
-    if c.gptq_inputs == QUANTIZED:  # FP8 static scales as stored: compressed-tensors' model dtype
-        ct = recipe.export.format == "compressed-tensors"
-        dtype = getattr(torch, recipe.model.dtype) if ct else torch.float32
-        mode = input_mode(i.format, i.granularity, i.dynamic, i.block_size, dtype)
+    c = recipe.calibrate
+    # FP8 static scales as stored: compressed-tensors' model dtype
+    ct = recipe.export.format == "compressed-tensors"
+    dtype = getattr(torch, recipe.model.dtype) if ct else torch.float32
+    if c.gptq_inputs == QUANTIZED:
+        # every scheme's inputs checked now (one line, before any work): each linear's own
+        # scheme decides its inputs' quantization in the pass
+        for entry in recipe.quant.entries():
+            input_mode(entry_scheme(entry.inputs, "input"), dtype)
     return GptqOptions(
         percdamp=c.gptq_percdamp,
         act_order=c.gptq_act_order,
         block=c.gptq_block,
         block_search=c.gptq_block_scales == "mse",
         inputs=c.gptq_inputs,
-        input_mode=mode,
+        input_dtype=dtype,
     )
 
 

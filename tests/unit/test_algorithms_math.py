@@ -219,11 +219,19 @@ def test_gptq_on_quantized_inputs_lowers_the_w4a4_output_error():
 def test_gptq_inputs_quantize_as_the_export_layouts_write_the_inputs():
     from qckpt.calib.gptq_inputs import InputMode, input_mode
     from qckpt.errors import CalibrationError
+    from qckpt.formats.scheme import make_scheme
+
+    def mode(fmt, gran, dynamic, block):
+        return input_mode(make_scheme(fmt, granularity=gran, block=block, dynamic=dynamic,
+                                      kind="input"), bf16)  # fmt: skip
 
     bf16 = torch.bfloat16
-    assert input_mode("nvfp4", "tensor", False, [128, 128], bf16) == InputMode("nvfp4")
-    assert input_mode("fp8", "tensor", False, [128, 128], bf16) == InputMode("fp8_static", 0, bf16)
-    assert input_mode("fp8", "tensor", True, [128, 128], bf16) == InputMode("fp8_token")
-    assert input_mode("fp8", "block", True, [128, 64], bf16) == InputMode("fp8_group", 64)
+    assert mode("nvfp4", "tensor", False, [128, 128]) == InputMode(
+        "nvfp4", qmax=6 * 448.0, reciprocal=True
+    )
+    assert mode("fp8", "tensor", False, [128, 128]) == InputMode("fp8_static", 0, bf16, 448.0)
+    assert mode("fp8", "tensor", True, [128, 128]) == InputMode("fp8_token")
+    assert mode("fp8", "block", True, [128, 64]) == InputMode("fp8_group", 64)
+    assert not mode("none", "tensor", False, [128, 128]).quantized
     with pytest.raises(CalibrationError, match=r"^calibrate\.gptq_inputs: quantized .* fp8 block"):
-        input_mode("fp8", "block", False, [128, 128], bf16)
+        mode("fp8", "block", False, [128, 128])

@@ -49,11 +49,14 @@ class BulkRuns:
             return None
         if not 0 < math.prod(e.shape) <= self.chunk_elems or not g.entry.dtype.is_floating_point:
             return None
+        if not self.plan.layout.stacks_module(g.module):  # a mix: its scheme may not stack
+            return None
         return self.plan.source.span(e)
 
     def _units(self, limit: int) -> list[Item | Run]:
         """The share's items with runs of adjacent bulk items (:meth:`_bulk_span`, one file,
-        one dtype, within ``limit`` bytes as the budget counts them) made :class:`Run`\\ s."""
+        one dtype, one scheme, within ``limit`` bytes as the budget counts them) made
+        :class:`Run`\\ s."""
         units: list[Item | Run] = []
         cur: list[Item] = []
         spans: list[tuple[str, int, int]] = []
@@ -77,6 +80,7 @@ class BulkRuns:
                 sp[0] != spans[-1][0]
                 or sp[1] != spans[-1][2]
                 or it.entry.dtype != cur[-1].entry.dtype
+                or self._key(it) != self._key(cur[-1])
                 or self._costs(host + it.host_bytes, out + it.out_bytes) > limit
             ):
                 flush()
@@ -88,6 +92,10 @@ class BulkRuns:
             out += it.out_bytes
         flush()
         return units
+
+    def _key(self, it: Item) -> int:
+        """The scheme a bulk item is written with: a run's stacks quantize with one."""
+        return self.plan.layout.stack_key(it.groups[0].module)
 
     def _make_run(self, items: list[Item], begins: list[int]) -> Run:
         dtype = items[0].entry.torch_dtype

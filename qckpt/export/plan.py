@@ -24,11 +24,14 @@ import torch
 from qckpt.calib.state_file import CalibrationState, load_calibration, model_fingerprint
 from qckpt.errors import CheckpointError, ExportError
 from qckpt.export.shared_scales import share_fused_amax, share_moe_amax
-from qckpt.layouts.export_layout import ExportLayout, OutSpec
+from qckpt.formats.scheme import scheme_of
+from qckpt.layouts.export_layout import BlockScales, ExportLayout, OutSpec
+from qckpt.layouts.mixed import check_schemes
 from qckpt.layouts.names import MOE_SHARED
 from qckpt.layouts.registry import make_layout
 from qckpt.models.build import transformers_config
 from qckpt.models.naming import expert_slices, ignore_matcher, is_fused_experts
+from qckpt.models.schemes import assign_schemes
 from qckpt.outputs import check_export_target, guard
 from qckpt.phases import PLAN, timed
 from qckpt.read.hf_names import HFEntry, hf_entries
@@ -124,9 +127,27 @@ def _check_calibration(
             f"{where}: calibration of another model (fingerprint {cal.model_fingerprint}, "
             f"this checkpoint has {fingerprint})"
         )
+    if quant.mixed:
+        got_entries = cal.quant.get("schemes") or []
+        if not got_entries:
+            # a one-scheme calibration: its amaxes' shapes are checked one by one
+            return
+        if len(got_entries) != len(quant.schemes):
+            raise ExportError(
+                f"{where}: calibrated with {len(got_entries)} quant.schemes entries; the export "
+                f"has {len(quant.schemes)}"
+            )
+        for i, (got, sc) in enumerate(zip(got_entries, quant.schemes, strict=True)):
+            _check_sides(got, sc, f"quant.schemes[{i}].", where)
+        return
+    _check_sides(cal.quant, quant, "quant.", where)
+
+
+def _check_sides(got_entry: dict, want_entry: Any, path: str, where: str) -> None:
+    """A calibration's record of one scheme's weights / inputs against the export's."""
     for side in ("weights", "inputs"):
-        got = cal.quant.get(side) or {}
-        want = asdict(getattr(quant, side))
+        got = got_entry.get(side) or {}
+        want = asdict(getattr(want_entry, side))
         keys = ["format", "granularity"] + (["dynamic"] if side == "inputs" else [])
         if want["granularity"] == "block":
             keys.append("block_size")
@@ -135,7 +156,7 @@ def _check_calibration(
             have = ", ".join(f"{k}={got[k]}" for k in diff)
             asked = ", ".join(f"{k}={want[k]}" for k in diff)
             raise ExportError(
-                f"{where}: calibrated for quant.{side} {have}; the export asks {asked}"
+                f"{where}: calibrated for {path}{side} {have}; the export asks {asked}"
             )
 
 
@@ -187,15 +208,21 @@ def _gptq_source(src, cal: CalibrationState, model_type: str):
     return GptqSource(src, cal.weights_dir, cal.weights_files, model_type)
 
 
-def _algorithm_amax(cal, needed, values, layout: ExportLayout, src, quant, export, where: str):
-    """(amaxes, their float values) the scales are made from, and the layout told where its
-    NVFP4 block scales come from, for the calibration's algorithm (see ``CalibrationState``)."""
+def _block_scales(cal: CalibrationState, src) -> BlockScales:  # noqa: ANN001
+    """Where the export's NVFP4 block scales come from, for the calibration's algorithm:
+    searched (mse), the GPTQ'd weights' own (gptq), else the max rule."""
+    if cal.algorithm == "gptq":
+        return BlockScales(given=src.block_scale)
+    return BlockScales(search=cal.algorithm == "mse")
+
+
+def _algorithm_amax(cal, needed, values, quant, export, where: str):  # noqa: ANN001
+    """(amaxes, their float values) the scales are made from, for the calibration's algorithm
+    (see ``CalibrationState``)."""
     if cal.algorithm == "mse":
-        layout.block_search = quant.weights.format == "nvfp4"
         return _with_clips(cal, needed, values, where)
     if cal.algorithm == "gptq":
-        layout.given_block_scales = src.block_scale
-        per_tensor = quant.weights.format == "nvfp4" or quant.weights.granularity == "tensor"
+        per_tensor = any(scheme_of(e.weights, "weight").scalar_amax for e in quant.entries())
         if export.moe_scales != MOE_SHARED and per_tensor:
             # GPTQ quantized an expert's gate and up with their shared scale
             raise ExportError(
@@ -366,6 +393,7 @@ def plan_export(
     inputs = [("checkpoint.path", source), ("model.source", source_dir)]
     if not isinstance(calibration, CalibrationState):
         inputs.append(("calibrate.output", calibration))
+    check_schemes(quant)  # a scheme that cannot be, before anything is opened
     target = guard([("export.output", output)], inputs)["export.output"]
     check_export_target(target, export.overwrite)
 
@@ -379,14 +407,14 @@ def plan_export(
 
     cfg = _model_config_dict(model_config, source_dir)
     model_dtype = _model_dtype(cfg, entries)
-    layout: ExportLayout = make_layout(export.format, quant, model_dtype)
     # (linears, routers, embeddings): from the calibration file when it has them, else built
     linears, routers, embeddings = modules or model_linears(model_config, model_type)
-
     by_pattern = ignore_matcher(quant.ignore)
+    assignment = _assignment(quant, linears, by_pattern)
+    layout = make_layout(export.format, quant, model_dtype, _block_scales(cal, src), assignment)
 
     def ignored(module: str) -> bool:  # routers are never quantized, whatever quant.ignore says
-        return module in routers or by_pattern(module)
+        return module in routers or by_pattern(module) or assignment.get(module, 0) is None
 
     outs = _plan_outputs(
         entries, layout, model_dtype, lambda m: m in linears and not ignored(m), quant.kv_cache
@@ -399,8 +427,8 @@ def plan_export(
     ignore_list = layout.ignore_entries(
         sorted(m for m in linears | routers if ignored(m)), embeddings
     )
-    amax, values = _algorithm_amax(cal, outs.needed, values, layout, src, quant, export, where)
-    amax = _shared_amax(amax, values, outs, quant, export, model_type)
+    amax, values = _algorithm_amax(cal, outs.needed, values, quant, export, where)
+    amax = _shared_amax(amax, values, outs, layout, export, model_type)
     cfg["quantization_config"] = layout.quantization_config(ignore_list)
     return ExportPlan(
         target=target,
@@ -424,13 +452,21 @@ def plan_export(
     )
 
 
-def _shared_amax(amax, values, outs, quant, export, model_type):  # noqa: ANN001
+def _assignment(quant: QuantConfig, linears: set[str], by_pattern) -> dict[str, int | None]:  # noqa: ANN001
+    """Each linear's entry of ``quant.entries()`` (None: left in the model dtype); for
+    ``quant.schemes`` checked against what clients fuse and every target matching a linear
+    (SchemeError, before any tensor is read)."""
+    if not quant.mixed:
+        return {m: None if by_pattern(m) else 0 for m in linears}
+    out = assign_schemes(quant, sorted(linears))
+    return {m: None if by_pattern(m) else i for m, i in out.items()}
+
+
+def _shared_amax(amax, values, outs, layout: ExportLayout, export, model_type):  # noqa: ANN001
     """The amaxes shared as clients load them: MoE experts' (``export.moe_scales: shared``), then
-    one NVFP4 global per weight a client fuses (q/k/v, gate/up: ``shared_scales.share_fused_amax``)."""
+    one NVFP4 global per weight a client fuses (q/k/v, gate/up: ``shared_scales.share_fused_amax``),
+    each as its module's scheme says."""
     modules = [g.module for g in outs.groups if g.module is not None]
     if export.moe_scales == MOE_SHARED:
-        amax = share_moe_amax(amax, modules, quant, model_type, values=values)
-    if quant.weights.format == "nvfp4":
-        kinds = ("weight",) if quant.inputs.dynamic else ("weight", "input")
-        amax = share_fused_amax(amax, modules, kinds)
-    return amax
+        amax = share_moe_amax(amax, modules, layout.quant_of, model_type, values=values)
+    return share_fused_amax(amax, modules, layout.quant_of)

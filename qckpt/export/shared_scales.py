@@ -21,32 +21,64 @@ itself, and the files stay what earlier releases wrote.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from qckpt.formats.scheme import scheme_of
 from qckpt.layouts.export_layout import EXPERT
 from qckpt.models.fused import fused_parts
 from qckpt.models.naming import expert_roles
 from qckpt.recipe import QuantConfig
 
+QuantOf = Callable[[str], QuantConfig]
+
+
+def _quant_of(quant: QuantConfig | QuantOf) -> QuantOf:
+    return quant if callable(quant) else (lambda _m: quant)
+
+
+def _per_tensor_weight(q: QuantConfig) -> bool:
+    return scheme_of(q.weights, "weight").scalar_amax
+
+
+def _static_input(q: QuantConfig) -> bool:
+    return scheme_of(q.inputs, "input").calibrates("input")
+
+
+def _memo(fn: Callable[[QuantConfig], bool]) -> Callable[[QuantConfig], bool]:
+    """``fn`` asked once per config (thousands of expert pairs share a handful of them)."""
+    seen: dict[int, tuple[QuantConfig, bool]] = {}
+
+    def ask(q: QuantConfig) -> bool:
+        got = seen.get(id(q))
+        if got is None:
+            got = seen[id(q)] = (q, fn(q))
+        return got[1]
+
+    return ask
+
 
 def share_moe_amax(
     amax: dict[str, torch.Tensor],
     modules: list[str],
-    quant: QuantConfig,
+    quant: QuantConfig | QuantOf,
     model_type: str,
     *,
     values: dict[str, float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The amaxes behind ``export.moe_scales: shared`` (see the module doc); a new dict.
     ``values``: one-value amaxes already read as floats (the plan's check makes them), by key.
+    ``quant``: the recipe's one-scheme config, or each module's (the experts of one layer have
+    one scheme).
 
     Per-tensor weight amax (FP8 ``tensor``, NVFP4's global amax): an expert's gate and up both
     get the larger of the two. Static input amax: every expert of a layer gets the max over the
     layer's experts, one for gate/up (they read the same input) and one for down.
     """
     roles = expert_roles(model_type)
-    per_tensor_w = quant.weights.format == "nvfp4" or quant.weights.granularity == "tensor"
-    static_in = not quant.inputs.dynamic
+    quant_of = _quant_of(quant)
+    per_tensor_w, static_in = _memo(_per_tensor_weight), _memo(_static_input)
     pairs: dict[tuple[str, str], list[str]] = {}  # (experts, e) -> gate/up modules
     layer_in: dict[tuple[str, str], list[str]] = {}  # (experts, "gate_up"|"down") -> modules
     for m in modules:
@@ -74,11 +106,11 @@ def share_moe_amax(
                 i = max(range(len(vals)), key=vals.__getitem__)
             ties.append((keys, i))
 
-    if per_tensor_w:
-        for names in pairs.values():
+    for names in pairs.values():
+        if per_tensor_w(quant_of(names[0])):
             tie(names, "weight")
-    if static_in:
-        for names in layer_in.values():
+    for names in layer_in.values():
+        if static_in(quant_of(names[0])):
             tie(names, "input")
     # each tie's value as its own float32 0-d tensor; from the floats in one call when every
     # winner's value is known finite (``values`` come from a finiteness check), else a clone
@@ -100,13 +132,19 @@ def share_moe_amax(
 
 
 def share_fused_amax(
-    amax: dict[str, torch.Tensor], modules: list[str], kinds: tuple[str, ...]
+    amax: dict[str, torch.Tensor], modules: list[str], quant: QuantConfig | QuantOf
 ) -> dict[str, torch.Tensor]:
-    """``amax`` with each fused group's per-tensor ``{kind}_amax`` set to the group's largest;
-    a new dict.
-    Amaxes that are not one value (per-channel, per-block) are left alone."""
+    """``amax`` with each fused group's per-tensor ``{kind}_amax`` set to the group's largest,
+    where the group's scheme has a global scale clients keep one of (NVFP4: the weights', and
+    the static inputs'); a new dict. ``quant``: as :func:`share_moe_amax`'s (a fused group has
+    one scheme). Amaxes that are not one value (per-channel, per-block) are left alone."""
     out = dict(amax)
+    quant_of = _quant_of(quant)
     for group in fused_parts(modules):
+        q = quant_of(group[0])
+        if not scheme_of(q.weights, "weight").fused_global:
+            continue
+        kinds = ("weight", "input") if _static_input(q) else ("weight",)
         for kind in kinds:
             keys = [k for k in (f"{m}.{kind}_amax" for m in group) if k in amax]
             if len(keys) < 2 or any(amax[k].numel() != 1 for k in keys):

@@ -57,6 +57,9 @@ class Scheme:
     group: ClassVar[int] = 0
     # codes of 4 bits, two per byte (the even column in the low nibble)
     packed_fp4: ClassVar[bool] = False
+    # a per-tensor global scale over the block scales, one per weight a client fuses (it keeps
+    # a single one for q/k/v or gate/up: the parts must be quantized under the same)
+    fused_global: ClassVar[bool] = False
     # the qckpt.formats name of a parameter tensor of this scheme (None: none exists)
     param_format: ClassVar[str | None] = None
 
@@ -137,6 +140,7 @@ class Nvfp4Scheme(Scheme):
     qmax: ClassVar[float] = FP4_MAX * FP8_MAX
     group: ClassVar[int] = NVFP4_GROUP
     packed_fp4: ClassVar[bool] = True
+    fused_global: ClassVar[bool] = True
     param_format: ClassVar[str | None] = "nvfp4"
 
     @property

@@ -38,16 +38,12 @@ from pathlib import Path
 import numpy as np
 
 from qckpt.errors import CheckpointError
+from qckpt.layouts.check_common import FLOAT_DTYPES, Scheme, SchemeMap  # noqa: F401
+from qckpt.layouts.ct_check import ct_schemes
+from qckpt.layouts.modelopt_check import modelopt_schemes
 from qckpt.layouts.names import (
-    CT_INPUT_GLOBAL,
-    CT_NVFP4_FORMAT,
-    CT_PACKED,
-    CT_WEIGHT_GLOBAL,
     EMBEDDING_LEAVES,
     INPUT_SCALE,
-    MO_FP8,
-    MO_FP8_PCPT,
-    MO_NVFP4,
     MODELOPT_FILE,
     NVFP4_GROUP,
     WEIGHT_SCALE,
@@ -55,9 +51,6 @@ from qckpt.layouts.names import (
 )
 from qckpt.models.fused import FUSED_GROUPS, fused_parts
 from qckpt.storage.files import open_regular
-
-FLOAT_DTYPES = ("BF16", "F16", "F32")
-
 
 MAX_HEADER = 100 << 20
 
@@ -72,23 +65,6 @@ class Tensor:
     shape: tuple[int, ...]
     offset: int  # absolute, in the file
     nbytes: int
-
-
-@dataclass(kw_only=True)
-class Scheme:
-    """What one quantized linear holds: its weight dtype and the scales' shapes and dtypes."""
-
-    name: str
-    weight: str  # "tensor" | "channel" | "block" | "nvfp4"
-    static_input: bool
-    scale_dtypes: tuple[str, ...]
-    block: tuple[int, int] | None = None
-    kv: bool = False
-    kv_names: str = "ct"  # "ct": {attn}.k_scale; "modelopt": {attn}.k_proj.k_scale
-    # the stored names: ModelOpt's; compressed-tensors NVFP4 has its own (see qckpt.layouts.names)
-    codes_leaf: str = "weight"
-    global_leaf: str = WEIGHT_SCALE_2
-    input_leaf: str = INPUT_SCALE
 
 
 @dataclass(kw_only=True)
@@ -250,106 +226,6 @@ def _e4m3(b: np.ndarray) -> np.ndarray:
 # -- the config --------------------------------------------------------------------------------
 
 
-def _ct_scheme(qc: dict, problems: list[str]) -> Scheme | None:
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        problems.append("config.json: compressed-tensors quantization_config has no config_groups")
-        return None
-    g = next(iter(groups.values()))
-    w, i = g.get("weights") or {}, g.get("input_activations")
-    if qc.get("format") == CT_NVFP4_FORMAT:
-        return _ct_nvfp4_scheme(qc, w, i, problems)
-    if w.get("num_bits") != 8 or w.get("type") != "float":
-        problems.append(f"config.json: weights {w.get('num_bits')}-bit {w.get('type')}: not FP8")
-        return None
-    strategy = w.get("strategy")
-    block = None
-    if strategy == "block":
-        bs = w.get("block_structure") or []
-        if len(bs) != 2:
-            problems.append("config.json: block weights without a 2-number block_structure")
-            return None
-        block = (int(bs[0]), int(bs[1]))
-    elif strategy not in ("tensor", "channel"):
-        problems.append(f"config.json: weight strategy {strategy!r} is not checked")
-        return None
-    static = bool(i) and not i.get("dynamic", False)
-    kv = qc.get("kv_cache_scheme") is not None
-    return Scheme(
-        name=f"FP8 {strategy}/{'static' if static else 'dynamic'}",
-        weight=strategy,
-        static_input=static,
-        scale_dtypes=FLOAT_DTYPES,
-        block=block,
-        kv=kv,
-    )
-
-
-def _ct_nvfp4_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Scheme | None:
-    """compressed-tensors ``nvfp4-pack-quantized``: E2M1 weights in groups of 16."""
-    if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", NVFP4_GROUP):
-        problems.append(
-            f"config.json: {CT_NVFP4_FORMAT} weights {w.get('num_bits')}-bit {w.get('type')} "
-            f"group_size {w.get('group_size')}: not NVFP4 (4-bit float, groups of {NVFP4_GROUP})"
-        )
-        return None
-    # "dynamic: local" (the NVFP4 preset) keeps a static global input scale; true keeps none
-    static = bool(i) and i.get("dynamic", False) in (False, "local")
-    return Scheme(
-        name=f"NVFP4 {'static' if static else 'dynamic'}",
-        weight="nvfp4",
-        static_input=static,
-        scale_dtypes=("F32",),
-        kv=qc.get("kv_cache_scheme") is not None,
-        codes_leaf=CT_PACKED,
-        global_leaf=CT_WEIGHT_GLOBAL,
-        input_leaf=CT_INPUT_GLOBAL,
-    )
-
-
-def _modelopt_scheme(root: Path, qc: dict, problems: list[str]) -> Scheme | None:
-    algo = str(qc.get("quant_algo", "")).upper()
-    if "ignore" not in qc:
-        problems.append(
-            "config.json: quantization_config has no 'ignore' (vLLM reads the ignore list from "
-            "config.json, not exclude_modules: it would quantize lm_head and the routers)"
-        )
-    kv_cfg = isinstance(qc.get("kv_cache_scheme"), dict)
-    hfq_path = root / MODELOPT_FILE
-    if not hfq_path.is_file():
-        problems.append(f"{MODELOPT_FILE}: missing (ModelOpt exports carry it; clients read it)")
-    else:
-        try:
-            q = json.loads(hfq_path.read_text())["quantization"]
-        except (ValueError, KeyError, TypeError):
-            problems.append(f"{MODELOPT_FILE}: no 'quantization' section")
-            q = None
-        if isinstance(q, dict):
-            if str(q.get("quant_algo", "")).upper() != algo:
-                problems.append(
-                    f"{MODELOPT_FILE}: quant_algo {q.get('quant_algo')!r} but config.json "
-                    f"says {qc.get('quant_algo')!r}"
-                )
-            if "ignore" in qc and sorted(q.get("exclude_modules") or []) != sorted(qc["ignore"]):
-                problems.append(f"{MODELOPT_FILE}: exclude_modules differs from config ignore")
-            if (q.get("kv_cache_quant_algo") is not None) != kv_cfg:
-                problems.append(
-                    f"{MODELOPT_FILE}: kv_cache_quant_algo {q.get('kv_cache_quant_algo')!r} "
-                    f"disagrees with config.json's kv_cache_scheme {qc.get('kv_cache_scheme')!r}"
-                )
-            if algo == MO_NVFP4 and q.get("group_size") != NVFP4_GROUP:
-                problems.append(f"{MODELOPT_FILE}: NVFP4 without group_size {NVFP4_GROUP}")
-    common = dict(scale_dtypes=("F32",), kv=kv_cfg, kv_names="modelopt")
-    if algo == MO_FP8:
-        return Scheme(name=algo, weight="tensor", static_input=True, **common)
-    if algo == MO_FP8_PCPT:
-        return Scheme(name=algo, weight="channel", static_input=False, **common)
-    if algo == MO_NVFP4:
-        return Scheme(name=algo, weight="nvfp4", static_input=True, **common)
-    problems.append(f"config.json: ModelOpt quant_algo {qc.get('quant_algo')!r} is not checked")
-    return None
-
-
 # -- the modules -------------------------------------------------------------------------------
 
 
@@ -378,7 +254,7 @@ def _expected_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple]
     """scale name -> (accepted shapes, accepted dtypes) for a weight of ``shape`` as stored."""
     out_dim = shape[0]
     f32 = ("F32",)
-    if scheme.weight == "nvfp4":
+    if scheme.packed:
         cols = shape[1] * 2
         exp = {
             WEIGHT_SCALE: ({(out_dim, cols // NVFP4_GROUP)}, ("F8_E4M3",)),
@@ -488,7 +364,7 @@ def _check_scale_now(name: str, t: Tensor, allow_zero: bool, problems: list[str]
 
 
 def _check_module(m: str, w: Tensor, scheme: Scheme, tensors: dict, problems: list[str]) -> None:
-    want_dtype = "U8" if scheme.weight == "nvfp4" else "F8_E4M3"
+    want_dtype = "U8" if scheme.packed else "F8_E4M3"
     if w.dtype != want_dtype or len(w.shape) != 2:
         problems.append(
             f"{m}.{scheme.codes_leaf}: {w.dtype} {list(w.shape)}, {scheme.name} stores {want_dtype}"
@@ -524,14 +400,42 @@ def _check_fused(quantized: set[str], problems: list[str]) -> None:
                 )
 
 
+def _check_fused_schemes(smap: SchemeMap, quantized: set[str], problems: list[str]) -> None:
+    """Linears a client fuses (q/k/v, gate/up, an MoE layer's experts) have one scheme: one
+    weight has one quantization method there."""
+    first: dict[str, tuple[str, Scheme | None]] = {}
+    groups = [(g[0].rpartition(".")[0], g) for g in fused_parts(sorted(quantized))]
+    groups += [(k, v) for k, v in _experts_of(quantized).items()]
+    for key, members in sorted(groups):
+        for m in members:
+            s = smap.of(m)
+            other, os_ = first.setdefault(key, (m, s))
+            if os_ is not s:
+                problems.append(
+                    f"{key}: {other} is {os_.name if os_ else 'unquantized'} but {m} is "
+                    f"{s.name if s else 'unquantized'} (clients load them as one weight)"
+                )
+                break
+
+
+def _experts_of(quantized: set[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for m in sorted(quantized):
+        hit = _EXPERT.match(m)
+        if hit:
+            out.setdefault(hit["experts"], []).append(m)
+    return out
+
+
 def _check_fused_globals(
-    scheme: Scheme, quantized: set[str], tensors: dict, problems: list[str]
+    smap: SchemeMap, quantized: set[str], tensors: dict, problems: list[str]
 ) -> None:
     """NVFP4: vLLM keeps one global scale for a fused weight (the largest of the parts'), so
     parts with different ones are served scaled by the ratio of their amaxes: garbage."""
-    if scheme.weight != "nvfp4":
-        return
     for group in sorted(fused_parts(sorted(quantized))):
+        scheme = smap.of(group[0])
+        if scheme is None or not scheme.packed:
+            continue
         parent = group[0].rpartition(".")[0]
         leaves = [m.rpartition(".")[2] for m in group]
         ts = [tensors.get(f"{parent}.{leaf}.{scheme.global_leaf}") for leaf in sorted(leaves)]
@@ -616,9 +520,9 @@ def check_export(path: str | Path, *, max_problems: int = 50) -> CheckResult:
         return res
     res.layout = str(qc.get("quant_method", ""))
     if res.layout == "compressed-tensors":
-        scheme = _ct_scheme(qc, p)
+        smap = ct_schemes(qc, p)
     elif res.layout == "modelopt":
-        scheme = _modelopt_scheme(root, qc, p)
+        smap = modelopt_schemes(root, qc, p)
     else:
         p.append(
             f"config.json: quant_method {res.layout!r} (checked: compressed-tensors, modelopt)"
@@ -627,11 +531,11 @@ def check_export(path: str | Path, *, max_problems: int = 50) -> CheckResult:
     if not isinstance(qc.get("ignore", []), list):
         p.append("config.json: quantization_config.ignore is not a list")
     tensors = _tensors(root, p)
-    if scheme is None or not tensors:
+    if smap is None or not tensors:
         return res
-    res.scheme = scheme.name
+    res.scheme = smap.name
     with _FILES.kept_open():
-        _check_tensors(res, scheme, cfg, qc, tensors)
+        _check_tensors(res, smap, cfg, qc, tensors)
         _settle_scales(p)
     del p[max_problems:]
     return res
@@ -651,16 +555,23 @@ def _legacy_modelopt(root: Path) -> dict | None:
     return flat
 
 
-def _check_tensors(res: CheckResult, scheme: Scheme, cfg: dict, qc: dict, tensors: dict) -> None:
+def _check_tensors(res: CheckResult, smap: SchemeMap, cfg: dict, qc: dict, tensors: dict) -> None:
     p = res.problems
     ignored = _ignored_by(list(qc.get("ignore") or []), res.layout)
     quantized: set[str] = set()
+    codes = {s.codes_leaf for s in smap.schemes}
     for name, t in sorted(tensors.items()):
         module, _, leaf = name.rpartition(".")
-        if leaf == scheme.codes_leaf and t.dtype in ("F8_E4M3", "U8"):
+        if leaf in codes and t.dtype in ("F8_E4M3", "U8"):
+            scheme = smap.of(module)
+            if scheme is not None and leaf != scheme.codes_leaf:
+                continue  # another scheme's codes leaf: not this module's codes
             quantized.add(module)
             if ignored(module):
                 p.append(f"{module}: quantized, but the ignore list names it")
+            if scheme is None:
+                p.append(f"{module}: quantized, but no scheme of the config covers it")
+                continue
             _check_module(module, t, scheme, tensors, p)
         elif leaf == "weight" and len(t.shape) == 2 and not _is_embedding(module):
             res.unquantized += 1
@@ -669,23 +580,19 @@ def _check_tensors(res: CheckResult, scheme: Scheme, cfg: dict, qc: dict, tensor
                     f"{module}: {t.dtype} weight not in the ignore list (clients would load it "
                     "as quantized)"
                 )
-    scale_leaves = {
-        WEIGHT_SCALE,
-        WEIGHT_SCALE_2,
-        INPUT_SCALE,
-        scheme.global_leaf,
-        scheme.input_leaf,
-    }
+    scale_leaves = {WEIGHT_SCALE, WEIGHT_SCALE_2, INPUT_SCALE}
+    scale_leaves |= {leaf for s in smap.schemes for leaf in (s.global_leaf, s.input_leaf)}
     for name in sorted(tensors):
         module, _, leaf = name.rpartition(".")
         if leaf in scale_leaves and module not in quantized:
             p.append(f"{name}: a scale for {module}, which is not quantized")
     _check_fused(quantized, p)
-    _check_fused_globals(scheme, quantized, tensors, p)
+    _check_fused_schemes(smap, quantized, p)
+    _check_fused_globals(smap, quantized, tensors, p)
     res.experts = _check_experts(quantized, cfg, p)
     tail = ".k_proj.weight"
     attn = sorted({m[: -len(tail)] for m in tensors if m.endswith(tail)})
-    res.kv = _check_kv(scheme, tensors, attn, p)
+    res.kv = _check_kv(smap.first, tensors, attn, p)
     res.quantized = len(quantized)
     if not quantized:
         p.append("no quantized weight in the export")

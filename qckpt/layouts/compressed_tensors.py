@@ -36,16 +36,19 @@ stored ``dense`` reads as plain; anything else is refused with one line.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from qckpt.errors import CheckpointError, ExportError
+from qckpt.formats.scheme import FP4_MAX, FP8_MAX, NVFP4_GROUP, Fp8Scheme, scheme_of
 from qckpt.formats.shapes import config_amax_shape, weight_block
 from qckpt.layouts.export_layout import (
     EXPERT,
     MIN_AMAX,
+    BlockScales,
     ExportLayout,
     OutSpec,
     amax_over,
@@ -54,14 +57,12 @@ from qckpt.layouts.export_layout import (
     fp8_quantize_stack,
     stack_f32,
 )
+from qckpt.layouts.mixed import MixedLayout, build_parts
 from qckpt.layouts.names import (
     CT_INPUT_GLOBAL,
     CT_NVFP4_FORMAT,
     CT_PACKED,
     CT_WEIGHT_GLOBAL,
-    FP4_MAX,
-    FP8_MAX,
-    NVFP4_GROUP,
     WEIGHT_SCALE,
     ct_nvfp4_args,
 )
@@ -125,13 +126,21 @@ def read_layout(index: Index, qc: dict[str, Any], hf_quant: Any = None) -> Sourc
     return SourceLayout(name="compressed-tensors", detail=", ".join(kinds), weights=weights)
 
 
+CT_FP8_FORMAT = "float-quantized"
+# the top-level format of a config whose groups differ (compressed-tensors' own rule)
+CT_MIXED_FORMAT = "mixed-precision"
+
+
 class CompressedTensorsLayout(ExportLayout):
     name = "compressed-tensors"
 
-    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
-        super().__init__(quant, model_dtype)
+    def __init__(
+        self, quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
+    ) -> None:
+        super().__init__(quant, model_dtype, block_scales)
         w, i = quant.weights, quant.inputs
-        if w.format != "fp8" or i.format != "fp8":
+        ws, ins = scheme_of(w, "weight"), scheme_of(i, "input")
+        if not (isinstance(ws, Fp8Scheme) and isinstance(ins, Fp8Scheme)):
             raise ExportError(
                 "export.format compressed-tensors writes FP8 weights with FP8 inputs, or NVFP4 "
                 f"weights with NVFP4 inputs; got weights {w.format}, inputs {i.format}"
@@ -181,8 +190,7 @@ class CompressedTensorsLayout(ExportLayout):
             yield f"{module}.input_scale", amax_over(ia, FP8_MAX).reshape(1).to(self.model_dtype)
 
     def stacks(self) -> bool:
-        w = self.quant.weights
-        return w.format == "fp8" and w.granularity in ("tensor", "channel")
+        return scheme_of(self.quant.weights, "weight").stacks()
 
     def quantize_stack(
         self, modules: list[str], w: torch.Tensor, amax: dict[str, torch.Tensor], chunk_elems: int
@@ -228,8 +236,23 @@ class CompressedTensorsLayout(ExportLayout):
             inputs = {**base, "strategy": "group", "dynamic": True, "group_size": i.block_size[-1]}
         return weights, inputs
 
-    def quantization_config(self, ignored: list[str]) -> dict:
+    def config_group(self, targets: list[str]) -> dict:
+        """This scheme's ``config_groups`` entry, quantizing ``targets``."""
         weights, inputs = self._args()
+        return {
+            "targets": targets,
+            "weights": weights,
+            "input_activations": inputs,
+            "output_activations": None,
+            "format": CT_FP8_FORMAT,
+        }
+
+    def quantization_config(self, ignored: list[str]) -> dict:
+        group = self.config_group(["Linear"])
+        return self.config_with({"group_0": group}, group["format"], ignored)
+
+    def config_with(self, groups: dict, fmt: str, ignored: list[str]) -> dict:
+        """The ``quantization_config`` with ``groups``, top-level ``fmt`` and ``ignored``."""
         kv = None
         if self.quant.kv_cache:
             kv = {
@@ -241,17 +264,9 @@ class CompressedTensorsLayout(ExportLayout):
             }
         return {
             "quant_method": "compressed-tensors",
-            "format": "float-quantized",
+            "format": fmt,
             "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": weights,
-                    "input_activations": inputs,
-                    "output_activations": None,
-                    "format": "float-quantized",
-                }
-            },
+            "config_groups": groups,
             "ignore": ignored,
             "kv_cache_scheme": kv,
             "global_compression_ratio": None,
@@ -261,7 +276,7 @@ class CompressedTensorsLayout(ExportLayout):
         return {
             "format": "pt",
             "qckpt_layout": "compressed-tensors",
-            "quant_format": "float-quantized",
+            "quant_format": CT_FP8_FORMAT,
         }
 
 
@@ -273,10 +288,13 @@ def _reciprocal(x: torch.Tensor) -> torch.Tensor:
 class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
     """compressed-tensors ``nvfp4-pack-quantized`` (see the module doc); KV scales as FP8's."""
 
-    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
-        ExportLayout.__init__(self, quant, model_dtype)
+    def __init__(
+        self, quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
+    ) -> None:
+        ExportLayout.__init__(self, quant, model_dtype, block_scales)
         w, i = quant.weights, quant.inputs
-        if w.format != "nvfp4" or i.format != "nvfp4" or i.dynamic:
+        nv = scheme_of(w, "weight").packed_fp4 and scheme_of(i, "input").packed_fp4
+        if not nv or i.dynamic:
             raise ExportError(
                 "export.format compressed-tensors writes NVFP4 (nvfp4-pack-quantized) with "
                 f"weights and static inputs nvfp4; got weights {w.format}, inputs {i.format}"
@@ -312,14 +330,12 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
             _reciprocal(amax_over(ia, FP4_MAX * FP8_MAX)).reshape(1),
         )
 
-    def quantization_config(self, ignored: list[str]) -> dict:
-        cfg = super().quantization_config(ignored)
-        group = cfg["config_groups"]["group_0"]
+    def config_group(self, targets: list[str]) -> dict:
+        group = super().config_group(targets)
         group["weights"] = ct_nvfp4_args(inputs=False)
         group["input_activations"] = ct_nvfp4_args(inputs=True)
         group["format"] = CT_NVFP4_FORMAT
-        cfg["format"] = CT_NVFP4_FORMAT
-        return cfg
+        return group
 
     def warnings(self, modules: list[str]) -> list[str]:
         if any(EXPERT.match(m) for m in modules):
@@ -334,8 +350,57 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
         return {**super().shard_metadata(), "quant_format": CT_NVFP4_FORMAT}
 
 
-def export_layout(quant: QuantConfig, model_dtype: torch.dtype) -> ExportLayout:
+def export_layout(
+    quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
+) -> ExportLayout:
     """The compressed-tensors layout of ``quant``: NVFP4 weights pack-quantized, else FP8."""
-    if quant.weights.format == "nvfp4":
-        return CompressedTensorsNvfp4Layout(quant, model_dtype)
-    return CompressedTensorsLayout(quant, model_dtype)
+    if scheme_of(quant.weights, "weight").packed_fp4:
+        return CompressedTensorsNvfp4Layout(quant, model_dtype, block_scales)
+    return CompressedTensorsLayout(quant, model_dtype, block_scales)
+
+
+def ct_targets(modules: list[str]) -> list[str]:
+    """A group's ``targets`` for the linears it quantizes, as vLLM resolves them: the module
+    names (vLLM matches a fused ``qkv_proj`` / ``gate_up_proj`` when every part's name is a
+    target), and one anchored ``re:`` pattern per MoE experts module (vLLM looks its
+    ``FusedMoE`` up by expert 0's names; the experts of one module always share a scheme)."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for m in modules:
+        hit = EXPERT.match(m)
+        t = f"re:^{re.escape(hit['experts'])}\\.\\d+\\.[^.]+$" if hit else m
+        if t not in seen:
+            seen.add(t)
+            out.append(t)
+    return out
+
+
+class CompressedTensorsMixedLayout(MixedLayout):
+    """compressed-tensors with several schemes: one ``config_groups`` entry per scheme in use
+    (``group_0``, ``group_1``, ... in recipe order), each with its own ``format``; the top-level
+    ``format`` is the groups' one format, or ``mixed-precision`` when they differ."""
+
+    def _groups(self) -> dict[str, dict]:
+        return {
+            f"group_{n}": part.config_group(ct_targets(mods))  # type: ignore[attr-defined]
+            for n, (_, part, mods) in enumerate(self.members())
+        }
+
+    def quant_format(self) -> str:
+        fmts = list(dict.fromkeys(g["format"] for g in self._groups().values()))
+        return fmts[0] if len(fmts) == 1 else CT_MIXED_FORMAT
+
+    def quantization_config(self, ignored: list[str]) -> dict:
+        return self.first.config_with(self._groups(), self.quant_format(), ignored)  # type: ignore[attr-defined]
+
+
+def mixed_layout(
+    quant: QuantConfig,
+    model_dtype: torch.dtype,
+    block_scales: BlockScales | None,
+    assignment: dict[str, int | None],
+) -> ExportLayout:
+    """The compressed-tensors layout of a ``quant.schemes`` recipe (``assignment``: each linear's
+    entry index, None for the model dtype)."""
+    parts = build_parts(quant, export_layout, model_dtype, block_scales, assignment)
+    return CompressedTensorsMixedLayout(quant, model_dtype, parts, assignment)

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from qckpt.formats.numerics import div_f32, f64_const
-from qckpt.formats.shapes import config_amax_shape
-from qckpt.layouts.names import (
-    FP8_MAX,
-)
+from qckpt.formats.scheme import FP8_MAX, scheme_of
 from qckpt.layouts.source_layout import FP8
 from qckpt.recipe import QuantConfig
 
@@ -52,26 +49,33 @@ class OutSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class BlockScales:
+    """Where an export's NVFP4 block scales come from, as the calibration's algorithm says; a
+    layout is built with it (nothing sets it on a layout afterwards)."""
+
+    # searched per block (a calibration made with calibrate.algorithm mse:
+    # :func:`qckpt.formats.nvfp4_search.nvfp4_mse_quantize`) instead of the max rule
+    search: bool = False
+    # module -> the E4M3 block scales to write (a gptq calibration's), or None: the rule above
+    given: Callable[[str], torch.Tensor | None] | None = None
+
+
 class ExportLayout:
     """The export layout of one recipe; every shape is known before any tensor is read."""
 
     name: str = ""
-    # NVFP4 block scales: the max rule (False) or searched per block (True: a calibration
-    # made with calibrate.algorithm mse; :func:`qckpt.formats.nvfp4_search.nvfp4_mse_quantize`)
-    block_search: bool = False
-    # module -> the E4M3 block scales to write (a gptq calibration's), or None: the rule above
-    given_block_scales = None
 
     def nvfp4(self, w: torch.Tensor, amax: torch.Tensor, module: str = ""):
         """(packed codes, E4M3 block scales, float32 global scale) of ``w`` with global amax
-        ``amax``, the block scales given (:attr:`given_block_scales`) or as
-        :attr:`block_search` says."""
-        given = None if self.given_block_scales is None else self.given_block_scales(module)
+        ``amax``, the block scales given or searched as :attr:`block_scales` says."""
+        bs = self.block_scales
+        given = None if bs.given is None else bs.given(module)
         if given is not None:
             from qckpt.formats.nvfp4_search import nvfp4_with_scales
 
             return nvfp4_with_scales(w, amax, given)
-        if self.block_search:
+        if bs.search:
             from qckpt.formats.nvfp4_search import nvfp4_mse_quantize
 
             qdata, scale, gs, *_ = nvfp4_mse_quantize(w, amax)
@@ -81,9 +85,19 @@ class ExportLayout:
         q = quantize(w, "nvfp4", amax=amax)
         return q.qdata, q.scale, q.global_scale
 
-    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        quant: QuantConfig,
+        model_dtype: torch.dtype,
+        block_scales: BlockScales | None = None,
+    ) -> None:
         self.quant = quant
         self.model_dtype = model_dtype
+        self.block_scales = block_scales or BlockScales()
+
+    def quant_of(self, module: str) -> QuantConfig:
+        """The one-scheme quant config ``module`` is written with."""
+        return self.quant
 
     # -- planning -----------------------------------------------------------------------------
     def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
@@ -91,15 +105,9 @@ class ExportLayout:
 
     def needed_amax(self, module: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
         """Calibration keys a linear needs, with the amax shape each must have."""
-        w = self.quant.weights
-        out: list[tuple[str, tuple[int, ...]]] = []
-        if w.format == "nvfp4" or w.granularity == "tensor":
-            out.append((f"{module}.weight_amax", ()))
-        elif w.granularity == "channel":
-            out.append((f"{module}.weight_amax", (shape[0],)))
-        else:
-            out.append((f"{module}.weight_amax", config_amax_shape(w, "weight", shape)))
-        if not self.quant.inputs.dynamic:
+        w = scheme_of(self.quant.weights, "weight")
+        out = [(f"{module}.weight_amax", w.amax_shape("weight", shape))]
+        if scheme_of(self.quant.inputs, "input").calibrates("input"):
             out.append((f"{module}.input_amax", ()))
         return out
 
@@ -109,6 +117,14 @@ class ExportLayout:
     def stacks(self) -> bool:
         """Whether :meth:`quantize_stack` can quantize several linears of one shape at once."""
         return False
+
+    def stacks_module(self, module: str) -> bool:
+        """Whether ``module`` may go in a stack (:meth:`stacks` for the layout it is written in)."""
+        return self.stacks()
+
+    def stack_key(self, module: str) -> int:
+        """Linears of one stack have one key (the scheme they are written with)."""
+        return 0
 
     # -- writing ------------------------------------------------------------------------------
     def quantize_linear(

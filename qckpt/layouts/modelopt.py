@@ -29,10 +29,12 @@ from typing import Any
 import torch
 
 import qckpt
-from qckpt.errors import CheckpointError, ExportError
+from qckpt.errors import CheckpointError, ExportError, SchemeError
+from qckpt.formats.scheme import FP4_MAX, FP8_MAX, NVFP4_GROUP, Fp8Scheme, Nvfp4Scheme, scheme_of
 from qckpt.layouts.export_layout import (
     EXPERT,
     MIN_AMAX,
+    BlockScales,
     ExportLayout,
     OutSpec,
     amax_over,
@@ -41,16 +43,15 @@ from qckpt.layouts.export_layout import (
     fp8_quantize_stack,
     stack_f32,
 )
+from qckpt.layouts.mixed import MixedLayout, build_parts, entry_path
 from qckpt.layouts.names import (
-    FP4_MAX,
-    FP8_MAX,
     INPUT_SCALE,
     MO_FP8,
     MO_FP8_PCPT,
+    MO_MIXED,
     MO_NVFP4,
     MODELOPT_FILE,
     MODELOPT_KV_SCHEME,
-    NVFP4_GROUP,
     WEIGHT_SCALE,
     WEIGHT_SCALE_2,
     modelopt_config_groups,
@@ -81,15 +82,18 @@ def read_layout(index: Index, qc: dict[str, Any] | None, hq: dict[str, Any] | No
 class ModelOptLayout(ExportLayout):
     name = "modelopt"
 
-    def __init__(self, quant: QuantConfig, model_dtype: torch.dtype) -> None:
-        super().__init__(quant, model_dtype)
+    def __init__(
+        self, quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
+    ) -> None:
+        super().__init__(quant, model_dtype, block_scales)
         w, i = quant.weights, quant.inputs
-        fp8 = w.format == "fp8" and i.format == "fp8" and i.granularity == "tensor"
+        ws, ins = scheme_of(w, "weight"), scheme_of(i, "input")
+        fp8 = isinstance(ws, Fp8Scheme) and isinstance(ins, Fp8Scheme) and i.granularity == "tensor"
         if fp8 and w.granularity == "tensor" and not i.dynamic:
             self.algo = MO_FP8
         elif fp8 and w.granularity == "channel" and i.dynamic:
             self.algo = MO_FP8_PCPT
-        elif w.format == "nvfp4" and i.format == "nvfp4" and not i.dynamic:
+        elif isinstance(ws, Nvfp4Scheme) and isinstance(ins, Nvfp4Scheme) and not i.dynamic:
             self.algo = MO_NVFP4
         else:
             raise ExportError(
@@ -214,5 +218,78 @@ class ModelOptLayout(ExportLayout):
         q["quant_algo"] = self.algo
         return {MODELOPT_FILE: {"producer": self._producer(), "quantization": q}}
 
+    def layer_entry(self) -> dict:
+        """This scheme's entry in a MIXED_PRECISION ``quantized_layers`` map."""
+        if self.algo == MO_NVFP4:
+            return {"quant_algo": MO_NVFP4, "group_size": NVFP4_GROUP}
+        return {"quant_algo": self.algo}
+
     def shard_metadata(self) -> dict[str, str]:
         return {"format": "pt", "qckpt_layout": "modelopt", "quant_format": self.algo}
+
+
+class ModelOptMixedLayout(MixedLayout):
+    """ModelOpt ``MIXED_PRECISION``: what ModelOpt's export writes for a per-layer mix and
+    vLLM's ``ModelOptMixedPrecisionConfig`` reads. ``quantized_layers`` maps every quantized
+    linear (checkpoint names; vLLM resolves a fused ``qkv_proj`` / ``gate_up_proj`` from its
+    parts and a ``FusedMoE`` from its experts' names) to ``{"quant_algo": "FP8"}`` or
+    ``{"quant_algo": "NVFP4", "group_size": 16}``; it is in ``hf_quant_config.json``'s
+    ``quantization`` and in ``config.json``'s ``quantization_config`` (with one ``config_groups``
+    entry per distinct layer entry, its ``targets`` the sorted layer names, as ModelOpt's
+    ``convert_hf_quant_config_format`` writes)."""
+
+    def quantized_layers(self) -> dict[str, dict]:
+        layers: dict[str, dict] = {}
+        for m in sorted(m for m, i in self.assignment.items() if i is not None):
+            layers[m] = self.part(m).layer_entry()  # type: ignore[attr-defined]
+        return layers
+
+    def quant_format(self) -> str:
+        return MO_MIXED
+
+    def quantization_config(self, ignored: list[str]) -> dict:
+        layers = self.quantized_layers()
+        by_entry: dict[tuple, list[str]] = {}
+        for m, e in layers.items():
+            by_entry.setdefault(tuple(sorted(e.items())), []).append(m)
+        groups: dict[str, dict] = {}
+        for n, (key, names) in enumerate(by_entry.items()):
+            group = dict(modelopt_config_groups(dict(key)["quant_algo"])["group_0"])  # type: ignore[index]
+            group["targets"] = sorted(names)
+            groups[f"group_{n}"] = group
+        cfg: dict = {"config_groups": groups, "ignore": list(ignored)}
+        if self.quant.kv_cache:
+            cfg["kv_cache_scheme"] = dict(MODELOPT_KV_SCHEME)
+        cfg["producer"] = self.first._producer()  # type: ignore[attr-defined]
+        cfg["quant_algo"] = MO_MIXED
+        cfg["quant_method"] = "modelopt"
+        cfg["quantized_layers"] = layers
+        return cfg
+
+    def extra_files(self, ignored: list[str]) -> dict[str, dict]:
+        q: dict = {
+            "exclude_modules": list(ignored),
+            "kv_cache_quant_algo": "FP8" if self.quant.kv_cache else None,
+            "quant_algo": MO_MIXED,
+            "quantized_layers": self.quantized_layers(),
+        }
+        return {MODELOPT_FILE: {"producer": self.first._producer(), "quantization": q}}  # type: ignore[attr-defined]
+
+
+def mixed_layout(
+    quant: QuantConfig,
+    model_dtype: torch.dtype,
+    block_scales: BlockScales | None,
+    assignment: dict[str, int | None],
+) -> ExportLayout:
+    """The ModelOpt layout of a ``quant.schemes`` recipe. vLLM's MIXED_PRECISION reader takes
+    FP8 (per-tensor weights, static inputs) and NVFP4 per layer: any other entry is refused."""
+    parts = build_parts(quant, ModelOptLayout, model_dtype, block_scales, assignment)
+    for i, part in enumerate(parts):
+        if part is not None and part.algo not in (MO_FP8, MO_NVFP4):  # type: ignore[attr-defined]
+            raise SchemeError(
+                f"{entry_path(quant, i)}: ModelOpt MIXED_PRECISION writes FP8 (per-tensor "
+                "weights, static per-tensor inputs) or NVFP4 per layer, not "
+                f"{part.algo}; use export.format compressed-tensors"  # type: ignore[attr-defined]
+            )
+    return ModelOptMixedLayout(quant, model_dtype, parts, assignment)

@@ -20,6 +20,8 @@ its ``make_fixtures.py``) and vLLM 0.26 reads:
 
 from __future__ import annotations
 
+# qckpt.formats.scheme's constants, repeated because importing qckpt.formats imports torch
+# and ``qckpt check`` runs without it (tests/unit/test_mixed_export.py compares them)
 FP8_MAX = 448.0
 
 
@@ -64,6 +66,10 @@ MO_FP8_PCPT = "FP8_PER_CHANNEL_PER_TOKEN"
 
 
 MO_NVFP4 = "NVFP4"
+
+
+# several of the above, per layer (``quantized_layers``)
+MO_MIXED = "MIXED_PRECISION"
 
 
 MO_ALGOS = (MO_FP8, MO_FP8_PCPT, MO_NVFP4)

@@ -21,7 +21,7 @@ import torch
 
 from qckpt.errors import CheckpointError, ExportError
 from qckpt.layouts import compressed_tensors, deepseek, modelopt
-from qckpt.layouts.export_layout import ExportLayout
+from qckpt.layouts.export_layout import BlockScales, ExportLayout
 from qckpt.layouts.source_layout import (
     FP8_DTYPES,
     SourceLayout,
@@ -40,10 +40,18 @@ SOURCE_FAMILIES: dict[str, Callable[[Index, Any, Any], SourceLayout]] = {
     "compressed-tensors": compressed_tensors.read_layout,
     "fp8": deepseek.read_layout,  # DeepSeek-V3's blockwise FP8
 }
-# export.format -> the family's ExportLayout for a recipe's quant config and the model dtype
-EXPORT_FAMILIES: dict[str, Callable[[QuantConfig, torch.dtype], ExportLayout]] = {
+# export.format -> the family's ExportLayout for a one-scheme quant config, the model dtype and
+# where NVFP4 block scales come from
+EXPORT_FAMILIES: dict[str, Callable[[QuantConfig, torch.dtype, BlockScales | None], ExportLayout]]
+EXPORT_FAMILIES = {
     "compressed-tensors": compressed_tensors.export_layout,
     "modelopt": modelopt.ModelOptLayout,
+}
+# export.format -> the family's layout of a quant.schemes recipe (the same and each linear's
+# entry index: None, the model dtype)
+MIXED_FAMILIES: dict[str, Callable[..., ExportLayout]] = {
+    "compressed-tensors": compressed_tensors.mixed_layout,
+    "modelopt": modelopt.mixed_layout,
 }
 
 
@@ -111,12 +119,22 @@ def refuse_quantized_dcp(names: dict[str, torch.dtype], where: str) -> None:
         )
 
 
-def make_layout(export_format: str, quant: QuantConfig, model_dtype: torch.dtype) -> ExportLayout:
+def make_layout(
+    export_format: str,
+    quant: QuantConfig,
+    model_dtype: torch.dtype,
+    block_scales: BlockScales | None = None,
+    assignment: dict[str, int | None] | None = None,
+) -> ExportLayout:
     """The :class:`ExportLayout` of ``export.format`` for ``quant``; a one-line ExportError for
-    a format no family writes (each family's constructor refuses a recipe it cannot express)."""
+    a format no family writes (each family's constructor refuses a recipe it cannot express;
+    for ``quant.schemes``, a SchemeError naming the entry). ``assignment`` (each linear's entry
+    index, :func:`qckpt.models.schemes.assign_schemes`) is needed for ``quant.schemes``."""
     make = EXPORT_FAMILIES.get(export_format)
     if make is None:
         raise ExportError(
             f"export.format: unknown layout {export_format!r} (compressed-tensors | modelopt)"
         )
-    return make(quant, model_dtype)
+    if quant.mixed:
+        return MIXED_FAMILIES[export_format](quant, model_dtype, block_scales, assignment or {})
+    return make(quant, model_dtype, block_scales)

@@ -1,0 +1,105 @@
+"""``qckpt check``'s reading of a compressed-tensors config (torch-free): each ``config_groups``
+entry's scheme, and which group's ``targets`` a module falls under as vLLM matches them (an
+exact module name, a ``re:`` pattern matched from the start, or a module class: ``Linear``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from qckpt.layouts.check_common import FLOAT_DTYPES, Scheme, SchemeMap
+from qckpt.layouts.names import (
+    CT_INPUT_GLOBAL,
+    CT_NVFP4_FORMAT,
+    CT_PACKED,
+    CT_WEIGHT_GLOBAL,
+    NVFP4_GROUP,
+)
+
+CT_MIXED_FORMAT = "mixed-precision"
+
+
+def _matcher(targets: list) -> Callable[[str], bool]:
+    names = {t for t in targets if isinstance(t, str) and not t.startswith("re:")}
+    pats = [re.compile(t[3:]) for t in targets if isinstance(t, str) and t.startswith("re:")]
+    if "Linear" in names:  # a class target: every linear
+        return lambda _m: True
+    return lambda m: m in names or any(p.match(m) for p in pats)
+
+
+def ct_schemes(qc: dict, problems: list[str]) -> SchemeMap | None:
+    """The schemes of a compressed-tensors ``quantization_config``, one per group."""
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        problems.append("config.json: compressed-tensors quantization_config has no config_groups")
+        return None
+    top = qc.get("format")
+    fmts = {(g or {}).get("format") or top for g in groups.values() if isinstance(g, dict)}
+    if len(fmts) > 1 and top != CT_MIXED_FORMAT:
+        problems.append(
+            f"config.json: groups of formats {sorted(map(str, fmts))} under top-level format "
+            f"{top!r} (compressed-tensors writes {CT_MIXED_FORMAT!r})"
+        )
+    out = SchemeMap()
+    for gname, g in groups.items():
+        if not isinstance(g, dict):
+            problems.append(f"config.json: config_groups.{gname} is not an object")
+            return None
+        scheme = _group_scheme(qc, g, g.get("format") or top, problems)
+        if scheme is None:
+            return None
+        out.rules.append((scheme, _matcher(list(g.get("targets") or []))))
+    return out
+
+
+def _group_scheme(qc: dict, g: dict, fmt: str | None, problems: list[str]) -> Scheme | None:
+    w, i = g.get("weights") or {}, g.get("input_activations")
+    if fmt == CT_NVFP4_FORMAT:
+        return _ct_nvfp4_scheme(qc, w, i, problems)
+    if w.get("num_bits") != 8 or w.get("type") != "float":
+        problems.append(f"config.json: weights {w.get('num_bits')}-bit {w.get('type')}: not FP8")
+        return None
+    strategy = w.get("strategy")
+    block = None
+    if strategy == "block":
+        bs = w.get("block_structure") or []
+        if len(bs) != 2:
+            problems.append("config.json: block weights without a 2-number block_structure")
+            return None
+        block = (int(bs[0]), int(bs[1]))
+    elif strategy not in ("tensor", "channel"):
+        problems.append(f"config.json: weight strategy {strategy!r} is not checked")
+        return None
+    static = bool(i) and not i.get("dynamic", False)
+    kv = qc.get("kv_cache_scheme") is not None
+    return Scheme(
+        name=f"FP8 {strategy}/{'static' if static else 'dynamic'}",
+        weight=strategy,
+        static_input=static,
+        scale_dtypes=FLOAT_DTYPES,
+        block=block,
+        kv=kv,
+    )
+
+
+def _ct_nvfp4_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Scheme | None:
+    """compressed-tensors ``nvfp4-pack-quantized``: E2M1 weights in groups of 16."""
+    if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", NVFP4_GROUP):
+        problems.append(
+            f"config.json: {CT_NVFP4_FORMAT} weights {w.get('num_bits')}-bit {w.get('type')} "
+            f"group_size {w.get('group_size')}: not NVFP4 (4-bit float, groups of {NVFP4_GROUP})"
+        )
+        return None
+    # "dynamic: local" (the NVFP4 preset) keeps a static global input scale; true keeps none
+    static = bool(i) and i.get("dynamic", False) in (False, "local")
+    return Scheme(
+        name=f"NVFP4 {'static' if static else 'dynamic'}",
+        weight="group",
+        packed=True,
+        static_input=static,
+        scale_dtypes=("F32",),
+        kv=qc.get("kv_cache_scheme") is not None,
+        codes_leaf=CT_PACKED,
+        global_leaf=CT_WEIGHT_GLOBAL,
+        input_leaf=CT_INPUT_GLOBAL,
+    )

@@ -1,0 +1,199 @@
+"""Several schemes in one export (``quant.schemes``) of the tiny MoE, in both layouts: NVFP4
+routed experts, FP8 attention (block weights with dynamic per-group inputs in compressed-tensors,
+per-tensor static in ModelOpt, whose MIXED_PRECISION takes no FP8 block), the routers and
+lm_head in BF16; and the recipes refused in one line before any work (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from qckpt.calib.state_file import save_calibration
+from qckpt.recipe import QuantConfig, SchemeConfig, TensorQuantConfig
+from tests._inproc import run_main
+from tests.export_fixtures import make_calibration, run_export, saved_model
+
+EXPERTS = "*.mlp.experts.*"
+ATTN = "*.self_attn.*"
+FP8, U8 = torch.float8_e4m3fn, torch.uint8
+
+
+def _t(fmt: str, gran: str = "tensor", block=(128, 128), dynamic: bool = False):
+    return TensorQuantConfig(format=fmt, granularity=gran, block_size=list(block), dynamic=dynamic)
+
+
+def mixed_quant(attn_block: bool) -> QuantConfig:
+    nv = SchemeConfig(targets=[EXPERTS], weights=_t("nvfp4"), inputs=_t("nvfp4"))
+    if attn_block:  # the tiny model's input dim is 64: per-group inputs in groups of 32
+        attn = SchemeConfig(
+            targets=[ATTN], weights=_t("fp8", "block"), inputs=_t("fp8", "block", (1, 32), True)
+        )
+    else:
+        attn = SchemeConfig(targets=[ATTN], weights=_t("fp8"), inputs=_t("fp8"))
+    return QuantConfig(schemes=[nv, attn])
+
+
+def mixed_calibration(model, q: QuantConfig):  # noqa: ANN001
+    """The per-scheme calibrations of the test fixtures, each module's from its own scheme."""
+    cals = [make_calibration(model, q.single(e)) for e in q.entries()]
+    merged = cals[0]
+    amax = {}
+    for key in merged.amax:
+        module = key.rsplit(".", 1)[0]
+        i = q.entry_index(module)
+        if key.endswith(".output_amax"):
+            i = 1
+        if i is not None:
+            amax[key] = cals[i].amax[key]
+    merged.amax = amax
+    merged.quant = q.record()
+    return merged
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    model, hf = saved_model(root, "tiny-moe")
+    return root, model, hf
+
+
+def _tensors(d: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    out = {}
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():  # noqa: SIM118
+                t = sf.get_slice(k)
+                out[k] = (
+                    getattr(
+                        torch,
+                        {
+                            "F8_E4M3": "float8_e4m3fn",
+                            "U8": "uint8",
+                            "BF16": "bfloat16",
+                            "F32": "float32",
+                        }[t.get_dtype()],
+                    ),
+                    tuple(t.get_shape()),
+                )
+    return out
+
+
+def _export(moe, fmt: str, attn_block: bool, name: str) -> Path:
+    root, model, hf = moe
+    q = mixed_quant(attn_block)
+    out = root / name
+    run_export(model, hf, mixed_calibration(model, q), out, q, fmt=fmt, source_dir=hf)
+    return out
+
+
+def test_compressed_tensors_mixed_export(moe):
+    out = _export(moe, "compressed-tensors", True, "ct")
+    t = _tensors(out)
+    a, e = "model.layers.0.self_attn", "model.layers.0.mlp.experts.3"
+    assert t[f"{a}.q_proj.weight"] == (FP8, (64, 64))
+    assert t[f"{a}.k_proj.weight_scale"] == (torch.bfloat16, (1, 1))  # one 128x128 block
+    assert f"{a}.q_proj.input_scale" not in t  # dynamic inputs
+    assert t[f"{e}.gate_proj.weight_packed"] == (U8, (32, 32))
+    assert t[f"{e}.down_proj.weight_scale"] == (FP8, (64, 2))
+    assert t[f"{e}.up_proj.weight_global_scale"] == (torch.float32, (1,))
+    assert t[f"{e}.up_proj.input_global_scale"] == (torch.float32, (1,))
+    assert t["model.layers.0.mlp.gate.weight"] == (torch.bfloat16, (8, 64))
+    assert t["lm_head.weight"][0] == torch.bfloat16
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision"
+    g0, g1 = qc["config_groups"]["group_0"], qc["config_groups"]["group_1"]
+    assert g0["format"] == "nvfp4-pack-quantized" and g1["format"] == "float-quantized"
+    assert g0["targets"] == [
+        "re:^model\\.layers\\.0\\.mlp\\.experts\\.\\d+\\.[^.]+$",
+        "re:^model\\.layers\\.1\\.mlp\\.experts\\.\\d+\\.[^.]+$",
+    ]
+    assert "model.layers.1.self_attn.v_proj" in g1["targets"] and len(g1["targets"]) == 8
+    assert g1["weights"]["strategy"] == "block" and g1["input_activations"]["group_size"] == 32
+    assert "lm_head" in qc["ignore"] and "model.layers.0.mlp.gate" in qc["ignore"]
+
+
+def test_modelopt_mixed_export(moe):
+    out = _export(moe, "modelopt", False, "mo")
+    t = _tensors(out)
+    a, e = "model.layers.1.self_attn", "model.layers.1.mlp.experts.0"
+    assert t[f"{a}.o_proj.weight"] == (FP8, (64, 64))
+    assert t[f"{a}.o_proj.weight_scale"] == (torch.float32, ())
+    assert t[f"{a}.o_proj.input_scale"] == (torch.float32, ())
+    assert t[f"{e}.gate_proj.weight"] == (U8, (32, 32))
+    assert t[f"{e}.gate_proj.weight_scale_2"] == (torch.float32, ())
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    hq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert cfg["quant_algo"] == hq["quant_algo"] == "MIXED_PRECISION"
+    layers = cfg["quantized_layers"]
+    assert layers == hq["quantized_layers"]
+    assert layers[f"{a}.q_proj"] == {"quant_algo": "FP8"}
+    assert layers[f"{e}.down_proj"] == {"quant_algo": "NVFP4", "group_size": 16}
+    assert len(layers) == 2 * (4 + 8 * 3)
+    assert "lm_head" not in layers and "model.layers.0.mlp.gate" in cfg["ignore"]
+    assert cfg["ignore"] == hq["exclude_modules"]
+    groups = cfg["config_groups"]
+    assert {len(g["targets"]) for g in groups.values()} == {8, 48}
+    # a gate/up pair keeps one NVFP4 global scale, as vLLM loads it
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as sf:
+        g, u = (sf.get_tensor(f"{e}.{p}_proj.weight_scale_2") for p in ("gate", "up"))
+    assert torch.equal(g, u)
+
+
+def _recipe(moe, schemes: list[dict], name: str) -> tuple[Path, Path]:
+    root, model, hf = moe
+    cal = root / "cal-nvfp4.safetensors"
+    if not cal.exists():
+        save_calibration(
+            make_calibration(model, mixed_quant(True).single(mixed_quant(True).schemes[0])), cal
+        )
+    out = root / f"refused-{name}"
+    recipe = {
+        "model": {"source": "tiny-moe", "dtype": "bfloat16", "seed": 0},
+        "checkpoint": {"path": str(hf)},
+        "quant": {"schemes": schemes, "ignore": ["lm_head", "*.mlp.gate"]},
+        "calibrate": {"output": str(cal)},
+        "export": {"format": "compressed-tensors", "output": str(out)},
+    }
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path, out
+
+
+NV = {"weights": {"format": "nvfp4"}, "inputs": {"format": "nvfp4"}}
+F8 = {"weights": {"format": "fp8"}, "inputs": {"format": "fp8"}}
+
+
+@pytest.mark.parametrize(
+    "name, schemes, says",
+    [
+        (
+            "split",
+            [{"targets": ["*.q_proj"], **F8}, {"targets": ["*.k_proj", EXPERTS], **NV}],
+            "are one weight in serving stacks",
+        ),
+        ("nothing", [{"targets": ["*.nope_proj", EXPERTS], **NV}], "matches no linear"),
+        (
+            "unwritable",
+            [
+                {
+                    "targets": [EXPERTS],
+                    "weights": {"format": "nvfp4", "granularity": "channel"},
+                    "inputs": {"format": "nvfp4"},
+                }
+            ],
+            "quant.schemes[0].weights: nvfp4 weights take granularity tensor",
+        ),
+    ],
+)
+def test_refused_in_one_line_before_any_work(moe, name, schemes, says):
+    recipe, out = _recipe(moe, schemes, name)
+    r = run_main("export", str(recipe))
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and says in lines[0], r.stderr
+    assert not out.exists()

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import pickle
+import re
 from array import array
 from collections import Counter
 from pathlib import Path
@@ -284,6 +285,9 @@ def inspect_hf_dir(path: Path, layout: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {"kind": "hf", "path": str(path), "files": len(src.files())}
     out.update(_summarize_tensors(entries))
     out.update(_quant_summary(path))
+    schemes = export_schemes(path, entries)
+    if schemes:
+        out["schemes"] = schemes
     out["scales"] = sum(1 for k in entries if k.endswith(("_scale", "_scale_2")))
     cfg = read_json(path / "config.json") if (path / "config.json").exists() else {}
     if layout:
@@ -323,6 +327,70 @@ def _quant_summary(path: Path) -> dict[str, Any]:
         out["quant_method"] = out.get("quant_method") or "modelopt"
         out["quant_algo"] = q.get("quant_algo")
     return out
+
+
+# (num_bits, type) of a compressed-tensors quantization args -> the scheme's name
+_CT_NAMES = {(4, "float"): "NVFP4", (8, "float"): "FP8", (8, "int"): "INT8", (4, "int"): "INT4"}
+# stored leaves that mark a quantized linear's weight (codes beside scales)
+_QUANT_LEAVES = (".weight_scale", ".weight_packed", ".weight_scale_inv")
+
+
+def _ct_args(args: Any) -> str:
+    if not isinstance(args, dict):
+        return "unquantized"
+    name = _CT_NAMES.get((args.get("num_bits"), args.get("type")), f"{args.get('num_bits')}-bit")
+    strategy = args.get("strategy")
+    if args.get("block_structure"):
+        strategy = "block " + "x".join(str(b) for b in args["block_structure"])
+    dyn = args.get("dynamic")
+    when = "dynamic" if dyn is True else ("static" if dyn in (False, "local") else "")
+    return " ".join(str(x) for x in (name, strategy, when) if x)
+
+
+def _ct_matcher(targets: list[str]) -> Any:
+    regs = [re.compile(t[3:]) for t in targets if t.startswith("re:")]
+    names = {t for t in targets if not t.startswith("re:")}
+
+    def match(module: str) -> bool:
+        # a class-name target (Linear) takes every linear that no earlier group took
+        return module in names or "Linear" in names or any(r.match(module) for r in regs)
+
+    return match
+
+
+def export_schemes(path: Path, entries: dict[str, dict]) -> dict[str, str]:
+    """Each scheme of an export with how many of its linears it holds: a compressed-tensors
+    ``config_groups`` entry (weights / inputs), or a ModelOpt ``quant_algo`` (each
+    ``quantized_layers`` entry's of a ``MIXED_PRECISION`` one). Empty for no export."""
+    quantized = sorted({k.rsplit(".", 1)[0] for k in entries if k.endswith(_QUANT_LEAVES)})
+    out: dict[str, str] = {}
+    cfg = read_json(path / "config.json") if (path / "config.json").exists() else {}
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    groups = qc.get("config_groups") if isinstance(qc, dict) else None
+    if isinstance(groups, dict) and groups:
+        left = list(quantized)
+        for g, v in groups.items():
+            if not isinstance(v, dict):
+                continue
+            match = _ct_matcher([str(t) for t in v.get("targets") or []])
+            mine = [m for m in left if match(m)]
+            left = [m for m in left if m not in mine]
+            w, i = _ct_args(v.get("weights")), _ct_args(v.get("input_activations"))
+            out[g] = f"{w} weights, {i} inputs: {len(mine)} linears"
+        return out
+    hq = path / "hf_quant_config.json"
+    if not hq.exists():
+        return out
+    q = read_json(hq, what="ModelOpt config").get("quantization") or {}
+    layers = q.get("quantized_layers") if isinstance(q, dict) else None
+    counts: dict[str, int] = {}
+    if isinstance(layers, dict) and layers:
+        for v in layers.values():
+            algo = str(v.get("quant_algo") if isinstance(v, dict) else v)
+            counts[algo] = counts.get(algo, 0) + 1
+    elif isinstance(q, dict) and q.get("quant_algo"):
+        counts[str(q["quant_algo"])] = len(quantized)
+    return {algo: f"{n} linears" for algo, n in counts.items()}
 
 
 def _get(d: Any, key: str, leaf: str) -> Any:

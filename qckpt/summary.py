@@ -190,7 +190,7 @@ def figures(data: dict[str, Any]) -> list[str]:
 # what ``inspect`` says by default, of whatever its kind of path holds (the rest: --verbose)
 _INSPECT_KEYS = ("framework", "version", "architecture", "layers", "routed_experts", "stacking",
                  "mapped_tensors", "leftover", "files", "tensors", "bytes", "dtypes", "model_type",
-                 "quant_method", "quant_format", "scales", "quantizers", "calibrated", "amax_min",
+                 "quant_method", "quant_format", "schemes", "scales", "quantizers", "calibrated", "amax_min",
                  "amax_max")  # fmt: skip
 
 

@@ -97,19 +97,26 @@ def test_end_to_end(tmp_path, config):
         assert {"model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"} <= names
 
     # qckpt check passes the export, and the same recipe in the ModelOpt layout (every example
-    # recipe is one ModelOpt expresses: FP8, or FP8_PER_CHANNEL_PER_TOKEN for channel/dynamic)
+    # recipe is one ModelOpt expresses: FP8, or FP8_PER_CHANNEL_PER_TOKEN for channel/dynamic;
+    # tiny-moe-mixed: MIXED_PRECISION, NVFP4 experts beside FP8 attention)
+    mixed = load_recipe(recipe).quant.mixed
     r = run_qckpt("check", str(run / "fp8"), cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.count("\n") == 1 and ": OK (" in r.stdout, r.stdout
     mo = [*sets[:-1], f"export.output={run}/mo", "--set", "export.format=modelopt"]
     r = run_qckpt("export", str(recipe), *mo, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     r = run_qckpt("check", str(run / "mo"), cwd=tmp_path)
-    assert r.returncode == 0 and ": OK (modelopt FP8" in r.stdout, r.stdout
+    want = ": OK (modelopt NVFP4 + FP8" if mixed else ": OK (modelopt FP8"
+    assert r.returncode == 0 and want in r.stdout, r.stdout
 
     r = run_qckpt("inspect", str(run / "fp8"), "--json", str(run / "ei.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert json.loads((run / "ei.json").read_text())["kind"] == "export"
 
+    if mixed:
+        # transformers cannot dequantize NVFP4 MoE experts of a compressed-tensors export
+        # (docs/CLIENTS.md; the export warns): its logits would say nothing about the export
+        return
     # transformers (with compressed-tensors) loads the export; logits stay close to BF16
     r = subprocess.run(
         [

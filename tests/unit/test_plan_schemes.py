@@ -31,11 +31,11 @@ def test_each_scheme_is_figured_by_its_own_scheme():
     # NVFP4: 4-bit codes, an E4M3 scale per 16, a float32 global scale, an input scale
     assert experts["export_bytes"] == n // 2 + n // 16 + 48 * 4 + 48 * 4
     assert experts["weights"] == "nvfp4 tensor"
-    # FP8 block 128x128: every 2-D weight of this model is one (partial) block, float32 scale;
-    # dynamic inputs store and calibrate nothing
-    assert attn["weights"] == "fp8 block 128x128" and attn["inputs"].endswith("dynamic")
-    assert attn["export_bytes"] == attn["parameters"] + 8 * 2  # one bf16-sized scale each
-    assert attn["amax_bytes"] == 8 * 4
+    # FP8 per tensor, static inputs: one weight scale (model-dtype sized) and one float32 input
+    # scale per linear in the export; one weight and one input amax each calibrated
+    assert attn["weights"] == attn["inputs"] == "fp8 tensor"
+    assert attn["export_bytes"] == attn["parameters"] + 8 * 2 + 8 * 4
+    assert attn["amax_bytes"] == 8 * (4 + 4)
     assert plain["weights"] == "unquantized" and plain["export_bytes"] == 256 * 64 * 2
     assert res["export_bytes"] == res["other_bytes"] + sum(r["export_bytes"] for r in rows.values())
     assert 4.5 < experts["bits_per_weight"] < 4.6
@@ -125,3 +125,19 @@ def test_nvfp4_experts_of_a_dense_model_is_one_line(model_dirs):
         "qckpt: error: --preset nvfp4-experts: llama is dense (no routed experts); "
         "--preset nvfp4-mlp is its mix (NVFP4 MLP + FP8 attention)"
     )
+
+
+def test_fp8_block_with_dynamic_inputs_stores_one_scale_per_block_and_calibrates_no_input(
+    tmp_path,
+):
+    def block(s):
+        s[1]["weights"] = {"format": "fp8", "granularity": "block", "block_size": [32, 32]}
+        s[1]["inputs"] = {"format": "fp8", "granularity": "block", "block_size": [1, 32],
+                          "dynamic": True}  # fmt: skip
+
+    res = plan(load_recipe(_mixed(tmp_path, block), [NOWHERE]), nproc_per_node=1)
+    (attn,) = [r for r in res.schemes.rows if r.entry == "quant.schemes[1]"]
+    assert attn.inputs == "fp8 block 1x32 dynamic"
+    # q/k/v/o of tiny-moe: 64x64, 32x64, 32x64, 64x64 -> 4 + 2 + 2 + 4 blocks per layer
+    assert attn.amax_bytes == 2 * 12 * 4
+    assert attn.export_bytes == attn.parameters + 2 * 12 * 2

@@ -30,6 +30,7 @@ import torch
 from qckpt.errors import CheckpointError
 from qckpt.evaluate.fused import fused_groups, plan_fused
 from qckpt.formats.act_quant import InputQuant
+from qckpt.formats.scheme import make_scheme
 from qckpt.layouts.registry import source_layout
 from qckpt.layouts.source_layout import QuantWeight, SourceLayout, read_json_if_any
 from qckpt.read.hf_reader import hf_index
@@ -37,6 +38,9 @@ from qckpt.storage.slices import SafetensorsFetch
 
 _EXPERT = re.compile(r"^(?P<pre>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
 _GATE_UP = ("gate_proj", "up_proj", "w1", "w3")
+# input modes whose stored scale is a global scale that divides (NVFP4's): clients share the
+# smallest of a layer's, where FP8 scales share the largest
+_GLOBAL_MODES = frozenset({make_scheme("nvfp4", kind="input").input_mode()})
 
 
 @dataclass
@@ -152,10 +156,15 @@ def _modelopt_input(algo: str, module: str, fetch: SafetensorsFetch) -> InputQua
     return InputQuant("nvfp4", torch.ones((), dtype=torch.float32) / s)
 
 
-def _modelopt_algo(path: Path) -> str:
-    hq = read_json_if_any(path / "hf_quant_config.json") or {}
+def _modelopt_algos(path: Path) -> tuple[str, dict[str, str]]:
+    """(the export's quant_algo, each module's for MIXED_PRECISION: its quantized_layers)."""
+    hq = (read_json_if_any(path / "hf_quant_config.json") or {}).get("quantization") or {}
     qc = (read_json_if_any(path / "config.json") or {}).get("quantization_config") or {}
-    return str((hq.get("quantization") or {}).get("quant_algo") or qc.get("quant_algo"))
+    layers = qc.get("quantized_layers") or hq.get("quantized_layers") or {}
+    per = {
+        m: str(e.get("quant_algo", "")).upper() for m, e in layers.items() if isinstance(e, dict)
+    }
+    return str(hq.get("quant_algo") or qc.get("quant_algo")), per
 
 
 def _share_experts(inputs: dict[str, InputQuant]) -> dict[str, InputQuant]:
@@ -169,7 +178,7 @@ def _share_experts(inputs: dict[str, InputQuant]) -> dict[str, InputQuant]:
     for members in groups.values():
         scales = torch.stack([inputs[m].scale for m in members])  # type: ignore[misc]
         mode = inputs[members[0]].mode
-        shared = scales.min() if mode == "nvfp4" else scales.max()
+        shared = scales.min() if mode in _GLOBAL_MODES else scales.max()
         for m in members:
             out[m] = InputQuant(mode, shared)
     return out
@@ -226,10 +235,10 @@ def read_scheme(path: str | Path, fused: str = "vllm") -> ExportScheme:
             g = _ct_group_of(groups, module)
             inputs[module] = _ct_input((g or {}).get("input_activations"), module, fetch)
     elif layout.name == "modelopt":
-        algo = _modelopt_algo(p)
+        algo, per_layer = _modelopt_algos(p)
         for name in layout.weights:
             module = name[: -len(".weight")]
-            inputs[module] = _modelopt_input(algo, module, fetch)
+            inputs[module] = _modelopt_input(per_layer.get(module, algo), module, fetch)
     else:
         for name in layout.weights:  # DeepSeek-style block FP8: dynamic per-group 128 inputs
             inputs[name[: -len(".weight")]] = InputQuant("fp8_group", group=128)

@@ -71,10 +71,15 @@ def read_layout(index: Index, qc: dict[str, Any] | None, hq: dict[str, Any] | No
         if group != NVFP4_GROUP:
             raise CheckpointError(f"modelopt NVFP4 with group_size {group}: only 16 is read")
         weights = nvfp4_weights(index, "weight", "weight_scale_2", False)
+    elif algo == MO_MIXED:
+        # per layer FP8 (per-tensor) or NVFP4: the stored dtypes tell them apart (F8 codes,
+        # uint8 packed codes), as the quantized_layers map says
+        weights = fp8_weights(index, "_scale", [("tensor", None)])
+        weights.update(nvfp4_weights(index, "weight", "weight_scale_2", False))
     else:
         raise CheckpointError(
             f"modelopt quant_algo {algo!r}: not a source layout qckpt reads (FP8, "
-            "FP8_PER_CHANNEL_PER_TOKEN, NVFP4)"
+            "FP8_PER_CHANNEL_PER_TOKEN, NVFP4, MIXED_PRECISION)"
         )
     return SourceLayout(name="modelopt", detail=str(algo), weights=weights)
 

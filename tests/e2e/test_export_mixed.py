@@ -197,3 +197,42 @@ def test_refused_in_one_line_before_any_work(moe, name, schemes, says):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and says in lines[0], r.stderr
     assert not out.exists()
+
+
+def _one(fmt: str) -> QuantConfig:
+    return QuantConfig(weights=_t(fmt), inputs=_t(fmt))
+
+
+def test_eval_emulates_each_linear_with_its_scheme(moe):
+    """``qckpt eval`` reads each linear's scheme from the export (config_groups targets,
+    quantized_layers): the mix lies between all-FP8 and all-NVFP4."""
+    from qckpt import EvalOptions, evaluate_export
+    from qckpt.evaluate.scheme import read_scheme
+
+    root, model, hf = moe
+    data = root / "heldout.bin"
+    g = torch.Generator().manual_seed(1)
+    data.write_bytes(bytes(torch.randint(0, 256, (4096,), generator=g).tolist()))
+    mixed = root / "mo"
+    if not mixed.exists():
+        _export(moe, "modelopt", False, "mo")
+    s = read_scheme(mixed)
+    assert s.inputs["model.layers.0.self_attn.q_proj"].mode == "fp8_static"
+    assert s.inputs["model.layers.0.mlp.experts.5.up_proj"].mode == "nvfp4"
+    from qckpt.formats.scheme import Fp8Scheme, Nvfp4Scheme
+
+    assert isinstance(s.weights["model.layers.0.mlp.experts.5.up_proj.weight"].scheme, Nvfp4Scheme)
+    assert isinstance(s.weights["model.layers.0.self_attn.v_proj.weight"].scheme, Fp8Scheme)
+    ct = read_scheme(root / "ct") if (root / "ct").exists() else None
+    if ct is not None:
+        assert ct.inputs["model.layers.1.self_attn.o_proj"].mode == "fp8_group"
+        assert ct.inputs["model.layers.1.mlp.experts.0.down_proj"].mode == "nvfp4"
+    opts = EvalOptions(windows=2, seq_len=64)
+    kl = {}
+    for fmt in ("fp8", "nvfp4"):
+        out = root / f"all-{fmt}"
+        run_export(model, hf, make_calibration(model, _one(fmt)), out, _one(fmt), fmt="modelopt")
+        kl[fmt] = evaluate_export(out, hf, data, opts)["kl_mean"]
+    rep = evaluate_export(mixed, hf, data, opts)
+    assert rep["emulated"] == {"linears": 8, "experts": 16, "kv_cache_layers": 0}
+    assert kl["fp8"] < rep["kl_mean"] < kl["nvfp4"], (kl, rep["kl_mean"])

@@ -286,7 +286,7 @@ def inspect_hf_dir(path: Path, layout: bool = True) -> dict[str, Any]:
     out.update(_summarize_tensors(entries))
     out.update(_quant_summary(path))
     schemes = export_schemes(path, entries)
-    if schemes:
+    if len(schemes) > 1:  # a mixed export; a one-scheme one reads as it did before
         out["schemes"] = schemes
     out["scales"] = sum(1 for k in entries if k.endswith(("_scale", "_scale_2")))
     cfg = read_json(path / "config.json") if (path / "config.json").exists() else {}

@@ -98,7 +98,8 @@ class PlanResult:
                 for label, cmds in self.extra.items()
             },
             "notes": self.notes,
-            **(self.schemes.to_dict() if self.schemes is not None else {}),
+            # per scheme for a mixed recipe; a one-scheme plan keeps its keys
+            **(self.schemes.to_dict() if self.schemes is not None and self.schemes.mixed else {}),
         }
 
 

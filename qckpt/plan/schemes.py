@@ -68,6 +68,7 @@ class SchemeRow:
 @dataclass(kw_only=True)
 class SchemePlan:
     rows: list[SchemeRow] = field(default_factory=list)
+    mixed: bool = False  # quant.schemes (a one-scheme recipe's plan reads as it did before)
     other_bytes: int = 0  # embeddings, norms, routers, biases: at the model dtype
     # the model's modules no scheme quantizes (what calibration keeps no statistics for)
     unquantized: frozenset[str] = frozenset()
@@ -150,6 +151,7 @@ def plan_schemes(
     used = [r for r in rows if r.linears] + ([plain] if plain.linears else [])
     return SchemePlan(
         rows=used,
+        mixed=bool(quant.mixed),
         other_bytes=max(0, model_bytes - linear_bytes),
         unquantized=frozenset(unquantized),
     )

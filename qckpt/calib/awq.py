@@ -31,24 +31,20 @@ at the price of a coarser search.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from qckpt.calib import gptq
+from qckpt.formats.scheme import SCHEMES, Scheme
 
 GRID = 20
 FLOOR = 1e-5  # a channel's mean |x| is at least this fraction of the largest (dead channels)
 
 
-@dataclass(frozen=True)
-class Spec:
-    """How a tensor is quantized: format, granularity (weights: tensor / channel / block;
-    NVFP4: its global amax, blocks of 16 by the max rule) and the weight block."""
-
-    fmt: str
-    granularity: str = "tensor"
-    block: tuple[int, int] = (128, 128)
+def Spec(fmt: str, granularity: str = "tensor", block=(128, 128)) -> Scheme:  # noqa: N802
+    """The :class:`Scheme` of a tensor quantized as ``fmt`` / ``granularity`` / ``block`` (a
+    weight's: NVFP4 is its global amax, blocks of 16 by the max rule). AWQ's specs are schemes;
+    this spelling stays for callers that name a format."""
+    return SCHEMES[fmt](granularity=granularity, block=tuple(int(b) for b in block))
 
 
 def alphas(grid: int = GRID) -> list[float]:
@@ -88,10 +84,10 @@ def expand_heads(t: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> t
 # -- quantization as the export does it --------------------------------------------------------
 
 
-def weight_amax(w: torch.Tensor, spec: Spec) -> torch.Tensor:
+def weight_amax(w: torch.Tensor, spec: Scheme) -> torch.Tensor:
     """The max-calibration amax of a 2-D weight for ``spec`` (float32)."""
     a = w.detach().abs().to(torch.float32)
-    if spec.fmt == "nvfp4" or spec.granularity == "tensor":
+    if spec.scalar_amax:
         return a.amax()
     if spec.granularity == "channel":
         return a.amax(dim=1)
@@ -102,29 +98,26 @@ def weight_amax(w: torch.Tensor, spec: Spec) -> torch.Tensor:
     return a.reshape(a.shape[0] // b0, b0, a.shape[1] // b1, b1).amax(dim=(1, 3))
 
 
-def fake_quant(w: torch.Tensor, spec: Spec, amax: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quant(w: torch.Tensor, spec: Scheme, amax: torch.Tensor | None = None) -> torch.Tensor:
     """``w`` (2-D) quantized and dequantized (float32) with ``amax`` (max calibration's when
     None), by the export's rule (:mod:`qckpt.calib.gptq`'s quantizer): FP8 per tensor / row /
     block, NVFP4 with per-16 E4M3 block scales along the last dim."""
     w = w.detach().to(torch.float32)
     amax = weight_amax(w, spec) if amax is None else amax
-    gran = "tensor" if spec.fmt == "nvfp4" else spec.granularity
-    cq = gptq.ColumnQuantizer(spec.fmt, gran, amax, tuple(w.shape), spec.block)
+    cq = gptq.ColumnQuantizer(spec, amax, tuple(w.shape))
     return gptq.round_to_nearest(w.clone(), cq)
 
 
-def input_spec(fmt: str, granularity: str) -> Spec | None:
+def input_spec(scheme: Scheme) -> Scheme | None:
     """The input quantization the loss includes: static per-tensor FP8; None for the rest.
     NVFP4 inputs are left out on the evidence: on the shared Llama the term made NVFP4 W4A4
     worse (+1.780 % against +1.588 % without it, max +1.764 %), while for static FP8 inputs
     it took W8A8 from +0.199 % to +0.129 % (max +0.118 %); dynamic FP8 is scaled per token."""
-    if fmt == "fp8" and granularity == "tensor":
-        return Spec("fp8")
-    return None
+    return scheme if scheme.static_tensor_scale else None
 
 
 def input_error_sums(
-    x: torch.Tensor, s: torch.Tensor, ispec: Spec, xs_amax: float, bits: int
+    x: torch.Tensor, s: torch.Tensor, ispec: Scheme, xs_amax: float, bits: int
 ) -> torch.Tensor:
     """Per input channel, the squared quantization error of ``x / s`` (quantized by
     ``ispec`` under the amax ``xs_amax`` of ``x / s``) summed over the rows, in units of
@@ -151,7 +144,7 @@ def folded(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return (w.detach().to(torch.float32) * s.to(w.device, torch.float32)).to(w.dtype).float()
 
 
-def candidate(w: torch.Tensor, s: torch.Tensor, spec: Spec) -> torch.Tensor:
+def candidate(w: torch.Tensor, s: torch.Tensor, spec: Scheme) -> torch.Tensor:
     """The consumer's effective weight for scales ``s``: ``Q(W diag(s))``, float32 (its input
     is ``x / s``)."""
     return fake_quant(folded(w, s), spec)
@@ -172,7 +165,7 @@ def best(losses: list[float]) -> int:
 
 
 def search_linear(
-    x: torch.Tensor, w: torch.Tensor, spec: Spec, *, grid: int = GRID, pow2: bool = False
+    x: torch.Tensor, w: torch.Tensor, spec: Scheme, *, grid: int = GRID, pow2: bool = False
 ) -> tuple[int, list[float], torch.Tensor]:
     """One linear's search on one process (the math of the pass without its exchanges):
     (the chosen candidate's index, the output error of every candidate, its scales)."""

@@ -38,10 +38,9 @@ import torch
 from torch import nn
 
 from qckpt.calib import awq
-from qckpt.calib.awq import Spec
 from qckpt.calib.instrument import ExpertsInfo, Instrumentation
 from qckpt.errors import CalibrationError
-from qckpt.formats.shapes import weight_block
+from qckpt.formats.scheme import Scheme
 from qckpt.models.naming import is_fused_experts
 
 
@@ -52,8 +51,8 @@ class Consumer:
     key: str
     site: str  # where its rows come from (its input's X^T X)
     weight: Callable[[], torch.Tensor] | None  # its [out, in] weight here; None: another rank's
-    wspec: Spec | None  # its quantization; None: not quantized (folded only)
-    ispec: Spec | None = None  # its input's quantization (in the loss)
+    wspec: Scheme | None  # its quantization; None: not quantized (folded only)
+    ispec: Scheme | None = None  # its input's quantization (in the loss)
 
 
 @dataclass
@@ -80,7 +79,7 @@ class LayerPlan:
     experts: list[tuple[ExpertsInfo, object]] = field(default_factory=list)  # (info, observer)
     skipped: list[str] = field(default_factory=list)
     # the layer's quantized weights (a view each, their spec): what the outputs pass quantizes
-    quantized: list[tuple[Callable[[], torch.Tensor], Spec]] = field(default_factory=list)
+    quantized: list[tuple[Callable[[], torch.Tensor], Scheme]] = field(default_factory=list)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -91,10 +90,10 @@ class LayerPlan:
         return out
 
     @property
-    def inputs(self) -> dict[str, tuple[int, Spec]]:
+    def inputs(self) -> dict[str, tuple[int, Scheme]]:
         """Every quantized consumer's input site whose input is quantized too: (its group's
         index, the input's spec), in group order."""
-        out: dict[str, tuple[int, Spec]] = {}
+        out: dict[str, tuple[int, Scheme]] = {}
         for gi, g in enumerate(self.groups):
             for c in g.quantized:
                 if c.ispec is not None:
@@ -113,12 +112,9 @@ class LayerPlan:
         return out
 
 
-def weight_spec(q) -> Spec:
-    """A weight quantizer's :class:`Spec`."""
-    if q.format == "nvfp4":
-        return Spec("nvfp4")
-    block = weight_block(q.block_size) if q.granularity == "block" else (128, 128)
-    return Spec(q.format, q.granularity, block)
+def weight_spec(q) -> Scheme:
+    """A weight quantizer's scheme (what AWQ's loss quantizes the weight as)."""
+    return q.scheme
 
 
 class _Specs:
@@ -132,19 +128,19 @@ class _Specs:
         q = self.q.get(f"{name}.{kind}_amax")
         return q if q is not None and id(q) in self.on else None
 
-    def weight(self, name: str) -> Spec | None:
+    def weight(self, name: str) -> Scheme | None:
         q = self._get(name, "weight")
         return None if q is None else weight_spec(q)
 
-    def input(self, name: str) -> Spec | None:
+    def input(self, name: str) -> Scheme | None:
         q = self._get(name, "input")
-        return None if q is None else awq.input_spec(q.format, q.granularity)
+        return None if q is None else awq.input_spec(q.scheme)
 
-    def expert(self, info: ExpertsInfo, e: int, role: str) -> tuple[Spec | None, Spec | None]:
+    def expert(self, info: ExpertsInfo, e: int, role: str) -> tuple[Scheme | None, Scheme | None]:
         wq, iq = info.weight_q.get(e, {}).get(role), info.input_q.get(e, {}).get(role)
         ws = weight_spec(wq) if wq is not None and id(wq) in self.on else None
         on_in = iq is not None and id(iq) in self.on
-        return ws, awq.input_spec(iq.format, iq.granularity) if on_in else None
+        return ws, awq.input_spec(iq.scheme) if on_in else None
 
 
 def layer_plan(model: nn.Module, layer: nn.Module, prefix: str, instr, on: set[int]) -> LayerPlan:

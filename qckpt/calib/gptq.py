@@ -22,11 +22,10 @@ import math
 import torch
 
 from qckpt.formats.numerics import div_f32, f64_const
-from qckpt.formats.nvfp4 import E2M1_MAX, E4M3_MAX, e2m1_round, max_block_scales
+from qckpt.formats.nvfp4 import E2M1_MAX, e2m1_round, max_block_scales
+from qckpt.formats.scheme import FP8_MAX, Scheme
 
 BLOCK = 128
-NVFP4_GROUP = 16
-FP8_MAX = 448.0
 
 
 def grid_bits(tokens: int) -> int:
@@ -79,34 +78,28 @@ def input_aware_target(w: torch.Tensor, h: torch.Tensor, c: torch.Tensor, percda
 class ColumnQuantizer:
     """Fake quantization of columns of a ``[rows, cols]`` weight as the export quantizes."""
 
-    def __init__(
-        self,
-        fmt: str,
-        granularity: str,
-        amax: torch.Tensor,
-        shape,
-        block=(128, 128),
-        search: bool = False,
-    ):
+    def __init__(self, scheme: Scheme, amax: torch.Tensor, shape, search: bool = False):
         rows, cols = shape
-        self.fmt, self.granularity, self.block = fmt, granularity, tuple(block)
+        self.scheme, self.granularity, self.block = scheme, scheme.granularity, scheme.block
+        # block scales made group by group under a global scale (NVFP4), else FP8's own scales
+        self.grouped, self.group = scheme.block_scaled, scheme.group
         self.search = search  # NVFP4: each group's scale searched (mse) instead of the max rule
         a = amax.detach().to(torch.float32)
-        if fmt == "nvfp4":
+        if self.grouped:
             from qckpt.formats.numerics import float_scale
 
-            gs = float_scale(a.reshape(()).clamp_min(1e-12), E2M1_MAX * E4M3_MAX)
+            gs = float_scale(a.reshape(()).clamp_min(1e-12), scheme.qmax)
             self.gs, self.gs64 = gs, gs.to(torch.float64)
             self.inv_gs = (1.0 / self.gs64).to(torch.float32)
             self.block_scales = torch.empty(
-                (rows, -(-cols // NVFP4_GROUP)), dtype=torch.float8_e4m3fn
+                (rows, -(-cols // self.group)), dtype=torch.float8_e4m3fn
             )
             self._sb: torch.Tensor | None = None
             return
         s = div_f32(a.clamp_min(1e-12), f64_const(FP8_MAX, a.device))
-        if granularity == "tensor":
+        if self.granularity == "tensor":
             self.scale = s.reshape(1, 1).expand(rows, cols)
-        elif granularity == "channel":
+        elif self.granularity == "channel":
             self.scale = s.reshape(rows, 1).expand(rows, cols)
         else:
             b0, b1 = self.block
@@ -122,16 +115,16 @@ class ColumnQuantizer:
 
             sb, *_ = nvfp4_chunk(w.to(torch.float32), self.gs, self.gs64, self.inv_gs)
             self._sb = sb[:, 0]
-            self.block_scales[:, col // NVFP4_GROUP] = self._sb
+            self.block_scales[:, col // self.group] = self._sb
             return
         bmax = w.abs().amax(dim=1).to(torch.float32)
         six64 = f64_const(E2M1_MAX, w.device)
         self._sb = max_block_scales(bmax, six64, self.gs64).to(torch.float8_e4m3fn)
-        self.block_scales[:, col // NVFP4_GROUP] = self._sb
+        self.block_scales[:, col // self.group] = self._sb
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` (``w``: its current values, float32 ``[rows]``)."""
-        if self.fmt == "nvfp4":
+        if self.grouped:
             sbf = self._sb.to(torch.float32)
             y = (w * (self.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX)
             return e2m1_round(y) * (self.gs * sbf)
@@ -258,8 +251,10 @@ def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int, last: 
     for k, (h, q) in enumerate(zip(hs, qs, strict=True)):
         given, perm = h, None
         if act_order:
-            if q.fmt == "nvfp4":
-                raise ValueError("act_order with NVFP4: its 16-column groups must run in order")
+            if q.grouped:
+                raise ValueError(
+                    f"act_order with {q.scheme.name}: its {q.group}-column groups must run in order"
+                )
             perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
             W[k] = W[k][:, perm]
             h = h[perm][:, perm]
@@ -281,8 +276,8 @@ def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int, last: 
         U1 = U[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if bq.fmt == "nvfp4" and col % NVFP4_GROUP == 0:
-                bq.start_group(W1[:, :, i : i + NVFP4_GROUP], col)
+            if bq.grouped and col % bq.group == 0:
+                bq.start_group(W1[:, :, i : i + bq.group], col)
             q = bq(W1[:, :, i], col)  # bq reads its column, never writes it
             Q[:, :, col] = q
             err = (W1[:, :, i] - q) / U1[:, i, i].unsqueeze(1)
@@ -305,8 +300,8 @@ class _StackedQuantizer:
     leading dim, the same elementwise operations as :class:`ColumnQuantizer`'s."""
 
     def __init__(self, qs: list[ColumnQuantizer]):
-        self.qs, self.fmt = qs, qs[0].fmt
-        if self.fmt == "nvfp4":
+        self.qs, self.grouped, self.group = qs, qs[0].grouped, qs[0].group
+        if self.grouped:
             self.search = qs[0].search
 
             def col(name):
@@ -335,13 +330,13 @@ class _StackedQuantizer:
             bmax = w.abs().amax(dim=2).to(torch.float32)
             six64 = f64_const(E2M1_MAX, w.device)
             self._sb = max_block_scales(bmax, six64, self.gs64).to(torch.float8_e4m3fn)
-        self.block_scales[:, :, col // NVFP4_GROUP] = self._sb
+        self.block_scales[:, :, col // self.group] = self._sb
         sbf = self._sb.to(torch.float32)
         self._rec, self._step = self.inv_gs / sbf, self.gs * sbf
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` of each linear (``w``: ``[N, rows]`` float32)."""
-        if self.fmt == "nvfp4":  # the group's two factors made once, at start_group
+        if self.grouped:  # the group's two factors made once, at start_group
             y = (w * self._rec).clamp_(-E2M1_MAX, E2M1_MAX)
             return e2m1_round(y) * self._step
         s = self.scale[:, :, col]
@@ -349,7 +344,7 @@ class _StackedQuantizer:
 
     def finish(self) -> None:
         """Each linear's NVFP4 block scales back into its own quantizer (the export's)."""
-        if self.fmt == "nvfp4":
+        if self.grouped:
             for q, sb in zip(self.qs, self.block_scales, strict=True):
                 q.block_scales.copy_(sb)
 
@@ -358,12 +353,12 @@ def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tenso
     """Every column rounded to nearest with ``quantizer``'s scales, at once (what GPTQ's
     column loop gives with nothing spread); NVFP4's block scales by the max rule, kept."""
     rows, cols = W.shape
-    if quantizer.fmt != "nvfp4":
+    if not quantizer.grouped:
         s = quantizer.scale
         return (W / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
     from qckpt.formats.rowblock import padded_blocks
 
-    blocks = padded_blocks(W, NVFP4_GROUP)  # [rows, nb, 16]
+    blocks = padded_blocks(W, quantizer.group)  # [rows, nb, group]
     bmax = blocks.abs().amax(dim=-1)
     six64 = f64_const(E2M1_MAX, W.device)
     sb = max_block_scales(bmax, six64, quantizer.gs64).to(torch.float8_e4m3fn)

@@ -315,7 +315,7 @@ def _share_fused_nvfp4(instr, on, inside: str, pair: dict[int, torch.Tensor]) ->
         if (q := src.quantizer).expert_layer is None
         and id(q) in on
         and q.name.startswith(inside)
-        and q.format == "nvfp4"
+        and q.scheme.fused_global
         and q.amax is not None
     }
     for group in fused_parts(list(dense)):
@@ -458,9 +458,9 @@ def _quantize_layer(model, lin: list[_Linear], hs, cs, unit, opts: GptqOptions, 
     with torch.no_grad():
         jobs = [_job(model, x, opts) for x in lin]
         groups: dict[tuple, list[int]] = {}
-        for k, (_, w, make, _) in enumerate(jobs):
+        for k, (_, w, _, _) in enumerate(jobs):
             q = lin[k].src.quantizer
-            key = (tuple(w.shape), q.format, make.args[1], tuple(q.block_size or ()), str(w.device))
+            key = (tuple(w.shape), q.scheme, str(w.device))
             groups.setdefault(key, []).append(k)
         new: dict[int, tuple[torch.Tensor, tuple[float, float] | None]] = {}
         for ks in groups.values():
@@ -492,8 +492,7 @@ def _job(model, x: _Linear, opts: GptqOptions):
     GPTQ runs with)."""
     q = x.src.quantizer
     w = x.src.take(model.get_parameter(x.src.param))
-    gran = "tensor" if q.format == "nvfp4" else q.granularity
-    make = partial(gptq.ColumnQuantizer, q.format, gran, x.amax, tuple(w.shape), q.block_size)
+    make = partial(gptq.ColumnQuantizer, q.scheme, x.amax, tuple(w.shape))
     return q, w, make, make(search=opts.block_search)
 
 
@@ -517,7 +516,7 @@ def _finish_one(x: _Linear, job, new, losses, unit: float, res: GptqResult, row)
     else:
         row["rounded"] += 1
     w.copy_(new.to(w.dtype))
-    if q.format == "nvfp4":
+    if cq.grouped:
         res.block_scales[q.name] = cq.block_scales.clone()
     res.done.add(q.name)
     row["linears"] += 1
@@ -560,7 +559,7 @@ def _share_names(instr: Instrumentation, mesh: Mesh, on: set[int], inside: str) 
         q = src.quantizer
         if id(q) in on and q.name.startswith(inside) and _writes(q, mesh):
             out.append(f"{q.name}.weight")
-            if q.format == "nvfp4":
+            if q.scheme.block_scaled:
                 out.append(f"{q.name}.weight_block_scale")
     return out
 

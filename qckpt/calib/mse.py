@@ -33,9 +33,9 @@ import torch
 
 from qckpt.formats.numerics import div_f32, f64_const
 from qckpt.formats.nvfp4_search import nvfp4_mse_quantize
+from qckpt.formats.scheme import FP8_MAX
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 WEIGHT_RATIOS = tuple(1.0 - k / 32 for k in range(16))  # 1.0 .. 0.53
 GLOBAL_RATIOS = tuple(1.0 - k / 16 for k in range(6))  # 1.0 .. 0.69
 INPUT_RATIOS = tuple(1.0 - k / 64 for k in range(48))  # 1.0 .. 0.27

@@ -54,7 +54,7 @@ class MseResult:
 
 def _clip_of(q: TensorQuantizer, kind: str, store: AmaxStore, local: bool) -> TensorQuantizer:
     return TensorQuantizer(
-        q.name, kind, shape=q.shape, granularity=q.granularity, fmt=q.format, axis=q.axis,
+        q.name, kind, shape=q.shape, granularity=q.granularity, scheme=q.scheme, axis=q.axis,
         block_size=q.block_size, calib_dtype=torch.float32, device="cpu", store=store,
         local=local, expert_layer=q.expert_layer, expert=q.expert,
     )  # fmt: skip
@@ -62,7 +62,7 @@ def _clip_of(q: TensorQuantizer, kind: str, store: AmaxStore, local: bool) -> Te
 
 def static_fp8_input(q: TensorQuantizer) -> bool:
     """An input whose scale the export stores (static, per tensor, FP8): what the search sets."""
-    return q.kind == "input" and q.enabled and q.granularity == "tensor" and q.format == "fp8"
+    return q.kind == "input" and q.enabled and q.scheme.static_tensor_scale
 
 
 def run_mse(
@@ -124,7 +124,7 @@ def _weight_clips(model: nn.Module, wclips) -> dict[str, tuple[float, float]]:
             if amax is None:
                 raise CalibrationError(f"{q.key}: no weight amax to search from")
             w = src.take(model.get_parameter(src.param))
-            if q.format == "nvfp4":
+            if q.scheme.block_scaled:
                 clip, lo, hi = mse.nvfp4_weight_clip(w, amax)
             else:
                 block = weight_block(q.block_size)

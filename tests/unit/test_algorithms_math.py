@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qckpt.calib import gptq, mse
+from qckpt.calib.awq import Spec
 from qckpt.formats import nvfp4_search, quantize
 from qckpt.formats.nvfp4 import e2m1_values
 
@@ -94,7 +95,7 @@ def test_gptq_lowers_the_output_error_against_round_to_nearest(fmt, gran):
     amax = w.abs().amax(dim=1) if gran == "channel" else w.abs().max()
 
     def quantizer():
-        return gptq.ColumnQuantizer(fmt, gran or "tensor", amax, tuple(w.shape))
+        return gptq.ColumnQuantizer(Spec(fmt, gran or "tensor"), amax, tuple(w.shape))
 
     rtn = gptq.round_to_nearest(w.clone(), quantizer())
     q, _ = gptq.gptq(w, h, quantizer())
@@ -115,7 +116,7 @@ def test_the_export_writes_gptqs_codes_from_its_bf16_weights_and_block_scales(se
     x = _correlated(512, 64)
     w = 0.05 * torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
     h = gptq.hessian_add(None, x, float(x.abs().max()), gptq.grid_bits(512))
-    cq = gptq.ColumnQuantizer("nvfp4", "tensor", w.abs().max(), tuple(w.shape), search=search)
+    cq = gptq.ColumnQuantizer(Spec("nvfp4"), w.abs().max(), tuple(w.shape), search=search)
     q, _ = gptq.gptq(w, h, cq)
     stored = q.to(torch.bfloat16)  # what the sidecar holds
     packed, sb, gs = nvfp4_search.nvfp4_with_scales(stored.float(), w.abs().max(), cq.block_scales)
@@ -156,7 +157,7 @@ def test_gptq_of_linears_side_by_side_gives_each_its_own_values(
             amax = w.abs().max()
 
         def quantizer():
-            return gptq.ColumnQuantizer(fmt, gran, amax, shape, block=(128, 128), search=search)
+            return gptq.ColumnQuantizer(Spec(fmt, gran), amax, shape, search=search)
 
         return w, h, quantizer
 
@@ -200,7 +201,7 @@ def test_gptq_on_quantized_inputs_lowers_the_w4a4_output_error():
     assert bool((c == c.round()).all())  # exact integer sums, as the Hessian's
 
     def quantizer():
-        return gptq.ColumnQuantizer("nvfp4", "tensor", w.abs().max(), tuple(w.shape))
+        return gptq.ColumnQuantizer(Spec("nvfp4"), w.abs().max(), tuple(w.shape))
 
     q_src, _ = gptq.gptq(w, h_src, quantizer())
     aim = gptq.input_aware_target(w, h_q, c, 0.01)

@@ -112,8 +112,9 @@ def test_the_input_term_is_the_inputs_quantization_error_exactly_summed(fmt):
     q = awq.candidate(w, s, Spec("nvfp4"))
     direct = float((q.double().square().sum(dim=0) * e.double().square().sum(dim=0)).sum())
     assert awq.input_loss(q, whole, xs_amax, bits) == pytest.approx(direct, rel=1e-9)
-    assert awq.input_spec("fp8", "tensor") == Spec("fp8")
-    assert awq.input_spec("nvfp4", "dynamic_block") is None  # measured worse: QUALITY_ALGORITHMS
+    assert awq.input_spec(Spec("fp8")) == Spec("fp8")
+    assert awq.input_spec(Spec("fp8", "block")) is None  # per block: no one stored scale
+    assert awq.input_spec(Spec("nvfp4")) is None  # measured worse: QUALITY_ALGORITHMS
 
 
 def _random_scales(g, dim: int, tie, pow2: bool) -> torch.Tensor:

@@ -83,6 +83,19 @@ class Scheme:
         an unquantized side and a dynamic input (scaled per batch at run time) do not."""
         return self.quantized and not (kind == "input" and self.dynamic)
 
+    @property
+    def block_scaled(self) -> bool:
+        """Whether quantizing makes a scale per ``group`` values under a calibrated global
+        scale (amax / qmax; NVFP4): GPTQ and the mse search make them group by group."""
+        return bool(self.group) and self.calibrates("weight")
+
+    @property
+    def static_tensor_scale(self) -> bool:
+        """Whether this side has one static stored scale per tensor (amax / qmax) and no block
+        scales made when quantizing (FP8 per tensor): the scale a search may clip."""
+        static = self.quantized and not self.dynamic and not self.group
+        return static and self.granularity == "tensor"
+
     def amax_shape(self, kind: str, shape: Sequence[int]) -> tuple[int, ...]:
         """The calibrated amax of a ``kind`` tensor of ``shape`` (see :func:`amax_shape`)."""
         from qckpt.formats.shapes import amax_shape

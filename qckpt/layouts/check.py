@@ -564,9 +564,13 @@ def _check_tensors(res: CheckResult, smap: SchemeMap, cfg: dict, qc: dict, tenso
         module, _, leaf = name.rpartition(".")
         if leaf in codes and t.dtype in ("F8_E4M3", "U8"):
             scheme = smap.of(module)
-            if scheme is not None and leaf != scheme.codes_leaf:
-                continue  # another scheme's codes leaf: not this module's codes
             quantized.add(module)
+            if scheme is not None and leaf != scheme.codes_leaf:
+                p.append(
+                    f"{name}: {t.dtype} codes, but the config quantizes {module} as "
+                    f"{scheme.name} (its codes are {scheme.codes_leaf})"
+                )
+                continue
             if ignored(module):
                 p.append(f"{module}: quantized, but the ignore list names it")
             if scheme is None:

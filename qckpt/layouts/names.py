@@ -21,7 +21,7 @@ its ``make_fixtures.py``) and vLLM 0.26 reads:
 from __future__ import annotations
 
 # qckpt.formats.scheme's constants, repeated because importing qckpt.formats imports torch
-# and ``qckpt check`` runs without it (tests/unit/test_mixed_export.py compares them)
+# and ``qckpt check`` runs without it (tests/e2e/test_export_mixed.py compares them)
 FP8_MAX = 448.0
 
 

@@ -236,3 +236,39 @@ def test_eval_emulates_each_linear_with_its_scheme(moe):
     rep = evaluate_export(mixed, hf, data, opts)
     assert rep["emulated"] == {"linears": 8, "experts": 16, "kv_cache_layers": 0}
     assert kl["fp8"] < rep["kl_mean"] < kl["nvfp4"], (kl, rep["kl_mean"])
+
+
+def test_check_finds_a_fused_group_split_over_groups(moe, tmp_path):
+    """``qckpt check`` on a mixed export whose config gives q_proj another group than k/v."""
+    import shutil
+
+    from qckpt.layouts.check import check_export
+
+    root, _, _ = moe
+    src = root / "ct"
+    if not src.exists():
+        _export(moe, "compressed-tensors", True, "ct")
+    assert check_export(src).ok
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    groups = cfg["quantization_config"]["config_groups"]
+    q = "model.layers.0.self_attn.q_proj"
+    groups["group_1"]["targets"].remove(q)
+    groups["group_0"]["targets"].append(q)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    res = check_export(bad)
+    assert not res.ok
+    assert any(q in p and "NVFP4" in p for p in res.problems), res.problems
+    assert any("clients load them as one weight" in p for p in res.problems), res.problems
+
+
+def test_names_repeat_the_scheme_constants():
+    from qckpt.formats import scheme
+    from qckpt.layouts import names
+
+    assert (names.FP8_MAX, names.FP4_MAX, names.NVFP4_GROUP) == (
+        scheme.FP8_MAX,
+        scheme.FP4_MAX,
+        scheme.NVFP4_GROUP,
+    )

@@ -65,6 +65,8 @@ CASES = [
     Case("tiny-dense", "configs/tiny-dense.yaml"),
     Case("tiny-moe", "configs/tiny-moe.yaml"),
     Case("tiny-dense-channel-kv", "configs/tiny-dense-channel-kv.yaml"),
+    # several schemes in one export: NVFP4 experts, FP8 attention, BF16 routers and lm_head
+    Case("tiny-moe-mixed", "configs/tiny-moe-mixed.yaml"),
     # the same recipes reaching the other formats, scales, algorithms and shard splits
     Case("tiny-moe-nvfp4", "configs/tiny-moe.yaml", MOE_NVFP4),
     Case(

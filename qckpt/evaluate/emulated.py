@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from qckpt.formats.act_quant import InputQuant, fp8_static
+from qckpt.formats.scheme import FP8_MAX
 
 
 class EmulatedLinear(nn.Module):
@@ -76,7 +77,7 @@ def kv_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Keys or values through an FP8 KV cache with a static per-tensor scale: stored as
     ``e4m3(x / scale)``, read back times the scale (in the model dtype)."""
     s = scale.to(device=t.device, dtype=torch.float32)
-    codes = (t.to(torch.float32) / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    codes = (t.to(torch.float32) / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return (codes.to(torch.float32) * s).to(t.dtype)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from qckpt.formats.scheme import FP8_MAX
 from qckpt.layouts.source_layout import QuantWeight
 from qckpt.models.fused import FUSED_GROUPS
 
@@ -81,7 +82,7 @@ def requantized(w: QuantWeight, fetch: Any, smax: torch.Tensor) -> torch.Tensor:
     # so the product is computed in float16 with the scale rounded to float16 as well
     dq = codes.to(torch.float16) * _scalar(fetch, w.scale).to(torch.float16)
     inv = torch.ones((), dtype=torch.float32) / smax
-    q = (dq.to(torch.float32) * inv).clamp_(-448.0, 448.0).to(FP8)
+    q = (dq.to(torch.float32) * inv).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q.to(torch.float32) * smax
 
 

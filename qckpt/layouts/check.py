@@ -3,7 +3,10 @@
 Torch-free (the safetensors headers are JSON; the scale values are read with numpy), so it runs
 anywhere, on any export (qckpt's or another tool's) in the two layouts qckpt writes:
 
-* the config: ``quantization_config`` with a known ``quant_method``; for ModelOpt the
+* the config: ``quantization_config`` with a known ``quant_method``, read into each module's
+  scheme by the family's rules (:mod:`qckpt.layouts.ct_check`: each ``config_groups`` entry and
+  its ``targets``; :mod:`qckpt.layouts.modelopt_check`: ``quant_algo``, or ``MIXED_PRECISION``'s
+  ``quantized_layers``): each linear is checked against its own; for ModelOpt the
   ``hf_quant_config.json`` beside it, with the same algorithm, the same ignore list
   (``exclude_modules``) and a KV-cache algorithm that agrees with ``kv_cache_scheme``; the
   ``ignore`` key in ``config.json`` (what vLLM reads there);
@@ -11,7 +14,8 @@ anywhere, on any export (qckpt's or another tool's) in the two layouts qckpt wri
   compressed-tensors' nvfp4-pack-quantized) is a quantized linear; every
   other 2-D weight that is not an embedding must be named by the ignore list, and no quantized
   one may be (vLLM would load the one as FP8 and the other in high precision: garbage either
-  way); q/k/v and gate/up are quantized together or not at all (vLLM fuses them); MoE experts
+  way); q/k/v and gate/up are quantized together or not at all, and with one scheme, as are
+  the experts of one MoE layer (vLLM fuses them); MoE experts
   come as 0..N-1, every one with every projection;
 * the scales: each quantized linear has the scales of its scheme, with the shape and dtype the
   clients allocate; no stray scale for a module that is not quantized; every scale is finite and

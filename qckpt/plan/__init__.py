@@ -5,5 +5,7 @@ sharded by the commands' own sharders (``qckpt.pipeline.plan`` runs that order),
 parameters are sized by each format's own shape rules (:mod:`qckpt.plan.fields`), and reads are
 counted from the checkpoint's metadata (:mod:`qckpt.plan.reads`). :mod:`qckpt.plan.predict`
 turns a rank's tensors into the figures each command reports, :mod:`qckpt.plan.layouts` lists
-the layouts worth trying and picks the smallest that fits.
+the layouts worth trying and picks the smallest that fits. :mod:`qckpt.plan.schemes` assigns
+a recipe's schemes to the model's linears (refusing what no export can be made of) and
+figures each scheme's linears, amaxes and export bytes from the scheme itself.
 """

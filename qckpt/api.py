@@ -151,7 +151,7 @@ def calibrate_model(
     quant: QuantConfig,
     mesh: Mesh | None = None,
     *,
-    algorithm: str = "max",
+    algorithm: Any = "max",
     model_source: str | None = None,
     share_expert_inputs: bool = True,
     moe_forward: str = "eager",
@@ -163,18 +163,23 @@ def calibrate_model(
 
     ``data``: the recipe's ``calibrate.data`` (this rank's share of its batches is taken here;
     ``model_source`` names the tokenizer of a ``text`` or ``dataset`` source) or this rank's
-    batches of token ids ``[b, seq_len]``. ``algorithm``: ``max`` or ``mse``; ``gptq`` and
+    batches of token ids ``[b, seq_len]``. ``algorithm``: ``max`` or ``mse`` (a name, or a
+    ``qckpt.calib.algorithms`` object with its options); ``gptq`` and
     ``awq`` also rewrite the weights and write them beside the file, which ``qckpt calibrate``
     does.
     """
+    from qckpt.calib.algorithms import ALGORITHMS, algorithm_named
     from qckpt.calib.calibrate import calibrate_model as calibrate
     from qckpt.recipe import DataConfig
 
-    if algorithm not in ("max", "mse"):
+    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else type(algorithm)
+    if cls is None or cls.sidecar:
+        name = getattr(algorithm, "name", algorithm)
         raise UsageError(
-            f"calibrate_model: algorithm must be max or mse, got {algorithm!r} "
+            f"calibrate_model: algorithm must be max or mse, got {name!r} "
             "(gptq and awq write weights beside the calibration file: run qckpt calibrate)"
         )
+    algorithm = algorithm_named(algorithm)
     mesh = mesh or _one_rank(_model_device(model))
     if isinstance(data, DataConfig):
         from qckpt.calib.data import calibration_batches, check_even_split

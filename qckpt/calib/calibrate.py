@@ -22,8 +22,6 @@ Order (the same on every rank, so every rank reaches every collective):
 
 from __future__ import annotations
 
-import contextlib
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qckpt import phases
+from qckpt.calib.algorithms import Algorithm, algorithm_named, layer_of
 from qckpt.calib.instrument import (
     calibrate_weights,
     insert_quantizers,
@@ -45,14 +44,12 @@ from qckpt.calib.state_file import CalibrationState, model_fingerprint, model_na
 from qckpt.calib.sync import sync_amax
 from qckpt.calib.tp_gather import check_sharded_quantizers, gather_sharded_amax, linear_shards
 from qckpt.calib.weight_amax import split_weights
-from qckpt.errors import CalibrationError, SyncError
+from qckpt.errors import SyncError
 from qckpt.formats.tensor import dequantized_compute
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
 from qckpt.phases import gc_paused
 from qckpt.recipe import QuantConfig
-
-_LAYER = re.compile(r"^(.*?\blayers\.\d+)\.")
 
 
 def calibrate_model(
@@ -67,9 +64,7 @@ def calibrate_model(
     weight_amax: Mapping[str, torch.Tensor] | None = None,
     runner: Any = None,
     moe_forward: str = "eager",
-    algorithm: str = "max",
-    gptq_options: Any = None,
-    awq_options: Any = None,
+    algorithm: str | Algorithm = "max",
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
 
@@ -78,11 +73,12 @@ def calibrate_model(
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
     ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
-    ``algorithm``: ``max`` | ``mse`` | ``gptq`` | ``awq``, after step 4 (:func:`_algorithm`);
-    awq's before step 2, folding its scales into the weights that steps 2-4 then calibrate
-    (:func:`_awq`). gptq's and awq's weights: ``state.weights``, for the caller to write.
+    ``algorithm``: an :class:`qckpt.calib.algorithms.Algorithm` (or its name, with its default
+    options): its pass after step 4 (``after``); awq's before step 2 (``before``), folding its
+    scales into the weights that steps 2-4 then calibrate. gptq's and awq's weights:
+    ``state.weights``, for the caller to write.
     """
-    check_algorithm(algorithm, mesh, runner)
+    algorithm = check_algorithm(algorithm, mesh, runner)
     t0 = time.perf_counter()
     dev = None if runner is None else runner.device
     kw = dict(share_expert_inputs=share_expert_inputs, calib_dtype=calib_dtype, device=dev)
@@ -97,7 +93,7 @@ def calibrate_model(
         # a block size that straddles TP shards: a config error, the same on every rank
         check_sharded_quantizers(quantizers.values(), tp_mods)
         # awq first: the folded weights are what the max calibration then sees
-        awq_res, awq_s = _awq(algorithm, model, instr, batches, mesh, awq_options, parts)
+        awq_res, awq_s = algorithm.before(model, instr, batches, mesh, parts)
         # resident weights: each DP rank takes the amaxes of its share, the sync the rest
         mine = _weight_share(instr.weights, mesh) if runner is None else None
         failure: BaseException | None = None
@@ -111,7 +107,8 @@ def calibrate_model(
         dres, tres, tp_gathers = _sync_all(qs, mesh, tp_mods, failure)
         t_sync = time.perf_counter()
         # the algorithm's own work (and collectives), apart from the amax sync's
-        algo = _algorithm(algorithm, model, instr, batches, mesh, mine, gptq_options, parts, runner)
+        with phases.phase(phases.ALGORITHM):  # the phase breakdown's line for its extra cost
+            algo = algorithm.after(model, instr, batches, mesh, mine, parts, runner)
         algo = algo or awq_res
         t_after = time.perf_counter()
         state, report = _results(algorithm, algo, model, qs, quant_cfg, instr, mesh)
@@ -144,150 +141,16 @@ def _results(algorithm, algo, model, qs, quant_cfg, instr, mesh: Mesh):
         amaxes = host_amaxes(qs)
         state = _state(model, qs, amaxes, quant_cfg)
         report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
-        _apply_algorithm(algorithm, algo, state, report, model, instr, mesh)
+        algorithm.apply(algo, state, report, model, instr, mesh)
     return state, report
 
 
-def check_algorithm(algorithm: str, mesh: Mesh, runner: Any) -> None:
-    if algorithm not in ("max", "mse", "gptq", "awq"):
-        raise CalibrationError(
-            f"calibrate.algorithm: {algorithm!r} is not one of max, mse, gptq, awq"
-        )
-    # a TP shard is part of a weight whose error is the whole tensor's; mse's and awq's
-    # searches read every weight of the model at once (gptq's runs one layer at a time)
-    if algorithm != "max" and mesh.tp > 1:
-        raise CalibrationError(
-            f"calibrate.algorithm: {algorithm} runs with parallel.tp: 1 (got tp {mesh.tp})"
-        )
-    if algorithm in ("mse", "awq") and runner is not None:
-        raise CalibrationError(
-            f"calibrate.algorithm: {algorithm} runs with calibrate.offload: none "
-            "(max and gptq run one layer at a time)"
-        )
-
-
-def _algorithm(algorithm, model, instr, batches, mesh: Mesh, mine, gptq_options, parts, runner):
-    """The algorithm's pass after the amax sync (None for max); its pieces into ``parts``.
-    mse: :func:`qckpt.calib.mse_pass.run_mse`; gptq: :func:`qckpt.calib.gptq_pass.run_gptq`
-    (``gptq_options``: a ``GptqOptions``), the model's weights GPTQ'd in place, or, with
-    ``runner`` (``calibrate.offload``), layer by layer as each comes onto the device. BF16
-    weights, no TP (:func:`check_algorithm`)."""
-    with phases.phase(phases.ALGORITHM):  # the phase breakdown's line for its extra cost
-        if algorithm == "mse":
-            from qckpt.calib.mse_pass import run_mse
-
-            res = run_mse(model, instr, batches, mesh, mine)
-            parts.update(res.parts)
-            return res
-        if algorithm == "gptq":
-            return _gptq(model, instr, batches, mesh, gptq_options, parts, runner)
-    return None
-
-
-def _apply_algorithm(algorithm, res, state, report, model, instr, mesh: Mesh) -> None:
-    """What the algorithm found, into the file's state and the report's layers."""
-    state.algorithm = report["algorithm"] = algorithm
-    if algorithm == "mse":
-        _add_search(state, report, res)
-    elif algorithm == "gptq":
-        from qckpt.calib.gptq_pass import tensors_to_write
-
-        state.weights = tensors_to_write(model, instr, mesh, res)
-        for layer, row in res.layers.items():
-            report["layers"].setdefault(layer, {})["gptq"] = row
-        report["gptq_hessian_bytes"] = res.hessian_bytes
-        report["gptq_hessian_bytes_bound"] = res.hessian_bytes_bound
-        report["gptq_stack_bytes"] = res.stack_bytes
-        report["gptq_inputs"] = res.inputs
-    elif algorithm == "awq":
-        from qckpt.calib.awq_pass import tensors_to_write as awq_tensors
-
-        state.weights = awq_tensors(model, res, mesh)
-        for layer, row in res.layers.items():
-            report["layers"].setdefault(layer, {})["awq"] = row
-        report["awq_stat_bytes"] = res.stat_bytes
-        report["awq_hessian_bytes"] = res.hessian_bytes
-        report["awq_hessian_bytes_bound"] = res.hessian_bytes_bound
-
-
-@contextlib.contextmanager
-def _paused(instr):
-    """The quantizers not observing while an algorithm's own forwards run (they see folded or
-    quantized layers; the amaxes are the max pass's), the report's token counts put back after.
-    Yields the ids of the enabled quantizers."""
-    tokens = [list(info.tokens) for info in instr.experts]
-    qs = list(instr.quantizers.values())
-    was = [q.__dict__["_enabled"] for q in qs]
-    on = {id(q) for q, w in zip(qs, was, strict=True) if w}
-    segs = [s for mod in instr.patched for s in (mod.forward.observer.gate_up,
-                                                  mod.forward.observer.down)]  # fmt: skip
-    seg_was = [s.enabled for s in segs]
-    for q in qs:
-        q.__dict__["_enabled"] = False  # not the setter: the layout did not change
-    for s in segs:
-        s.enabled = False
-    try:
-        yield on
-    finally:
-        for q, w in zip(qs, was, strict=True):
-            q.__dict__["_enabled"] = w
-        for s, w in zip(segs, seg_was, strict=True):
-            s.enabled = w
-        for info, t in zip(instr.experts, tokens, strict=True):
-            info.tokens[:] = t
-
-
-def _gptq(model, instr, batches, mesh: Mesh, options, parts: dict[str, float], runner=None):
-    """The gptq pass with the quantizers paused (:func:`_paused`)."""
-    from qckpt.calib.gptq_pass import GptqOptions, run_gptq
-
-    with _paused(instr) as on:
-        res = run_gptq(model, instr, batches, mesh, options or GptqOptions(), on, runner)
-        settle(model)
-    parts.update(res.parts)
-    return res
-
-
-def _awq(algorithm, model, instr, batches, mesh: Mesh, options, parts: dict[str, float]):
-    """The awq pass (before the max calibration; (None, 0) for another algorithm) with the
-    quantizers paused: (its result, its seconds)."""
-    if algorithm != "awq":
-        return None, 0.0
-    from qckpt.calib.awq_pass import AwqOptions, run_awq
-
-    t0 = time.perf_counter()
-    with phases.phase(phases.ALGORITHM), _paused(instr) as on:
-        res = run_awq(model, instr, batches, mesh, options or AwqOptions(), on)
-        settle(model)
-    parts.update(res.parts)
-    return res, time.perf_counter() - t0
-
-
-def _add_search(state: CalibrationState, report: dict[str, Any], searched) -> None:
-    """The searched clips into the file (beside the amaxes) and, per layer, into the report:
-    how many clips, their ratio to max calibration's amax (min / max), the summed loss at max
-    and at the choice (weights: squared error; inputs: estimated from the histogram)."""
-    from qckpt.calib.mse_pass import clip_state
-
-    amax, desc = clip_state(searched)
-    state.amax.update(amax)
-    state.quantizers.update(desc)
-    layers = report["layers"]
-    for key, clip in amax.items():
-        base = state.amax.get(key.replace("_clip_amax", "_amax"))
-        row = layers.setdefault(_layer_of(key), {}).setdefault(
-            "mse", {"clips": 0, "ratio_min": None, "ratio_max": None, "loss_max": 0.0,
-                    "loss_mse": 0.0},
-        )  # fmt: skip
-        row["clips"] += 1
-        if base is not None and float(base.max()) > 0:
-            ratio = clip.reshape(-1) / base.reshape(-1).clamp_min(1e-30)
-            lo, hi = float(ratio.min()), float(ratio.max())
-            row["ratio_min"] = lo if row["ratio_min"] is None else min(row["ratio_min"], lo)
-            row["ratio_max"] = hi if row["ratio_max"] is None else max(row["ratio_max"], hi)
-        before, after = searched.losses.get(key, (0.0, 0.0))
-        row["loss_max"] += before
-        row["loss_mse"] += after
+def check_algorithm(algorithm: str | Algorithm, mesh: Mesh, runner: Any) -> Algorithm:
+    """The algorithm object (by name: its default options); one line for a config it cannot
+    run (:meth:`qckpt.calib.algorithms.Algorithm.check`)."""
+    algo = algorithm_named(algorithm)
+    algo.check(mesh, runner)
+    return algo
 
 
 def _sync_all(qs: list[TensorQuantizer], mesh: Mesh, tp_mods, failure: BaseException | None):
@@ -421,11 +284,6 @@ def _expert_tokens(experts, mesh: Mesh) -> list[list[list[int]]]:
     return out
 
 
-def _layer_of(name: str) -> str:
-    m = _LAYER.match(name)
-    return m.group(1) if m else name
-
-
 def _state(model: nn.Module, qs: list[TensorQuantizer], amaxes: list, quant_cfg: QuantConfig):
     """The calibration file's contents; ``amaxes``: each quantizer's amax, on the host."""
     mtype = getattr(getattr(model, "config", None), "model_type", "") or ""
@@ -445,7 +303,7 @@ def _report(qs, amaxes: list, experts, expert_ranks, mesh: Mesh) -> dict[str, An
         if not q.enabled:
             continue
         row = layers.setdefault(
-            _layer_of(q.name),
+            layer_of(q.name),
             {
                 "calibrated": 0,
                 "total": 0,
@@ -470,7 +328,7 @@ def _report(qs, amaxes: list, experts, expert_ranks, mesh: Mesh) -> dict[str, An
         if hi == 0.0:
             row["zero_amax"].append(q.key)
     for info, per_expert in zip(experts, expert_ranks, strict=True):
-        row = layers.setdefault(_layer_of(info.module_name + "."), {})
+        row = layers.setdefault(layer_of(info.module_name + "."), {})
         hot = {
             str(e): " ".join(f"r{r}" for r, n in enumerate(counts) if n)
             for e, counts in enumerate(per_expert)

@@ -570,9 +570,10 @@ def sidecar_file(out: str, mesh: Mesh, suffix: str) -> Path:
 
 
 @contextlib.contextmanager
-def streamed_sidecar(out: str, mesh: Mesh, opts: GptqOptions) -> Iterator[bool]:
+def streamed_sidecar(out: str, mesh: Mesh, algo: Any) -> Iterator[bool]:
     """Inside the block GPTQ under ``calibrate.offload`` writes this rank's share of the
-    sidecar as each layer is done (``opts.sidecar``), so a model's GPTQ'd weights are never
+    sidecar as each layer is done (``algo``: the :class:`qckpt.calib.algorithms.Gptq`
+    algorithm, whose ``stream`` becomes ``GptqOptions.sidecar``), so a model's GPTQ'd weights are never
     all in host memory; the file takes its name when the block ends without an error, and is
     gone after one. Yields whether this rank writes a share (the first DP rank of each EP
     rank); :func:`write_weights` is then told ``streamed``."""
@@ -590,12 +591,12 @@ def streamed_sidecar(out: str, mesh: Mesh, opts: GptqOptions) -> Iterator[bool]:
                 made.append(StreamWriter(f, names))
                 return made[-1]
 
-            opts.sidecar = start
+            algo.stream = start
             try:
                 yield True
                 (made[-1] if made else StreamWriter(f, [])).finish({"format": "pt"})
             finally:
-                opts.sidecar = None
+                algo.stream = None
 
 
 def write_weights(

@@ -68,12 +68,13 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     hooks.log(f"calibrating on {len(batches)} batches{how}")
     # the amax sync inside is charged to its own phase (calib.sync is timed); with offload
     # the layer reads overlap the forwards and are charged here too
-    c, gopts = recipe.calibrate, gptq_options(recipe)
-    streaming = c.algorithm == "gptq" and runner is not None
+    c, algorithm = recipe.calibrate, algorithm_of(recipe)
+    # gptq under offload: its sidecar written layer by layer
+    streaming = bool(algorithm.sidecar) and runner is not None
     with (
         phases.phase(phases.FORWARD),
         hooks.progress("calibrating", steps) as advance,
-        _sidecar(streaming, c.output, mesh, gopts),
+        _sidecar(streaming, c.output, mesh, algorithm),
     ):
         amax = tap.amax() if tap is not None else None
         if dealt:  # the bar shows the batches every rank has taken
@@ -81,15 +82,15 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
         state, report = calibrate_model(
             model, batches, recipe.quant, mesh, share_expert_inputs=c.share_expert_inputs,
             progress=advance, weight_amax=amax, runner=runner, moe_forward=c.moe_forward,
-            algorithm=c.algorithm, gptq_options=gopts, awq_options=_awq_options(c),
+            algorithm=algorithm,
         )  # fmt: skip
     _held(report, runner, model, resident, read, hooks)
     out = recipe.calibrate.output
-    if recipe.calibrate.algorithm in ("gptq", "awq"):  # their weights, beside the file
+    if algorithm.sidecar:  # gptq's and awq's weights, beside the file
         with phases.phase(phases.WRITE):
             from qckpt.calib.gptq_pass import write_weights
 
-            write_weights(state, out, mesh, "." + recipe.calibrate.algorithm, streaming)
+            write_weights(state, out, mesh, algorithm.sidecar, streaming)
     if mesh.is_main:
         with phases.phase(phases.WRITE):
             state.model = _model_record(recipe.model.source)
@@ -99,12 +100,12 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     )
 
 
-def _sidecar(streaming: bool, out: str, mesh: Mesh, gopts):
+def _sidecar(streaming: bool, out: str, mesh: Mesh, algorithm):
     """gptq under offload writes its sidecar layer by layer (never the whole model in memory:
     ``qckpt.calib.gptq_pass.streamed_sidecar``); otherwise nothing here."""
     from qckpt.calib.gptq_pass import streamed_sidecar
 
-    return streamed_sidecar(out, mesh, gopts) if streaming else contextlib.nullcontext()
+    return streamed_sidecar(out, mesh, algorithm) if streaming else contextlib.nullcontext()
 
 
 def _held(report: dict, runner, model, resident: str, read, hooks: Hooks) -> None:
@@ -133,12 +134,14 @@ def _model_record(source: str) -> dict:
     return make_record(source, config_dict(cfg), model_modules(cfg))
 
 
-def gptq_options(recipe):
-    """The gptq pass's options (``qckpt.calib.gptq_pass.GptqOptions``) from ``recipe``."""
+def algorithm_of(recipe):
+    """The calibration algorithm (``qckpt.calib.algorithms``) of ``recipe``'s ``calibrate``
+    section, its options from the YAML keys as they are; a scheme whose inputs gptq's
+    ``gptq_inputs: quantized`` cannot quantize as the clients do is refused here, in one line."""
     import torch
 
+    from qckpt.calib.algorithms import algorithm_from
     from qckpt.calib.gptq_inputs import QUANTIZED, input_mode
-    from qckpt.calib.gptq_pass import GptqOptions
     from qckpt.calib.instrument import entry_scheme
 
     c = recipe.calibrate
@@ -146,24 +149,11 @@ def gptq_options(recipe):
     ct = recipe.export.format == "compressed-tensors"
     dtype = getattr(torch, recipe.model.dtype) if ct else torch.float32
     if c.gptq_inputs == QUANTIZED:
-        # every scheme's inputs checked now (one line, before any work): each linear's own
-        # scheme decides its inputs' quantization in the pass
+        # every scheme's inputs checked now (before any work): each linear's own scheme
+        # decides its inputs' quantization in the pass
         for entry in recipe.quant.entries():
             input_mode(entry_scheme(entry.inputs, "input"), dtype)
-    return GptqOptions(
-        percdamp=c.gptq_percdamp,
-        act_order=c.gptq_act_order,
-        block=c.gptq_block,
-        block_search=c.gptq_block_scales == "mse",
-        inputs=c.gptq_inputs,
-        input_dtype=dtype,
-    )
-
-
-def _awq_options(c):
-    from qckpt.calib.awq_pass import AwqOptions
-
-    return AwqOptions(grid=c.awq_grid, pow2=c.awq_scales == "pow2")
+    return algorithm_from(c, dtype)
 
 
 def _data(recipe: Recipe, mesh: Mesh, vocab_size: int, dealt: bool, hooks: Hooks):

@@ -56,7 +56,7 @@ def sc_calibrate(rank, world, ep, quant, algorithm, out):
     from qckpt.calib.data import calibration_batches
     from qckpt.calib.state_file import save_calibration
     from qckpt.parallel.mesh import Mesh, init_mesh
-    from qckpt.pipeline.calibrate import gptq_options
+    from qckpt.pipeline.calibrate import algorithm_of
     from qckpt.pipeline.model import build
     from tests.dist.test_ep_calibration import starve_experts
 
@@ -76,9 +76,7 @@ def sc_calibrate(rank, world, ep, quant, algorithm, out):
         data_rank=mesh.data_rank,
         data_world=mesh.data_parallel_size,
     )
-    state, report = calibrate_model(
-        model, batches, r.quant, mesh, algorithm=algorithm, gptq_options=gptq_options(r)
-    )
+    state, report = calibrate_model(model, batches, r.quant, mesh, algorithm=algorithm_of(r))
     if algorithm in ("gptq", "awq"):  # every writer rank (first DP rank of each EP rank) writes
         from qckpt.calib.gptq_pass import write_weights
 

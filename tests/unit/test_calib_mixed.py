@@ -53,13 +53,10 @@ def model():
 
 
 def _calibrate(model, r):
-    from qckpt.pipeline.calibrate import gptq_options
+    from qckpt.pipeline.calibrate import algorithm_of
 
     batches = calibration_batches(r.calibrate.data, vocab_size=256)
-    return calibrate_model(
-        model, batches, r.quant, Mesh(), algorithm=r.calibrate.algorithm,
-        gptq_options=gptq_options(r),
-    )  # fmt: skip
+    return calibrate_model(model, batches, r.quant, Mesh(), algorithm=algorithm_of(r))
 
 
 @pytest.mark.parametrize("algorithm", ["max", "gptq"])

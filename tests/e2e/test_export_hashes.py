@@ -12,8 +12,9 @@ GPTQ's bytes also depend on the BLAS/LAPACK code path (its Cholesky factors and 
 update's GEMM): MKL picks one per processor, and an AMD and an Intel machine gave different bytes
 for the same case. A case marked ``blas`` therefore runs in a child process under MKL's
 conditional numerical reproducibility (``MKL_CBWR=COMPATIBLE,STRICT``: one code path on every
-x86 processor, whatever the alignment) and ATen's AVX2 kernels, one thread: the same bytes on any
-machine CI lands on.
+x86 processor, whatever the alignment), ATen's and oneDNN's AVX2 kernels (oneDNN runs the BF16
+matmuls and picks its own ISA: an AMD EPYC with avx512_bf16 differed from the Intel recording
+until it was capped), one thread: the same bytes on any machine CI lands on.
 
 Record again (only for a change that means to change the bytes, said in its commit):
 ``python -m tests.e2e.test_export_hashes --record``.
@@ -179,6 +180,9 @@ def _sets(sets: tuple[str, ...] | list[str]) -> list[str]:
 PINNED_BLAS = {
     "MKL_CBWR": "COMPATIBLE,STRICT",
     "ATEN_CPU_CAPABILITY": "avx2",
+    # oneDNN (the BF16 matmuls of the calibration forward) dispatches on the ISA too: an AMD
+    # machine with avx512_bf16 gave other GPTQ bytes than the Intel one under the MKL pin alone
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }

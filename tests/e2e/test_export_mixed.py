@@ -13,8 +13,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from qckpt.calib.state_file import save_calibration
-from qckpt.recipe import QuantConfig, SchemeConfig, TensorQuantConfig
+from qckpt import check_export, recipe_from_dict, save_calibration
 from tests._inproc import run_main
 from tests.export_fixtures import make_calibration, run_export, saved_model
 
@@ -23,22 +22,28 @@ ATTN = "*.self_attn.*"
 FP8, U8 = torch.float8_e4m3fn, torch.uint8
 
 
-def _t(fmt: str, gran: str = "tensor", block=(128, 128), dynamic: bool = False):
-    return TensorQuantConfig(format=fmt, granularity=gran, block_size=list(block), dynamic=dynamic)
+def _t(fmt: str, gran: str = "tensor", block=(128, 128), dynamic: bool = False) -> dict:
+    return {"format": fmt, "granularity": gran, "block_size": list(block), "dynamic": dynamic}
 
 
-def mixed_quant(attn_block: bool) -> QuantConfig:
-    nv = SchemeConfig(targets=[EXPERTS], weights=_t("nvfp4"), inputs=_t("nvfp4"))
+def _quant(quant: dict):  # noqa: ANN202 - a recipe's QuantConfig, built as a user writes it
+    return recipe_from_dict({"quant": quant}).quant
+
+
+def mixed_quant(attn_block: bool):  # noqa: ANN201
+    nv = {"targets": [EXPERTS], "weights": _t("nvfp4"), "inputs": _t("nvfp4")}
     if attn_block:  # the tiny model's input dim is 64: per-group inputs in groups of 32
-        attn = SchemeConfig(
-            targets=[ATTN], weights=_t("fp8", "block"), inputs=_t("fp8", "block", (1, 32), True)
-        )
+        attn = {
+            "targets": [ATTN],
+            "weights": _t("fp8", "block"),
+            "inputs": _t("fp8", "block", (1, 32), True),
+        }
     else:
-        attn = SchemeConfig(targets=[ATTN], weights=_t("fp8"), inputs=_t("fp8"))
-    return QuantConfig(schemes=[nv, attn])
+        attn = {"targets": [ATTN], "weights": _t("fp8"), "inputs": _t("fp8")}
+    return _quant({"schemes": [nv, attn]})
 
 
-def mixed_calibration(model, q: QuantConfig):  # noqa: ANN001
+def mixed_calibration(model, q):  # noqa: ANN001
     """The per-scheme calibrations of the test fixtures, each module's from its own scheme."""
     cals = [make_calibration(model, q.single(e)) for e in q.entries()]
     merged = cals[0]
@@ -199,8 +204,8 @@ def test_refused_in_one_line_before_any_work(moe, name, schemes, says):
     assert not out.exists()
 
 
-def _one(fmt: str) -> QuantConfig:
-    return QuantConfig(weights=_t(fmt), inputs=_t(fmt))
+def _one(fmt: str):  # noqa: ANN202
+    return _quant({"weights": _t(fmt), "inputs": _t(fmt)})
 
 
 def test_eval_emulates_each_linear_with_its_scheme(moe):
@@ -242,8 +247,6 @@ def test_check_finds_a_fused_group_split_over_groups(moe, tmp_path):
     """``qckpt check`` on a mixed export whose config gives q_proj another group than k/v."""
     import shutil
 
-    from qckpt.layouts.check import check_export
-
     root, _, _ = moe
     src = root / "ct"
     if not src.exists():
@@ -261,14 +264,3 @@ def test_check_finds_a_fused_group_split_over_groups(moe, tmp_path):
     assert not res.ok
     assert any(q in p and "NVFP4" in p for p in res.problems), res.problems
     assert any("clients load them as one weight" in p for p in res.problems), res.problems
-
-
-def test_names_repeat_the_scheme_constants():
-    from qckpt.formats import scheme
-    from qckpt.layouts import names
-
-    assert (names.FP8_MAX, names.FP4_MAX, names.NVFP4_GROUP) == (
-        scheme.FP8_MAX,
-        scheme.FP4_MAX,
-        scheme.NVFP4_GROUP,
-    )

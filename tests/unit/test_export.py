@@ -406,7 +406,12 @@ def test_calibration_of_another_model_or_format_is_one_line_error(root, moe, den
 
 
 def _child(hf_dir: str, cal: str, out: str, marker: str) -> None:
+    import faulthandler
+
     from qckpt.models.build import load_config
+
+    # a child that does not end on the signal prints where each thread stands when asked
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def pause(done: int, total: int, name: str) -> None:
         # mid-write, deterministically: say so, then wait for the test's signal
@@ -455,7 +460,13 @@ def test_interrupted_export_leaves_no_target(root, dense):
         assert len(temps) == 1 and any(temps[0].glob("*.safetensors"))  # mid-write, for real
         os.kill(proc.pid, sig)
         proc.join(timeout=60)
-        assert proc.exitcode not in (0, None)
+        if proc.exitcode is None:  # hung: its threads' stacks to stderr, then fail
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            proc.kill()
+            proc.join(timeout=10)
+            pytest.fail(f"the export did not end within 60 s of {sig.name} (stacks above)")
+        assert proc.exitcode != 0
         assert not out.exists()
         left = [p for p in root.iterdir() if p.name.startswith(".interrupted.qckpt-tmp-")]
         if sig == signal.SIGINT:

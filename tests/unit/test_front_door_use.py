@@ -87,6 +87,8 @@ ALLOWED = {
     # -- tests/e2e: an artifact looked into through the piece that reads it --------------------
     ("tests/e2e/_paused_cli.py", "qckpt.export.writer"): "pauses write_export mid-export",
     ("tests/e2e/test_eval_moe.py", "qckpt.evaluate.scheme"): "read_scheme of the MoE export",
+    ("tests/e2e/test_export_mixed.py", "qckpt.evaluate.scheme"): "read_scheme: each linear's",
+    ("tests/e2e/test_export_mixed.py", "qckpt.formats.scheme"): "the scheme read_scheme gives",
     ("tests/e2e/test_eval_quality.py", "qckpt.evaluate.run"): "the source cache, score_model",
     ("tests/e2e/test_eval_quality.py", "qckpt.evaluate.fused"): "requantized: vLLM's fusing",
     ("tests/e2e/test_eval_quality.py", "qckpt.evaluate.scheme"): "read_scheme of each export",

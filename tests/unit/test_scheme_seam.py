@@ -131,3 +131,15 @@ def test_bits_count_codes_and_scales():
     assert scheme_bits(make_scheme("fp8"), shape) == n * 8 + 16
     assert scheme_bits(make_scheme("fp8", granularity="channel"), shape) == n * 8 + 128 * 16
     assert scheme_bits(make_scheme("none"), shape) == n * 16
+
+
+def test_names_repeat_the_scheme_constants():
+    """``layouts.names`` repeats the scheme constants for readers that may not import formats."""
+    from qckpt.formats import scheme
+    from qckpt.layouts import names
+
+    assert (names.FP8_MAX, names.FP4_MAX, names.NVFP4_GROUP) == (
+        scheme.FP8_MAX,
+        scheme.FP4_MAX,
+        scheme.NVFP4_GROUP,
+    )

@@ -412,6 +412,9 @@ def _child(hf_dir: str, cal: str, out: str, marker: str) -> None:
 
     # a child that does not end on the signal prints where each thread stands when asked
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl-C as at a terminal: a runner started with `&` from a script passes SIGINT down as
+    # ignored (POSIX), and Python then installs no handler, so the interrupt would never come
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def pause(done: int, total: int, name: str) -> None:
         # mid-write, deterministically: say so, then wait for the test's signal

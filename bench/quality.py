@@ -368,6 +368,10 @@ def measure_model(
         }
         w_only = evaluate(d, model, args.heldout, replace(opts, inputs="unquantized"), cache=cache)
         row["qckpt_weights"] = w_only["export_bits_per_byte"]
+        # what vLLM computes on an H100 / H200 (NVFP4 weight-only, FP8 inputs as exported): the
+        # figure its column is to match, for a mixed export too
+        hop = evaluate(d, model, args.heldout, replace(opts, inputs="hopper"), cache=cache)
+        row["qckpt_hopper"] = hop["export_bits_per_byte"]
         row["qckpt_inputs"] = inputs_alone(name, d, model, args.heldout, opts, cache)
         sch = rep["scheme"]
         if sch["fused_fp8_requantized"] or sch["fused_nvfp4_global_scale_replaced"]:
@@ -422,9 +426,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]
     out = [
         "| export | bits per weight | qckpt eval | KL (qckpt eval) | top-1 (qckpt eval) | qckpt eval, weights alone "
-        "(`--inputs unquantized`) | qckpt eval, inputs alone (`--weights unquantized`) "
+        "(`--inputs unquantized`) | qckpt eval, as Hopper runs it (`--inputs hopper`) "
+        "| qckpt eval, inputs alone (`--weights unquantized`) "
         "| qckpt eval, fused shards as stored | transformers | vLLM |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         kl = f"{r['kl']:.5f}" if isinstance(r.get("kl"), float) else "-"
@@ -436,6 +441,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             kl,
             top1,
             _cell(r.get("qckpt_weights"), base.get("qckpt")) if not first else "-",
+            _cell(r.get("qckpt_hopper"), base.get("qckpt")) if not first else "-",
             _cell(r.get("qckpt_inputs"), base.get("qckpt")) if not first else "-",
             _cell(r.get("qckpt_as_stored"), None if first else base.get("qckpt"))
             if "qckpt_as_stored" in r

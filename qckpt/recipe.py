@@ -375,8 +375,10 @@ class EvalConfig:
     # load | as-stored = each shard with its own scales, as the files mean them
     fused: Literal["vllm", "as-stored"] = "vllm"
     # as-exported: inputs quantized as the export says | unquantized: the export's weights with
-    # inputs in the model dtype (a weight-only kernel: vLLM's NVFP4 on Hopper is W4A16)
-    inputs: Literal["as-exported", "unquantized"] = "as-exported"
+    # inputs in the model dtype (a weight-only kernel) | hopper: as an H100 / H200 client
+    # runs it: the inputs it has no GEMM for (NVFP4's: vLLM serves it W4A16) left alone, FP8's
+    # quantized as exported
+    inputs: Literal["as-exported", "unquantized", "hopper"] = "as-exported"
     # as-exported: weights dequantized from the export | unquantized: the source's weights, the
     # export's input quantization (what the inputs alone cost; both unquantized: the source)
     weights: Literal["as-exported", "unquantized"] = "as-exported"

@@ -37,7 +37,8 @@ InputsOpt = Annotated[
     str | None,
     typer.Option(
         help="as-exported (inputs quantized as the export says) | unquantized (the weights "
-        "alone: a weight-only kernel, as vLLM runs NVFP4 on Hopper)."
+        "alone: a weight-only kernel) | hopper (as an H100 / H200 client runs it: NVFP4 "
+        "linears weight-only, as vLLM's Marlin; FP8 inputs quantized as exported)."
     ),
 ]
 
@@ -77,8 +78,9 @@ def _from_recipe(target: Path, set_: list[str] | None) -> tuple[Path, Path, Any]
 
 def _measured(options: dict[str, Any]) -> str:
     """What the export figure leaves out, when it does (``--inputs`` / ``--weights``)."""
-    off = [k for k in ("weights", "inputs") if options.get(k, "as-exported") != "as-exported"]
-    return f" ({' and '.join(off)} unquantized)" if off else ""
+    off = [k for k in ("weights", "inputs") if options.get(k, "as-exported") == "unquantized"]
+    hopper = " as a Hopper client runs it" if options.get("inputs") == "hopper" else ""
+    return (f" ({' and '.join(off)} unquantized)" if off else "") + hopper
 
 
 def _summary(rep: dict[str, Any]) -> list[str]:

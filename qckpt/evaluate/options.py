@@ -19,7 +19,8 @@ class EvalOptions:
     # load | as-stored = every shard with its own scales, as the files mean them
     fused: str = "vllm"
     # as-exported: each linear's inputs quantized as the export says | unquantized: the weights
-    # alone, what a weight-only kernel computes (vLLM runs NVFP4 so on Hopper: Marlin, W4A16)
+    # alone, what a weight-only kernel computes | hopper: as a Hopper client runs it (NVFP4
+    # linears weight-only, vLLM's Marlin W4A16; FP8 inputs quantized as exported)
     inputs: str = "as-exported"
     # as-exported: the weights dequantized from the export | unquantized: the source's weights
     # (with inputs as-exported: what the inputs' quantization alone costs)

@@ -21,7 +21,7 @@ from qckpt.evaluate import metrics
 from qckpt.evaluate.build import load_emulated, load_model
 from qckpt.evaluate.cpu_linear import half_linears_in_float32
 from qckpt.evaluate.options import EvalOptions
-from qckpt.evaluate.scheme import inputs_only, read_scheme, weights_only
+from qckpt.evaluate.scheme import as_on_hopper, inputs_only, read_scheme, weights_only
 from qckpt.evaluate.windows import Windows, data_section, make_windows, tokenizer_of
 from qckpt.layouts.source_layout import model_dtype, read_json_if_any
 
@@ -145,6 +145,8 @@ def evaluate(
     scheme = read_scheme(export_dir, opts.fused)
     if opts.inputs == "unquantized":
         scheme = weights_only(scheme)
+    elif opts.inputs == "hopper":
+        scheme = as_on_hopper(scheme)
     if opts.weights == "unquantized":
         scheme = inputs_only(scheme, source_dir)
     src_cfg = _check_same_model(export_dir, source_dir)

@@ -30,7 +30,7 @@ import torch
 from qckpt.errors import CheckpointError
 from qckpt.evaluate.fused import fused_groups, plan_fused
 from qckpt.formats.act_quant import InputQuant
-from qckpt.formats.scheme import make_scheme
+from qckpt.formats.scheme import make_scheme, weight_only_on_hopper
 from qckpt.layouts.registry import source_layout
 from qckpt.layouts.source_layout import QuantWeight, SourceLayout, read_json_if_any
 from qckpt.read.hf_reader import hf_index
@@ -82,6 +82,16 @@ def weights_only(scheme: ExportScheme) -> ExportScheme:
     unquantized``; the report's ``scheme.input_quantization`` then counts them as ``none``).
     The KV-cache scales stay: the cache is quantized whatever the linears do."""
     return replace(scheme, inputs={m: InputQuant("none") for m in scheme.inputs})
+
+
+def as_on_hopper(scheme: ExportScheme) -> ExportScheme:
+    """``scheme`` as a Hopper client runs it (``eval.inputs: hopper``): the inputs it has a
+    GEMM for quantized as exported, the others (NVFP4's) left alone, the linear weight-only.
+    A mixed export's figure then matches vLLM's on an H100 / H200, where neither
+    ``as-exported`` (W4A4 everywhere) nor ``unquantized`` (no FP8 inputs either) does."""
+    off = weight_only_on_hopper()
+    inputs = {m: InputQuant("none") if q.mode in off else q for m, q in scheme.inputs.items()}
+    return replace(scheme, inputs=inputs)
 
 
 def inputs_only(scheme: ExportScheme, source_dir: Path) -> ExportScheme:

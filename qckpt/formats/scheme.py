@@ -62,6 +62,9 @@ class Scheme:
     fused_global: ClassVar[bool] = False
     # the qckpt.formats name of a parameter tensor of this scheme (None: none exists)
     param_format: ClassVar[str | None] = None
+    # whether a Hopper (sm90) client has a GEMM on inputs quantized this way; where not, it
+    # runs the linear weight-only (vLLM 0.26 serves NVFP4 as W4A16 with Marlin on H100 / H200)
+    hopper_input_gemm: ClassVar[bool] = True
 
     granularity: str = "tensor"
     block: tuple[int, int] = (128, 128)
@@ -155,6 +158,7 @@ class Nvfp4Scheme(Scheme):
     packed_fp4: ClassVar[bool] = True
     fused_global: ClassVar[bool] = True
     param_format: ClassVar[str | None] = "nvfp4"
+    hopper_input_gemm: ClassVar[bool] = False
 
     @property
     def calib_granularity(self) -> str:
@@ -195,6 +199,15 @@ class NoScheme(Scheme):
 
     def describe(self) -> str:
         return "unquantized"
+
+
+def weight_only_on_hopper() -> frozenset[str]:
+    """The input modes (:meth:`Scheme.input_mode`) a Hopper client leaves unquantized."""
+    return frozenset(
+        cls(granularity=cls.input_granularities[0]).input_mode()
+        for cls in SCHEMES.values()
+        if cls.quantized and not cls.hopper_input_gemm
+    )
 
 
 def scheme_of(cfg: Any, kind: str = "weight") -> Scheme:

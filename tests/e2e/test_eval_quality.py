@@ -232,6 +232,13 @@ def test_unquantized_inputs_give_the_weights_alone(exports, source_cache):
     assert abs(w4a16["export_bits_per_byte"] / plain["bits_per_byte"] - 1) < 1e-3, plain
     assert w4a16["export_bits_per_byte"] < w4a4["export_bits_per_byte"]
     assert w4a16["kl_mean"] < w4a4["kl_mean"]
+    # a Hopper client has no FP4 GEMM (NVFP4 runs weight-only) and one for FP8 inputs
+    hop = _eval(exports["ct-nvfp4"], source_cache, inputs="hopper")
+    assert hop["export_bits_per_byte"] == w4a16["export_bits_per_byte"]
+    fp8 = _eval(exports["ct-fp8-tensor"], source_cache)
+    fp8_hop = _eval(exports["ct-fp8-tensor"], source_cache, inputs="hopper")
+    assert fp8_hop["export_bits_per_byte"] == fp8["export_bits_per_byte"]
+    assert fp8_hop["scheme"]["input_quantization"] == fp8["scheme"]["input_quantization"]
 
 
 def test_unquantized_weights_give_the_inputs_alone(exports, source_cache):

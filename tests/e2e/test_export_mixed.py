@@ -6,6 +6,7 @@ lm_head in BF16; and the recipes refused in one line before any work (exit 2, no
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,12 @@ def test_eval_emulates_each_linear_with_its_scheme(moe):
     rep = evaluate_export(mixed, hf, data, opts)
     assert rep["emulated"] == {"linears": 8, "experts": 16, "kv_cache_layers": 0}
     assert kl["fp8"] < rep["kl_mean"] < kl["nvfp4"], (kl, rep["kl_mean"])
+    # as an H100 serves it: the FP8 attention's inputs quantized, the NVFP4 experts weight-only
+    hop = evaluate_export(mixed, hf, data, replace(opts, inputs="hopper"))
+    modes = hop["scheme"]["input_quantization"]
+    # 2 layers x 8 experts x (gate, up, down) weight-only; the 8 attention linears FP8 W8A8
+    assert modes == {"fp8 static per-tensor": 8, "unquantized": 48}, modes
+    assert hop["export_bits_per_byte"] != rep["export_bits_per_byte"]
 
 
 def test_check_finds_a_fused_group_split_over_groups(moe, tmp_path):

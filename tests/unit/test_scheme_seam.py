@@ -143,3 +143,39 @@ def test_names_repeat_the_scheme_constants():
         scheme.FP4_MAX,
         scheme.NVFP4_GROUP,
     )
+
+
+def test_every_recipe_format_is_a_registered_scheme():
+    """The recipe names its formats without importing ``formats`` (it sits below it): each one
+    a recipe accepts must be a scheme the stages can build, or a recipe passes validation and
+    fails mid-run."""
+    import typing
+
+    from qckpt.formats.scheme import SCHEMES
+    from qckpt.recipe import TensorQuantConfig
+
+    hints = typing.get_type_hints(TensorQuantConfig)
+    accepted = set(typing.get_args(hints["format"]))
+    assert accepted and accepted <= set(SCHEMES), accepted - set(SCHEMES)
+
+
+def test_the_how_to_add_section_names_files_that_exist():
+    """docs/ARCHITECTURE.md's "How to add" steps name real files and registries: a step that
+    names a file which moved would send the next format's author to the wrong place."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "ARCHITECTURE.md").read_text()
+    section = doc.split("## How to add a scheme, an algorithm, a source, a layout")[1]
+    section = section.split("\n## ")[0]
+    named = set(re.findall(r"`((?:qckpt/)?[a-z_]+/[a-z_<>]+\.py)`", section))
+    named = {n for n in named if "<" not in n}  # `<family>.py`: the file to write
+    assert len(named) >= 10, named
+    for n in named:
+        p = root / n if n.startswith("qckpt/") else root / "qckpt" / n
+        assert p.is_file() or (root / n).is_file(), n
+    from qckpt.layouts import registry
+
+    for table in ("SOURCE_FAMILIES", "EXPORT_FAMILIES", "MIXED_FAMILIES"):
+        assert table in section and getattr(registry, table)

@@ -81,8 +81,11 @@ class LoadConfig:
 
 @dataclass(kw_only=True)
 class TensorQuantConfig:
-    format: Literal["fp8", "nvfp4"] = "fp8"
-    granularity: Literal["tensor", "channel", "block"] = "tensor"
+    # the registered schemes (qckpt.formats.scheme); none: left in the model dtype (inputs: a
+    # weight-only linear)
+    format: Literal["fp8", "nvfp4", "int4", "none"] = "fp8"
+    # group: int4's scale per block_size[-1] columns of a row
+    granularity: Literal["tensor", "channel", "block", "group"] = "tensor"
     block_size: list[int] = field(default_factory=lambda: [128, 128])
     dynamic: bool = False
 
@@ -116,8 +119,10 @@ class SchemeConfig:
 
 
 def _check_inputs(inputs: TensorQuantConfig, path: str) -> None:
-    if inputs.granularity == "channel":
-        raise RecipeError(f"{path}.granularity: inputs take tensor or block, not channel")
+    if inputs.granularity in ("channel", "group"):
+        raise RecipeError(
+            f"{path}.granularity: inputs take tensor or block, not {inputs.granularity}"
+        )
 
 
 @dataclass(kw_only=True)

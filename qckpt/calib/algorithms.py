@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from qckpt import phases
-from qckpt.errors import CalibrationError
+from qckpt.errors import CalibrationError, SchemeError
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
@@ -41,6 +41,9 @@ class Algorithm:
     tp: ClassVar[bool] = False
     # the weights it writes beside the calibration file (its sidecar's suffix; "" for none)
     sidecar: ClassVar[str] = ""
+    # whether it quantizes weights itself (searches, GPTQ's columns, AWQ's loss), so that each
+    # weight scheme must be one its quantizer knows (Scheme.searchable)
+    quantizes_weights: ClassVar[bool] = True
 
     @classmethod
     def from_config(cls, c: Any, input_dtype: torch.dtype) -> Algorithm:  # noqa: ARG003
@@ -61,6 +64,17 @@ class Algorithm:
                 "(max and gptq run one layer at a time)"
             )
 
+    def check_schemes(self, schemes: list[Any]) -> None:
+        """A weight scheme this algorithm cannot quantize, in one line, before any work."""
+        if not self.quantizes_weights:
+            return
+        for s in schemes:
+            if s.quantized and not s.searchable:
+                raise SchemeError(
+                    f"calibrate.algorithm: {self.name} does not quantize {s.describe()} weights "
+                    "yet (calibrate.algorithm: max does)"
+                )
+
     def before(self, model, instr, batches, mesh, parts: dict) -> tuple[Any, float]:  # noqa: ANN001
         """Its pass before the max calibration: (its result or None, its seconds)."""
         return None, 0.0
@@ -80,6 +94,7 @@ class Max(Algorithm):
     """amax = max |x|: the forwards and the sync, nothing after."""
 
     name: ClassVar[str] = "max"
+    quantizes_weights: ClassVar[bool] = False
     tp: ClassVar[bool] = True
 
 

@@ -9,7 +9,9 @@ block scales made at quantize time, how clients quantize an input. Adding a form
 
 Registered: ``fp8`` (E4M3, per tensor / channel / block; static or dynamic inputs), ``nvfp4``
 (E2M1 under E4M3 scales per 16 and a float32 global scale), ``mxfp8`` (E4M3 under E8M0 scales
-per 32) and ``none`` (left in the model dtype: an unquantized side).
+per 32), ``int4`` (symmetric integer weights under a scale per group of 128 or per row) and
+``none`` (left in the model dtype: an unquantized side, e.g. the inputs of a weight-only
+linear).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ FP8_MAX = 448.0
 FP4_MAX = 6.0
 NVFP4_GROUP = 16
 MX_BLOCK = 32
+# INT4's symmetric codes -8..7 and their scale rule amax / 7.5 (half the code range: GPTQ's and
+# compressed-tensors'); the group along the input dim a scale covers, by default
+INT4_RANGE = (-8, 7)
+INT4_QMAX = 7.5
+INT4_GROUP = 128
 
 # granularities whose calibrated amax is one number (NVFP4's block scales are made when
 # quantizing; only its per-tensor global amax is calibrated)
@@ -65,6 +72,12 @@ class Scheme:
     # whether a Hopper (sm90) client has a GEMM on inputs quantized this way; where not, it
     # runs the linear weight-only (vLLM 0.26 serves NVFP4 as W4A16 with Marlin on H100 / H200)
     hopper_input_gemm: ClassVar[bool] = True
+    # bits of one code as an export stores it; integer codes packed into int32 words
+    code_bits: ClassVar[int] = 8
+    packed_int: ClassVar[bool] = False
+    # whether the calibration algorithms' weight quantizer (mse's search, GPTQ's columns,
+    # AWQ's loss) knows this scheme; max calibration needs none
+    searchable: ClassVar[bool] = True
 
     granularity: str = "tensor"
     block: tuple[int, int] = (128, 128)
@@ -159,6 +172,7 @@ class Nvfp4Scheme(Scheme):
     fused_global: ClassVar[bool] = True
     param_format: ClassVar[str | None] = "nvfp4"
     hopper_input_gemm: ClassVar[bool] = False
+    code_bits: ClassVar[int] = 4
 
     @property
     def calib_granularity(self) -> str:
@@ -184,6 +198,38 @@ class Mxfp8Scheme(Scheme):
 
     def calibrates(self, kind: str) -> bool:
         return False  # every 32-block's E8M0 scale comes from the block itself
+
+
+@register
+@dataclass(frozen=True)
+class Int4Scheme(Scheme):
+    """Symmetric INT4 weights under a scale per ``group`` columns of a row (``granularity:
+    group``, the group ``block_size[-1]``, 128 by default) or per row (``channel``); codes -8..7
+    (``round(w / scale)`` clamped), the scale ``amax / 7.5`` in the model dtype. Weight-only:
+    its linears' inputs are ``none`` (W4A16, what Marlin / Machete run)."""
+
+    name: ClassVar[str] = "int4"
+    weight_granularities: ClassVar[tuple[str, ...]] = ("group", "channel")
+    input_granularities: ClassVar[tuple[str, ...]] = ()
+    qmax: ClassVar[float] = INT4_QMAX
+    code_bits: ClassVar[int] = 4
+    packed_int: ClassVar[bool] = True
+    code_range: ClassVar[tuple[int, int]] = INT4_RANGE
+    searchable: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.granularity == "group":
+            # a group is a (1, g) block of the weight: the amax and scale machinery is FP8's
+            object.__setattr__(self, "block", (1, int(self.block[-1])))
+
+    @property
+    def calib_granularity(self) -> str:
+        return "block" if self.granularity == "group" else self.granularity
+
+    def describe(self) -> str:
+        if self.granularity == "group":
+            return f"int4 group {self.block[1]}"
+        return "int4 channel"
 
 
 @register
@@ -235,6 +281,8 @@ def make_scheme(
     if cls is None:
         raise FormatError(f"unknown quantization scheme {fmt!r}; known: {', '.join(SCHEMES)}")
     allowed = cls.weight_granularities if kind == "weight" else cls.input_granularities
+    if cls.quantized and not allowed:
+        raise FormatError(f"{fmt} quantizes no {kind}s (its {kind}s: another format, or none)")
     if cls.quantized and granularity not in allowed:
         raise FormatError(
             f"{fmt} {kind}s take granularity {' or '.join(allowed)}, not {granularity}"
@@ -255,7 +303,7 @@ def scheme_bits(s: Scheme, shape: Sequence[int], model_bits: int = 16) -> float:
     if s.group:
         return n * 8 + math.ceil(n / s.group) * 8
     amax = s.amax_shape("weight", shape)
-    return n * 8 + max(1, math.prod(amax)) * model_bits
+    return n * s.code_bits + max(1, math.prod(amax)) * model_bits
 
 
 def replace(s: Scheme, **changes: Any) -> Scheme:

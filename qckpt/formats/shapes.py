@@ -19,11 +19,6 @@ from collections.abc import Sequence
 SCALAR_GRANULARITIES = ("tensor", "dynamic_block")
 
 
-def calib_granularity(fmt: str, granularity: str) -> str:
-    """What a quantizer of a recipe's (format, granularity) calibrates."""
-    return "dynamic_block" if fmt == "nvfp4" else granularity
-
-
 def weight_block(block_size: Sequence[int]) -> tuple[int, int]:
     """A weight's (row, column) block; the recipe has already turned ``[b]`` into ``[b, b]``."""
     if len(block_size) != 2:
@@ -59,8 +54,3 @@ def amax_shape(
         raise ValueError(f"per-block amax needs a 2-D weight, got {shape}")
     b0, b1 = weight_block(block_size)
     return (math.ceil(shape[0] / b0), math.ceil(shape[1] / b1))
-
-
-def config_amax_shape(cfg, kind: str, shape: Sequence[int]) -> tuple[int, ...]:
-    """:func:`amax_shape` for a recipe's ``TensorQuantConfig`` (per-channel: over output rows)."""
-    return amax_shape(calib_granularity(cfg.format, cfg.granularity), kind, shape, cfg.block_size)

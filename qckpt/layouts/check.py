@@ -46,6 +46,7 @@ from qckpt.layouts.check_common import FLOAT_DTYPES, Scheme, SchemeMap  # noqa: 
 from qckpt.layouts.ct_check import ct_schemes
 from qckpt.layouts.modelopt_check import modelopt_schemes
 from qckpt.layouts.names import (
+    CT_WEIGHT_SHAPE,
     EMBEDDING_LEAVES,
     INPUT_SCALE,
     MODELOPT_FILE,
@@ -258,6 +259,8 @@ def _expected_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple]
     """scale name -> (accepted shapes, accepted dtypes) for a weight of ``shape`` as stored."""
     out_dim = shape[0]
     f32 = ("F32",)
+    if scheme.int_bits:
+        return _expected_int_scales(scheme, shape)
     if scheme.packed:
         cols = shape[1] * 2
         exp = {
@@ -275,6 +278,20 @@ def _expected_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple]
     if scheme.static_input:
         exp[scheme.input_leaf] = ({(), (1,)}, scheme.scale_dtypes)
     return exp
+
+
+def _expected_int_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple]:
+    """Integer codes packed into words: a scale per group (or row) of the logical columns,
+    which the packed width bounds to within one word; the logical shape beside them."""
+    out_dim, words = shape
+    per = 32 // scheme.int_bits
+    cols = range(max(1, words * per - per + 1), words * per + 1)
+    if scheme.weight == "group":
+        g = scheme.block[1] if scheme.block else 1
+        shapes = {(out_dim, c // g) for c in cols if c % g == 0}
+    else:
+        shapes = {(out_dim, 1), (out_dim,)}
+    return {WEIGHT_SCALE: (shapes, scheme.scale_dtypes), CT_WEIGHT_SHAPE: ({(2,)}, ("I64",))}
 
 
 # a one-value scale's bytes per dtype: the scales tested in bulk
@@ -368,7 +385,7 @@ def _check_scale_now(name: str, t: Tensor, allow_zero: bool, problems: list[str]
 
 
 def _check_module(m: str, w: Tensor, scheme: Scheme, tensors: dict, problems: list[str]) -> None:
-    want_dtype = "U8" if scheme.packed else "F8_E4M3"
+    want_dtype = "U8" if scheme.packed else scheme.codes_dtype
     if w.dtype != want_dtype or len(w.shape) != 2:
         problems.append(
             f"{m}.{scheme.codes_leaf}: {w.dtype} {list(w.shape)}, {scheme.name} stores {want_dtype}"
@@ -385,7 +402,8 @@ def _check_module(m: str, w: Tensor, scheme: Scheme, tensors: dict, problems: li
                 f"{m}.{leaf}: {t.dtype} {list(t.shape)}, expected {'/'.join(dtypes)} {want}"
             )
             continue
-        _check_scale(f"{m}.{leaf}", t, allow_zero=t.dtype == "F8_E4M3", problems=problems)
+        if leaf != CT_WEIGHT_SHAPE:  # the logical shape, not a scale
+            _check_scale(f"{m}.{leaf}", t, allow_zero=t.dtype == "F8_E4M3", problems=problems)
 
 
 def _check_fused(quantized: set[str], problems: list[str]) -> None:
@@ -564,9 +582,10 @@ def _check_tensors(res: CheckResult, smap: SchemeMap, cfg: dict, qc: dict, tenso
     ignored = _ignored_by(list(qc.get("ignore") or []), res.layout)
     quantized: set[str] = set()
     codes = {s.codes_leaf for s in smap.schemes}
+    code_dtypes = {"F8_E4M3", "U8"} | {s.codes_dtype for s in smap.schemes}
     for name, t in sorted(tensors.items()):
         module, _, leaf = name.rpartition(".")
-        if leaf in codes and t.dtype in ("F8_E4M3", "U8"):
+        if leaf in codes and t.dtype in code_dtypes:
             scheme = smap.of(module)
             quantized.add(module)
             if scheme is not None and leaf != scheme.codes_leaf:

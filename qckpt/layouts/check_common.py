@@ -23,6 +23,9 @@ class Scheme:
     block: tuple[int, int] | None = None
     # E2M1 codes two a byte (uint8) under E4M3 block scales and a float32 global scale
     packed: bool = False
+    # the stored codes' safetensors dtype (I32: integer codes packed 32 / bits to a word)
+    codes_dtype: str = "F8_E4M3"
+    int_bits: int = 0  # integer codes: their bits (the words hold 32 / int_bits each)
     kv: bool = False
     kv_names: str = "ct"  # "ct": {attn}.k_scale; "modelopt": {attn}.k_proj.k_scale
     # the stored names: ModelOpt's; compressed-tensors NVFP4 has its own (see qckpt.layouts.names)

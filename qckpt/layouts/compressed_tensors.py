@@ -42,9 +42,17 @@ from typing import Any
 
 import torch
 
-from qckpt.errors import CheckpointError, ExportError
-from qckpt.formats.scheme import FP4_MAX, FP8_MAX, NVFP4_GROUP, Fp8Scheme, scheme_of
-from qckpt.formats.shapes import config_amax_shape, weight_block
+from qckpt.errors import CheckpointError, ExportError, SchemeError
+from qckpt.formats.scheme import (
+    FP4_MAX,
+    FP8_MAX,
+    NVFP4_GROUP,
+    Fp8Scheme,
+    Int4Scheme,
+    Nvfp4Scheme,
+    scheme_of,
+)
+from qckpt.formats.shapes import weight_block
 from qckpt.layouts.export_layout import (
     EXPERT,
     MIN_AMAX,
@@ -60,24 +68,35 @@ from qckpt.layouts.export_layout import (
 from qckpt.layouts.mixed import MixedLayout, build_parts
 from qckpt.layouts.names import (
     CT_INPUT_GLOBAL,
+    CT_INT_PACKED_FORMAT,
     CT_NVFP4_FORMAT,
     CT_PACKED,
     CT_WEIGHT_GLOBAL,
+    CT_WEIGHT_SHAPE,
     WEIGHT_SCALE,
     ct_nvfp4_args,
 )
-from qckpt.layouts.source_layout import FP8, QuantWeight, SourceLayout, fp8_weights, nvfp4_weights
+from qckpt.layouts.source_layout import (
+    FP8,
+    QuantWeight,
+    SourceLayout,
+    fp8_weights,
+    int4_weights,
+    nvfp4_weights,
+)
 from qckpt.recipe import QuantConfig
 from qckpt.storage.slices import Index
 
 
-def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], bool]:
-    """(fp8 weight schemes, any nvfp4 group) of a compressed-tensors config; refuses the rest."""
+def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], bool, list[int]]:
+    """(fp8 weight schemes, any nvfp4 group, the int4 groups' sizes: 0 per channel) of a
+    compressed-tensors config; refuses the rest."""
     top = qc.get("format")
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise CheckpointError("quantization_config: compressed-tensors without config_groups")
     fp8: list[tuple[str, Any]] = []
+    int4: list[int] = []
     nvfp4 = False
     for gname, g in groups.items():
         w = (g or {}).get("weights") if isinstance(g, dict) else None
@@ -106,22 +125,30 @@ def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], bool]:
                     f"{where}: nvfp4 needs group_size 16, got {w.get('group_size')}"
                 )
             nvfp4 = True
+        elif fmt == CT_INT_PACKED_FORMAT and (bits, typ) == (4, "int"):
+            if strat not in ("group", "channel"):
+                raise CheckpointError(f"{where}: int4 weights with strategy {strat!r} are not read")
+            if w.get("actorder") not in (None, "static", "weight") and strat == "group":
+                raise CheckpointError(f"{where}: int4 act-order (g_idx) weights are not read yet")
+            int4.append(int(w.get("group_size") or 0) if strat == "group" else 0)
         else:
             raise CheckpointError(
                 f"{where}: compressed-tensors format {fmt!r} with {bits}-bit {typ} weights "
                 f"(strategy {strat}) is not a source layout qckpt reads"
             )
-    return fp8, nvfp4
+    return fp8, nvfp4, int4
 
 
 def read_layout(index: Index, qc: dict[str, Any], hf_quant: Any = None) -> SourceLayout:
     """The layout of a compressed-tensors dir (``hf_quant``: unused, the registry's signature)."""
-    fp8, nvfp4 = _weight_options(qc)
+    fp8, nvfp4, int4 = _weight_options(qc)
     weights: dict[str, QuantWeight] = {}
     if fp8:
         weights.update(fp8_weights(index, "_scale", fp8))
     if nvfp4:
         weights.update(nvfp4_weights(index, "weight_packed", "weight_global_scale", True))
+    if int4:
+        weights.update(int4_weights(index, int4))
     kinds = sorted({w.scale_layout for w in weights.values()})
     return SourceLayout(name="compressed-tensors", detail=", ".join(kinds), weights=weights)
 
@@ -141,12 +168,12 @@ class CompressedTensorsLayout(ExportLayout):
         w, i = quant.weights, quant.inputs
         ws, ins = scheme_of(w, "weight"), scheme_of(i, "input")
         if not (isinstance(ws, Fp8Scheme) and isinstance(ins, Fp8Scheme)):
-            raise ExportError(
+            raise SchemeError(
                 "export.format compressed-tensors writes FP8 weights with FP8 inputs, or NVFP4 "
                 f"weights with NVFP4 inputs; got weights {w.format}, inputs {i.format}"
             )
         if i.granularity == "block" and not i.dynamic:
-            raise ExportError(
+            raise SchemeError(
                 "quant.inputs: block (per-group) input scales must be dynamic in compressed-tensors"
             )
 
@@ -156,7 +183,7 @@ class CompressedTensorsLayout(ExportLayout):
             return (1,)
         if w.granularity == "channel":
             return (shape[0], 1)
-        return config_amax_shape(w, "weight", shape)
+        return scheme_of(w, "weight").amax_shape("weight", shape)
 
     def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
         i = self.quant.inputs
@@ -293,12 +320,15 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
     ) -> None:
         ExportLayout.__init__(self, quant, model_dtype, block_scales)
         w, i = quant.weights, quant.inputs
-        nv = scheme_of(w, "weight").packed_fp4 and scheme_of(i, "input").packed_fp4
+        ins = scheme_of(i, "input")
+        # the inputs: NVFP4 with a static global scale (W4A4), or none (NVFP4A16)
+        self.a16 = not ins.quantized
+        nv = scheme_of(w, "weight").packed_fp4 and (ins.packed_fp4 or self.a16)
         if not nv or i.dynamic:
-            raise ExportError(
+            raise SchemeError(
                 "export.format compressed-tensors writes NVFP4 (nvfp4-pack-quantized) with "
-                f"weights and static inputs nvfp4; got weights {w.format}, inputs {i.format}"
-                f"{' dynamic' if i.dynamic else ''}"
+                "inputs nvfp4 static or none (weight-only); got weights "
+                f"{w.format}, inputs {i.format}{' dynamic' if i.dynamic else ''}"
             )
 
     def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
@@ -307,12 +337,14 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
                 f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}, got {shape[1]}"
             )
         f32 = torch.float32
-        return [
+        specs = [
             OutSpec(f"{module}.{CT_PACKED}", torch.uint8, (shape[0], shape[1] // 2)),
             OutSpec(f"{module}.{WEIGHT_SCALE}", FP8, (shape[0], shape[1] // NVFP4_GROUP)),
             OutSpec(f"{module}.{CT_WEIGHT_GLOBAL}", f32, (1,)),
-            OutSpec(f"{module}.{CT_INPUT_GLOBAL}", f32, (1,)),
         ]
+        if not self.a16:
+            specs.append(OutSpec(f"{module}.{CT_INPUT_GLOBAL}", f32, (1,)))
+        return specs
 
     def quantize_linear(
         self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
@@ -321,10 +353,12 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
         if w.shape[1] % NVFP4_GROUP:
             raise ExportError(f"{module}: NVFP4 needs the input dim divisible by {NVFP4_GROUP}")
         qdata, scale, gs = self.nvfp4(w, amax_scalar(amax[f"{module}.weight_amax"]), module)
-        ia = amax_scalar(amax[f"{module}.input_amax"])
         yield f"{module}.{CT_PACKED}", qdata
         yield f"{module}.{WEIGHT_SCALE}", scale
         yield f"{module}.{CT_WEIGHT_GLOBAL}", _reciprocal(gs).reshape(1)
+        if self.a16:
+            return
+        ia = amax_scalar(amax[f"{module}.input_amax"])
         yield (
             f"{module}.{CT_INPUT_GLOBAL}",
             _reciprocal(amax_over(ia, FP4_MAX * FP8_MAX)).reshape(1),
@@ -333,7 +367,7 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
     def config_group(self, targets: list[str]) -> dict:
         group = super().config_group(targets)
         group["weights"] = ct_nvfp4_args(inputs=False)
-        group["input_activations"] = ct_nvfp4_args(inputs=True)
+        group["input_activations"] = None if self.a16 else ct_nvfp4_args(inputs=True)
         group["format"] = CT_NVFP4_FORMAT
         return group
 
@@ -350,13 +384,105 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
         return {**super().shard_metadata(), "quant_format": CT_NVFP4_FORMAT}
 
 
+class CompressedTensorsInt4Layout(CompressedTensorsLayout):
+    """compressed-tensors ``pack-quantized`` INT4 weights (llm-compressor's ``W4A16``): per
+    linear ``weight_packed`` int32 ``[out, ceil(in / 8)]`` (:mod:`qckpt.formats.intq`),
+    ``weight_scale`` in the model dtype ``[out, in / group]`` (``channel``: ``[out, 1]``) and
+    ``weight_shape`` int64 ``[out, in]``; symmetric, so no zero point. The codes are quantized
+    with the scale as stored (rounded to the model dtype), as for FP8. Inputs: none."""
+
+    def __init__(
+        self, quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
+    ) -> None:
+        ExportLayout.__init__(self, quant, model_dtype, block_scales)
+        self.ws = scheme_of(quant.weights, "weight")
+        if scheme_of(quant.inputs, "input").quantized:
+            raise SchemeError(
+                f"export.format compressed-tensors writes int4 weights weight-only (W4A16); "
+                f"got inputs {quant.inputs.format}: give quant.inputs {{format: none}}"
+            )
+
+    def _group(self) -> int:
+        return self.ws.block[1] if self.ws.granularity == "group" else 0
+
+    def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
+        g = self._group()
+        if g and shape[1] % g:
+            raise SchemeError(
+                f"{module}: int4 group {g} does not divide its input dim {shape[1]}; the "
+                "clients' kernels need it to (a smaller group_size, or granularity: channel)"
+            )
+        per = 32 // self.ws.code_bits
+        return [
+            OutSpec(f"{module}.{CT_PACKED}", torch.int32, (shape[0], -(-shape[1] // per))),
+            OutSpec(f"{module}.{WEIGHT_SCALE}", self.model_dtype, self._scale_shape(shape)),
+            OutSpec(f"{module}.{CT_WEIGHT_SHAPE}", torch.int64, (2,)),
+        ]
+
+    def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        g = self._group()
+        return (shape[0], shape[1] // g) if g else (shape[0], 1)
+
+    def quantize_linear(
+        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        from qckpt.formats.intq import int_codes, pack_int32
+
+        wa = amax[f"{module}.weight_amax"].detach().to(torch.float32).clamp_min(MIN_AMAX)
+        shape = self._scale_shape(tuple(w.shape))
+        scale = amax_over(wa, self.ws.qmax).reshape(shape).to(self.model_dtype)
+        codes = int_codes(w, scale, self.ws.code_range, self._group())
+        yield f"{module}.{CT_PACKED}", pack_int32(codes, self.ws.code_bits)
+        yield f"{module}.{WEIGHT_SCALE}", scale
+        yield f"{module}.{CT_WEIGHT_SHAPE}", torch.tensor(list(w.shape), dtype=torch.int64)
+
+    def stacks(self) -> bool:
+        return False
+
+    def config_group(self, targets: list[str]) -> dict:
+        g = self._group()
+        weights = {
+            "num_bits": self.ws.code_bits,
+            "type": "int",
+            "symmetric": True,
+            "group_size": g or None,
+            "strategy": "group" if g else "channel",
+            "dynamic": False,
+        }
+        return {
+            "targets": targets,
+            "weights": weights,
+            "input_activations": None,
+            "output_activations": None,
+            "format": CT_INT_PACKED_FORMAT,
+        }
+
+    def shard_metadata(self) -> dict[str, str]:
+        return {**super().shard_metadata(), "quant_format": CT_INT_PACKED_FORMAT}
+
+
+# the family's writer per weight scheme (its class: the scheme is asked, never named)
+WRITERS: dict[type, type[CompressedTensorsLayout]] = {
+    Fp8Scheme: CompressedTensorsLayout,
+    Nvfp4Scheme: CompressedTensorsNvfp4Layout,
+    Int4Scheme: CompressedTensorsInt4Layout,
+}
+
+
 def export_layout(
     quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
 ) -> ExportLayout:
-    """The compressed-tensors layout of ``quant``: NVFP4 weights pack-quantized, else FP8."""
-    if scheme_of(quant.weights, "weight").packed_fp4:
-        return CompressedTensorsNvfp4Layout(quant, model_dtype, block_scales)
-    return CompressedTensorsLayout(quant, model_dtype, block_scales)
+    """The compressed-tensors layout of ``quant``, by its weights' scheme (:data:`WRITERS`)."""
+    ws = scheme_of(quant.weights, "weight")
+    cls = WRITERS.get(type(ws))
+    if cls is None:
+        raise SchemeError(
+            f"export.format compressed-tensors writes no {ws.describe()} weights "
+            "(unquantized linears: leave them out of quant.schemes' targets, or in quant.ignore)"
+            if not ws.quantized
+            else f"export.format compressed-tensors writes no {ws.describe()} weights"
+        )
+    return cls(quant, model_dtype, block_scales)
 
 
 def ct_targets(modules: list[str]) -> list[str]:

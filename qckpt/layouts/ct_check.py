@@ -10,6 +10,7 @@ from collections.abc import Callable
 from qckpt.layouts.check_common import FLOAT_DTYPES, Scheme, SchemeMap
 from qckpt.layouts.names import (
     CT_INPUT_GLOBAL,
+    CT_INT_PACKED_FORMAT,
     CT_NVFP4_FORMAT,
     CT_PACKED,
     CT_WEIGHT_GLOBAL,
@@ -56,6 +57,8 @@ def _group_scheme(qc: dict, g: dict, fmt: str | None, problems: list[str]) -> Sc
     w, i = g.get("weights") or {}, g.get("input_activations")
     if fmt == CT_NVFP4_FORMAT:
         return _ct_nvfp4_scheme(qc, w, i, problems)
+    if fmt == CT_INT_PACKED_FORMAT:
+        return _ct_int_scheme(qc, w, i, problems)
     if w.get("num_bits") != 8 or w.get("type") != "float":
         problems.append(f"config.json: weights {w.get('num_bits')}-bit {w.get('type')}: not FP8")
         return None
@@ -93,7 +96,7 @@ def _ct_nvfp4_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> 
     # "dynamic: local" (the NVFP4 preset) keeps a static global input scale; true keeps none
     static = bool(i) and i.get("dynamic", False) in (False, "local")
     return Scheme(
-        name=f"NVFP4 {'static' if static else 'dynamic'}",
+        name=f"NVFP4 {'static' if static else 'dynamic' if i else 'W4A16'}",
         weight="group",
         packed=True,
         static_input=static,
@@ -102,4 +105,36 @@ def _ct_nvfp4_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> 
         codes_leaf=CT_PACKED,
         global_leaf=CT_WEIGHT_GLOBAL,
         input_leaf=CT_INPUT_GLOBAL,
+    )
+
+
+def _ct_int_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Scheme | None:
+    """compressed-tensors ``pack-quantized``: symmetric INT4 weights per group or channel,
+    packed into int32 words; weight-only (the inputs in the model dtype)."""
+    bits, strategy, g = w.get("num_bits"), w.get("strategy"), w.get("group_size")
+    if (bits, w.get("type")) != (4, "int") or strategy not in ("group", "channel"):
+        problems.append(
+            f"config.json: {CT_INT_PACKED_FORMAT} weights {bits}-bit {w.get('type')} strategy "
+            f"{strategy!r}: qckpt checks 4-bit int per group or channel"
+        )
+        return None
+    if w.get("symmetric") is False:
+        problems.append("config.json: asymmetric int4 weights (zero points) are not checked")
+        return None
+    if strategy == "group" and not (isinstance(g, int) and g > 0):
+        problems.append(f"config.json: int4 group weights need a positive group_size, got {g!r}")
+        return None
+    if i:
+        problems.append("config.json: int4 weights with quantized inputs (W4A8) are not checked")
+        return None
+    return Scheme(
+        name=f"INT4 W4A16 {f'group {g}' if strategy == 'group' else 'channel'}",
+        weight=strategy,
+        static_input=False,
+        scale_dtypes=FLOAT_DTYPES,
+        block=(1, g) if strategy == "group" else None,
+        kv=qc.get("kv_cache_scheme") is not None,
+        codes_leaf=CT_PACKED,
+        codes_dtype="I32",
+        int_bits=4,
     )

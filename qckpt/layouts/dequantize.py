@@ -7,6 +7,8 @@ fp8             ``code * scale`` (per tensor, per row, or per block ``scale[i //
                 edge blocks partial)
 nvfp4           ``e2m1 * (scale / global_scale)`` (compressed-tensors) or
                 ``e2m1 * (weight_scale_2 * scale)`` (ModelOpt)
+int4            ``code * scale`` (codes -8..7 from int32 words, a scale per row or per group
+                of columns)
 ==============  =================================================================================
 
 The weight's ``QuantWeight.scheme`` says which (its ``packed_fp4``, its ``group``).
@@ -53,6 +55,8 @@ def _chunk_value(
 ) -> torch.Tensor:
     """float32 value of rows r x cols c of ``w``, computed on ``dev``."""
     (r0, r1), (c0, c1) = r, c
+    if w.scheme.packed_int:
+        return _int_value(w, fetch, r, c, dev)
     if not w.scheme.packed_fp4:
         v = fetch(w.codes, r, c).to(dev).to(torch.float32)
         if w.granularity == "tensor":
@@ -72,6 +76,26 @@ def _chunk_value(
     # ModelOpt (and qckpt's nvfp4 format) multiply by weight_scale_2
     s = sb / gs if w.global_divides else gs * sb
     return v.mul_(_expand(s, 1, g, r, c))
+
+
+def _int_value(
+    w: QuantWeight, fetch: Fetch, r: tuple[int, int], c: tuple[int, int], dev: torch.device
+) -> torch.Tensor:
+    """float32 ``code * scale`` of integer codes packed into int32 words (compressed-tensors
+    ``pack-quantized``), per row or per ``block[1]``-column group."""
+    from qckpt.formats.intq import unpack_int32
+
+    (r0, r1), (c0, c1) = r, c
+    per = 32 // w.scheme.code_bits
+    words = fetch(w.codes, r, (c0 // per, -(-c1 // per))).to(dev)
+    base = (c0 // per) * per
+    codes = unpack_int32(words, w.scheme.code_bits, words.shape[1] * per)
+    v = codes[:, c0 - base : c1 - base].to(torch.float32)
+    if w.granularity == "channel":
+        return v.mul_(fetch(w.scale, r, None).to(dev, torch.float32).reshape(-1, 1))
+    g = w.block[1]
+    s = fetch(w.scale, r, (c0 // g, -(-c1 // g))).to(dev)
+    return v.mul_(_expand(s, 1, g, (0, r1 - r0), c))
 
 
 def dequantize_into(

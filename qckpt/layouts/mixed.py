@@ -60,7 +60,7 @@ def build_parts(
             continue
         try:
             parts.append(make(quant.single(entry), model_dtype, block_scales))
-        except ExportError as exc:
+        except (ExportError, SchemeError) as exc:
             raise SchemeError(f"{entry_path(quant, i)}: {exc}") from None
     return parts
 

@@ -101,7 +101,7 @@ class ModelOptLayout(ExportLayout):
         elif isinstance(ws, Nvfp4Scheme) and isinstance(ins, Nvfp4Scheme) and not i.dynamic:
             self.algo = MO_NVFP4
         else:
-            raise ExportError(
+            raise SchemeError(
                 "export.format modelopt writes FP8 (per-tensor weights, static per-tensor inputs), "
                 "FP8_PER_CHANNEL_PER_TOKEN (per-channel weights, dynamic per-tensor inputs) or "
                 f"NVFP4 (weights and static inputs nvfp4); got weights {w.format}/{w.granularity}, "

@@ -56,6 +56,9 @@ CT_INPUT_GLOBAL = "input_global_scale"
 
 
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
+# integer codes packed into int32 words (INT4 W4A16), and the logical shape stored beside them
+CT_INT_PACKED_FORMAT = "pack-quantized"
+CT_WEIGHT_SHAPE = "weight_shape"
 
 
 # ModelOpt's quant_algo values qckpt writes

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from qckpt.errors import CheckpointError
-from qckpt.formats.scheme import Fp8Scheme, Nvfp4Scheme, Scheme
+from qckpt.formats.scheme import Fp8Scheme, Int4Scheme, Nvfp4Scheme, Scheme
 from qckpt.layouts.names import NVFP4_GROUP, PARAM_SUFFIXES
 from qckpt.storage.slices import Index
 
@@ -225,6 +225,47 @@ def nvfp4_weights(index: Index, codes_leaf: str, global_leaf: str, divides: bool
             file=f,
         )
     return out
+
+
+def int4_weights(index: Index, groups: list[int]) -> dict:
+    """Every I32 ``{m}.weight_packed`` with ``{m}.weight_scale`` (compressed-tensors
+    ``pack-quantized`` INT4): the logical columns from the scales (``groups``: the config's
+    group sizes, 0 per channel), which the packed width must agree with."""
+    out: dict[str, QuantWeight] = {}
+    for key, (f, shape, dt) in index.items():
+        mod, _, leaf = key.rpartition(".")
+        skey = f"{mod}.weight_scale"
+        if leaf != "weight_packed" or dt != torch.int32 or skey not in index:
+            continue
+        check_2d(key, shape)
+        rows, words = int(shape[0]), int(shape[1])
+        scale_shape = tuple(index[skey][1])
+        group = next((g for g in groups if g and scale_shape[-1] * g in _cols(words)), 0)
+        if group:
+            cols, gran, block = scale_shape[-1] * group, "group", (1, group)
+        elif 0 in groups and math.prod(scale_shape) == rows:
+            cols, gran, block = words * 8, "channel", (1, 1)
+        else:
+            raise CheckpointError(
+                f"{skey}: shape {list(scale_shape)} fits no int4 group size {groups} of a "
+                f"{rows} x {words * 8 - 7}..{words * 8} weight"
+            )
+        out[f"{mod}.weight"] = QuantWeight(
+            name=f"{mod}.weight",
+            shape=(rows, cols),
+            scheme=Int4Scheme(granularity=gran, block=block),
+            granularity=gran,
+            block=block,
+            codes=key,
+            scale=skey,
+            file=f,
+        )
+    return out
+
+
+def _cols(words: int) -> range:
+    """The logical columns ``words`` int32 words of 4-bit codes hold (the last one partial)."""
+    return range(words * 8 - 7, words * 8 + 1)
 
 
 def found(index: Index) -> str:

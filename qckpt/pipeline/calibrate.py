@@ -153,7 +153,9 @@ def algorithm_of(recipe):
         # decides its inputs' quantization in the pass
         for entry in recipe.quant.entries():
             input_mode(entry_scheme(entry.inputs, "input"), dtype)
-    return algorithm_from(c, dtype)
+    algo = algorithm_from(c, dtype)
+    algo.check_schemes([entry_scheme(e.weights, "weight") for e in recipe.quant.entries()])
+    return algo
 
 
 def _data(recipe: Recipe, mesh: Mesh, vocab_size: int, dealt: bool, hooks: Hooks):

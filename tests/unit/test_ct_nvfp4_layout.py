@@ -17,10 +17,11 @@ def _nvfp4_quant():
 
 def test_ct_nvfp4_refuses_what_it_cannot_write():
     from qckpt import ExportError
+    from qckpt.errors import SchemeError
     from qckpt.layouts.registry import make_layout
 
     q = quant_config(fmt="nvfp4", inputs="token")  # dynamic NVFP4 inputs: no global input scale
-    with pytest.raises(ExportError, match="writes NVFP4 .* with weights and static inputs nvfp4"):
+    with pytest.raises(SchemeError, match="writes NVFP4 .* inputs nvfp4 static or none"):
         make_layout("compressed-tensors", q, torch.bfloat16)
     layout = make_layout("compressed-tensors", _nvfp4_quant(), torch.bfloat16)
     with pytest.raises(ExportError, match=r"^m: NVFP4 needs the input dim divisible by 16, got 40"):

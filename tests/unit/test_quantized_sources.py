@@ -262,14 +262,23 @@ def test_unknown_quantized_layouts_are_refused_in_one_line(dirs, tmp_path):
     ].to(torch.float8_e4m3fn)
     cases = {
         "fp8 cast, no config": (cast, None, "unknown quantized layout: 1 float8 tensors"),
-        "int4 ct": (
+        "int8 ct": (
+            bf16,
+            {
+                "quant_method": "compressed-tensors",
+                "format": "int-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}},
+            },
+            "compressed-tensors format 'int-quantized' with 8-bit int weights",
+        ),
+        "int4 ct, no strategy": (
             bf16,
             {
                 "quant_method": "compressed-tensors",
                 "format": "pack-quantized",
                 "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}},
             },
-            "compressed-tensors format 'pack-quantized' with 4-bit int weights",
+            "int4 weights with strategy None are not read",
         ),
         "awq": (bf16, {"quant_method": "awq"}, "quant_method 'awq': not a source layout"),
         "fp8 without scale": (

@@ -1,0 +1,52 @@
+"""Integer codes: quantize with given scales, and compressed-tensors' int32 packing.
+
+``pack-quantized`` stores B-bit codes as unsigned values (code + 2**(B-1)) packed densely along
+the input dim into int32 words, the first column in the lowest bits (for B = 4: 8 codes a word,
+column 8k + i at bits 4i..4i+3); a row whose column count is not a multiple of 32 / B ends in a
+partial word. Checked bit for bit against compressed-tensors' ``pack_to_int32`` /
+``unpack_from_int32`` in the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def int_codes(
+    w: torch.Tensor, scale: torch.Tensor, code_range: tuple[int, int], group: int
+) -> torch.Tensor:
+    """int8 codes ``clamp(round(w / scale), lo, hi)`` of a 2-D weight, ``scale`` one per row
+    (``group`` 0) or per ``group`` columns of a row; the division in float32, ties to even."""
+    rows, cols = w.shape
+    lo, hi = code_range
+    x = w.to(torch.float32)
+    s = scale.to(device=w.device, dtype=torch.float32)
+    if group:
+        q = (x.reshape(rows, cols // group, group) / s.reshape(rows, -1, 1)).reshape(rows, cols)
+    else:
+        q = x / s.reshape(rows, 1)
+    return torch.round(q).clamp_(lo, hi).to(torch.int8)
+
+
+def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words ``[rows, ceil(cols * bits / 32)]`` of int8 ``codes`` (see the module doc);
+    ``bits`` divides 32."""
+    rows, cols = codes.shape
+    per = 32 // bits
+    words = -(-cols // per)
+    u = (codes.to(torch.int64) + (1 << (bits - 1))) & ((1 << bits) - 1)
+    u = torch.nn.functional.pad(u, (0, words * per - cols)).reshape(rows, words, per)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
+    packed = (u << shifts).sum(dim=-1)
+    # the word's 32 bits as int32: two's complement wraps the top bit
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """int8 codes ``[rows, cols]`` of int32 words (the inverse of :func:`pack_int32`)."""
+    per = 32 // bits
+    w = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int64) * bits
+    u = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    u = u.reshape(packed.shape[0], -1)[:, :cols]
+    return (u - (1 << (bits - 1))).to(torch.int8)

@@ -1,0 +1,205 @@
+"""INT4 W4A16 (compressed-tensors ``pack-quantized``) and NVFP4A16 exports, judged against
+compressed-tensors' own packing, scale rule, quantize and dequantize; read back as a source;
+weight-only in ``qckpt eval``; the recipes no layout or algorithm takes refused in one line.
+
+The export runs the real commands (convert, calibrate with ``max``, export) on the tiny Llama;
+transformers loading it is ``tests/e2e/test_pipeline.py``'s ``tiny-dense-w4a16`` recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from qckpt import check_export
+from tests._inproc import run_main
+
+GROUP = 32  # the tiny model's input dims are 64 and 128
+
+
+def _recipe(root: Path, name: str, weights: dict, inputs: dict, **over) -> Path:
+    run = root / name
+    recipe = {
+        "model": {"source": "tiny-dense", "dtype": "bfloat16", "seed": 0},
+        "checkpoint": {"path": str(root / "dcp")},
+        "quant": {"weights": weights, "inputs": inputs, "ignore": ["lm_head"]},
+        "calibrate": {
+            "data": {"source": "synthetic", "num_samples": 8, "seq_len": 32, "batch_size": 4},
+            "output": str(run / "calib.safetensors"),
+            **over.get("calibrate", {}),
+        },
+        "export": {
+            "format": "compressed-tensors",
+            "output": str(run / "out"),
+            **over.get("export", {}),
+        },
+    }
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("int4")
+    rec = _recipe(root, "base", {"format": "fp8"}, {"format": "fp8"})
+    assert run_main("convert", str(rec), str(root / "dcp")).returncode == 0
+    r = run_main("convert", str(root / "dcp"), str(root / "hf"), "--to", "hf")
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def _export(root: Path, name: str, weights: dict, inputs: dict) -> Path:
+    rec = _recipe(root, name, weights, inputs)
+    out = root / name / "out"
+    if not out.exists():
+        for cmd in ("calibrate", "export"):
+            r = run_main(cmd, str(rec))
+            assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def w4a16(root):
+    w = {"format": "int4", "granularity": "group", "block_size": [GROUP]}
+    return _export(root, "w4a16", w, {"format": "none"})
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            out.update({k: sf.get_tensor(k) for k in sf.keys()})  # noqa: SIM118
+    return out
+
+
+def test_w4a16_export_is_what_compressed_tensors_computes(root, w4a16):
+    """Every linear: the stored scale is compressed-tensors' ``calculate_qparams`` of the
+    group's min / max (amax / 7.5) in the model dtype; the codes are its ``quantize`` of the
+    source weight under that scale; its ``dequantize`` is what qckpt reads back, bit for bit."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP
+    )
+    t, src = _tensors(w4a16), _tensors(root / "hf")
+    cfg = json.loads((w4a16 / "config.json").read_text())["quantization_config"]
+    group = cfg["config_groups"]["group_0"]
+    assert cfg["format"] == group["format"] == "pack-quantized"
+    assert (
+        group["weights"] | {"type": "int", "num_bits": 4, "strategy": "group"} == group["weights"]
+    )
+    assert group["weights"]["group_size"] == GROUP and group["input_activations"] is None
+    # read back as a source: `qckpt convert` dequantizes it into a BF16 HF dir
+    r = run_main("convert", str(w4a16), str(root / "back"), "--to", "hf")
+    assert r.returncode == 0 and "14 of 21 tensors dequantized from compressed-tensors" in r.stdout
+    back = _tensors(root / "back")
+    modules = sorted(k[: -len(".weight_packed")] for k in t if k.endswith(".weight_packed"))
+    assert len(modules) == 14  # 2 layers x (q, k, v, o, gate, up, down); lm_head ignored
+    for m in modules:
+        w = src[f"{m}.weight"].float()
+        rows, cols = w.shape
+        scale = t[f"{m}.weight_scale"]
+        assert scale.dtype == torch.bfloat16 and scale.shape == (rows, cols // GROUP)
+        assert t[f"{m}.weight_shape"].tolist() == [rows, cols]
+        groups = w.reshape(rows, -1, GROUP)
+        want, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        assert torch.equal(scale, want.to(torch.bfloat16)), m
+        codes = unpack_from_int32(t[f"{m}.weight_packed"], 4, torch.Size((rows, cols)))
+        ct_codes = quantize(w, scale.float(), zp, args)
+        assert torch.equal(codes.float(), ct_codes), m
+        ct_value = dequantize(codes, scale.float(), zp, args)  # float32: exact products
+        assert torch.equal(back[f"{m}.weight"], ct_value.to(torch.bfloat16)), m
+
+
+def test_w4a16_passes_check_and_evaluates_weight_only(root, w4a16):
+    from qckpt import EvalOptions, evaluate_export
+
+    res = check_export(w4a16)
+    assert res.ok and "INT4 W4A16 group 32" in res.summary(), res.problems
+    data = root / "heldout.bin"
+    g = torch.Generator().manual_seed(3)
+    data.write_bytes(bytes(torch.randint(0, 256, (8192,), generator=g).tolist()))
+    opts = EvalOptions(windows=4, seq_len=64)
+    rep = evaluate_export(w4a16, root / "hf", data, opts)
+    assert rep["scheme"]["input_quantization"] == {"unquantized": 14}
+    assert rep["emulated"]["linears"] == 14
+    fp8 = _export(root, "fp8", {"format": "fp8"}, {"format": "fp8"})
+    rep8 = evaluate_export(fp8, root / "hf", data, opts)
+    # 4-bit weights move the outputs more than 8-bit ones, and not beyond recognition
+    assert rep8["kl_mean"] < rep["kl_mean"] < 0.05, (rep8["kl_mean"], rep["kl_mean"])
+
+
+def test_nvfp4a16_writes_no_input_scales(root):
+    out = _export(root, "nvfp4a16", {"format": "nvfp4"}, {"format": "none"})
+    t = _tensors(out)
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert group["group_0"]["input_activations"] is None
+    assert group["group_0"]["format"] == "nvfp4-pack-quantized"
+    assert not [k for k in t if k.endswith("input_global_scale")]
+    assert len([k for k in t if k.endswith(".weight_global_scale")]) == 14
+    res = check_export(out)
+    assert res.ok and "NVFP4 W4A16" in res.summary(), res.problems
+
+
+@pytest.mark.parametrize(
+    "name, weights, inputs, over, says",
+    [
+        (
+            "w4a8",
+            {"format": "int4", "granularity": "group"},
+            {"format": "fp8"},
+            {},
+            "compressed-tensors writes int4 weights weight-only",
+        ),
+        (
+            "mo-int4",
+            {"format": "int4", "granularity": "group", "block_size": [GROUP]},
+            {"format": "none"},
+            {"export": {"format": "modelopt"}},
+            "export.format modelopt writes FP8",
+        ),
+        (
+            "int4-inputs",
+            {"format": "int4", "granularity": "group", "block_size": [GROUP]},
+            {"format": "int4"},
+            {},
+            "int4 quantizes no inputs",
+        ),
+        (
+            "group-96",
+            {"format": "int4", "granularity": "group", "block_size": [96]},
+            {"format": "none"},
+            {},
+            "int4 group 96 does not divide its input dim 64",
+        ),
+    ],
+)
+def test_an_unwritable_scheme_is_refused_in_one_line(root, name, weights, inputs, over, says):
+    """At export, before a byte is written: exit 2 and one line naming what is wrong."""
+    rec = _recipe(root, name, weights, inputs, **over)
+    cal = run_main("calibrate", str(rec))
+    assert cal.returncode == 0, cal.stderr[-2000:]
+    r = run_main("export", str(rec))
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    line = [s for s in r.stderr.splitlines() if s.startswith("qckpt: error:")]
+    assert len(line) == 1 and says in line[0], r.stderr
+    assert not (root / name / "out").exists()
+
+
+@pytest.mark.parametrize("algorithm", ["mse", "gptq", "awq"])
+def test_an_algorithm_that_cannot_quantize_int4_is_refused_before_any_work(root, algorithm):
+    w = {"format": "int4", "granularity": "group", "block_size": [GROUP]}
+    rec = _recipe(root, f"a-{algorithm}", w, {"format": "none"}, calibrate={"algorithm": algorithm})
+    r = run_main("calibrate", str(rec))
+    assert (
+        r.returncode == 2 and f"calibrate.algorithm: {algorithm} does not quantize int4" in r.stderr
+    )
+    assert not (root / f"a-{algorithm}" / "calib.safetensors").exists()

@@ -41,9 +41,6 @@ class Algorithm:
     tp: ClassVar[bool] = False
     # the weights it writes beside the calibration file (its sidecar's suffix; "" for none)
     sidecar: ClassVar[str] = ""
-    # whether it quantizes weights itself (searches, GPTQ's columns, AWQ's loss), so that each
-    # weight scheme must be one its quantizer knows (Scheme.searchable)
-    quantizes_weights: ClassVar[bool] = True
 
     @classmethod
     def from_config(cls, c: Any, input_dtype: torch.dtype) -> Algorithm:  # noqa: ARG003
@@ -64,16 +61,16 @@ class Algorithm:
                 "(max and gptq run one layer at a time)"
             )
 
+    def refuses(self, scheme: Any) -> str | None:
+        """Why this algorithm cannot quantize weights of ``scheme`` (None: it can)."""
+        return None
+
     def check_schemes(self, schemes: list[Any]) -> None:
         """A weight scheme this algorithm cannot quantize, in one line, before any work."""
-        if not self.quantizes_weights:
-            return
         for s in schemes:
-            if s.quantized and not s.searchable:
-                raise SchemeError(
-                    f"calibrate.algorithm: {self.name} does not quantize {s.describe()} weights "
-                    "yet (calibrate.algorithm: max does)"
-                )
+            why = self.refuses(s) if s.quantized else None
+            if why:
+                raise SchemeError(f"calibrate.algorithm: {self.name} {why}")
 
     def before(self, model, instr, batches, mesh, parts: dict) -> tuple[Any, float]:  # noqa: ANN001
         """Its pass before the max calibration: (its result or None, its seconds)."""
@@ -94,7 +91,6 @@ class Max(Algorithm):
     """amax = max |x|: the forwards and the sync, nothing after."""
 
     name: ClassVar[str] = "max"
-    quantizes_weights: ClassVar[bool] = False
     tp: ClassVar[bool] = True
 
 
@@ -106,6 +102,12 @@ class Mse(Algorithm):
 
     name: ClassVar[str] = "mse"
     offload: ClassVar[tuple[str, ...]] = ("none",)
+
+    def refuses(self, scheme: Any) -> str | None:
+        # its searches are FP8's clip ratios and NVFP4's block scales
+        if scheme.packed_int:
+            return f"does not search {scheme.describe()} scales yet (max, gptq and awq quantize it)"
+        return None
 
     def after(self, model, instr, batches, mesh, mine, parts, runner):  # noqa: ANN001
         from qckpt.calib.mse_pass import run_mse
@@ -135,6 +137,19 @@ class Gptq(Algorithm):
     inputs: str = "source"  # source | quantized (each module's input scheme)
     input_dtype: torch.dtype = torch.float32  # static FP8 input scales as stored
     stream: Any = None  # calibrate.offload: the sidecar writer (gptq_pass.streamed_sidecar)
+
+    def refuses(self, scheme: Any) -> str | None:
+        if not (scheme.packed_int and scheme.granularity == "group"):
+            return None
+        # each group's scale is made from the group's current columns as the sweep reaches it
+        g = scheme.block[1]
+        if self.block % g:
+            return (
+                f"with int4 groups of {g}: calibrate.gptq_block ({self.block}) must be a multiple"
+            )
+        if self.act_order:
+            return f"act-order with int4 groups of {g} is not written yet (groups run in order)"
+        return None
 
     @classmethod
     def from_config(cls, c: Any, input_dtype: torch.dtype) -> Algorithm:

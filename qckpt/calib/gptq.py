@@ -75,16 +75,44 @@ def input_aware_target(w: torch.Tensor, h: torch.Tensor, c: torch.Tensor, percda
     return torch.cholesky_solve(rhs, lower).t().to(torch.float32).contiguous()
 
 
+def makes_group_scales(scheme: Scheme) -> bool:
+    """Whether GPTQ makes this scheme's scales group by group as it reaches each group (NVFP4's
+    block scales, INT4's group scales), which the sidecar then carries to the export."""
+    return scheme.block_scaled or (scheme.packed_int and scheme.granularity == "group")
+
+
 class ColumnQuantizer:
     """Fake quantization of columns of a ``[rows, cols]`` weight as the export quantizes."""
 
-    def __init__(self, scheme: Scheme, amax: torch.Tensor, shape, search: bool = False):
+    def __init__(
+        self,
+        scheme: Scheme,
+        amax: torch.Tensor,
+        shape,
+        search: bool = False,
+        scale_dtype: torch.dtype = torch.float32,
+    ):
         rows, cols = shape
         self.scheme, self.granularity, self.block = scheme, scheme.granularity, scheme.block
-        # block scales made group by group under a global scale (NVFP4), else FP8's own scales
-        self.grouped, self.group = scheme.block_scaled, scheme.group
+        # integer codes (INT4): round-to-nearest under a scale in the dtype the export stores
+        # (``scale_dtype``), per row, or per group made as GPTQ reaches the group
+        self.int_codes = scheme.packed_int
+        self.int_groups = self.int_codes and scheme.granularity == "group"
+        # block scales made group by group (under a global scale for NVFP4), else fixed ones
+        self.grouped = makes_group_scales(scheme)
+        self.group = scheme.block[1] if self.int_groups else scheme.group
         self.search = search  # NVFP4: each group's scale searched (mse) instead of the max rule
         a = amax.detach().to(torch.float32)
+        if self.int_codes:
+            self.lo, self.hi = scheme.code_range
+            self.scale_dtype, self.qmax = scale_dtype, scheme.qmax
+            if self.int_groups:
+                self.block_scales = torch.empty((rows, -(-cols // self.group)), dtype=scale_dtype)
+                self._sb = None
+                return
+            s = div_f32(a.clamp_min(1e-12), f64_const(scheme.qmax, a.device))
+            self.scale = s.to(scale_dtype).to(torch.float32).reshape(rows, 1).expand(rows, cols)
+            return
         if self.grouped:
             from qckpt.formats.numerics import float_scale
 
@@ -110,6 +138,10 @@ class ColumnQuantizer:
         """NVFP4: the group starting at ``col`` takes its scale from ``w`` (its current
         columns, ``[rows, <=16]``) by the max rule, or searched (:attr:`search`: the E4M3
         scale of least squared error over the group's current values, ``qckpt.calib.mse``)."""
+        if self.int_groups:
+            self._sb = int_scales(w.abs().amax(dim=-1), self.qmax, self.scale_dtype)
+            self.block_scales[:, col // self.group] = self._sb
+            return
         if self.search:
             from qckpt.formats.nvfp4_search import nvfp4_chunk
 
@@ -124,12 +156,22 @@ class ColumnQuantizer:
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` (``w``: its current values, float32 ``[rows]``)."""
+        if self.int_codes:
+            s = self._sb.to(torch.float32) if self.int_groups else self.scale[:, col]
+            return torch.round(w / s).clamp_(self.lo, self.hi) * s
         if self.grouped:
             sbf = self._sb.to(torch.float32)
             y = (w * (self.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX)
             return e2m1_round(y) * (self.gs * sbf)
         s = self.scale[:, col]
         return (w / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+
+
+def int_scales(gmax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
+    """Integer codes' scales ``amax / qmax`` of groups whose largest magnitudes are ``gmax``,
+    correctly rounded in float32, then to ``dtype`` (the export's; the codes use it as stored)."""
+    g = gmax.to(torch.float32).clamp_min(1e-12)
+    return div_f32(g, f64_const(qmax, g.device)).to(dtype)
 
 
 def _dampened(h: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, float]:
@@ -301,6 +343,16 @@ class _StackedQuantizer:
 
     def __init__(self, qs: list[ColumnQuantizer]):
         self.qs, self.grouped, self.group = qs, qs[0].grouped, qs[0].group
+        self.int_codes, self.int_groups = qs[0].int_codes, qs[0].int_groups
+        if self.int_codes:
+            q0 = qs[0]
+            self.lo, self.hi, self.qmax, self.scale_dtype = q0.lo, q0.hi, q0.qmax, q0.scale_dtype
+            if self.int_groups:
+                self.block_scales = torch.stack([q.block_scales for q in qs])
+                self._sb = None
+                return
+            self.scale = torch.stack([q.scale for q in qs])
+            return
         if self.grouped:
             self.search = qs[0].search
 
@@ -317,6 +369,11 @@ class _StackedQuantizer:
     def start_group(self, w: torch.Tensor, col: int) -> None:
         """:meth:`ColumnQuantizer.start_group` of each linear (``w``: ``[N, rows, <=16]``)."""
         n, r, k = w.shape
+        if self.int_groups:
+            self._sb = int_scales(w.abs().amax(dim=2), self.qmax, self.scale_dtype)
+            self.block_scales[:, :, col // self.group] = self._sb
+            self._step = self._sb.to(torch.float32)
+            return
         if self.search:
             from qckpt.formats.nvfp4_search import nvfp4_chunk
 
@@ -336,6 +393,9 @@ class _StackedQuantizer:
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` of each linear (``w``: ``[N, rows]`` float32)."""
+        if self.int_codes:
+            s = self._step if self.int_groups else self.scale[:, :, col]
+            return torch.round(w / s).clamp_(self.lo, self.hi) * s
         if self.grouped:  # the group's two factors made once, at start_group
             y = (w * self._rec).clamp_(-E2M1_MAX, E2M1_MAX)
             return e2m1_round(y) * self._step
@@ -353,6 +413,8 @@ def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tenso
     """Every column rounded to nearest with ``quantizer``'s scales, at once (what GPTQ's
     column loop gives with nothing spread); NVFP4's block scales by the max rule, kept."""
     rows, cols = W.shape
+    if quantizer.int_codes:
+        return _int_round_to_nearest(W, quantizer)
     if not quantizer.grouped:
         s = quantizer.scale
         return (W / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
@@ -366,3 +428,18 @@ def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tenso
     sbf = sb.to(torch.float32).unsqueeze(-1)
     y = (blocks * (quantizer.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX)
     return (e2m1_round(y) * (quantizer.gs * sbf)).reshape(rows, -1)[:, :cols]
+
+
+def _int_round_to_nearest(W: torch.Tensor, q: ColumnQuantizer) -> torch.Tensor:
+    """:func:`round_to_nearest` of integer codes: per row, or per group with each group's
+    scale by the max rule from its values (kept, as GPTQ's are)."""
+    rows, cols = W.shape
+    if not q.int_groups:
+        return torch.round(W / q.scale).clamp_(q.lo, q.hi) * q.scale
+    from qckpt.formats.rowblock import padded_blocks
+
+    blocks = padded_blocks(W, q.group)  # [rows, nb, group]
+    sb = int_scales(blocks.abs().amax(dim=-1), q.qmax, q.scale_dtype)
+    q.block_scales.copy_(sb)
+    s = sb.to(torch.float32).unsqueeze(-1)
+    return (torch.round(blocks / s).clamp_(q.lo, q.hi) * s).reshape(rows, -1)[:, :cols]

@@ -492,7 +492,9 @@ def _job(model, x: _Linear, opts: GptqOptions):
     GPTQ runs with)."""
     q = x.src.quantizer
     w = x.src.take(model.get_parameter(x.src.param))
-    make = partial(gptq.ColumnQuantizer, q.scheme, x.amax, tuple(w.shape))
+    # integer scales rounded to the dtype the export stores them in (the static input scales')
+    scales = {"scale_dtype": opts.input_dtype}
+    make = partial(gptq.ColumnQuantizer, q.scheme, x.amax, tuple(w.shape), **scales)
     return q, w, make, make(search=opts.block_search)
 
 
@@ -559,7 +561,7 @@ def _share_names(instr: Instrumentation, mesh: Mesh, on: set[int], inside: str) 
         q = src.quantizer
         if id(q) in on and q.name.startswith(inside) and _writes(q, mesh):
             out.append(f"{q.name}.weight")
-            if q.scheme.block_scaled:
+            if gptq.makes_group_scales(q.scheme):
                 out.append(f"{q.name}.weight_block_scale")
     return out
 

@@ -287,7 +287,7 @@ class Pipeline(BulkRuns):
             if g.module is None:
                 yield f, g.entry.name, v.to(g.specs[0].dtype), aliases(g)
                 continue
-            cal = plan.cal_amax[f"{g.module}.weight_amax"]
+            cal = plan.layout.guard_amax(g.module, plan.cal_amax[f"{g.module}.weight_amax"])
             checks.append((g.module, v, cal, check_source_weight(g.module, v, cal)))
             for name, q in plan.layout.quantize_linear(g.module, v, plan.amax):
                 yield f, name, q, False

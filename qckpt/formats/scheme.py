@@ -75,9 +75,6 @@ class Scheme:
     # bits of one code as an export stores it; integer codes packed into int32 words
     code_bits: ClassVar[int] = 8
     packed_int: ClassVar[bool] = False
-    # whether the calibration algorithms' weight quantizer (mse's search, GPTQ's columns,
-    # AWQ's loss) knows this scheme; max calibration needs none
-    searchable: ClassVar[bool] = True
 
     granularity: str = "tensor"
     block: tuple[int, int] = (128, 128)
@@ -215,7 +212,6 @@ class Int4Scheme(Scheme):
     code_bits: ClassVar[int] = 4
     packed_int: ClassVar[bool] = True
     code_range: ClassVar[tuple[int, int]] = INT4_RANGE
-    searchable: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.granularity == "group":

@@ -396,6 +396,7 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
     ) -> None:
         ExportLayout.__init__(self, quant, model_dtype, block_scales)
         self.ws = scheme_of(quant.weights, "weight")
+        self._given: dict[str, torch.Tensor] = {}
         if scheme_of(quant.inputs, "input").quantized:
             raise SchemeError(
                 f"export.format compressed-tensors writes int4 weights weight-only (W4A16); "
@@ -404,6 +405,20 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
 
     def _group(self) -> int:
         return self.ws.block[1] if self.ws.granularity == "group" else 0
+
+    def _read_given(self, module: str) -> torch.Tensor | None:
+        bs = self.block_scales
+        return None if bs.given is None or not self._group() else bs.given(module)
+
+    def guard_amax(self, module: str, amax: torch.Tensor) -> torch.Tensor:
+        # GPTQ made each group's scale from the group as it reached it, and its values may
+        # pass the calibrated amax: they stay within the codes' range under those scales
+        given = self._read_given(module)
+        if given is None:
+            return amax
+        self._given[module] = given  # quantize_linear takes it next
+        lo, hi = self.ws.code_range
+        return given.to(torch.float32) * float(max(-lo, hi))
 
     def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
         g = self._group()
@@ -428,9 +443,17 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         from qckpt.formats.intq import int_codes, pack_int32
 
-        wa = amax[f"{module}.weight_amax"].detach().to(torch.float32).clamp_min(MIN_AMAX)
         shape = self._scale_shape(tuple(w.shape))
-        scale = amax_over(wa, self.ws.qmax).reshape(shape).to(self.model_dtype)
+        given = self._given.pop(module, None)
+        if given is None:
+            given = self._read_given(module)
+        if given is not None:  # GPTQ's group scales, made as it reached each group
+            if tuple(given.shape) != shape:
+                raise ExportError(f"{module}: GPTQ group scales {list(given.shape)}, not {shape}")
+            scale = given.to(self.model_dtype)
+        else:
+            wa = amax[f"{module}.weight_amax"].detach().to(torch.float32).clamp_min(MIN_AMAX)
+            scale = amax_over(wa, self.ws.qmax).reshape(shape).to(self.model_dtype)
         codes = int_codes(w, scale, self.ws.code_range, self._group())
         yield f"{module}.{CT_PACKED}", pack_int32(codes, self.ws.code_bits)
         yield f"{module}.{WEIGHT_SCALE}", scale

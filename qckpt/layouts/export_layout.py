@@ -114,6 +114,11 @@ class ExportLayout:
     def kv_specs(self, attn: str) -> list[OutSpec]:
         raise NotImplementedError
 
+    def guard_amax(self, module: str, amax: torch.Tensor) -> torch.Tensor:
+        """The amax ``module``'s source weight must stay within (the export's guard): the
+        calibrated one, unless this layout writes it under scales given with the weight."""
+        return amax
+
     def stacks(self) -> bool:
         """Whether :meth:`quantize_stack` can quantize several linears of one shape at once."""
         return False

@@ -112,6 +112,9 @@ class MixedLayout(ExportLayout):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         return self.part(module).quantize_linear(module, w, amax)
 
+    def guard_amax(self, module: str, amax: torch.Tensor) -> torch.Tensor:
+        return self.part(module).guard_amax(module, amax)
+
     def stacks(self) -> bool:
         return any(p.stacks() for _, p, _ in self.members())
 

@@ -22,6 +22,12 @@ QUANTS = {
     },
     # NVFP4 W4A4: global weight clip + per-16-block scales searched (again, in the export)
     "nvfp4": {"weights": {"format": "nvfp4"}, "inputs": {"format": "nvfp4"}},
+    # INT4 W4A16, a scale per 32 columns (the tiny MoE's dims are 64 and 32): GPTQ makes each
+    # group's scale as it reaches the group, and the export writes those
+    "int4": {
+        "weights": {"format": "int4", "granularity": "group", "block_size": [32]},
+        "inputs": {"format": "none"},
+    },
     # quant.schemes: NVFP4 routed experts, FP8 block q/k/v with dynamic group inputs, FP8 per
     # channel o_proj with static inputs (lm_head ignored, the router is no linear)
     "mixed": {
@@ -148,7 +154,7 @@ def _strip(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize(("case", "quant"), [("mse", q) for q in ("fp8_channel", "nvfp4")]
-                         + [("gptq", "nvfp4"), ("gptq+qin", "nvfp4")]
+                         + [("gptq", "nvfp4"), ("gptq+qin", "nvfp4"), ("gptq", "int4")]
                          + [("max", "mixed"), ("gptq+qin", "mixed")]
                          + [("awq", q) for q in sorted(QUANTS)])  # fmt: skip
 def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, hf_salient, tmp_path, case, quant):

@@ -68,6 +68,8 @@ CASES = [
     Case("tiny-dense-channel-kv", "configs/tiny-dense-channel-kv.yaml"),
     # several schemes in one export: NVFP4 experts, FP8 attention, BF16 routers and lm_head
     Case("tiny-moe-mixed", "configs/tiny-moe-mixed.yaml"),
+    # INT4 W4A16 (compressed-tensors pack-quantized; ModelOpt refuses it)
+    Case("tiny-dense-w4a16", "configs/tiny-dense-w4a16.yaml", layouts=LAYOUTS[:1]),
     # the same recipes reaching the other formats, scales, algorithms and shard splits
     Case("tiny-moe-nvfp4", "configs/tiny-moe.yaml", MOE_NVFP4),
     Case(

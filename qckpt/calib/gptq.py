@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from qckpt.formats.intq import int_round, int_scale
 from qckpt.formats.numerics import div_f32, f64_const
 from qckpt.formats.nvfp4 import E2M1_MAX, e2m1_round, max_block_scales
 from qckpt.formats.scheme import FP8_MAX, Scheme
@@ -104,14 +105,14 @@ class ColumnQuantizer:
         self.search = search  # NVFP4: each group's scale searched (mse) instead of the max rule
         a = amax.detach().to(torch.float32)
         if self.int_codes:
-            self.lo, self.hi = scheme.code_range
+            self.code_range = scheme.code_range
             self.scale_dtype, self.qmax = scale_dtype, scheme.qmax
             if self.int_groups:
                 self.block_scales = torch.empty((rows, -(-cols // self.group)), dtype=scale_dtype)
                 self._sb = None
                 return
-            s = div_f32(a.clamp_min(1e-12), f64_const(scheme.qmax, a.device))
-            self.scale = s.to(scale_dtype).to(torch.float32).reshape(rows, 1).expand(rows, cols)
+            s = int_scale(a, scheme.qmax, scale_dtype).to(torch.float32)
+            self.scale = s.reshape(rows, 1).expand(rows, cols)
             return
         if self.grouped:
             from qckpt.formats.numerics import float_scale
@@ -139,7 +140,7 @@ class ColumnQuantizer:
         columns, ``[rows, <=16]``) by the max rule, or searched (:attr:`search`: the E4M3
         scale of least squared error over the group's current values, ``qckpt.calib.mse``)."""
         if self.int_groups:
-            self._sb = int_scales(w.abs().amax(dim=-1), self.qmax, self.scale_dtype)
+            self._sb = int_scale(w.abs().amax(dim=-1), self.qmax, self.scale_dtype)
             self.block_scales[:, col // self.group] = self._sb
             return
         if self.search:
@@ -158,20 +159,13 @@ class ColumnQuantizer:
         """The dequantized column ``col`` (``w``: its current values, float32 ``[rows]``)."""
         if self.int_codes:
             s = self._sb.to(torch.float32) if self.int_groups else self.scale[:, col]
-            return torch.round(w / s).clamp_(self.lo, self.hi) * s
+            return int_round(w, s, self.code_range)
         if self.grouped:
             sbf = self._sb.to(torch.float32)
             y = (w * (self.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX)
             return e2m1_round(y) * (self.gs * sbf)
         s = self.scale[:, col]
         return (w / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
-
-
-def int_scales(gmax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
-    """Integer codes' scales ``amax / qmax`` of groups whose largest magnitudes are ``gmax``,
-    correctly rounded in float32, then to ``dtype`` (the export's; the codes use it as stored)."""
-    g = gmax.to(torch.float32).clamp_min(1e-12)
-    return div_f32(g, f64_const(qmax, g.device)).to(dtype)
 
 
 def _dampened(h: torch.Tensor, percdamp: float) -> tuple[torch.Tensor, float]:
@@ -346,7 +340,7 @@ class _StackedQuantizer:
         self.int_codes, self.int_groups = qs[0].int_codes, qs[0].int_groups
         if self.int_codes:
             q0 = qs[0]
-            self.lo, self.hi, self.qmax, self.scale_dtype = q0.lo, q0.hi, q0.qmax, q0.scale_dtype
+            self.code_range, self.qmax, self.scale_dtype = q0.code_range, q0.qmax, q0.scale_dtype
             if self.int_groups:
                 self.block_scales = torch.stack([q.block_scales for q in qs])
                 self._sb = None
@@ -370,7 +364,7 @@ class _StackedQuantizer:
         """:meth:`ColumnQuantizer.start_group` of each linear (``w``: ``[N, rows, <=16]``)."""
         n, r, k = w.shape
         if self.int_groups:
-            self._sb = int_scales(w.abs().amax(dim=2), self.qmax, self.scale_dtype)
+            self._sb = int_scale(w.abs().amax(dim=2), self.qmax, self.scale_dtype)
             self.block_scales[:, :, col // self.group] = self._sb
             self._step = self._sb.to(torch.float32)
             return
@@ -395,7 +389,7 @@ class _StackedQuantizer:
         """The dequantized column ``col`` of each linear (``w``: ``[N, rows]`` float32)."""
         if self.int_codes:
             s = self._step if self.int_groups else self.scale[:, :, col]
-            return torch.round(w / s).clamp_(self.lo, self.hi) * s
+            return int_round(w, s, self.code_range)
         if self.grouped:  # the group's two factors made once, at start_group
             y = (w * self._rec).clamp_(-E2M1_MAX, E2M1_MAX)
             return e2m1_round(y) * self._step
@@ -435,11 +429,11 @@ def _int_round_to_nearest(W: torch.Tensor, q: ColumnQuantizer) -> torch.Tensor:
     scale by the max rule from its values (kept, as GPTQ's are)."""
     rows, cols = W.shape
     if not q.int_groups:
-        return torch.round(W / q.scale).clamp_(q.lo, q.hi) * q.scale
+        return int_round(W, q.scale, q.code_range)
     from qckpt.formats.rowblock import padded_blocks
 
     blocks = padded_blocks(W, q.group)  # [rows, nb, group]
-    sb = int_scales(blocks.abs().amax(dim=-1), q.qmax, q.scale_dtype)
+    sb = int_scale(blocks.abs().amax(dim=-1), q.qmax, q.scale_dtype)
     q.block_scales.copy_(sb)
     s = sb.to(torch.float32).unsqueeze(-1)
-    return (torch.round(blocks / s).clamp_(q.lo, q.hi) * s).reshape(rows, -1)[:, :cols]
+    return int_round(blocks, s, q.code_range).reshape(rows, -1)[:, :cols]

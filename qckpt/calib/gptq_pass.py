@@ -493,8 +493,9 @@ def _job(model, x: _Linear, opts: GptqOptions):
     q = x.src.quantizer
     w = x.src.take(model.get_parameter(x.src.param))
     # integer scales rounded to the dtype the export stores them in (the static input scales')
-    scales = {"scale_dtype": opts.input_dtype}
-    make = partial(gptq.ColumnQuantizer, q.scheme, x.amax, tuple(w.shape), **scales)
+    make = partial(
+        gptq.ColumnQuantizer, q.scheme, x.amax, tuple(w.shape), scale_dtype=opts.input_dtype
+    )
     return q, w, make, make(search=opts.block_search)
 
 

@@ -11,6 +11,23 @@ from __future__ import annotations
 
 import torch
 
+from qckpt.formats.numerics import div_f32, f64_const
+
+
+def int_scale(amax: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
+    """The scales ``amax / qmax`` of rows or groups whose largest magnitudes are ``amax``,
+    correctly rounded in float32, then to ``dtype`` (the one the export stores; codes are made
+    under the scale as stored). The export's rule and GPTQ's, so the two cannot drift."""
+    a = amax.detach().to(torch.float32).clamp_min(1e-12)
+    return div_f32(a, f64_const(qmax, a.device)).to(dtype)
+
+
+def int_round(x: torch.Tensor, scale: torch.Tensor, code_range: tuple[int, int]) -> torch.Tensor:
+    """``x`` rounded to its integer codes under ``scale`` (broadcast; float32) and back:
+    ``clamp(round(x / scale), lo, hi) * scale``, ties to even, as :func:`int_codes`."""
+    lo, hi = code_range
+    return torch.round(x / scale).clamp_(lo, hi) * scale
+
 
 def int_codes(
     w: torch.Tensor, scale: torch.Tensor, code_range: tuple[int, int], group: int

@@ -30,10 +30,9 @@ FP4_MAX = 6.0
 NVFP4_GROUP = 16
 MX_BLOCK = 32
 # INT4's symmetric codes -8..7 and their scale rule amax / 7.5 (half the code range: GPTQ's and
-# compressed-tensors'); the group along the input dim a scale covers, by default
+# compressed-tensors')
 INT4_RANGE = (-8, 7)
 INT4_QMAX = 7.5
-INT4_GROUP = 128
 
 # granularities whose calibrated amax is one number (NVFP4's block scales are made when
 # quantizing; only its per-tensor global amax is calibrated)

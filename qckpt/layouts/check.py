@@ -53,6 +53,7 @@ from qckpt.layouts.names import (
     NVFP4_GROUP,
     WEIGHT_SCALE,
     WEIGHT_SCALE_2,
+    packed_int_cols,
 )
 from qckpt.models.fused import FUSED_GROUPS, fused_parts
 from qckpt.storage.files import open_regular
@@ -284,8 +285,7 @@ def _expected_int_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tu
     """Integer codes packed into words: a scale per group (or row) of the logical columns,
     which the packed width bounds to within one word; the logical shape beside them."""
     out_dim, words = shape
-    per = 32 // scheme.int_bits
-    cols = range(max(1, words * per - per + 1), words * per + 1)
+    cols = packed_int_cols(words, scheme.int_bits)
     if scheme.weight == "group":
         g = scheme.block[1] if scheme.block else 1
         shapes = {(out_dim, c // g) for c in cols if c % g == 0}

@@ -441,7 +441,7 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
     def quantize_linear(
         self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        from qckpt.formats.intq import int_codes, pack_int32
+        from qckpt.formats.intq import int_codes, int_scale, pack_int32
 
         shape = self._scale_shape(tuple(w.shape))
         given = self._given.pop(module, None)
@@ -452,8 +452,8 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
                 raise ExportError(f"{module}: GPTQ group scales {list(given.shape)}, not {shape}")
             scale = given.to(self.model_dtype)
         else:
-            wa = amax[f"{module}.weight_amax"].detach().to(torch.float32).clamp_min(MIN_AMAX)
-            scale = amax_over(wa, self.ws.qmax).reshape(shape).to(self.model_dtype)
+            wa = amax[f"{module}.weight_amax"].reshape(shape)
+            scale = int_scale(wa, self.ws.qmax, self.model_dtype)
         codes = int_codes(w, scale, self.ws.code_range, self._group())
         yield f"{module}.{CT_PACKED}", pack_int32(codes, self.ws.code_bits)
         yield f"{module}.{WEIGHT_SCALE}", scale

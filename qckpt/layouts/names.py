@@ -61,6 +61,13 @@ CT_INT_PACKED_FORMAT = "pack-quantized"
 CT_WEIGHT_SHAPE = "weight_shape"
 
 
+def packed_int_cols(words: int, bits: int) -> range:
+    """The logical column counts a row of ``words`` int32 words of ``bits``-bit codes can hold
+    (the last word may be partial): what a reader and the checker infer the width from."""
+    per = 32 // bits
+    return range(max(1, words * per - per + 1), words * per + 1)
+
+
 # ModelOpt's quant_algo values qckpt writes
 MO_FP8 = "FP8"
 

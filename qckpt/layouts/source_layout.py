@@ -21,7 +21,7 @@ import torch
 
 from qckpt.errors import CheckpointError
 from qckpt.formats.scheme import Fp8Scheme, Int4Scheme, Nvfp4Scheme, Scheme
-from qckpt.layouts.names import NVFP4_GROUP, PARAM_SUFFIXES
+from qckpt.layouts.names import NVFP4_GROUP, PARAM_SUFFIXES, packed_int_cols
 from qckpt.storage.slices import Index
 
 FP8 = torch.float8_e4m3fn
@@ -240,15 +240,16 @@ def int4_weights(index: Index, groups: list[int]) -> dict:
         check_2d(key, shape)
         rows, words = int(shape[0]), int(shape[1])
         scale_shape = tuple(index[skey][1])
-        group = next((g for g in groups if g and scale_shape[-1] * g in _cols(words)), 0)
+        fits = packed_int_cols(words, Int4Scheme.code_bits)
+        group = next((g for g in groups if g and scale_shape[-1] * g in fits), 0)
         if group:
             cols, gran, block = scale_shape[-1] * group, "group", (1, group)
         elif 0 in groups and math.prod(scale_shape) == rows:
-            cols, gran, block = words * 8, "channel", (1, 1)
+            cols, gran, block = fits[-1], "channel", (1, 1)
         else:
             raise CheckpointError(
                 f"{skey}: shape {list(scale_shape)} fits no int4 group size {groups} of a "
-                f"{rows} x {words * 8 - 7}..{words * 8} weight"
+                f"{rows} x {fits[0]}..{fits[-1]} weight"
             )
         out[f"{mod}.weight"] = QuantWeight(
             name=f"{mod}.weight",
@@ -261,11 +262,6 @@ def int4_weights(index: Index, groups: list[int]) -> dict:
             file=f,
         )
     return out
-
-
-def _cols(words: int) -> range:
-    """The logical columns ``words`` int32 words of 4-bit codes hold (the last one partial)."""
-    return range(words * 8 - 7, words * 8 + 1)
 
 
 def found(index: Index) -> str:

@@ -87,6 +87,7 @@ STEPS=(
   gptq_off_48l:1700
   quality_algos:1200
   quality_mixes:900
+  quality_w4a16:1500
   imports:120
   startup_8l:240
   export_lanes_48l:300
@@ -234,6 +235,19 @@ step_quality_algos() {
     --algorithms max,mse,awq,gptq,gptq+mse --model "llama=$q/models/llama-textlm" \
     --model "qwen3moe=$q/models/qwen3moe-textlm" --calib "$q/calib.bin" --heldout "$q/heldout.bin" \
     --work "$WORK/quality-algos" --vllm-parallel 5 --json "$RES/quality_algos.json"
+  local rc=$?
+  cp docs/QUALITY.md "$RES/QUALITY.md"
+  return $rc
+}
+
+# issue 42's weight-only rows: INT4 W4A16 (group 128) and NVFP4A16 with max, awq and gptq on both
+# trained models, served by vLLM (Marlin on Hopper)
+step_quality_w4a16() {
+  local q=${QCKPT_QUALITY:-$PWD/../shared/quality}
+  CUDA_VISIBLE_DEVICES=$GPU QCKPT_VLLM_SITE=${QCKPT_VLLM_SITE:-/tmp/site} "$PY" -m bench.quality \
+    --algorithms max,awq,gptq --algorithms-on int4,nvfp4a16 --model "llama=$q/models/llama-textlm" \
+    --model "qwen3moe=$q/models/qwen3moe-textlm" --calib "$q/calib.bin" --heldout "$q/heldout.bin" \
+    --work "$WORK/quality-w4a16" --vllm-parallel 6 --json "$RES/quality_w4a16.json"
   local rc=$?
   cp docs/QUALITY.md "$RES/QUALITY.md"
   return $rc

@@ -72,6 +72,17 @@ VARIANTS: dict[str, tuple[str, tuple[str, str], tuple[str, str, bool]]] = {
         ("nvfp4", "tensor"),
         ("nvfp4", "tensor", False),
     ),
+    # weight-only 4-bit (issue 42): what Hopper and Ampere serve; INT4 in groups of 128
+    "compressed-tensors INT4 W4A16, group 128": (
+        "compressed-tensors",
+        ("int4", "group"),
+        ("none", "tensor", False),
+    ),
+    "compressed-tensors NVFP4A16": (
+        "compressed-tensors",
+        ("nvfp4", "tensor"),
+        ("none", "tensor", False),
+    ),
     "ModelOpt FP8": ("modelopt", ("fp8", "tensor"), ("fp8", "tensor", False)),
     "ModelOpt FP8_PER_CHANNEL_PER_TOKEN": ("modelopt", ("fp8", "channel"), ("fp8", "tensor", True)),
     "ModelOpt NVFP4": ("modelopt", ("nvfp4", "tensor"), ("nvfp4", "tensor", False)),
@@ -108,6 +119,8 @@ ALGORITHM_SEP = ", calibrate.algorithm "
 ALGORITHM_BASES = {
     "nvfp4": "compressed-tensors NVFP4 W4A4",
     "fp8": "compressed-tensors FP8 per-tensor, static inputs",
+    "int4": "compressed-tensors INT4 W4A16, group 128",
+    "nvfp4a16": "compressed-tensors NVFP4A16",
 }
 ALGORITHMS: dict[str, dict[str, str]] = {
     "max": {"algorithm": "max"},

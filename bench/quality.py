@@ -78,6 +78,11 @@ VARIANTS: dict[str, tuple[str, tuple[str, str], tuple[str, str, bool]]] = {
         ("int4", "group"),
         ("none", "tensor", False),
     ),
+    "compressed-tensors INT8 W8A8 per-channel, dynamic per-token inputs": (
+        "compressed-tensors",
+        ("int8", "channel"),
+        ("int8", "tensor", True),
+    ),
     "compressed-tensors NVFP4A16": (
         "compressed-tensors",
         ("nvfp4", "tensor"),
@@ -121,6 +126,7 @@ ALGORITHM_BASES = {
     "fp8": "compressed-tensors FP8 per-tensor, static inputs",
     "int4": "compressed-tensors INT4 W4A16, group 128",
     "nvfp4a16": "compressed-tensors NVFP4A16",
+    "int8": "compressed-tensors INT8 W8A8 per-channel, dynamic per-token inputs",
 }
 ALGORITHMS: dict[str, dict[str, str]] = {
     "max": {"algorithm": "max"},

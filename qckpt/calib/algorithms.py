@@ -105,7 +105,7 @@ class Mse(Algorithm):
 
     def refuses(self, scheme: Any) -> str | None:
         # its searches are FP8's clip ratios and NVFP4's block scales
-        if scheme.packed_int:
+        if scheme.integer:
             return f"does not search {scheme.describe()} scales yet (max, gptq and awq quantize it)"
         return None
 
@@ -139,7 +139,7 @@ class Gptq(Algorithm):
     stream: Any = None  # calibrate.offload: the sidecar writer (gptq_pass.streamed_sidecar)
 
     def refuses(self, scheme: Any) -> str | None:
-        if not (scheme.packed_int and scheme.granularity == "group"):
+        if not (scheme.integer and scheme.granularity == "group"):
             return None
         # each group's scale is made from the group's current columns as the sweep reaches it
         g = scheme.block[1]

@@ -79,7 +79,7 @@ def input_aware_target(w: torch.Tensor, h: torch.Tensor, c: torch.Tensor, percda
 def makes_group_scales(scheme: Scheme) -> bool:
     """Whether GPTQ makes this scheme's scales group by group as it reaches each group (NVFP4's
     block scales, INT4's group scales), which the sidecar then carries to the export."""
-    return scheme.block_scaled or (scheme.packed_int and scheme.granularity == "group")
+    return scheme.block_scaled or (scheme.integer and scheme.granularity == "group")
 
 
 class ColumnQuantizer:
@@ -95,9 +95,9 @@ class ColumnQuantizer:
     ):
         rows, cols = shape
         self.scheme, self.granularity, self.block = scheme, scheme.granularity, scheme.block
-        # integer codes (INT4): round-to-nearest under a scale in the dtype the export stores
-        # (``scale_dtype``), per row, or per group made as GPTQ reaches the group
-        self.int_codes = scheme.packed_int
+        # integer codes (INT4, INT8): round-to-nearest under a scale in the dtype the export
+        # stores (``scale_dtype``), per tensor, per row, or per group made as GPTQ reaches it
+        self.int_codes = scheme.integer
         self.int_groups = self.int_codes and scheme.granularity == "group"
         # block scales made group by group (under a global scale for NVFP4), else fixed ones
         self.grouped = makes_group_scales(scheme)
@@ -112,7 +112,8 @@ class ColumnQuantizer:
                 self._sb = None
                 return
             s = int_scale(a, scheme.qmax, scale_dtype).to(torch.float32)
-            self.scale = s.reshape(rows, 1).expand(rows, cols)
+            per_row = self.granularity == "channel"
+            self.scale = s.reshape(rows if per_row else 1, 1).expand(rows, cols)
             return
         if self.grouped:
             from qckpt.formats.numerics import float_scale

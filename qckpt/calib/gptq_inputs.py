@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from qckpt.errors import CalibrationError, FormatError
-from qckpt.formats.act_quant import InputQuant
+from qckpt.formats.act_quant import DYNAMIC_MODES, MODES, InputQuant
 from qckpt.formats.numerics import div_f32, f64_const
 from qckpt.formats.scheme import Scheme
 
@@ -39,7 +39,7 @@ MIN_AMAX = 1e-12  # the export's clamp (qckpt.layouts.export_layout.MIN_AMAX)
 class InputMode:
     """How the export's clients quantize one linear's inputs (a module's input scheme)."""
 
-    mode: str  # an act_quant mode: none, nvfp4, fp8_static, fp8_token or fp8_group
+    mode: str  # an act_quant mode (qckpt.formats.act_quant.MODES)
     group: int = 0  # fp8_group: the group width
     scale_dtype: torch.dtype = torch.float32  # fp8_static: the stored input_scale's dtype
     # a static scale is amax / qmax; ``reciprocal``: clients take its float32 reciprocal
@@ -49,11 +49,11 @@ class InputMode:
 
     @property
     def dynamic(self) -> bool:
-        return self.mode in ("fp8_token", "fp8_group")
+        return self.mode in DYNAMIC_MODES
 
     @property
     def quantized(self) -> bool:
-        return self.mode in ("fp8_static", "fp8_token", "fp8_group") or self.reciprocal
+        return self.mode != "none"
 
 
 def input_mode(scheme: Scheme, scale_dtype: torch.dtype) -> InputMode:
@@ -74,14 +74,15 @@ def input_mode(scheme: Scheme, scale_dtype: torch.dtype) -> InputMode:
         group = int(scheme.block[-1]) if scheme.granularity == "block" else 0
         return InputMode(mode, group)
     # a static scale: NVFP4's global (its block scales are made per 16 when quantizing) is
-    # read as a reciprocal, FP8's per-tensor scale as stored
+    # read as a reciprocal, FP8's and INT8's per-tensor scale as stored
     reciprocal = bool(scheme.group)
     dtype = torch.float32 if reciprocal else scale_dtype
     return InputMode(mode, 0, dtype, qmax=scheme.qmax, reciprocal=reciprocal)
 
 
-# the act_quant modes whose scales this module derives (or which need none)
-_KNOWN = ("none", "nvfp4", "fp8_static", "fp8_token", "fp8_group")
+# the act_quant modes whose scales this module derives (or which need none): all but the
+# per-tensor dynamic FP8 that no export layout writes
+_KNOWN = tuple(m for m in MODES if m != "fp8_tensor_dynamic")
 
 
 def _static(mode: InputMode, amax: torch.Tensor) -> InputQuant:

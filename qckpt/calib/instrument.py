@@ -40,8 +40,8 @@ from torch import nn
 
 from qckpt.calib.moe_forward import MOE_FORWARDS, ExpertsObserver, experts_forward
 from qckpt.calib.quantizer import DTYPE_CODE, AmaxStore, TensorQuantizer
-from qckpt.errors import CalibrationError, FormatError
-from qckpt.formats.scheme import SCHEMES, Fp8Scheme, Scheme, scheme_of
+from qckpt.errors import CalibrationError, FormatError, SchemeError
+from qckpt.formats.scheme import SCALAR_GRANULARITIES, SCHEMES, Fp8Scheme, Scheme, scheme_of
 from qckpt.formats.tensor import is_quantized
 from qckpt.models.naming import expert_slices, ignored, is_fused_experts
 from qckpt.models.schemes import assign_schemes
@@ -199,11 +199,15 @@ def entry_scheme(cfg, kind: str) -> Scheme:  # noqa: ANN001 - a recipe TensorQua
     weight asked per channel calibrates its global amax, as before schemes existed)."""
     try:
         return scheme_of(cfg, kind)
-    except FormatError:
+    except FormatError as exc:
         cls = SCHEMES.get(cfg.format)
         if cls is None:
             raise
-        return cls(granularity=cfg.granularity, block=tuple(cfg.block_size), dynamic=cfg.dynamic)
+        made = cls(granularity=cfg.granularity, block=tuple(cfg.block_size), dynamic=cfg.dynamic)
+        if made.calib_granularity not in (*SCALAR_GRANULARITIES, "channel", "block"):
+            # nothing could calibrate it (INT8 per group): refused in one line, exit 2
+            raise SchemeError(f"quant: {exc}") from None
+        return made
 
 
 def _entries(model: nn.Module, quant_cfg: QuantConfig, ignore, mtype: str) -> dict[str, int]:

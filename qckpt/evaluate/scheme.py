@@ -8,7 +8,8 @@ From the export's own files only (``config.json``'s ``quantization_config``,
   name or ``re:`` regex) gives its ``input_activations``: none (weight-only), FP8 ``tensor``
   static (``{m}.input_scale``) or dynamic, ``token`` dynamic, ``group`` dynamic
   (``group_size``), or NVFP4 ``tensor_group`` (``{m}.input_global_scale``, which multiplies the
-  block scales). KV: ``{attn}.k_scale`` / ``{attn}.v_scale``.
+  block scales), INT8 ``tensor`` static (``{m}.input_scale``) or ``token`` dynamic. KV:
+  ``{attn}.k_scale`` / ``{attn}.v_scale``.
 * ModelOpt: ``quant_algo`` ``FP8`` (static ``{m}.input_scale``), ``FP8_PER_CHANNEL_PER_TOKEN``
   (dynamic per-token), ``NVFP4`` (``{m}.input_scale`` = amax / (6 * 448); the global scale the
   kernels use is its float32 reciprocal, as vLLM computes it). KV: ``{attn}.k_proj.k_scale``.
@@ -149,6 +150,11 @@ def _ct_input(args: dict[str, Any] | None, module: str, fetch: SafetensorsFetch)
             return InputQuant("fp8_token")
         if strat == "group" and dyn is True and isinstance(args.get("group_size"), int):
             return InputQuant("fp8_group", group=int(args["group_size"]))
+    if (bits, typ) == (8, "int") and args.get("symmetric", True) is not False:
+        if strat == "tensor" and dyn is False:
+            return InputQuant("int8_static", _scalar(fetch, f"{module}.input_scale", module))
+        if strat == "token" and dyn is True:
+            return InputQuant("int8_token")
     if (bits, typ, strat) == (4, "float", "tensor_group") and dyn == "local":
         return InputQuant("nvfp4", _scalar(fetch, f"{module}.input_global_scale", module))
     raise CheckpointError(

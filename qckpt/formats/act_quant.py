@@ -17,6 +17,12 @@ NVFP4 reference (``csrc/quantization/fp8/common.cu``, ``nvfp4_emulation_utils.re
   of ModelOpt): ``sb = e4m3(clamp(g * (amax_block * (1/6)), +-448))``,
   ``code = e2m1(clamp(x * (1 / (sb * (1 / g))), +-6))`` (ties to even), value ``code * (sb / g)``.
 
+* INT8 static per-tensor: ``code = round(x / s)`` saturated to -128..127 (ties to even: the
+  kernels' ``cvt.rni.sat.s8.f32``), ``s`` the stored ``input_scale``
+  (``static_scaled_int8_quant``).
+* INT8 dynamic per-token: ``s = amax_token / 127``, ``code = round(x * (127 / amax_token))``
+  saturated, 0 for an all-zero token (``dynamic_scaled_int8_quant``).
+
 E4M3 rounding is torch's ``.to(float8_e4m3fn)`` (round to nearest even) after the clamp, as the
 kernels saturate before they convert.
 """
@@ -38,7 +44,19 @@ PER_TOKEN_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # vLLM's floor of a per-group amax (per_token_group_quant_fp8's eps)
 GROUP_EPS = 1e-10
 
-MODES = ("none", "fp8_static", "fp8_token", "fp8_tensor_dynamic", "fp8_group", "nvfp4")
+INT8_RANGE = (-128, 127)
+MODES = (
+    "none",
+    "fp8_static",
+    "fp8_token",
+    "fp8_tensor_dynamic",
+    "fp8_group",
+    "nvfp4",
+    "int8_static",
+    "int8_token",
+)
+# the modes whose scale is made per call, with no calibrated value
+DYNAMIC_MODES = frozenset({"fp8_token", "fp8_tensor_dynamic", "fp8_group", "int8_token"})
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,8 @@ class InputQuant:
             "fp8_tensor_dynamic": "fp8 dynamic per-tensor",
             "fp8_group": f"fp8 dynamic per-group {self.group}",
             "nvfp4": "nvfp4 per-16 under a static global scale",
+            "int8_static": "int8 static per-tensor",
+            "int8_token": "int8 dynamic per-token",
         }[self.mode]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +142,24 @@ def nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     return e2m1_values(codes).mul_(sb / g).flatten(-2)
 
 
+def _int8_(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (a float32 temporary) rounded to int8 codes in place, ties to even, saturated."""
+    return torch.round(y, out=y).clamp_(*INT8_RANGE)
+
+
+def int8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    s = scale.to(device=x.device, dtype=torch.float32).reshape(())
+    return _int8_(_f32(x).div_(s)).mul_(s)
+
+
+def int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    xf = _f32(x)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    s = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return _int8_(xf.mul_(inv)).mul_(s)
+
+
 def quantize_input(x: torch.Tensor, q: InputQuant) -> torch.Tensor:
     """``x`` as the GEMM of a client running ``q`` sees it, in float32."""
     if q.mode == "none":
@@ -135,5 +173,9 @@ def quantize_input(x: torch.Tensor, q: InputQuant) -> torch.Tensor:
         return fp8_dynamic_tensor(x)
     if q.mode == "fp8_group":
         return fp8_per_group(x, q.group)
+    if q.mode == "int8_token":
+        return int8_per_token(x)
     assert q.scale is not None
+    if q.mode == "int8_static":
+        return int8_static(x, q.scale)
     return nvfp4(x, q.scale)

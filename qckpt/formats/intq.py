@@ -33,7 +33,8 @@ def int_codes(
     w: torch.Tensor, scale: torch.Tensor, code_range: tuple[int, int], group: int
 ) -> torch.Tensor:
     """int8 codes ``clamp(round(w / scale), lo, hi)`` of a 2-D weight, ``scale`` one per row
-    (``group`` 0) or per ``group`` columns of a row; the division in float32, ties to even."""
+    or one for all (``group`` 0), or per ``group`` columns of a row; the division in float32,
+    ties to even."""
     rows, cols = w.shape
     lo, hi = code_range
     x = w.to(torch.float32)
@@ -41,7 +42,7 @@ def int_codes(
     if group:
         q = (x.reshape(rows, cols // group, group) / s.reshape(rows, -1, 1)).reshape(rows, cols)
     else:
-        q = x / s.reshape(rows, 1)
+        q = x / (s.reshape(()) if s.numel() == 1 else s.reshape(rows, 1))
     return torch.round(q).clamp_(lo, hi).to(torch.int8)
 
 

@@ -9,8 +9,9 @@ block scales made at quantize time, how clients quantize an input. Adding a form
 
 Registered: ``fp8`` (E4M3, per tensor / channel / block; static or dynamic inputs), ``nvfp4``
 (E2M1 under E4M3 scales per 16 and a float32 global scale), ``mxfp8`` (E4M3 under E8M0 scales
-per 32), ``int4`` (symmetric integer weights under a scale per group of 128 or per row) and
-``none`` (left in the model dtype: an unquantized side, e.g. the inputs of a weight-only
+per 32), ``int4`` (symmetric integer weights under a scale per group of 128 or per row),
+``int8`` (symmetric integer weights per row or tensor; inputs per token, dynamic, or per tensor,
+static) and ``none`` (left in the model dtype: an unquantized side, e.g. the inputs of a weight-only
 linear).
 """
 
@@ -33,6 +34,9 @@ MX_BLOCK = 32
 # compressed-tensors')
 INT4_RANGE = (-8, 7)
 INT4_QMAX = 7.5
+# INT8's: codes -128..127 under amax / 127.5 (compressed-tensors' rule for 8 bits too)
+INT8_RANGE = (-128, 127)
+INT8_QMAX = 127.5
 
 # granularities whose calibrated amax is one number (NVFP4's block scales are made when
 # quantizing; only its per-tensor global amax is calibrated)
@@ -73,6 +77,9 @@ class Scheme:
     hopper_input_gemm: ClassVar[bool] = True
     # bits of one code as an export stores it; integer codes packed into int32 words
     code_bits: ClassVar[int] = 8
+    # integer codes ``clamp(round(x / scale), *code_range)`` (scales amax / qmax in the
+    # export's dtype), stored as int8 or, with ``packed_int``, packed into int32 words
+    integer: ClassVar[bool] = False
     packed_int: ClassVar[bool] = False
 
     granularity: str = "tensor"
@@ -209,6 +216,7 @@ class Int4Scheme(Scheme):
     input_granularities: ClassVar[tuple[str, ...]] = ()
     qmax: ClassVar[float] = INT4_QMAX
     code_bits: ClassVar[int] = 4
+    integer: ClassVar[bool] = True
     packed_int: ClassVar[bool] = True
     code_range: ClassVar[tuple[int, int]] = INT4_RANGE
 
@@ -225,6 +233,28 @@ class Int4Scheme(Scheme):
         if self.granularity == "group":
             return f"int4 group {self.block[1]}"
         return "int4 channel"
+
+
+@register
+@dataclass(frozen=True)
+class Int8Scheme(Scheme):
+    """Symmetric INT8: weights per row (``channel``, what W8A8 ships) or per tensor, codes
+    -128..127 under ``amax / 127.5`` in the model dtype; inputs per token at run time
+    (``dynamic: true``: the scale ``amax_token / 127``, what vLLM's int8 kernels compute) or
+    under one static calibrated scale (``amax / 127.5``). Ampere's fast 8-bit GEMM."""
+
+    name: ClassVar[str] = "int8"
+    weight_granularities: ClassVar[tuple[str, ...]] = ("channel", "tensor")
+    input_granularities: ClassVar[tuple[str, ...]] = ("tensor",)
+    qmax: ClassVar[float] = INT8_QMAX
+    integer: ClassVar[bool] = True
+    code_range: ClassVar[tuple[int, int]] = INT8_RANGE
+
+    def input_mode(self) -> str:
+        return "int8_token" if self.dynamic else "int8_static"
+
+    def describe(self) -> str:
+        return f"int8 {self.granularity}{' dynamic' if self.dynamic else ''}"
 
 
 @register

@@ -36,7 +36,6 @@ stored ``dense`` reads as plain; anything else is refused with one line.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,8 +47,6 @@ from qckpt.formats.scheme import (
     FP8_MAX,
     NVFP4_GROUP,
     Fp8Scheme,
-    Int4Scheme,
-    Nvfp4Scheme,
     scheme_of,
 )
 from qckpt.formats.shapes import weight_block
@@ -65,9 +62,9 @@ from qckpt.layouts.export_layout import (
     fp8_quantize_stack,
     stack_f32,
 )
-from qckpt.layouts.mixed import MixedLayout, build_parts
 from qckpt.layouts.names import (
     CT_INPUT_GLOBAL,
+    CT_INT_FORMAT,
     CT_INT_PACKED_FORMAT,
     CT_NVFP4_FORMAT,
     CT_PACKED,
@@ -81,22 +78,25 @@ from qckpt.layouts.source_layout import (
     QuantWeight,
     SourceLayout,
     fp8_weights,
-    int4_weights,
+    int8_weights,
+    int_packed_weights,
     nvfp4_weights,
 )
 from qckpt.recipe import QuantConfig
 from qckpt.storage.slices import Index
 
 
-def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], bool, list[int]]:
-    """(fp8 weight schemes, any nvfp4 group, the int4 groups' sizes: 0 per channel) of a
-    compressed-tensors config; refuses the rest."""
+def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], bool, list, list[str]]:
+    """(fp8 weight schemes, any nvfp4 group, the packed integer groups as (bits, group size:
+    0 per channel), the int8 weight strategies) of a compressed-tensors config; refuses the
+    rest."""
     top = qc.get("format")
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise CheckpointError("quantization_config: compressed-tensors without config_groups")
     fp8: list[tuple[str, Any]] = []
-    int4: list[int] = []
+    packed: list[tuple[int, int]] = []
+    int8: list[str] = []
     nvfp4 = False
     for gname, g in groups.items():
         w = (g or {}).get("weights") if isinstance(g, dict) else None
@@ -125,30 +125,40 @@ def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], bool, li
                     f"{where}: nvfp4 needs group_size 16, got {w.get('group_size')}"
                 )
             nvfp4 = True
-        elif fmt == CT_INT_PACKED_FORMAT and (bits, typ) == (4, "int"):
+        elif fmt == CT_INT_PACKED_FORMAT and (bits, typ) in ((4, "int"), (8, "int")):
             if strat not in ("group", "channel"):
-                raise CheckpointError(f"{where}: int4 weights with strategy {strat!r} are not read")
+                raise CheckpointError(
+                    f"{where}: int{bits} weights with strategy {strat!r} are not read"
+                )
             if w.get("actorder") not in (None, "static", "weight") and strat == "group":
-                raise CheckpointError(f"{where}: int4 act-order (g_idx) weights are not read yet")
-            int4.append(int(w.get("group_size") or 0) if strat == "group" else 0)
+                raise CheckpointError(f"{where}: act-order (g_idx) weights are not read yet")
+            packed.append((int(bits), int(w.get("group_size") or 0) if strat == "group" else 0))
+        elif fmt == CT_INT_FORMAT and (bits, typ) == (8, "int") and strat in ("tensor", "channel"):
+            int8.append(strat)
         else:
             raise CheckpointError(
                 f"{where}: compressed-tensors format {fmt!r} with {bits}-bit {typ} weights "
                 f"(strategy {strat}) is not a source layout qckpt reads"
             )
-    return fp8, nvfp4, int4
+    if len({b for b, _ in packed}) > 1:
+        raise CheckpointError(
+            "quantization_config: packed integer weights of several bit widths are not read"
+        )
+    return fp8, nvfp4, packed, int8
 
 
 def read_layout(index: Index, qc: dict[str, Any], hf_quant: Any = None) -> SourceLayout:
     """The layout of a compressed-tensors dir (``hf_quant``: unused, the registry's signature)."""
-    fp8, nvfp4, int4 = _weight_options(qc)
+    fp8, nvfp4, packed, int8 = _weight_options(qc)
     weights: dict[str, QuantWeight] = {}
     if fp8:
         weights.update(fp8_weights(index, "_scale", fp8))
     if nvfp4:
         weights.update(nvfp4_weights(index, "weight_packed", "weight_global_scale", True))
-    if int4:
-        weights.update(int4_weights(index, int4))
+    if packed:
+        weights.update(int_packed_weights(index, packed[0][0], [g for _, g in packed]))
+    if int8:
+        weights.update(int8_weights(index, int8))
     kinds = sorted({w.scale_layout for w in weights.values()})
     return SourceLayout(name="compressed-tensors", detail=", ".join(kinds), weights=weights)
 
@@ -385,8 +395,9 @@ class CompressedTensorsNvfp4Layout(CompressedTensorsLayout):
 
 
 class CompressedTensorsInt4Layout(CompressedTensorsLayout):
-    """compressed-tensors ``pack-quantized`` INT4 weights (llm-compressor's ``W4A16``): per
-    linear ``weight_packed`` int32 ``[out, ceil(in / 8)]`` (:mod:`qckpt.formats.intq`),
+    """compressed-tensors ``pack-quantized`` INT4 weights (llm-compressor's ``W4A16``; INT8's
+    ``W8A16`` the same with 8 bits): per linear ``weight_packed`` int32 ``[out, ceil(in / 8)]``
+    (``ceil(in / 4)`` for 8 bits; :mod:`qckpt.formats.intq`),
     ``weight_scale`` in the model dtype ``[out, in / group]`` (``channel``: ``[out, 1]``) and
     ``weight_shape`` int64 ``[out, in]``; symmetric, so no zero point. The codes are quantized
     with the scale as stored (rounded to the model dtype), as for FP8. Inputs: none."""
@@ -399,7 +410,8 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
         self._given: dict[str, torch.Tensor] = {}
         if scheme_of(quant.inputs, "input").quantized:
             raise SchemeError(
-                f"export.format compressed-tensors writes int4 weights weight-only (W4A16); "
+                f"export.format compressed-tensors writes {self.ws.name} pack-quantized weights "
+                "weight-only (W4A16 / W8A16); "
                 f"got inputs {quant.inputs.format}: give quant.inputs {{format: none}}"
             )
 
@@ -424,7 +436,7 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
         g = self._group()
         if g and shape[1] % g:
             raise SchemeError(
-                f"{module}: int4 group {g} does not divide its input dim {shape[1]}; the "
+                f"{module}: {self.ws.name} group {g} does not divide its input dim {shape[1]}; the "
                 "clients' kernels need it to (a smaller group_size, or granularity: channel)"
             )
         per = 32 // self.ws.code_bits
@@ -482,74 +494,3 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
 
     def shard_metadata(self) -> dict[str, str]:
         return {**super().shard_metadata(), "quant_format": CT_INT_PACKED_FORMAT}
-
-
-# the family's writer per weight scheme (its class: the scheme is asked, never named)
-WRITERS: dict[type, type[CompressedTensorsLayout]] = {
-    Fp8Scheme: CompressedTensorsLayout,
-    Nvfp4Scheme: CompressedTensorsNvfp4Layout,
-    Int4Scheme: CompressedTensorsInt4Layout,
-}
-
-
-def export_layout(
-    quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
-) -> ExportLayout:
-    """The compressed-tensors layout of ``quant``, by its weights' scheme (:data:`WRITERS`)."""
-    ws = scheme_of(quant.weights, "weight")
-    cls = WRITERS.get(type(ws))
-    if cls is None:
-        raise SchemeError(
-            f"export.format compressed-tensors writes no {ws.describe()} weights "
-            "(unquantized linears: leave them out of quant.schemes' targets, or in quant.ignore)"
-            if not ws.quantized
-            else f"export.format compressed-tensors writes no {ws.describe()} weights"
-        )
-    return cls(quant, model_dtype, block_scales)
-
-
-def ct_targets(modules: list[str]) -> list[str]:
-    """A group's ``targets`` for the linears it quantizes, as vLLM resolves them: the module
-    names (vLLM matches a fused ``qkv_proj`` / ``gate_up_proj`` when every part's name is a
-    target), and one anchored ``re:`` pattern per MoE experts module (vLLM looks its
-    ``FusedMoE`` up by expert 0's names; the experts of one module always share a scheme)."""
-    out: list[str] = []
-    seen: set[str] = set()
-    for m in modules:
-        hit = EXPERT.match(m)
-        t = f"re:^{re.escape(hit['experts'])}\\.\\d+\\.[^.]+$" if hit else m
-        if t not in seen:
-            seen.add(t)
-            out.append(t)
-    return out
-
-
-class CompressedTensorsMixedLayout(MixedLayout):
-    """compressed-tensors with several schemes: one ``config_groups`` entry per scheme in use
-    (``group_0``, ``group_1``, ... in recipe order), each with its own ``format``; the top-level
-    ``format`` is the groups' one format, or ``mixed-precision`` when they differ."""
-
-    def _groups(self) -> dict[str, dict]:
-        return {
-            f"group_{n}": part.config_group(ct_targets(mods))  # type: ignore[attr-defined]
-            for n, (_, part, mods) in enumerate(self.members())
-        }
-
-    def quant_format(self) -> str:
-        fmts = list(dict.fromkeys(g["format"] for g in self._groups().values()))
-        return fmts[0] if len(fmts) == 1 else CT_MIXED_FORMAT
-
-    def quantization_config(self, ignored: list[str]) -> dict:
-        return self.first.config_with(self._groups(), self.quant_format(), ignored)  # type: ignore[attr-defined]
-
-
-def mixed_layout(
-    quant: QuantConfig,
-    model_dtype: torch.dtype,
-    block_scales: BlockScales | None,
-    assignment: dict[str, int | None],
-) -> ExportLayout:
-    """The compressed-tensors layout of a ``quant.schemes`` recipe (``assignment``: each linear's
-    entry index, None for the model dtype)."""
-    parts = build_parts(quant, export_layout, model_dtype, block_scales, assignment)
-    return CompressedTensorsMixedLayout(quant, model_dtype, parts, assignment)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from qckpt.layouts.check_common import FLOAT_DTYPES, Scheme, SchemeMap
 from qckpt.layouts.names import (
     CT_INPUT_GLOBAL,
+    CT_INT_FORMAT,
     CT_INT_PACKED_FORMAT,
     CT_NVFP4_FORMAT,
     CT_PACKED,
@@ -59,6 +60,8 @@ def _group_scheme(qc: dict, g: dict, fmt: str | None, problems: list[str]) -> Sc
         return _ct_nvfp4_scheme(qc, w, i, problems)
     if fmt == CT_INT_PACKED_FORMAT:
         return _ct_int_scheme(qc, w, i, problems)
+    if fmt == CT_INT_FORMAT:
+        return _ct_int8_scheme(qc, w, i, problems)
     if w.get("num_bits") != 8 or w.get("type") != "float":
         problems.append(f"config.json: weights {w.get('num_bits')}-bit {w.get('type')}: not FP8")
         return None
@@ -112,23 +115,28 @@ def _ct_int_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Sc
     """compressed-tensors ``pack-quantized``: symmetric INT4 weights per group or channel,
     packed into int32 words; weight-only (the inputs in the model dtype)."""
     bits, strategy, g = w.get("num_bits"), w.get("strategy"), w.get("group_size")
-    if (bits, w.get("type")) != (4, "int") or strategy not in ("group", "channel"):
+    if bits not in (4, 8) or w.get("type") != "int" or strategy not in ("group", "channel"):
         problems.append(
             f"config.json: {CT_INT_PACKED_FORMAT} weights {bits}-bit {w.get('type')} strategy "
-            f"{strategy!r}: qckpt checks 4-bit int per group or channel"
+            f"{strategy!r}: qckpt checks 4- or 8-bit int per group or channel"
         )
         return None
     if w.get("symmetric") is False:
-        problems.append("config.json: asymmetric int4 weights (zero points) are not checked")
+        problems.append(f"config.json: asymmetric int{bits} weights (zero points) are not checked")
         return None
     if strategy == "group" and not (isinstance(g, int) and g > 0):
-        problems.append(f"config.json: int4 group weights need a positive group_size, got {g!r}")
+        problems.append(
+            f"config.json: int{bits} group weights need a positive group_size, got {g!r}"
+        )
         return None
     if i:
-        problems.append("config.json: int4 weights with quantized inputs (W4A8) are not checked")
+        problems.append(
+            f"config.json: {CT_INT_PACKED_FORMAT} int{bits} weights with quantized inputs are "
+            "not checked (qckpt writes them weight-only)"
+        )
         return None
     return Scheme(
-        name=f"INT4 W4A16 {f'group {g}' if strategy == 'group' else 'channel'}",
+        name=f"INT{bits} W{bits}A16 {f'group {g}' if strategy == 'group' else 'channel'}",
         weight=strategy,
         static_input=False,
         scale_dtypes=FLOAT_DTYPES,
@@ -136,5 +144,42 @@ def _ct_int_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Sc
         kv=qc.get("kv_cache_scheme") is not None,
         codes_leaf=CT_PACKED,
         codes_dtype="I32",
-        int_bits=4,
+        int_bits=int(bits),
+    )
+
+
+def _ct_int8_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Scheme | None:
+    """compressed-tensors ``int-quantized``: symmetric INT8 codes (one int8 each) per channel
+    or tensor; inputs INT8 per token (dynamic) or per tensor (a stored ``input_scale``)."""
+    bits, strategy = w.get("num_bits"), w.get("strategy")
+    if (bits, w.get("type")) != (8, "int") or strategy not in ("tensor", "channel"):
+        problems.append(
+            f"config.json: {CT_INT_FORMAT} weights {bits}-bit {w.get('type')} strategy "
+            f"{strategy!r}: qckpt checks 8-bit int per channel or tensor"
+        )
+        return None
+    if w.get("symmetric") is False or (i and i.get("symmetric") is False):
+        problems.append("config.json: asymmetric int8 (zero points) is not checked")
+        return None
+    static = False
+    if i:
+        istrat, dyn = i.get("strategy"), i.get("dynamic")
+        if (i.get("num_bits"), i.get("type")) != (8, "int") or (istrat, dyn) not in (
+            ("token", True),
+            ("tensor", False),
+        ):
+            problems.append(
+                f"config.json: {CT_INT_FORMAT} inputs {i.get('num_bits')}-bit {i.get('type')} "
+                f"strategy {istrat!r} dynamic {dyn!r}: qckpt checks int8 per token (dynamic) "
+                "or per tensor (static)"
+            )
+            return None
+        static = dyn is False
+    return Scheme(
+        name=f"INT8 {strategy}/{'static' if static else 'dynamic' if i else 'W8A16'}",
+        weight=strategy,
+        static_input=static,
+        scale_dtypes=FLOAT_DTYPES,
+        kv=qc.get("kv_cache_scheme") is not None,
+        codes_dtype="I8",
     )

@@ -7,8 +7,8 @@ fp8             ``code * scale`` (per tensor, per row, or per block ``scale[i //
                 edge blocks partial)
 nvfp4           ``e2m1 * (scale / global_scale)`` (compressed-tensors) or
                 ``e2m1 * (weight_scale_2 * scale)`` (ModelOpt)
-int4            ``code * scale`` (codes -8..7 from int32 words, a scale per row or per group
-                of columns)
+int4, int8      ``code * scale`` (codes from int32 words, or int8 ones; a scale per tensor,
+                per row or per group of columns)
 ==============  =================================================================================
 
 The weight's ``QuantWeight.scheme`` says which (its ``packed_fp4``, its ``group``).
@@ -55,7 +55,7 @@ def _chunk_value(
 ) -> torch.Tensor:
     """float32 value of rows r x cols c of ``w``, computed on ``dev``."""
     (r0, r1), (c0, c1) = r, c
-    if w.scheme.packed_int:
+    if w.packed_bits:
         return _int_value(w, fetch, r, c, dev)
     if not w.scheme.packed_fp4:
         v = fetch(w.codes, r, c).to(dev).to(torch.float32)
@@ -86,13 +86,14 @@ def _int_value(
     from qckpt.formats.intq import unpack_int32
 
     (r0, r1), (c0, c1) = r, c
-    per = 32 // w.scheme.code_bits
+    per = 32 // w.packed_bits
     words = fetch(w.codes, r, (c0 // per, -(-c1 // per))).to(dev)
     base = (c0 // per) * per
-    codes = unpack_int32(words, w.scheme.code_bits, words.shape[1] * per)
+    codes = unpack_int32(words, w.packed_bits, words.shape[1] * per)
     v = codes[:, c0 - base : c1 - base].to(torch.float32)
     if w.granularity == "channel":
-        return v.mul_(fetch(w.scale, r, None).to(dev, torch.float32).reshape(-1, 1))
+        s = fetch(w.scale, None, None).to(dev, torch.float32).reshape(-1, 1)[r[0] : r[1]]
+        return v.mul_(s)
     g = w.block[1]
     s = fetch(w.scale, r, (c0 // g, -(-c1 // g))).to(dev)
     return v.mul_(_expand(s, 1, g, (0, r1 - r0), c))

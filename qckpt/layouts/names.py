@@ -59,6 +59,8 @@ CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 # integer codes packed into int32 words (INT4 W4A16), and the logical shape stored beside them
 CT_INT_PACKED_FORMAT = "pack-quantized"
 CT_WEIGHT_SHAPE = "weight_shape"
+# integer codes one per int8 (INT8 W8A8)
+CT_INT_FORMAT = "int-quantized"
 
 
 def packed_int_cols(words: int, bits: int) -> range:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from qckpt.errors import CheckpointError, ExportError
-from qckpt.layouts import compressed_tensors, deepseek, modelopt
+from qckpt.layouts import compressed_tensors, ct_writers, deepseek, modelopt
 from qckpt.layouts.export_layout import BlockScales, ExportLayout
 from qckpt.layouts.source_layout import (
     FP8_DTYPES,
@@ -44,13 +44,13 @@ SOURCE_FAMILIES: dict[str, Callable[[Index, Any, Any], SourceLayout]] = {
 # where NVFP4 block scales come from
 EXPORT_FAMILIES: dict[str, Callable[[QuantConfig, torch.dtype, BlockScales | None], ExportLayout]]
 EXPORT_FAMILIES = {
-    "compressed-tensors": compressed_tensors.export_layout,
+    "compressed-tensors": ct_writers.export_layout,
     "modelopt": modelopt.ModelOptLayout,
 }
 # export.format -> the family's layout of a quant.schemes recipe (the same and each linear's
 # entry index: None, the model dtype)
 MIXED_FAMILIES: dict[str, Callable[..., ExportLayout]] = {
-    "compressed-tensors": compressed_tensors.mixed_layout,
+    "compressed-tensors": ct_writers.mixed_layout,
     "modelopt": modelopt.mixed_layout,
 }
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from qckpt.errors import CheckpointError
-from qckpt.formats.scheme import Fp8Scheme, Int4Scheme, Nvfp4Scheme, Scheme
+from qckpt.formats.scheme import SCHEMES, Fp8Scheme, Int8Scheme, Nvfp4Scheme, Scheme
 from qckpt.layouts.names import NVFP4_GROUP, PARAM_SUFFIXES, packed_int_cols
 from qckpt.storage.slices import Index
 
@@ -44,6 +44,9 @@ class QuantWeight:
     global_scale: str = ""  # nvfp4: stored key of the second-level scale
     global_divides: bool = False  # compressed-tensors nvfp4: value = e2m1 * (scale / global)
     file: str = ""  # file of the codes
+    # integer codes packed into int32 words, this many bits each (compressed-tensors
+    # pack-quantized); 0: one code per stored element
+    packed_bits: int = 0
 
     @property
     def scale_layout(self) -> str:
@@ -227,10 +230,12 @@ def nvfp4_weights(index: Index, codes_leaf: str, global_leaf: str, divides: bool
     return out
 
 
-def int4_weights(index: Index, groups: list[int]) -> dict:
+def int_packed_weights(index: Index, bits: int, groups: list[int]) -> dict:
     """Every I32 ``{m}.weight_packed`` with ``{m}.weight_scale`` (compressed-tensors
-    ``pack-quantized`` INT4): the logical columns from the scales (``groups``: the config's
-    group sizes, 0 per channel), which the packed width must agree with."""
+    ``pack-quantized`` INT4 / INT8 of ``bits``): the logical columns from the scales
+    (``groups``: the config's group sizes, 0 per channel), which the packed width must agree
+    with."""
+    cls = next(c for c in SCHEMES.values() if c.integer and c.code_bits == bits)
     out: dict[str, QuantWeight] = {}
     for key, (f, shape, dt) in index.items():
         mod, _, leaf = key.rpartition(".")
@@ -240,7 +245,7 @@ def int4_weights(index: Index, groups: list[int]) -> dict:
         check_2d(key, shape)
         rows, words = int(shape[0]), int(shape[1])
         scale_shape = tuple(index[skey][1])
-        fits = packed_int_cols(words, Int4Scheme.code_bits)
+        fits = packed_int_cols(words, bits)
         group = next((g for g in groups if g and scale_shape[-1] * g in fits), 0)
         if group:
             cols, gran, block = scale_shape[-1] * group, "group", (1, group)
@@ -248,15 +253,45 @@ def int4_weights(index: Index, groups: list[int]) -> dict:
             cols, gran, block = fits[-1], "channel", (1, 1)
         else:
             raise CheckpointError(
-                f"{skey}: shape {list(scale_shape)} fits no int4 group size {groups} of a "
+                f"{skey}: shape {list(scale_shape)} fits no int{bits} group size {groups} of a "
                 f"{rows} x {fits[0]}..{fits[-1]} weight"
             )
         out[f"{mod}.weight"] = QuantWeight(
             name=f"{mod}.weight",
             shape=(rows, cols),
-            scheme=Int4Scheme(granularity=gran, block=block),
+            scheme=cls(granularity=gran, block=block),
             granularity=gran,
             block=block,
+            codes=key,
+            scale=skey,
+            file=f,
+            packed_bits=bits,
+        )
+    return out
+
+
+def int8_weights(index: Index, strategies: list[str]) -> dict:
+    """Every I8 ``{m}.weight`` with ``{m}.weight_scale`` (compressed-tensors ``int-quantized``):
+    per row or per tensor, as the scale's shape says."""
+    out: dict[str, QuantWeight] = {}
+    for key, (f, shape, dt) in index.items():
+        skey = f"{key}_scale"
+        if dt != torch.int8 or not key.endswith(".weight") or skey not in index:
+            continue
+        check_2d(key, shape)
+        sshape = tuple(index[skey][1])
+        gran = "tensor" if math.prod(sshape) == 1 else "channel"
+        if gran not in strategies or (gran == "channel" and math.prod(sshape) != shape[0]):
+            raise CheckpointError(
+                f"{skey}: shape {list(sshape)} fits none of the int8 strategies {strategies} "
+                f"of a weight of shape {list(shape)}"
+            )
+        out[key] = QuantWeight(
+            name=key,
+            shape=(int(shape[0]), int(shape[1])),
+            scheme=Int8Scheme(granularity=gran),
+            granularity=gran,
+            block=(1, 1),
             codes=key,
             scale=skey,
             file=f,

@@ -28,6 +28,12 @@ QUANTS = {
         "weights": {"format": "int4", "granularity": "group", "block_size": [32]},
         "inputs": {"format": "none"},
     },
+    # INT8 W8A8 per channel with static per-tensor int8 inputs (their calibrated amax crosses
+    # ranks; GPTQ's inputs quantized as vLLM's int8 kernels do)
+    "int8": {
+        "weights": {"format": "int8", "granularity": "channel"},
+        "inputs": {"format": "int8", "granularity": "tensor"},
+    },
     # quant.schemes: NVFP4 routed experts, FP8 block q/k/v with dynamic group inputs, FP8 per
     # channel o_proj with static inputs (lm_head ignored, the router is no linear)
     "mixed": {
@@ -154,7 +160,8 @@ def _strip(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize(("case", "quant"), [("mse", q) for q in ("fp8_channel", "nvfp4")]
-                         + [("gptq", "nvfp4"), ("gptq+qin", "nvfp4"), ("gptq", "int4")]
+                         + [("gptq", "nvfp4"), ("gptq+qin", "nvfp4"), ("gptq", "int4"),
+                            ("gptq+qin", "int8")]
                          + [("max", "mixed"), ("gptq+qin", "mixed")]
                          + [("awq", q) for q in sorted(QUANTS)])  # fmt: skip
 def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, hf_salient, tmp_path, case, quant):

@@ -70,6 +70,8 @@ CASES = [
     Case("tiny-moe-mixed", "configs/tiny-moe-mixed.yaml"),
     # INT4 W4A16 (compressed-tensors pack-quantized; ModelOpt refuses it)
     Case("tiny-dense-w4a16", "configs/tiny-dense-w4a16.yaml", layouts=LAYOUTS[:1]),
+    # INT8 W8A8 (compressed-tensors int-quantized; ModelOpt refuses it)
+    Case("tiny-dense-w8a8", "configs/tiny-dense-w8a8.yaml", layouts=LAYOUTS[:1]),
     # the same recipes reaching the other formats, scales, algorithms and shard splits
     Case("tiny-moe-nvfp4", "configs/tiny-moe.yaml", MOE_NVFP4),
     Case(

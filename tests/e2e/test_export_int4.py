@@ -21,7 +21,7 @@ from tests._inproc import run_main
 GROUP = 32  # the tiny model's input dims are 64 and 128
 
 
-def _recipe(root: Path, name: str, weights: dict, inputs: dict, **over) -> Path:
+def tiny_recipe(root: Path, name: str, weights: dict, inputs: dict, **over) -> Path:
     run = root / name
     recipe = {
         "model": {"source": "tiny-dense", "dtype": "bfloat16", "seed": 0},
@@ -46,7 +46,7 @@ def _recipe(root: Path, name: str, weights: dict, inputs: dict, **over) -> Path:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("int4")
-    rec = _recipe(root, "base", {"format": "fp8"}, {"format": "fp8"})
+    rec = tiny_recipe(root, "base", {"format": "fp8"}, {"format": "fp8"})
     assert run_main("convert", str(rec), str(root / "dcp")).returncode == 0
     r = run_main("convert", str(root / "dcp"), str(root / "hf"), "--to", "hf")
     assert r.returncode == 0, r.stderr
@@ -54,7 +54,7 @@ def root(tmp_path_factory):
 
 
 def _export(root: Path, name: str, weights: dict, inputs: dict) -> Path:
-    rec = _recipe(root, name, weights, inputs)
+    rec = tiny_recipe(root, name, weights, inputs)
     out = root / name / "out"
     if not out.exists():
         for cmd in ("calibrate", "export"):
@@ -157,7 +157,7 @@ def test_nvfp4a16_writes_no_input_scales(root):
             {"format": "int4", "granularity": "group"},
             {"format": "fp8"},
             {},
-            "compressed-tensors writes int4 weights weight-only",
+            "compressed-tensors writes int4 pack-quantized weights weight-only",
         ),
         (
             "mo-int4",
@@ -184,7 +184,7 @@ def test_nvfp4a16_writes_no_input_scales(root):
 )
 def test_an_unwritable_scheme_is_refused_in_one_line(root, name, weights, inputs, over, says):
     """At export, before a byte is written: exit 2 and one line naming what is wrong."""
-    rec = _recipe(root, name, weights, inputs, **over)
+    rec = tiny_recipe(root, name, weights, inputs, **over)
     cal = run_main("calibrate", str(rec))
     assert cal.returncode == 0, cal.stderr[-2000:]
     r = run_main("export", str(rec))
@@ -214,7 +214,7 @@ def test_what_an_algorithm_cannot_do_with_int4_is_refused_before_any_work(
     root, name, calibrate, says
 ):
     w = {"format": "int4", "granularity": "group", "block_size": [GROUP]}
-    rec = _recipe(root, f"a-{name}", w, {"format": "none"}, calibrate=calibrate)
+    rec = tiny_recipe(root, f"a-{name}", w, {"format": "none"}, calibrate=calibrate)
     r = run_main("calibrate", str(rec))
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert not (root / f"a-{name}" / "calib.safetensors").exists()
@@ -227,7 +227,7 @@ def test_gptq_w4a16_writes_the_codes_and_group_scales_gptq_chose(root):
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     w = {"format": "int4", "granularity": "group", "block_size": [GROUP]}
-    rec = _recipe(root, "gptq", w, {"format": "none"}, calibrate={"algorithm": "gptq"})
+    rec = tiny_recipe(root, "gptq", w, {"format": "none"}, calibrate={"algorithm": "gptq"})
     for cmd in ("calibrate", "export"):
         r = run_main(cmd, str(rec))
         assert r.returncode == 0, r.stderr[-2000:]

@@ -160,3 +160,23 @@ def test_emulated_linear_is_one_fp32_gemm_of_the_quantized_input(mode):
     assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
     plain = torch.nn.functional.linear(x.float(), w).to(torch.bfloat16)
     assert not torch.equal(got, plain)  # the input quantization did something
+
+
+def test_int8_per_token_is_vllms_dynamic_int8_quant():
+    """Per token: scale amax / 127, codes round-half-even of x * (127 / amax) saturated, as
+    vLLM's ``dynamic_scaled_int8_quant`` (``cvt.rni.sat.s8.f32``); a zero token stays zero."""
+    x = torch.tensor([[127.0, -63.5, 0.5, 1.5], [0.0, 0.0, 0.0, 0.0], [2.0, -2.0, 0.5, 0.0078125]])
+    got = quantize_input(x, InputQuant("int8_token"))
+    # row 0: scale 1, codes 127 -64 0 2 (ties to even); row 2: scale 2 / 127, x * 63.5
+    assert got[0].tolist() == [127.0, -64.0, 0.0, 2.0]
+    assert got[1].tolist() == [0.0, 0.0, 0.0, 0.0]
+    s = torch.tensor(2.0) / 127.0
+    assert torch.equal(got[2], torch.tensor([127.0, -127.0, 32.0, 0.0]) * s)
+
+
+def test_int8_static_saturates_at_the_code_range():
+    """Static: round(x / s) saturated to -128..127 with the stored scale (vLLM's
+    ``static_scaled_int8_quant``): values past the calibrated range clip."""
+    x = torch.tensor([[1.0, -1.0, 300.0, -300.0, 0.25]], dtype=torch.bfloat16)
+    got = quantize_input(x, InputQuant("int8_static", torch.tensor(0.5)))
+    assert got.tolist() == [[1.0, -1.0, 63.5, -64.0, 0.0]]

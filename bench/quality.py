@@ -83,6 +83,11 @@ VARIANTS: dict[str, tuple[str, tuple[str, str], tuple[str, str, bool]]] = {
         ("int8", "channel"),
         ("int8", "tensor", True),
     ),
+    "compressed-tensors MXFP4A16": (
+        "compressed-tensors",
+        ("mxfp4", "tensor"),
+        ("none", "tensor", False),
+    ),
     "compressed-tensors NVFP4A16": (
         "compressed-tensors",
         ("nvfp4", "tensor"),
@@ -127,6 +132,7 @@ ALGORITHM_BASES = {
     "int4": "compressed-tensors INT4 W4A16, group 128",
     "nvfp4a16": "compressed-tensors NVFP4A16",
     "int8": "compressed-tensors INT8 W8A8 per-channel, dynamic per-token inputs",
+    "mxfp4": "compressed-tensors MXFP4A16",
 }
 ALGORITHMS: dict[str, dict[str, str]] = {
     "max": {"algorithm": "max"},

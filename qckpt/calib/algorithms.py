@@ -105,7 +105,7 @@ class Mse(Algorithm):
 
     def refuses(self, scheme: Any) -> str | None:
         # its searches are FP8's clip ratios and NVFP4's block scales
-        if scheme.integer:
+        if scheme.integer or scheme.mx:
             return f"does not search {scheme.describe()} scales yet (max, gptq and awq quantize it)"
         return None
 
@@ -139,16 +139,20 @@ class Gptq(Algorithm):
     stream: Any = None  # calibrate.offload: the sidecar writer (gptq_pass.streamed_sidecar)
 
     def refuses(self, scheme: Any) -> str | None:
-        if not (scheme.integer and scheme.granularity == "group"):
+        if not (scheme.mx or (scheme.integer and scheme.granularity == "group")):
             return None
         # each group's scale is made from the group's current columns as the sweep reaches it
-        g = scheme.block[1]
+        g = scheme.group if scheme.mx else scheme.block[1]
         if self.block % g:
             return (
-                f"with int4 groups of {g}: calibrate.gptq_block ({self.block}) must be a multiple"
+                f"with {scheme.name} groups of {g}: calibrate.gptq_block ({self.block}) must be a "
+                "multiple"
             )
         if self.act_order:
-            return f"act-order with int4 groups of {g} is not written yet (groups run in order)"
+            return (
+                f"act-order with {scheme.name} groups of {g} is not written yet (groups run in "
+                "order)"
+            )
         return None
 
     @classmethod

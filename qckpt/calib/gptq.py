@@ -22,6 +22,7 @@ import math
 import torch
 
 from qckpt.formats.intq import int_round, int_scale
+from qckpt.formats.mx_codes import E8M0_BIAS, mx_exponents, mx_round
 from qckpt.formats.numerics import div_f32, f64_const
 from qckpt.formats.nvfp4 import E2M1_MAX, e2m1_round, max_block_scales
 from qckpt.formats.scheme import FP8_MAX, Scheme
@@ -79,7 +80,7 @@ def input_aware_target(w: torch.Tensor, h: torch.Tensor, c: torch.Tensor, percda
 def makes_group_scales(scheme: Scheme) -> bool:
     """Whether GPTQ makes this scheme's scales group by group as it reaches each group (NVFP4's
     block scales, INT4's group scales), which the sidecar then carries to the export."""
-    return scheme.block_scaled or (scheme.integer and scheme.granularity == "group")
+    return scheme.block_scaled or scheme.mx or (scheme.integer and scheme.granularity == "group")
 
 
 class ColumnQuantizer:
@@ -103,7 +104,13 @@ class ColumnQuantizer:
         self.grouped = makes_group_scales(scheme)
         self.group = scheme.block[1] if self.int_groups else scheme.group
         self.search = search  # NVFP4: each group's scale searched (mse) instead of the max rule
+        # MXFP4: each 32-group's E8M0 exponent from the group's current columns (stored biased)
+        self.mx = scheme.mx
         a = amax.detach().to(torch.float32)
+        if self.mx:
+            self.block_scales = torch.empty((rows, -(-cols // self.group)), dtype=torch.uint8)
+            self._e: torch.Tensor | None = None
+            return
         if self.int_codes:
             self.code_range = scheme.code_range
             self.scale_dtype, self.qmax = scale_dtype, scheme.qmax
@@ -140,6 +147,10 @@ class ColumnQuantizer:
         """NVFP4: the group starting at ``col`` takes its scale from ``w`` (its current
         columns, ``[rows, <=16]``) by the max rule, or searched (:attr:`search`: the E4M3
         scale of least squared error over the group's current values, ``qckpt.calib.mse``)."""
+        if self.mx:
+            self._e = mx_exponents(w.abs().amax(dim=-1))
+            self.block_scales[:, col // self.group] = (self._e + E8M0_BIAS).to(torch.uint8)
+            return
         if self.int_groups:
             self._sb = int_scale(w.abs().amax(dim=-1), self.qmax, self.scale_dtype)
             self.block_scales[:, col // self.group] = self._sb
@@ -158,6 +169,8 @@ class ColumnQuantizer:
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` (``w``: its current values, float32 ``[rows]``)."""
+        if self.mx:
+            return mx_round(w, self._e)
         if self.int_codes:
             s = self._sb.to(torch.float32) if self.int_groups else self.scale[:, col]
             return int_round(w, s, self.code_range)
@@ -339,6 +352,11 @@ class _StackedQuantizer:
     def __init__(self, qs: list[ColumnQuantizer]):
         self.qs, self.grouped, self.group = qs, qs[0].grouped, qs[0].group
         self.int_codes, self.int_groups = qs[0].int_codes, qs[0].int_groups
+        self.mx = qs[0].mx
+        if self.mx:
+            self.block_scales = torch.stack([q.block_scales for q in qs])
+            self._e = None
+            return
         if self.int_codes:
             q0 = qs[0]
             self.code_range, self.qmax, self.scale_dtype = q0.code_range, q0.qmax, q0.scale_dtype
@@ -364,6 +382,10 @@ class _StackedQuantizer:
     def start_group(self, w: torch.Tensor, col: int) -> None:
         """:meth:`ColumnQuantizer.start_group` of each linear (``w``: ``[N, rows, <=16]``)."""
         n, r, k = w.shape
+        if self.mx:
+            self._e = mx_exponents(w.abs().amax(dim=2))
+            self.block_scales[:, :, col // self.group] = (self._e + E8M0_BIAS).to(torch.uint8)
+            return
         if self.int_groups:
             self._sb = int_scale(w.abs().amax(dim=2), self.qmax, self.scale_dtype)
             self.block_scales[:, :, col // self.group] = self._sb
@@ -388,6 +410,8 @@ class _StackedQuantizer:
 
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` of each linear (``w``: ``[N, rows]`` float32)."""
+        if self.mx:
+            return mx_round(w, self._e)
         if self.int_codes:
             s = self._step if self.int_groups else self.scale[:, :, col]
             return int_round(w, s, self.code_range)
@@ -410,6 +434,13 @@ def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tenso
     rows, cols = W.shape
     if quantizer.int_codes:
         return _int_round_to_nearest(W, quantizer)
+    if quantizer.mx:
+        from qckpt.formats.rowblock import padded_blocks
+
+        blocks = padded_blocks(W, quantizer.group)  # [rows, nb, 32]
+        e = mx_exponents(blocks.abs().amax(dim=-1))
+        quantizer.block_scales.copy_((e + E8M0_BIAS).to(torch.uint8))
+        return mx_round(blocks, e.unsqueeze(-1)).reshape(rows, -1)[:, :cols]
     if not quantizer.grouped:
         s = quantizer.scale
         return (W / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s

@@ -9,7 +9,7 @@ block scales made at quantize time, how clients quantize an input. Adding a form
 
 Registered: ``fp8`` (E4M3, per tensor / channel / block; static or dynamic inputs), ``nvfp4``
 (E2M1 under E4M3 scales per 16 and a float32 global scale), ``mxfp8`` (E4M3 under E8M0 scales
-per 32), ``int4`` (symmetric integer weights under a scale per group of 128 or per row),
+per 32), ``mxfp4`` (E2M1 under E8M0 scales per 32, weight-only), ``int4`` (symmetric integer weights under a scale per group of 128 or per row),
 ``int8`` (symmetric integer weights per row or tensor; inputs per token, dynamic, or per tensor,
 static) and ``none`` (left in the model dtype: an unquantized side, e.g. the inputs of a weight-only
 linear).
@@ -81,6 +81,9 @@ class Scheme:
     # export's dtype), stored as int8 or, with ``packed_int``, packed into int32 words
     integer: ClassVar[bool] = False
     packed_int: ClassVar[bool] = False
+    # E2M1 codes two a byte under one E8M0 (power of two) scale per ``group``, no global scale
+    # (MXFP4: :mod:`qckpt.formats.mx_codes`)
+    mx: ClassVar[bool] = False
 
     granularity: str = "tensor"
     block: tuple[int, int] = (128, 128)
@@ -237,6 +240,34 @@ class Int4Scheme(Scheme):
 
 @register
 @dataclass(frozen=True)
+class Mxfp4Scheme(Scheme):
+    """MXFP4 weights: E2M1 under an E8M0 scale per 32 values of a row, made from the block
+    itself (:mod:`qckpt.formats.mx_codes`); nothing but a per-tensor amax is calibrated (kept
+    as NVFP4's is, for the reports). Weight-only here (MXFP4A16: Hopper runs it with Marlin;
+    AMD MI35x and gpt-oss ship it)."""
+
+    name: ClassVar[str] = "mxfp4"
+    weight_granularities: ClassVar[tuple[str, ...]] = ("tensor", "group")
+    input_granularities: ClassVar[tuple[str, ...]] = ()
+    qmax: ClassVar[float] = FP4_MAX
+    group: ClassVar[int] = MX_BLOCK
+    code_bits: ClassVar[int] = 4
+    mx: ClassVar[bool] = True
+
+    @property
+    def calib_granularity(self) -> str:
+        return "dynamic_block"
+
+    @property
+    def block_scaled(self) -> bool:
+        return False  # no global scale: GPTQ makes each block's exponent as an MX group
+
+    def describe(self) -> str:
+        return "mxfp4"
+
+
+@register
+@dataclass(frozen=True)
 class Int8Scheme(Scheme):
     """Symmetric INT8: weights per row (``channel``, what W8A8 ships) or per tensor, codes
     -128..127 under ``amax / 127.5`` in the model dtype; inputs per token at run time
@@ -325,6 +356,8 @@ def scheme_bits(s: Scheme, shape: Sequence[int], model_bits: int = 16) -> float:
         return float(n * model_bits)
     if s.packed_fp4:
         return n * 4 + math.ceil(n / s.group) * 8 + 32
+    if s.mx:
+        return n * 4 + math.ceil(n / s.group) * 8
     if s.group:
         return n * 8 + math.ceil(n / s.group) * 8
     amax = s.amax_shape("weight", shape)

@@ -50,6 +50,7 @@ from qckpt.layouts.names import (
     EMBEDDING_LEAVES,
     INPUT_SCALE,
     MODELOPT_FILE,
+    MX_GROUP,
     NVFP4_GROUP,
     WEIGHT_SCALE,
     WEIGHT_SCALE_2,
@@ -216,6 +217,9 @@ def _decode(raw: bytes, dtype: str) -> np.ndarray:
         return bits.view(np.float32).astype(np.float64)
     if dtype == "F8_E4M3":
         return _e4m3(np.frombuffer(raw, dtype=np.uint8))
+    if dtype == "U8":  # a scale stored as bytes is E8M0 (MX): 2**(code - 127), 255 is NaN
+        b = np.frombuffer(raw, dtype=np.uint8)
+        return np.where(b == 255, np.nan, np.ldexp(1.0, b.astype(np.int32) - 127))
     raise ValueError(dtype)
 
 
@@ -262,6 +266,9 @@ def _expected_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple]
     f32 = ("F32",)
     if scheme.int_bits:
         return _expected_int_scales(scheme, shape)
+    if scheme.mx:
+        cols = shape[1] * 2
+        return {WEIGHT_SCALE: ({(out_dim, -(-cols // MX_GROUP))}, ("U8",))}
     if scheme.packed:
         cols = shape[1] * 2
         exp = {

@@ -26,6 +26,7 @@ class Scheme:
     # the stored codes' safetensors dtype (I32: integer codes packed 32 / bits to a word)
     codes_dtype: str = "F8_E4M3"
     int_bits: int = 0  # integer codes: their bits (the words hold 32 / int_bits each)
+    mx: bool = False  # packed E2M1 codes under E8M0 (uint8) scales per 32, no global scale
     kv: bool = False
     kv_names: str = "ct"  # "ct": {attn}.k_scale; "modelopt": {attn}.k_proj.k_scale
     # the stored names: ModelOpt's; compressed-tensors NVFP4 has its own (see qckpt.layouts.names)

@@ -12,9 +12,11 @@ from qckpt.layouts.names import (
     CT_INPUT_GLOBAL,
     CT_INT_FORMAT,
     CT_INT_PACKED_FORMAT,
+    CT_MXFP4_FORMAT,
     CT_NVFP4_FORMAT,
     CT_PACKED,
     CT_WEIGHT_GLOBAL,
+    MX_GROUP,
     NVFP4_GROUP,
 )
 
@@ -60,6 +62,8 @@ def _group_scheme(qc: dict, g: dict, fmt: str | None, problems: list[str]) -> Sc
         return _ct_nvfp4_scheme(qc, w, i, problems)
     if fmt == CT_INT_PACKED_FORMAT:
         return _ct_int_scheme(qc, w, i, problems)
+    if fmt == CT_MXFP4_FORMAT:
+        return _ct_mxfp4_scheme(qc, w, i, problems)
     if fmt == CT_INT_FORMAT:
         return _ct_int8_scheme(qc, w, i, problems)
     if w.get("num_bits") != 8 or w.get("type") != "float":
@@ -182,4 +186,31 @@ def _ct_int8_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> S
         scale_dtypes=FLOAT_DTYPES,
         kv=qc.get("kv_cache_scheme") is not None,
         codes_dtype="I8",
+    )
+
+
+def _ct_mxfp4_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Scheme | None:
+    """compressed-tensors ``mxfp4-pack-quantized``: E2M1 weights under E8M0 scales per 32."""
+    got = (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("strategy"))
+    if got != (4, "float", MX_GROUP, "group"):
+        problems.append(
+            f"config.json: {CT_MXFP4_FORMAT} weights {got[0]}-bit {got[1]} group_size {got[2]} "
+            f"strategy {got[3]!r}: not MXFP4 (4-bit float, groups of {MX_GROUP})"
+        )
+        return None
+    if i:
+        problems.append(
+            f"config.json: {CT_MXFP4_FORMAT} with quantized inputs is not checked (qckpt writes "
+            "MXFP4 weight-only)"
+        )
+        return None
+    return Scheme(
+        name="MXFP4 W4A16",
+        weight="group",
+        packed=True,
+        mx=True,
+        static_input=False,
+        scale_dtypes=("U8",),
+        kv=qc.get("kv_cache_scheme") is not None,
+        codes_leaf=CT_PACKED,
     )

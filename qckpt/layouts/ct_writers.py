@@ -10,7 +10,14 @@ from collections.abc import Callable
 import torch
 
 from qckpt.errors import SchemeError
-from qckpt.formats.scheme import Fp8Scheme, Int4Scheme, Int8Scheme, Nvfp4Scheme, scheme_of
+from qckpt.formats.scheme import (
+    Fp8Scheme,
+    Int4Scheme,
+    Int8Scheme,
+    Mxfp4Scheme,
+    Nvfp4Scheme,
+    scheme_of,
+)
 from qckpt.layouts.compressed_tensors import (
     CT_MIXED_FORMAT,
     CompressedTensorsInt4Layout,
@@ -18,6 +25,7 @@ from qckpt.layouts.compressed_tensors import (
     CompressedTensorsNvfp4Layout,
 )
 from qckpt.layouts.ct_int8 import int8_layout
+from qckpt.layouts.ct_mx import CompressedTensorsMxfp4Layout
 from qckpt.layouts.export_layout import EXPERT, BlockScales, ExportLayout
 from qckpt.layouts.mixed import MixedLayout, build_parts
 from qckpt.recipe import QuantConfig
@@ -28,6 +36,7 @@ WRITERS: dict[type, Callable[..., ExportLayout]] = {
     Nvfp4Scheme: CompressedTensorsNvfp4Layout,
     Int4Scheme: CompressedTensorsInt4Layout,
     Int8Scheme: int8_layout,
+    Mxfp4Scheme: CompressedTensorsMxfp4Layout,
 }
 
 

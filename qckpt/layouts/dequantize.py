@@ -7,6 +7,7 @@ fp8             ``code * scale`` (per tensor, per row, or per block ``scale[i //
                 edge blocks partial)
 nvfp4           ``e2m1 * (scale / global_scale)`` (compressed-tensors) or
                 ``e2m1 * (weight_scale_2 * scale)`` (ModelOpt)
+mxfp4           ``e2m1 * 2**(scale - 127)`` (E8M0 scales per 32, no global scale)
 int4, int8      ``code * scale`` (codes from int32 words, or int8 ones; a scale per tensor,
                 per row or per group of columns)
 ==============  =================================================================================
@@ -57,6 +58,8 @@ def _chunk_value(
     (r0, r1), (c0, c1) = r, c
     if w.packed_bits:
         return _int_value(w, fetch, r, c, dev)
+    if w.scheme.mx:
+        return _mx_value(w, fetch, r, c, dev)
     if not w.scheme.packed_fp4:
         v = fetch(w.codes, r, c).to(dev).to(torch.float32)
         if w.granularity == "tensor":
@@ -76,6 +79,19 @@ def _chunk_value(
     # ModelOpt (and qckpt's nvfp4 format) multiply by weight_scale_2
     s = sb / gs if w.global_divides else gs * sb
     return v.mul_(_expand(s, 1, g, r, c))
+
+
+def _mx_value(
+    w: QuantWeight, fetch: Fetch, r: tuple[int, int], c: tuple[int, int], dev: torch.device
+) -> torch.Tensor:
+    """float32 ``e2m1 * 2**(scale - 127)`` of MXFP4 codes (two a byte) under E8M0 scales."""
+    from qckpt.formats.mx_codes import mx_scale_values
+
+    (c0, c1), g = c, w.scheme.group
+    packed = fetch(w.codes, r, (c0 // 2, -(-c1 // 2))).to(dev)
+    v = _e2m1(packed, c0, c1, (c0 // 2) * 2)
+    s = mx_scale_values(fetch(w.scale, r, (c0 // g, -(-c1 // g))).to(dev))
+    return v.mul_(_expand(s, 1, g, (0, r[1] - r[0]), c))
 
 
 def _int_value(

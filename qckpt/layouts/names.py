@@ -59,6 +59,9 @@ CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 # integer codes packed into int32 words (INT4 W4A16), and the logical shape stored beside them
 CT_INT_PACKED_FORMAT = "pack-quantized"
 CT_WEIGHT_SHAPE = "weight_shape"
+# E2M1 codes under E8M0 scales per 32 (MXFP4)
+CT_MXFP4_FORMAT = "mxfp4-pack-quantized"
+MX_GROUP = 32
 # integer codes one per int8 (INT8 W8A8)
 CT_INT_FORMAT = "int-quantized"
 

@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from qckpt.errors import CheckpointError
-from qckpt.formats.scheme import SCHEMES, Fp8Scheme, Int8Scheme, Nvfp4Scheme, Scheme
+from qckpt.formats.scheme import (
+    MX_BLOCK,
+    SCHEMES,
+    Fp8Scheme,
+    Int8Scheme,
+    Mxfp4Scheme,
+    Nvfp4Scheme,
+    Scheme,
+)
 from qckpt.layouts.names import NVFP4_GROUP, PARAM_SUFFIXES, packed_int_cols
 from qckpt.storage.slices import Index
 
@@ -55,6 +63,8 @@ class QuantWeight:
         if s.packed_fp4:
             second = "global 1/scale" if self.global_divides else "scale_2"
             return f"{s.name} e4m3 per {s.group} + {second}"
+        if s.mx:
+            return f"{s.name} e8m0 per {s.group}"
         if self.granularity == "block":
             return f"{s.name} block {list(self.block)}"
         return f"{s.name} {self.granularity}"
@@ -266,6 +276,38 @@ def int_packed_weights(index: Index, bits: int, groups: list[int]) -> dict:
             scale=skey,
             file=f,
             packed_bits=bits,
+        )
+    return out
+
+
+def mx_weights(index: Index) -> dict:
+    """Every U8 ``{m}.weight_packed`` with a U8 ``{m}.weight_scale`` of one E8M0 exponent per
+    32 logical columns and no global scale (compressed-tensors ``mxfp4-pack-quantized``)."""
+    out: dict[str, QuantWeight] = {}
+    for key, (f, shape, dt) in index.items():
+        mod, _, leaf = key.rpartition(".")
+        skey = f"{mod}.weight_scale"
+        if leaf != "weight_packed" or dt != torch.uint8 or skey not in index:
+            continue
+        if f"{mod}.weight_global_scale" in index:
+            continue  # NVFP4's
+        check_2d(key, shape)
+        rows, cols = int(shape[0]), int(shape[1]) * 2
+        want = (rows, math.ceil(cols / MX_BLOCK))
+        if index[skey][2] != torch.uint8 or tuple(index[skey][1]) != want:
+            raise CheckpointError(
+                f"{skey}: an MXFP4 scale must be uint8 (E8M0) of shape {list(want)}; got "
+                f"{index[skey][2]} {list(index[skey][1])}"
+            )
+        out[f"{mod}.weight"] = QuantWeight(
+            name=f"{mod}.weight",
+            shape=(rows, cols),
+            scheme=Mxfp4Scheme(),
+            granularity="group",
+            block=(1, MX_BLOCK),
+            codes=key,
+            scale=skey,
+            file=f,
         )
     return out
 

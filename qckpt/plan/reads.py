@@ -212,7 +212,7 @@ def quantized_read_bytes(w: Any, raw: dict, rows: tuple[int, int], cols: tuple[i
     total = 0
     for a in range(rows[0], rows[1], step):
         b = min(rows[1], a + step)
-        if not w.scheme.packed_fp4:
+        if not (w.scheme.packed_fp4 or w.scheme.mx):
             total += nbytes(w.codes, (b - a, nc))
             if w.granularity == "block":
                 b0, b1 = w.block
@@ -223,7 +223,8 @@ def quantized_read_bytes(w: Any, raw: dict, rows: tuple[int, int], cols: tuple[i
         total += nbytes(w.codes, (b - a, -(-c1 // 2) - c0 // 2))
         g = w.scheme.group
         total += nbytes(w.scale, (b - a, -(-c1 // g) - c0 // g))
-        total += nbytes(w.global_scale, raw[w.global_scale][1])
+        if w.global_scale:
+            total += nbytes(w.global_scale, raw[w.global_scale][1])
     return total
 
 

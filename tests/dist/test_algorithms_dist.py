@@ -34,6 +34,8 @@ QUANTS = {
         "weights": {"format": "int8", "granularity": "channel"},
         "inputs": {"format": "int8", "granularity": "tensor"},
     },
+    # MXFP4 W4A16: E8M0 exponents per 32 made from each group (GPTQ: as it reaches it)
+    "mxfp4": {"weights": {"format": "mxfp4"}, "inputs": {"format": "none"}},
     # quant.schemes: NVFP4 routed experts, FP8 block q/k/v with dynamic group inputs, FP8 per
     # channel o_proj with static inputs (lm_head ignored, the router is no linear)
     "mixed": {
@@ -161,7 +163,7 @@ def _strip(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize(("case", "quant"), [("mse", q) for q in ("fp8_channel", "nvfp4")]
                          + [("gptq", "nvfp4"), ("gptq+qin", "nvfp4"), ("gptq", "int4"),
-                            ("gptq+qin", "int8")]
+                            ("gptq+qin", "int8"), ("gptq", "mxfp4")]
                          + [("max", "mixed"), ("gptq+qin", "mixed")]
                          + [("awq", q) for q in sorted(QUANTS)])  # fmt: skip
 def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, hf_salient, tmp_path, case, quant):

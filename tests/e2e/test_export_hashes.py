@@ -72,6 +72,13 @@ CASES = [
     Case("tiny-dense-w4a16", "configs/tiny-dense-w4a16.yaml", layouts=LAYOUTS[:1]),
     # INT8 W8A8 (compressed-tensors int-quantized; ModelOpt refuses it)
     Case("tiny-dense-w8a8", "configs/tiny-dense-w8a8.yaml", layouts=LAYOUTS[:1]),
+    # MXFP4 W4A16 (compressed-tensors mxfp4-pack-quantized; ModelOpt refuses it)
+    Case(
+        "tiny-dense-mxfp4",
+        "configs/tiny-dense-w4a16.yaml",
+        ("quant.weights.format=mxfp4",),
+        layouts=LAYOUTS[:1],
+    ),
     # the same recipes reaching the other formats, scales, algorithms and shard splits
     Case("tiny-moe-nvfp4", "configs/tiny-moe.yaml", MOE_NVFP4),
     Case(

@@ -45,7 +45,7 @@ def _export(root: Path, name: str, weights: dict, inputs: dict, **over) -> Path:
     return out
 
 
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
+def tensors_of(d: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a dir's safetensors files, or of one file (the GPTQ sidecar)."""
     out = {}
     for f in [d] if d.is_file() else sorted(d.glob("*.safetensors")):
@@ -54,7 +54,7 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _modules(t: dict, leaf: str) -> list[str]:
+def modules_with(t: dict, leaf: str) -> list[str]:
     return sorted(k[: -len(leaf) - 1] for k, v in t.items() if k.endswith("." + leaf))
 
 
@@ -79,12 +79,12 @@ def test_w8a8_is_what_compressed_tensors_computes(root):
         group["input_activations"] | {"strategy": "token", "dynamic": True, "type": "int"}
         == (group["input_activations"])
     )
-    t, src = _tensors(out), _tensors(root / "hf")
+    t, src = tensors_of(out), tensors_of(root / "hf")
     assert not [k for k in t if k.endswith("input_scale")]  # dynamic: nothing calibrated
     r = run_main("convert", str(out), str(root / "back8"), "--to", "hf")
     assert r.returncode == 0 and "14 of 21 tensors dequantized" in r.stdout, r.stdout
-    back = _tensors(root / "back8")
-    modules = [m for m in _modules(t, "weight_scale")]
+    back = tensors_of(root / "back8")
+    modules = [m for m in modules_with(t, "weight_scale")]
     assert len(modules) == 14
     for m in modules:
         w = src[f"{m}.weight"].float()
@@ -123,13 +123,13 @@ def test_static_int8_inputs_store_the_calibrated_scale(root):
 
     out = _export(root, "w8a8-static", {"format": "int8", "granularity": "tensor"}, {
         "format": "int8", "dynamic": False})  # fmt: skip
-    t = _tensors(out)
-    amax = _tensors(root / "w8a8-static")
+    t = tensors_of(out)
+    amax = tensors_of(root / "w8a8-static")
     args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor")
     group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert group["group_0"]["input_activations"]["strategy"] == "tensor"
     assert group["group_0"]["input_activations"]["dynamic"] is False
-    modules = _modules(t, "input_scale")
+    modules = modules_with(t, "input_scale")
     assert len(modules) == 14
     for m in modules:
         a = amax[f"{m}.input_amax"].float().reshape(1)
@@ -151,8 +151,8 @@ def test_w8a16_is_pack_quantized_8_bit(root):
     g0 = group["group_0"]
     assert g0["format"] == "pack-quantized" and g0["weights"]["num_bits"] == 8
     assert g0["input_activations"] is None
-    t, src = _tensors(out), _tensors(root / "hf")
-    for m in _modules(t, "weight_packed"):
+    t, src = tensors_of(out), tensors_of(root / "hf")
+    for m in modules_with(t, "weight_packed"):
         w = src[f"{m}.weight"].float()
         scale = t[f"{m}.weight_scale"]
         codes = torch.round(w / scale.float()).clamp(-128, 127).to(torch.int8)
@@ -167,11 +167,11 @@ def test_w8a16_is_pack_quantized_8_bit(root):
 
 def test_gptq_w8a8_writes_the_weights_gptq_chose(root):
     out = _export(root, "gptq8", CHANNEL, TOKEN, calibrate={"algorithm": "gptq"})
-    t = _tensors(out)
-    side = _tensors(root / "gptq8" / "calib.safetensors.gptq")
-    rtn = _tensors(_export(root, "w8a8", CHANNEL, TOKEN))
+    t = tensors_of(out)
+    side = tensors_of(root / "gptq8" / "calib.safetensors.gptq")
+    rtn = tensors_of(_export(root, "w8a8", CHANNEL, TOKEN))
     moved = 0
-    for m in _modules(t, "weight_scale"):
+    for m in modules_with(t, "weight_scale"):
         value = t[f"{m}.weight"].float() * t[f"{m}.weight_scale"].float()
         assert torch.equal(value.to(torch.bfloat16), side[f"{m}.weight"]), m
         moved += not torch.equal(t[f"{m}.weight"], rtn[f"{m}.weight"])

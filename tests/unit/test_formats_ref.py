@@ -212,3 +212,25 @@ def test_fp8_block_matches_compressed_tensors(shape: tuple[int, int]) -> None:
     assert torch.equal(q.scale, scale.float())
     ref = ct.quantize(x, scale, zp, args, dtype=E4)
     assert torch.equal(u8(q.qdata), u8(ref))
+
+
+# ---- the MXFP4 export's codes vs torchao to_mx (EVEN) ---------------------------------------
+
+
+@pytest.mark.parametrize("dtype,name", CASES)
+def test_mxfp4_export_codes_match_torchao_even(dtype: torch.dtype, name: str) -> None:
+    """qckpt.formats.mx_codes (what the MXFP4 export writes) is torchao's ``to_mx`` with
+    ``ScaleCalculationMode.EVEN`` bit for bit: the E8M0 scales and the packed E2M1 codes,
+    edge cases included (zeros, tiny and huge blocks); its values are torchao's ``to_dtype``."""
+    from qckpt.formats.mx_codes import mxfp4_quantize, mxfp4_values
+
+    x = _inputs(dtype)[name].reshape(-1, 256)
+    packed, scale = mxfp4_quantize(x)
+    ref_s, ref_d = mx.to_mx(
+        x.contiguous(), torch.float4_e2m1fn_x2, 32, scaling_mode=mx.ScaleCalculationMode.EVEN
+    )
+    assert torch.equal(scale, u8(ref_s).view(scale.shape))
+    # blocks whose exponent clamps to -127: torchao divides by 2**-126, as the export does
+    assert torch.equal(packed, u8(ref_d).view(packed.shape))
+    ref_hp = mx.to_dtype(ref_d, ref_s, torch.float4_e2m1fn_x2, 32, torch.float32)
+    assert torch.equal(mxfp4_values(packed, scale), ref_hp.reshape(x.shape))

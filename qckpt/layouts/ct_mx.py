@@ -1,0 +1,98 @@
+"""compressed-tensors ``mxfp4-pack-quantized`` MXFP4 weights (llm-compressor's ``MXFP4A16``):
+per linear ``weight_packed`` uint8 ``[out, in / 2]`` (E2M1 codes, the even column in the low
+nibble) and ``weight_scale`` uint8 ``[out, in / 32]`` (E8M0 exponents, biased by 127), no
+global scale, made by :mod:`qckpt.formats.mx_codes`; weight-only (vLLM runs it with Marlin on
+Hopper, and natively on MI35x / Blackwell). GPTQ's per-group exponents, when the calibration
+made them, are written as given."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from qckpt.errors import ExportError, SchemeError
+from qckpt.formats.mx_codes import E8M0_BIAS, MX_GROUP, mx_scale_values, mxfp4_quantize
+from qckpt.formats.scheme import scheme_of
+from qckpt.layouts.compressed_tensors import CompressedTensorsLayout
+from qckpt.layouts.export_layout import BlockScales, ExportLayout, OutSpec
+from qckpt.layouts.names import CT_MXFP4_FORMAT, CT_PACKED, WEIGHT_SCALE
+from qckpt.recipe import QuantConfig
+
+
+class CompressedTensorsMxfp4Layout(CompressedTensorsLayout):
+    """compressed-tensors ``mxfp4-pack-quantized`` (see the module doc)."""
+
+    def __init__(
+        self, quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
+    ) -> None:
+        ExportLayout.__init__(self, quant, model_dtype, block_scales)
+        self._given: dict[str, torch.Tensor] = {}
+        if scheme_of(quant.inputs, "input").quantized:
+            raise SchemeError(
+                "export.format compressed-tensors writes mxfp4 weights weight-only (MXFP4A16); "
+                f"got inputs {quant.inputs.format}: give quant.inputs {{format: none}}"
+            )
+
+    def _read_given(self, module: str) -> torch.Tensor | None:
+        bs = self.block_scales
+        return None if bs.given is None else bs.given(module)
+
+    def guard_amax(self, module: str, amax: torch.Tensor) -> torch.Tensor:
+        # GPTQ made each group's exponent from the group as it reached it: its values stay
+        # within 6 x those scales, which may pass the source's amax
+        given = self._read_given(module)
+        if given is None:
+            return amax
+        self._given[module] = given
+        return (mx_scale_values(given) * 6.0).max()
+
+    def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
+        if shape[1] % MX_GROUP:
+            raise SchemeError(
+                f"{module}: MXFP4 needs the input dim divisible by {MX_GROUP}, got {shape[1]}"
+            )
+        return [
+            OutSpec(f"{module}.{CT_PACKED}", torch.uint8, (shape[0], shape[1] // 2)),
+            OutSpec(f"{module}.{WEIGHT_SCALE}", torch.uint8, (shape[0], shape[1] // MX_GROUP)),
+        ]
+
+    def quantize_linear(
+        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        given = self._given.pop(module, None)
+        if given is None:
+            given = self._read_given(module)
+        e = None
+        if given is not None:
+            want = (w.shape[0], w.shape[1] // MX_GROUP)
+            if tuple(given.shape) != want:
+                raise ExportError(f"{module}: GPTQ MX scales {list(given.shape)}, not {want}")
+            e = given.to(device=w.device, dtype=torch.int32) - E8M0_BIAS
+        packed, scale = mxfp4_quantize(w, e)
+        yield f"{module}.{CT_PACKED}", packed
+        yield f"{module}.{WEIGHT_SCALE}", scale
+
+    def stacks(self) -> bool:
+        return False
+
+    def config_group(self, targets: list[str]) -> dict:
+        weights = {
+            "num_bits": 4,
+            "type": "float",
+            "symmetric": True,
+            "group_size": MX_GROUP,
+            "strategy": "group",
+            "dynamic": False,
+            "scale_dtype": "torch.uint8",
+        }
+        return {
+            "targets": targets,
+            "weights": weights,
+            "input_activations": None,
+            "output_activations": None,
+            "format": CT_MXFP4_FORMAT,
+        }
+
+    def shard_metadata(self) -> dict[str, str]:
+        return {**super().shard_metadata(), "quant_format": CT_MXFP4_FORMAT}

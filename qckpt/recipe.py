@@ -83,7 +83,7 @@ class LoadConfig:
 class TensorQuantConfig:
     # the registered schemes (qckpt.formats.scheme); none: left in the model dtype (inputs: a
     # weight-only linear)
-    format: Literal["fp8", "nvfp4", "mxfp4", "int4", "int8", "none"] = "fp8"
+    format: Literal["fp8", "nvfp4", "mxfp4", "mxfp8", "int4", "int8", "none"] = "fp8"
     # group: int4's scale per block_size[-1] columns of a row
     granularity: Literal["tensor", "channel", "block", "group"] = "tensor"
     block_size: list[int] = field(default_factory=lambda: [128, 128])

@@ -22,7 +22,7 @@ import math
 import torch
 
 from qckpt.formats.intq import int_round, int_scale
-from qckpt.formats.mx_codes import E8M0_BIAS, mx_exponents, mx_round
+from qckpt.formats.mx_codes import E8M0_BIAS, MX_EMAX, mx_exponents, mx_round
 from qckpt.formats.numerics import div_f32, f64_const
 from qckpt.formats.nvfp4 import E2M1_MAX, e2m1_round, max_block_scales
 from qckpt.formats.scheme import FP8_MAX, Scheme
@@ -106,6 +106,7 @@ class ColumnQuantizer:
         self.search = search  # NVFP4: each group's scale searched (mse) instead of the max rule
         # MXFP4: each 32-group's E8M0 exponent from the group's current columns (stored biased)
         self.mx = scheme.mx
+        self.mx_bits = scheme.code_bits
         a = amax.detach().to(torch.float32)
         if self.mx:
             self.block_scales = torch.empty((rows, -(-cols // self.group)), dtype=torch.uint8)
@@ -148,7 +149,7 @@ class ColumnQuantizer:
         columns, ``[rows, <=16]``) by the max rule, or searched (:attr:`search`: the E4M3
         scale of least squared error over the group's current values, ``qckpt.calib.mse``)."""
         if self.mx:
-            self._e = mx_exponents(w.abs().amax(dim=-1))
+            self._e = mx_exponents(w.abs().amax(dim=-1), MX_EMAX[self.mx_bits])
             self.block_scales[:, col // self.group] = (self._e + E8M0_BIAS).to(torch.uint8)
             return
         if self.int_groups:
@@ -170,7 +171,7 @@ class ColumnQuantizer:
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` (``w``: its current values, float32 ``[rows]``)."""
         if self.mx:
-            return mx_round(w, self._e)
+            return mx_round(w, self._e, self.mx_bits)
         if self.int_codes:
             s = self._sb.to(torch.float32) if self.int_groups else self.scale[:, col]
             return int_round(w, s, self.code_range)
@@ -352,7 +353,7 @@ class _StackedQuantizer:
     def __init__(self, qs: list[ColumnQuantizer]):
         self.qs, self.grouped, self.group = qs, qs[0].grouped, qs[0].group
         self.int_codes, self.int_groups = qs[0].int_codes, qs[0].int_groups
-        self.mx = qs[0].mx
+        self.mx, self.mx_bits = qs[0].mx, qs[0].mx_bits
         if self.mx:
             self.block_scales = torch.stack([q.block_scales for q in qs])
             self._e = None
@@ -383,7 +384,7 @@ class _StackedQuantizer:
         """:meth:`ColumnQuantizer.start_group` of each linear (``w``: ``[N, rows, <=16]``)."""
         n, r, k = w.shape
         if self.mx:
-            self._e = mx_exponents(w.abs().amax(dim=2))
+            self._e = mx_exponents(w.abs().amax(dim=2), MX_EMAX[self.mx_bits])
             self.block_scales[:, :, col // self.group] = (self._e + E8M0_BIAS).to(torch.uint8)
             return
         if self.int_groups:
@@ -411,7 +412,7 @@ class _StackedQuantizer:
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` of each linear (``w``: ``[N, rows]`` float32)."""
         if self.mx:
-            return mx_round(w, self._e)
+            return mx_round(w, self._e, self.mx_bits)
         if self.int_codes:
             s = self._step if self.int_groups else self.scale[:, :, col]
             return int_round(w, s, self.code_range)
@@ -438,9 +439,10 @@ def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tenso
         from qckpt.formats.rowblock import padded_blocks
 
         blocks = padded_blocks(W, quantizer.group)  # [rows, nb, 32]
-        e = mx_exponents(blocks.abs().amax(dim=-1))
+        e = mx_exponents(blocks.abs().amax(dim=-1), MX_EMAX[quantizer.mx_bits])
         quantizer.block_scales.copy_((e + E8M0_BIAS).to(torch.uint8))
-        return mx_round(blocks, e.unsqueeze(-1)).reshape(rows, -1)[:, :cols]
+        q = mx_round(blocks, e.unsqueeze(-1), quantizer.mx_bits)
+        return q.reshape(rows, -1)[:, :cols]
     if not quantizer.grouped:
         s = quantizer.scale
         return (W / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s

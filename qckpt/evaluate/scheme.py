@@ -141,6 +141,9 @@ def _ct_input(args: dict[str, Any] | None, module: str, fetch: SafetensorsFetch)
     bits, typ, strat, dyn = args.get("num_bits"), args.get("type"), args.get("strategy"), None
     dyn = args.get("dynamic")
     where = f"{fetch.root}: {module}: input_activations"
+    mx = args.get("scale_dtype") in ("torch.uint8", "uint8") and args.get("group_size") == 32
+    if (bits, typ, strat, dyn, mx) == (8, "float", "group", True, True):
+        return InputQuant("mxfp8")
     if (bits, typ) == (8, "float"):
         if strat == "tensor" and dyn is False:
             return InputQuant("fp8_static", _scalar(fetch, f"{module}.input_scale", module))

@@ -22,6 +22,8 @@ NVFP4 reference (``csrc/quantization/fp8/common.cu``, ``nvfp4_emulation_utils.re
   (``static_scaled_int8_quant``).
 * INT8 dynamic per-token: ``s = amax_token / 127``, ``code = round(x * (127 / amax_token))``
   saturated, 0 for an all-zero token (``dynamic_scaled_int8_quant``).
+* MXFP8 dynamic per 32: E4M3 under the block's E8M0 scale, by the export's rule for weights
+  (:mod:`qckpt.formats.mx_codes`; what llm-compressor's fake quantization computes).
 
 E4M3 rounding is torch's ``.to(float8_e4m3fn)`` (round to nearest even) after the clamp, as the
 kernels saturate before they convert.
@@ -54,9 +56,10 @@ MODES = (
     "nvfp4",
     "int8_static",
     "int8_token",
+    "mxfp8",
 )
 # the modes whose scale is made per call, with no calibrated value
-DYNAMIC_MODES = frozenset({"fp8_token", "fp8_tensor_dynamic", "fp8_group", "int8_token"})
+DYNAMIC_MODES = frozenset({"fp8_token", "fp8_tensor_dynamic", "fp8_group", "int8_token", "mxfp8"})
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class InputQuant:
             "nvfp4": "nvfp4 per-16 under a static global scale",
             "int8_static": "int8 static per-tensor",
             "int8_token": "int8 dynamic per-token",
+            "mxfp8": "mxfp8 dynamic per-32",
         }[self.mode]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,6 +179,10 @@ def quantize_input(x: torch.Tensor, q: InputQuant) -> torch.Tensor:
         return fp8_per_group(x, q.group)
     if q.mode == "int8_token":
         return int8_per_token(x)
+    if q.mode == "mxfp8":
+        from qckpt.formats.mx_codes import mxfp8_input
+
+        return mxfp8_input(x)
     assert q.scale is not None
     if q.mode == "int8_static":
         return int8_static(x, q.scale)

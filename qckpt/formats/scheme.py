@@ -193,17 +193,38 @@ class Nvfp4Scheme(Scheme):
 @register
 @dataclass(frozen=True)
 class Mxfp8Scheme(Scheme):
+    """MXFP8: E4M3 under an E8M0 scale per 32 values of a row, made from the block itself
+    (:mod:`qckpt.formats.mx_codes`); weights (the export, and the ``mxfp8`` parameter tensor of
+    :mod:`qckpt.formats.mxfp8`) and inputs, always dynamic (scaled per 32 at run time). Hopper
+    has no MX GEMM: vLLM 0.26 runs it weight-only there (Marlin)."""
+
     name: ClassVar[str] = "mxfp8"
+    weight_granularities: ClassVar[tuple[str, ...]] = ("tensor", "group")
+    input_granularities: ClassVar[tuple[str, ...]] = ("tensor", "group")
     qmax: ClassVar[float] = FP8_MAX
     group: ClassVar[int] = MX_BLOCK
     param_format: ClassVar[str | None] = "mxfp8"
+    mx: ClassVar[bool] = True
+    hopper_input_gemm: ClassVar[bool] = False
 
     @property
     def calib_granularity(self) -> str:
         return "dynamic_block"
 
+    @property
+    def block_scaled(self) -> bool:
+        return False
+
     def calibrates(self, kind: str) -> bool:
-        return False  # every 32-block's E8M0 scale comes from the block itself
+        # every 32-block's E8M0 scale comes from the block itself; a weight's amax is kept for
+        # the reports and the export's guard, as NVFP4's global one
+        return kind != "input"
+
+    def input_mode(self) -> str:
+        return "mxfp8"
+
+    def describe(self) -> str:
+        return "mxfp8"
 
 
 @register
@@ -357,7 +378,7 @@ def scheme_bits(s: Scheme, shape: Sequence[int], model_bits: int = 16) -> float:
     if s.packed_fp4:
         return n * 4 + math.ceil(n / s.group) * 8 + 32
     if s.mx:
-        return n * 4 + math.ceil(n / s.group) * 8
+        return n * s.code_bits + math.ceil(n / s.group) * 8
     if s.group:
         return n * 8 + math.ceil(n / s.group) * 8
     amax = s.amax_shape("weight", shape)

@@ -267,7 +267,7 @@ def _expected_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tuple]
     if scheme.int_bits:
         return _expected_int_scales(scheme, shape)
     if scheme.mx:
-        cols = shape[1] * 2
+        cols = shape[1] * 2 if scheme.packed else shape[1]
         return {WEIGHT_SCALE: ({(out_dim, -(-cols // MX_GROUP))}, ("U8",))}
     if scheme.packed:
         cols = shape[1] * 2

@@ -67,6 +67,7 @@ from qckpt.layouts.names import (
     CT_INT_FORMAT,
     CT_INT_PACKED_FORMAT,
     CT_MXFP4_FORMAT,
+    CT_MXFP8_FORMAT,
     CT_NVFP4_FORMAT,
     CT_PACKED,
     CT_WEIGHT_GLOBAL,
@@ -89,7 +90,7 @@ from qckpt.storage.slices import Index
 
 
 def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], tuple, list, list[str]]:
-    """(fp8 weight schemes, (any nvfp4 group, any mxfp4 group), the packed integer groups as
+    """(fp8 weight schemes, (any nvfp4 / mxfp4 / mxfp8 group), the packed integer groups as
     (bits, group size: 0 per channel), the int8 weight strategies) of a compressed-tensors
     config; refuses the rest."""
     top = qc.get("format")
@@ -99,7 +100,7 @@ def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], tuple, l
     fp8: list[tuple[str, Any]] = []
     packed: list[tuple[int, int]] = []
     int8: list[str] = []
-    nvfp4 = mx = False
+    nvfp4 = mx = mx8 = False
     for gname, g in groups.items():
         w = (g or {}).get("weights") if isinstance(g, dict) else None
         if not w:
@@ -129,6 +130,8 @@ def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], tuple, l
             nvfp4 = True
         elif fmt == CT_MXFP4_FORMAT and (bits, typ, w.get("group_size")) == (4, "float", 32):
             mx = True
+        elif fmt == CT_MXFP8_FORMAT and (bits, typ, w.get("group_size")) == (8, "float", 32):
+            mx8 = True
         elif fmt == CT_INT_PACKED_FORMAT and (bits, typ) in ((4, "int"), (8, "int")):
             if strat not in ("group", "channel"):
                 raise CheckpointError(
@@ -148,19 +151,21 @@ def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], tuple, l
         raise CheckpointError(
             "quantization_config: packed integer weights of several bit widths are not read"
         )
-    return fp8, (nvfp4, mx), packed, int8
+    return fp8, (nvfp4, mx, mx8), packed, int8
 
 
 def read_layout(index: Index, qc: dict[str, Any], hf_quant: Any = None) -> SourceLayout:
     """The layout of a compressed-tensors dir (``hf_quant``: unused, the registry's signature)."""
-    fp8, (nvfp4, mx), packed, int8 = _weight_options(qc)
+    fp8, (nvfp4, mx, mx8), packed, int8 = _weight_options(qc)
     weights: dict[str, QuantWeight] = {}
     if fp8:
         weights.update(fp8_weights(index, "_scale", fp8))
     if nvfp4:
         weights.update(nvfp4_weights(index, "weight_packed", "weight_global_scale", True))
     if mx:
-        weights.update(mx_weights(index))
+        weights.update(mx_weights(index, 4))
+    if mx8:
+        weights.update(mx_weights(index, 8))
     if packed:
         weights.update(int_packed_weights(index, packed[0][0], [g for _, g in packed]))
     if int8:

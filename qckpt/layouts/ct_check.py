@@ -13,6 +13,7 @@ from qckpt.layouts.names import (
     CT_INT_FORMAT,
     CT_INT_PACKED_FORMAT,
     CT_MXFP4_FORMAT,
+    CT_MXFP8_FORMAT,
     CT_NVFP4_FORMAT,
     CT_PACKED,
     CT_WEIGHT_GLOBAL,
@@ -62,8 +63,8 @@ def _group_scheme(qc: dict, g: dict, fmt: str | None, problems: list[str]) -> Sc
         return _ct_nvfp4_scheme(qc, w, i, problems)
     if fmt == CT_INT_PACKED_FORMAT:
         return _ct_int_scheme(qc, w, i, problems)
-    if fmt == CT_MXFP4_FORMAT:
-        return _ct_mxfp4_scheme(qc, w, i, problems)
+    if fmt in (CT_MXFP4_FORMAT, CT_MXFP8_FORMAT):
+        return _ct_mx_scheme(qc, w, i, fmt, problems)
     if fmt == CT_INT_FORMAT:
         return _ct_int8_scheme(qc, w, i, problems)
     if w.get("num_bits") != 8 or w.get("type") != "float":
@@ -189,28 +190,32 @@ def _ct_int8_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> S
     )
 
 
-def _ct_mxfp4_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Scheme | None:
-    """compressed-tensors ``mxfp4-pack-quantized``: E2M1 weights under E8M0 scales per 32."""
+def _ct_mx_scheme(
+    qc: dict, w: dict, i: dict | None, fmt: str, problems: list[str]
+) -> Scheme | None:
+    """compressed-tensors ``mxfp4-pack-quantized`` / ``mxfp8-quantized``: E2M1 / E4M3 weights
+    under E8M0 scales per 32; MXFP8's inputs quantized per 32 at run time (nothing stored)."""
+    bits = 4 if fmt == CT_MXFP4_FORMAT else 8
     got = (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("strategy"))
-    if got != (4, "float", MX_GROUP, "group"):
+    if got != (bits, "float", MX_GROUP, "group"):
         problems.append(
-            f"config.json: {CT_MXFP4_FORMAT} weights {got[0]}-bit {got[1]} group_size {got[2]} "
-            f"strategy {got[3]!r}: not MXFP4 (4-bit float, groups of {MX_GROUP})"
+            f"config.json: {fmt} weights {got[0]}-bit {got[1]} group_size {got[2]} "
+            f"strategy {got[3]!r}: not MXFP{bits} ({bits}-bit float, groups of {MX_GROUP})"
         )
         return None
-    if i:
+    if i and (bits == 4 or i.get("dynamic") is not True):
         problems.append(
-            f"config.json: {CT_MXFP4_FORMAT} with quantized inputs is not checked (qckpt writes "
-            "MXFP4 weight-only)"
+            f"config.json: {fmt} with {'static ' if bits == 8 else ''}quantized inputs is not "
+            "checked (qckpt writes MXFP4 weight-only, MXFP8 inputs dynamic)"
         )
         return None
     return Scheme(
-        name="MXFP4 W4A16",
+        name=f"MXFP{bits} {'W4A16' if bits == 4 else 'dynamic' if i else 'W8A16'}",
         weight="group",
-        packed=True,
+        packed=bits == 4,
         mx=True,
         static_input=False,
         scale_dtypes=("U8",),
         kv=qc.get("kv_cache_scheme") is not None,
-        codes_leaf=CT_PACKED,
+        codes_leaf=CT_PACKED if bits == 4 else "weight",
     )

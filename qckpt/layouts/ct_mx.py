@@ -1,9 +1,13 @@
-"""compressed-tensors ``mxfp4-pack-quantized`` MXFP4 weights (llm-compressor's ``MXFP4A16``):
+"""compressed-tensors' MX formats. ``mxfp4-pack-quantized`` MXFP4 weights (llm-compressor's ``MXFP4A16``):
 per linear ``weight_packed`` uint8 ``[out, in / 2]`` (E2M1 codes, the even column in the low
 nibble) and ``weight_scale`` uint8 ``[out, in / 32]`` (E8M0 exponents, biased by 127), no
 global scale, made by :mod:`qckpt.formats.mx_codes`; weight-only (vLLM runs it with Marlin on
 Hopper, and natively on MI35x / Blackwell). GPTQ's per-group exponents, when the calibration
-made them, are written as given."""
+made them, are written as given.
+
+``mxfp8-quantized`` MXFP8 (llm-compressor's ``MXFP8``): ``weight`` float8_e4m3fn ``[out, in]``
+and ``weight_scale`` uint8 ``[out, in / 32]``; inputs MXFP8 per 32 at run time (W8A8, what
+Blackwell runs; Hopper runs it weight-only) or none (MXFP8A16)."""
 
 from __future__ import annotations
 
@@ -12,26 +16,40 @@ from collections.abc import Iterator
 import torch
 
 from qckpt.errors import ExportError, SchemeError
-from qckpt.formats.mx_codes import E8M0_BIAS, MX_GROUP, mx_scale_values, mxfp4_quantize
+from qckpt.formats.mx_codes import (
+    E8M0_BIAS,
+    MX_GROUP,
+    mx_scale_values,
+    mxfp4_quantize,
+    mxfp8_quantize,
+)
 from qckpt.formats.scheme import scheme_of
 from qckpt.layouts.compressed_tensors import CompressedTensorsLayout
 from qckpt.layouts.export_layout import BlockScales, ExportLayout, OutSpec
-from qckpt.layouts.names import CT_MXFP4_FORMAT, CT_PACKED, WEIGHT_SCALE
+from qckpt.layouts.names import CT_MXFP4_FORMAT, CT_MXFP8_FORMAT, CT_PACKED, WEIGHT_SCALE
 from qckpt.recipe import QuantConfig
 
 
 class CompressedTensorsMxfp4Layout(CompressedTensorsLayout):
     """compressed-tensors ``mxfp4-pack-quantized`` (see the module doc)."""
 
+    # the codes' leaf and their bytes per logical column (two E2M1 codes a byte)
+    codes_leaf, codes_dtype, per_byte, fmt = CT_PACKED, torch.uint8, 2, CT_MXFP4_FORMAT
+
     def __init__(
         self, quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
     ) -> None:
         ExportLayout.__init__(self, quant, model_dtype, block_scales)
         self._given: dict[str, torch.Tensor] = {}
-        if scheme_of(quant.inputs, "input").quantized:
+        self.ws = scheme_of(quant.weights, "weight")
+        self.ins = scheme_of(quant.inputs, "input")
+        self._check_inputs()
+
+    def _check_inputs(self) -> None:
+        if self.ins.quantized:
             raise SchemeError(
                 "export.format compressed-tensors writes mxfp4 weights weight-only (MXFP4A16); "
-                f"got inputs {quant.inputs.format}: give quant.inputs {{format: none}}"
+                f"got inputs {self.quant.inputs.format}: give quant.inputs {{format: none}}"
             )
 
     def _read_given(self, module: str) -> torch.Tensor | None:
@@ -40,20 +58,25 @@ class CompressedTensorsMxfp4Layout(CompressedTensorsLayout):
 
     def guard_amax(self, module: str, amax: torch.Tensor) -> torch.Tensor:
         # GPTQ made each group's exponent from the group as it reached it: its values stay
-        # within 6 x those scales, which may pass the source's amax
+        # within the largest code x those scales, which may pass the source's amax
         given = self._read_given(module)
         if given is None:
             return amax
         self._given[module] = given
-        return (mx_scale_values(given) * 6.0).max()
+        return (mx_scale_values(given) * self.ws.qmax).max()
 
     def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
         if shape[1] % MX_GROUP:
             raise SchemeError(
-                f"{module}: MXFP4 needs the input dim divisible by {MX_GROUP}, got {shape[1]}"
+                f"{module}: {self.ws.name} needs the input dim divisible by {MX_GROUP}, got "
+                f"{shape[1]}"
             )
         return [
-            OutSpec(f"{module}.{CT_PACKED}", torch.uint8, (shape[0], shape[1] // 2)),
+            OutSpec(
+                f"{module}.{self.codes_leaf}",
+                self.codes_dtype,
+                (shape[0], shape[1] // self.per_byte),
+            ),
             OutSpec(f"{module}.{WEIGHT_SCALE}", torch.uint8, (shape[0], shape[1] // MX_GROUP)),
         ]
 
@@ -69,16 +92,16 @@ class CompressedTensorsMxfp4Layout(CompressedTensorsLayout):
             if tuple(given.shape) != want:
                 raise ExportError(f"{module}: GPTQ MX scales {list(given.shape)}, not {want}")
             e = given.to(device=w.device, dtype=torch.int32) - E8M0_BIAS
-        packed, scale = mxfp4_quantize(w, e)
-        yield f"{module}.{CT_PACKED}", packed
+        codes, scale = self._quantize(w, e)
+        yield f"{module}.{self.codes_leaf}", codes
         yield f"{module}.{WEIGHT_SCALE}", scale
 
-    def stacks(self) -> bool:
-        return False
+    def _quantize(self, w: torch.Tensor, e: torch.Tensor | None):
+        return mxfp4_quantize(w, e)
 
-    def config_group(self, targets: list[str]) -> dict:
-        weights = {
-            "num_bits": 4,
+    def _weight_args(self) -> dict:
+        return {
+            "num_bits": self.ws.code_bits,
             "type": "float",
             "symmetric": True,
             "group_size": MX_GROUP,
@@ -86,13 +109,37 @@ class CompressedTensorsMxfp4Layout(CompressedTensorsLayout):
             "dynamic": False,
             "scale_dtype": "torch.uint8",
         }
+
+    def stacks(self) -> bool:
+        return False
+
+    def config_group(self, targets: list[str]) -> dict:
+        inputs = None
+        if self.ins.quantized:
+            inputs = {**self._weight_args(), "dynamic": True}
         return {
             "targets": targets,
-            "weights": weights,
-            "input_activations": None,
+            "weights": self._weight_args(),
+            "input_activations": inputs,
             "output_activations": None,
-            "format": CT_MXFP4_FORMAT,
+            "format": self.fmt,
         }
 
     def shard_metadata(self) -> dict[str, str]:
-        return {**super().shard_metadata(), "quant_format": CT_MXFP4_FORMAT}
+        return {**super().shard_metadata(), "quant_format": self.fmt}
+
+
+class CompressedTensorsMxfp8Layout(CompressedTensorsMxfp4Layout):
+    """compressed-tensors ``mxfp8-quantized`` (see the module doc)."""
+
+    codes_leaf, codes_dtype, per_byte, fmt = "weight", torch.float8_e4m3fn, 1, CT_MXFP8_FORMAT
+
+    def _check_inputs(self) -> None:
+        if self.ins.quantized and not (self.ins.mx and self.ins.code_bits == 8):
+            raise SchemeError(
+                "export.format compressed-tensors writes mxfp8 weights with mxfp8 inputs or "
+                f"none; got inputs {self.quant.inputs.format}"
+            )
+
+    def _quantize(self, w: torch.Tensor, e: torch.Tensor | None):
+        return mxfp8_quantize(w, e)

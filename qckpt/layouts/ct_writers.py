@@ -15,6 +15,7 @@ from qckpt.formats.scheme import (
     Int4Scheme,
     Int8Scheme,
     Mxfp4Scheme,
+    Mxfp8Scheme,
     Nvfp4Scheme,
     scheme_of,
 )
@@ -25,7 +26,7 @@ from qckpt.layouts.compressed_tensors import (
     CompressedTensorsNvfp4Layout,
 )
 from qckpt.layouts.ct_int8 import int8_layout
-from qckpt.layouts.ct_mx import CompressedTensorsMxfp4Layout
+from qckpt.layouts.ct_mx import CompressedTensorsMxfp4Layout, CompressedTensorsMxfp8Layout
 from qckpt.layouts.export_layout import EXPERT, BlockScales, ExportLayout
 from qckpt.layouts.mixed import MixedLayout, build_parts
 from qckpt.recipe import QuantConfig
@@ -37,6 +38,7 @@ WRITERS: dict[type, Callable[..., ExportLayout]] = {
     Int4Scheme: CompressedTensorsInt4Layout,
     Int8Scheme: int8_layout,
     Mxfp4Scheme: CompressedTensorsMxfp4Layout,
+    Mxfp8Scheme: CompressedTensorsMxfp8Layout,
 }
 
 

@@ -7,7 +7,8 @@ fp8             ``code * scale`` (per tensor, per row, or per block ``scale[i //
                 edge blocks partial)
 nvfp4           ``e2m1 * (scale / global_scale)`` (compressed-tensors) or
                 ``e2m1 * (weight_scale_2 * scale)`` (ModelOpt)
-mxfp4           ``e2m1 * 2**(scale - 127)`` (E8M0 scales per 32, no global scale)
+mxfp4, mxfp8    ``code * 2**(scale - 127)`` (E2M1 / E4M3 codes, E8M0 scales per 32, no
+                global scale)
 int4, int8      ``code * scale`` (codes from int32 words, or int8 ones; a scale per tensor,
                 per row or per group of columns)
 ==============  =================================================================================
@@ -84,12 +85,16 @@ def _chunk_value(
 def _mx_value(
     w: QuantWeight, fetch: Fetch, r: tuple[int, int], c: tuple[int, int], dev: torch.device
 ) -> torch.Tensor:
-    """float32 ``e2m1 * 2**(scale - 127)`` of MXFP4 codes (two a byte) under E8M0 scales."""
+    """float32 ``code * 2**(scale - 127)`` of MX codes (E2M1 two a byte, or E4M3) under E8M0
+    scales per 32 columns."""
     from qckpt.formats.mx_codes import mx_scale_values
 
     (c0, c1), g = c, w.scheme.group
-    packed = fetch(w.codes, r, (c0 // 2, -(-c1 // 2))).to(dev)
-    v = _e2m1(packed, c0, c1, (c0 // 2) * 2)
+    if w.scheme.code_bits == 8:  # MXFP8: E4M3 codes, one a byte
+        v = fetch(w.codes, r, c).to(dev).to(torch.float32)
+    else:
+        packed = fetch(w.codes, r, (c0 // 2, -(-c1 // 2))).to(dev)
+        v = _e2m1(packed, c0, c1, (c0 // 2) * 2)
     s = mx_scale_values(fetch(w.scale, r, (c0 // g, -(-c1 // g))).to(dev))
     return v.mul_(_expand(s, 1, g, (0, r[1] - r[0]), c))
 

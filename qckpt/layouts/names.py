@@ -61,6 +61,7 @@ CT_INT_PACKED_FORMAT = "pack-quantized"
 CT_WEIGHT_SHAPE = "weight_shape"
 # E2M1 codes under E8M0 scales per 32 (MXFP4)
 CT_MXFP4_FORMAT = "mxfp4-pack-quantized"
+CT_MXFP8_FORMAT = "mxfp8-quantized"
 MX_GROUP = 32
 # integer codes one per int8 (INT8 W8A8)
 CT_INT_FORMAT = "int-quantized"

@@ -25,7 +25,6 @@ from qckpt.formats.scheme import (
     SCHEMES,
     Fp8Scheme,
     Int8Scheme,
-    Mxfp4Scheme,
     Nvfp4Scheme,
     Scheme,
 )
@@ -280,29 +279,33 @@ def int_packed_weights(index: Index, bits: int, groups: list[int]) -> dict:
     return out
 
 
-def mx_weights(index: Index) -> dict:
-    """Every U8 ``{m}.weight_packed`` with a U8 ``{m}.weight_scale`` of one E8M0 exponent per
-    32 logical columns and no global scale (compressed-tensors ``mxfp4-pack-quantized``)."""
+def mx_weights(index: Index, bits: int) -> dict:
+    """Every MX weight: a U8 ``{m}.weight_packed`` (E2M1, ``bits`` 4; no global scale beside
+    it: that is NVFP4) or an F8 ``{m}.weight`` (E4M3, ``bits`` 8) with a U8 ``{m}.weight_scale``
+    of one E8M0 exponent per 32 logical columns (compressed-tensors ``mxfp4-pack-quantized`` /
+    ``mxfp8-quantized``)."""
+    leaf_want, dt_want, per = ("weight_packed", torch.uint8, 2) if bits == 4 else ("weight", FP8, 1)
+    cls = next(c for c in SCHEMES.values() if c.mx and c.code_bits == bits)
     out: dict[str, QuantWeight] = {}
     for key, (f, shape, dt) in index.items():
         mod, _, leaf = key.rpartition(".")
         skey = f"{mod}.weight_scale"
-        if leaf != "weight_packed" or dt != torch.uint8 or skey not in index:
+        if leaf != leaf_want or dt != dt_want or skey not in index:
             continue
-        if f"{mod}.weight_global_scale" in index:
-            continue  # NVFP4's
+        if f"{mod}.weight_global_scale" in index or index[skey][2] != torch.uint8:
+            continue  # NVFP4's, or FP8 with float scales
         check_2d(key, shape)
-        rows, cols = int(shape[0]), int(shape[1]) * 2
+        rows, cols = int(shape[0]), int(shape[1]) * per
         want = (rows, math.ceil(cols / MX_BLOCK))
-        if index[skey][2] != torch.uint8 or tuple(index[skey][1]) != want:
+        if tuple(index[skey][1]) != want:
             raise CheckpointError(
-                f"{skey}: an MXFP4 scale must be uint8 (E8M0) of shape {list(want)}; got "
-                f"{index[skey][2]} {list(index[skey][1])}"
+                f"{skey}: an {cls.name} scale must be uint8 (E8M0) of shape {list(want)}; got "
+                f"{list(index[skey][1])}"
             )
         out[f"{mod}.weight"] = QuantWeight(
             name=f"{mod}.weight",
             shape=(rows, cols),
-            scheme=Mxfp4Scheme(),
+            scheme=cls(),
             granularity="group",
             block=(1, MX_BLOCK),
             codes=key,

@@ -1,4 +1,4 @@
-"""MXFP4 W4A16 exports (compressed-tensors ``mxfp4-pack-quantized``): judged against
+"""MX exports (compressed-tensors ``mxfp4-pack-quantized`` W4A16, ``mxfp8-quantized``): judged against
 compressed-tensors' own MXFP4 scale rule, compressor and decompressor; read back as a source;
 weight-only in ``qckpt eval``; GPTQ's per-group exponents written as chosen; what no layout or
 algorithm takes refused in one line. The real commands on the tiny Llama (its dims 64, 128)."""
@@ -148,3 +148,52 @@ def test_what_no_layout_or_algorithm_takes_is_refused_in_one_line(root, name, in
     line = [s for s in r.stderr.splitlines() if s.startswith("qckpt: error:")]
     assert len(line) == 1 and says in line[0], r.stderr
     assert not (root / name / "out").exists()
+
+
+def test_mxfp8_export_is_what_compressed_tensors_computes(root):
+    """MXFP8 (``mxfp8-quantized``, inputs MXFP8 per 32 at run time): compressed-tensors'
+    scales of each 32-group, its compressor's E4M3 codes and E8M0 bytes are the stored ones
+    (nothing saturates: each group's largest value lands in [224, 448)), its decompressor's
+    values are what qckpt reads back; ``qckpt eval`` quantizes the inputs per 32, and as
+    Hopper runs it (weight-only, Marlin) leaves them alone."""
+    from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import MXFP8
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    rec = tiny_recipe(root, "mx8", {"format": "mxfp8"}, {"format": "mxfp8", "dynamic": True})
+    for cmd in ("calibrate", "export"):
+        assert run_main(cmd, str(rec)).returncode == 0
+    out = root / "mx8" / "out"
+    g0 = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    g0 = g0["group_0"]
+    assert g0["format"] == "mxfp8-quantized"
+    assert g0["input_activations"]["dynamic"] is True
+    scheme = QuantizationScheme(targets=["Linear"], **MXFP8)
+    t, src = tensors_of(out), tensors_of(root / "hf")
+    assert not [k for k in t if k.endswith("input_scale")]
+    r = run_main("convert", str(out), str(root / "back8"), "--to", "hf")
+    assert r.returncode == 0 and "(mxfp8 e8m0 per 32)" in r.stdout, r.stdout
+    back = tensors_of(root / "back8")
+    modules = modules_with(t, "weight_scale")
+    assert len(modules) == 14
+    for m in modules:
+        w = src[f"{m}.weight"]
+        rows, cols = w.shape
+        groups = w.reshape(rows, cols // 32, 32)
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        ct = MXFP8QuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+        assert t[f"{m}.weight"].dtype == torch.float8_e4m3fn
+        assert torch.equal(t[f"{m}.weight_scale"], ct["weight_scale"]), m
+        assert torch.equal(t[f"{m}.weight"].view(torch.uint8), ct["weight"].view(torch.uint8)), m
+        sd = {"weight": t[f"{m}.weight"], "weight_scale": t[f"{m}.weight_scale"]}
+        value = MXFP8QuantizationCompressor.decompress(sd, scheme)["weight"]
+        assert torch.equal(back[f"{m}.weight"], value.to(torch.bfloat16)), m
+    res = check_export(out)
+    assert res.ok and "MXFP8 dynamic" in res.summary(), res.problems
+    opts = EvalOptions(windows=2, seq_len=64)
+    rep = evaluate_export(out, root / "hf", root / "heldout.bin", opts)
+    assert rep["scheme"]["input_quantization"] == {"mxfp8 dynamic per-32": 14}
+    hop = evaluate_export(out, root / "hf", root / "heldout.bin", EvalOptions(
+        windows=2, seq_len=64, inputs="hopper"))  # fmt: skip
+    assert hop["scheme"]["input_quantization"] == {"unquantized": 14}

@@ -21,14 +21,19 @@ def _weight(rows: int = 2048, cols: int = 4096, seed: int = 0) -> torch.Tensor:
     return w.to(torch.bfloat16)
 
 
-def test_mxfp4_codes_on_cuda_are_the_cpus():
-    from qckpt.formats.mx_codes import mxfp4_quantize, mxfp4_values
+def test_mx_codes_on_cuda_are_the_cpus():
+    from qckpt.formats.mx_codes import mxfp4_quantize, mxfp4_values, mxfp8_input, mxfp8_quantize
 
     w = _weight()
     p_cpu, s_cpu = mxfp4_quantize(w)
     p_gpu, s_gpu = mxfp4_quantize(w.cuda())
     assert torch.equal(p_cpu, p_gpu.cpu()) and torch.equal(s_cpu, s_gpu.cpu())
     assert torch.equal(mxfp4_values(p_cpu, s_cpu), mxfp4_values(p_gpu, s_gpu).cpu())
+    c_cpu, s_cpu = mxfp8_quantize(w)
+    c_gpu, s_gpu = mxfp8_quantize(w.cuda())
+    assert torch.equal(c_cpu.view(torch.uint8), c_gpu.cpu().view(torch.uint8))
+    assert torch.equal(s_cpu, s_gpu.cpu())
+    assert torch.equal(mxfp8_input(w * 50), mxfp8_input((w * 50).cuda()).cpu())
 
 
 @pytest.mark.parametrize(("qmax", "code_range", "group", "bits"), [
@@ -67,6 +72,7 @@ def test_int8_input_quantization_on_cuda_is_the_cpus(mode):
     ("w8a8", {"format": "int8", "granularity": "channel"}, {"format": "int8", "dynamic": True}),
     ("w8a8-static", {"format": "int8", "granularity": "tensor"}, {"format": "int8"}),
     ("mxfp4", {"format": "mxfp4"}, {"format": "none"}),
+    ("mxfp8", {"format": "mxfp8"}, {"format": "mxfp8", "dynamic": True}),
 ])  # fmt: skip
 def test_gpu_export_equals_cpu_export(tmp_path: Path, name, weights, inputs):
     from tests._inproc import run_main

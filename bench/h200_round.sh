@@ -240,12 +240,12 @@ step_quality_algos() {
   return $rc
 }
 
-# issue 42's rows: INT4 W4A16 (group 128), MXFP4A16, INT8 W8A8 and NVFP4A16, each with max and
-# gptq, on both trained models, served by vLLM (Marlin / Machete / CUTLASS int8 on Hopper)
+# issue 42's rows: INT4 W4A16 (group 128), MXFP4A16, INT8 W8A8, NVFP4A16 and MXFP8, each with
+# max and gptq (W4A16_ALGOS), on both trained models, served by vLLM (Marlin / Machete / CUTLASS int8 on Hopper)
 step_quality_w4a16() {
   local q=${QCKPT_QUALITY:-$PWD/../shared/quality}
   CUDA_VISIBLE_DEVICES=$GPU QCKPT_VLLM_SITE=${QCKPT_VLLM_SITE:-/tmp/site} "$PY" -m bench.quality \
-    --algorithms max,gptq --algorithms-on int4,mxfp4,int8,nvfp4a16 --model "llama=$q/models/llama-textlm" \
+    --algorithms ${W4A16_ALGOS:-max,gptq} --algorithms-on int4,mxfp4,int8,nvfp4a16,mxfp8 --model "llama=$q/models/llama-textlm" \
     --model "qwen3moe=$q/models/qwen3moe-textlm" --calib "$q/calib.bin" --heldout "$q/heldout.bin" \
     --work "$WORK/quality-w4a16" --vllm-parallel 5 --json "$RES/quality_w4a16.json"
   local rc=$?

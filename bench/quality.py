@@ -88,6 +88,11 @@ VARIANTS: dict[str, tuple[str, tuple[str, str], tuple[str, str, bool]]] = {
         ("mxfp4", "tensor"),
         ("none", "tensor", False),
     ),
+    "compressed-tensors MXFP8, dynamic per-32 inputs": (
+        "compressed-tensors",
+        ("mxfp8", "tensor"),
+        ("mxfp8", "tensor", True),
+    ),
     "compressed-tensors NVFP4A16": (
         "compressed-tensors",
         ("nvfp4", "tensor"),
@@ -133,6 +138,7 @@ ALGORITHM_BASES = {
     "nvfp4a16": "compressed-tensors NVFP4A16",
     "int8": "compressed-tensors INT8 W8A8 per-channel, dynamic per-token inputs",
     "mxfp4": "compressed-tensors MXFP4A16",
+    "mxfp8": "compressed-tensors MXFP8, dynamic per-32 inputs",
 }
 ALGORITHMS: dict[str, dict[str, str]] = {
     "max": {"algorithm": "max"},

@@ -159,8 +159,10 @@ def int8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     xf = _f32(x)
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    s = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # both quotients correctly rounded (in float64, rounded once): the same bits on every device
+    a64 = amax.to(torch.float64)
+    s = (a64 / 127.0).to(torch.float32)
+    inv = torch.where(amax > 0, (127.0 / a64).to(torch.float32), torch.zeros_like(amax))
     return _int8_(xf.mul_(inv)).mul_(s)
 
 

@@ -39,9 +39,9 @@ import torch
 from torch import nn
 
 from qckpt.calib.moe_forward import MOE_FORWARDS, ExpertsObserver, experts_forward
-from qckpt.calib.quantizer import DTYPE_CODE, AmaxStore, TensorQuantizer
+from qckpt.calib.quantizer import DTYPE_CODE, GRANULARITIES, AmaxStore, TensorQuantizer
 from qckpt.errors import CalibrationError, FormatError, SchemeError
-from qckpt.formats.scheme import SCALAR_GRANULARITIES, SCHEMES, Fp8Scheme, Scheme, scheme_of
+from qckpt.formats.scheme import SCHEMES, Fp8Scheme, Scheme, scheme_of
 from qckpt.formats.tensor import is_quantized
 from qckpt.models.naming import expert_slices, ignored, is_fused_experts
 from qckpt.models.schemes import assign_schemes
@@ -204,7 +204,7 @@ def entry_scheme(cfg, kind: str) -> Scheme:  # noqa: ANN001 - a recipe TensorQua
         if cls is None:
             raise
         made = cls(granularity=cfg.granularity, block=tuple(cfg.block_size), dynamic=cfg.dynamic)
-        if made.calib_granularity not in (*SCALAR_GRANULARITIES, "channel", "block"):
+        if made.calib_granularity not in GRANULARITIES:
             # nothing could calibrate it (INT8 per group): refused in one line, exit 2
             raise SchemeError(f"quant: {exc}") from None
         return made

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from qckpt.formats.numerics import exp2_int
-from qckpt.formats.nvfp4 import e2m1_codes, e2m1_round, e2m1_values
+from qckpt.formats.nvfp4 import e2m1_codes, e2m1_round, e2m1_values, pack_e2m1, unpack_e2m1
 
 MX_GROUP = 32
 E2M1_EMAX = 2  # floor(log2(6))
@@ -61,33 +61,22 @@ def mx_round(x: torch.Tensor, e: torch.Tensor, bits: int = 4) -> torch.Tensor:
     return e2m1_round((x / d).clamp_(-6.0, 6.0)) * d
 
 
-def mxfp4_quantize(
-    w: torch.Tensor, e: torch.Tensor | None = None
+def mx_quantize(
+    w: torch.Tensor, bits: int, e: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed uint8 codes ``[rows, cols / 2]``, biased E8M0 scales uint8 ``[rows, cols / 32]``)
-    of a 2-D weight whose columns 32 divide; ``e``: given unbiased exponents (GPTQ's), else
-    by the rule of the module doc."""
+    """(codes, biased E8M0 scales uint8 ``[rows, cols / 32]``) of a 2-D weight whose columns
+    32 divide: for ``bits`` 4 E2M1 codes packed two a byte ``[rows, cols / 2]``, for 8 E4M3
+    codes ``[rows, cols]``; ``e``: given unbiased exponents (GPTQ's), else by the rule of the
+    module doc."""
     rows, cols = w.shape
     x = w.detach().to(torch.float32).reshape(rows, cols // MX_GROUP, MX_GROUP)
     if e is None:
-        e = mx_exponents(x.abs().amax(dim=-1))
-    d = mx_divisor(e).unsqueeze(-1)
-    codes = e2m1_codes((x / d).clamp_(-6.0, 6.0)).reshape(rows, cols)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed, (e + E8M0_BIAS).to(torch.uint8)
-
-
-def mxfp8_quantize(
-    w: torch.Tensor, e: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 codes ``[rows, cols]``, biased E8M0 scales uint8 ``[rows, cols / 32]``) of a 2-D
-    weight whose columns 32 divide; ``e`` as :func:`mxfp4_quantize`'s."""
-    rows, cols = w.shape
-    x = w.detach().to(torch.float32).reshape(rows, cols // MX_GROUP, MX_GROUP)
-    if e is None:
-        e = mx_exponents(x.abs().amax(dim=-1), E4M3_EMAX)
-    d = mx_divisor(e).unsqueeze(-1)
-    codes = (x / d).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).reshape(rows, cols)
+        e = mx_exponents(x.abs().amax(dim=-1), MX_EMAX[bits])
+    y = x / mx_divisor(e).unsqueeze(-1)
+    if bits == 8:
+        codes = y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).reshape(rows, cols)
+    else:
+        codes = pack_e2m1(e2m1_codes(y.clamp_(-6.0, 6.0)).reshape(rows, cols))
     return codes, (e + E8M0_BIAS).to(torch.uint8)
 
 
@@ -102,6 +91,6 @@ def mxfp8_input(x: torch.Tensor) -> torch.Tensor:
 
 def mxfp4_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 values of packed codes under their stored E8M0 scales (one per 32 columns)."""
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    codes = unpack_e2m1(packed)
     s = mx_scale_values(scale).repeat_interleave(MX_GROUP, dim=-1)[:, : codes.shape[1]]
     return e2m1_values(codes) * s

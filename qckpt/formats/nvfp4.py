@@ -83,6 +83,16 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     return m | (torch.signbit(y).to(torch.uint8) << 3)
 
 
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[rows, 2k]`` -> bytes ``[rows, k]``, the even column in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_e2m1`'s bytes ``[rows, k]`` -> uint8 codes ``[rows, 2k]``."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes (0..15) -> float32 values."""
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
@@ -170,7 +180,7 @@ def _nvfp4_compute(
     # quotient (div_f32) is IEEE in Triton whatever inductor's division option does.
     rec = div_f32(inv_gs, sb32.to(torch.float64))
     codes = e2m1_codes((blocks * rec.unsqueeze(-1)).clamp_(-E2M1_MAX, E2M1_MAX)).reshape(r, -1)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    packed = pack_e2m1(codes)
     m = amax.amax() if amax.numel() else amax.new_zeros(())
     return packed[:, : -(-k // 2)], sb, m
 

@@ -78,9 +78,8 @@ class Scheme:
     # bits of one code as an export stores it; integer codes packed into int32 words
     code_bits: ClassVar[int] = 8
     # integer codes ``clamp(round(x / scale), *code_range)`` (scales amax / qmax in the
-    # export's dtype), stored as int8 or, with ``packed_int``, packed into int32 words
+    # export's dtype); how a layout stores them (int8, or packed into int32 words) is its own
     integer: ClassVar[bool] = False
-    packed_int: ClassVar[bool] = False
     # E2M1 codes two a byte under one E8M0 (power of two) scale per ``group``, no global scale
     # (MXFP4: :mod:`qckpt.formats.mx_codes`)
     mx: ClassVar[bool] = False
@@ -241,7 +240,6 @@ class Int4Scheme(Scheme):
     qmax: ClassVar[float] = INT4_QMAX
     code_bits: ClassVar[int] = 4
     integer: ClassVar[bool] = True
-    packed_int: ClassVar[bool] = True
     code_range: ClassVar[tuple[int, int]] = INT4_RANGE
 
     def __post_init__(self) -> None:

@@ -181,6 +181,9 @@ CT_MIXED_FORMAT = "mixed-precision"
 
 class CompressedTensorsLayout(ExportLayout):
     name = "compressed-tensors"
+    # the codes' type in the config's quantization args, and the group's format
+    code_type = "float"
+    ct_format = CT_FP8_FORMAT
 
     def __init__(
         self, quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
@@ -266,7 +269,7 @@ class CompressedTensorsLayout(ExportLayout):
     def _args(self) -> tuple[dict, dict]:
         base = {
             "num_bits": 8,
-            "type": "float",
+            "type": self.code_type,
             "symmetric": True,
             "group_size": None,
             "block_structure": None,
@@ -292,7 +295,7 @@ class CompressedTensorsLayout(ExportLayout):
             "weights": weights,
             "input_activations": inputs,
             "output_activations": None,
-            "format": CT_FP8_FORMAT,
+            "format": self.ct_format,
         }
 
     def quantization_config(self, ignored: list[str]) -> dict:
@@ -324,7 +327,7 @@ class CompressedTensorsLayout(ExportLayout):
         return {
             "format": "pt",
             "qckpt_layout": "compressed-tensors",
-            "quant_format": CT_FP8_FORMAT,
+            "quant_format": self.ct_format,
         }
 
 

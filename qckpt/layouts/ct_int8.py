@@ -25,7 +25,10 @@ from qckpt.recipe import QuantConfig
 
 
 class CompressedTensorsInt8Layout(CompressedTensorsLayout):
-    """compressed-tensors ``int-quantized`` (see the module doc)."""
+    """compressed-tensors ``int-quantized`` (see the module doc): the FP8 layout's config args
+    with integer codes."""
+
+    code_type, ct_format = "int", CT_INT_FORMAT
 
     def __init__(
         self, quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
@@ -68,29 +71,6 @@ class CompressedTensorsInt8Layout(CompressedTensorsLayout):
 
     def stacks(self) -> bool:
         return False
-
-    def _args(self) -> tuple[dict, dict]:
-        base = {
-            "num_bits": 8,
-            "type": "int",
-            "symmetric": True,
-            "group_size": None,
-            "block_structure": None,
-        }
-        weights = {**base, "strategy": self.ws.granularity, "dynamic": False}
-        if self.ins.dynamic:
-            inputs = {**base, "strategy": "token", "dynamic": True}
-        else:
-            inputs = {**base, "strategy": "tensor", "dynamic": False}
-        return weights, inputs
-
-    def config_group(self, targets: list[str]) -> dict:
-        group = super().config_group(targets)
-        group["format"] = CT_INT_FORMAT
-        return group
-
-    def shard_metadata(self) -> dict[str, str]:
-        return {**super().shard_metadata(), "quant_format": CT_INT_FORMAT}
 
 
 def int8_layout(

@@ -19,9 +19,8 @@ from qckpt.errors import ExportError, SchemeError
 from qckpt.formats.mx_codes import (
     E8M0_BIAS,
     MX_GROUP,
+    mx_quantize,
     mx_scale_values,
-    mxfp4_quantize,
-    mxfp8_quantize,
 )
 from qckpt.formats.scheme import scheme_of
 from qckpt.layouts.compressed_tensors import CompressedTensorsLayout
@@ -92,12 +91,9 @@ class CompressedTensorsMxfp4Layout(CompressedTensorsLayout):
             if tuple(given.shape) != want:
                 raise ExportError(f"{module}: GPTQ MX scales {list(given.shape)}, not {want}")
             e = given.to(device=w.device, dtype=torch.int32) - E8M0_BIAS
-        codes, scale = self._quantize(w, e)
+        codes, scale = mx_quantize(w, self.ws.code_bits, e)
         yield f"{module}.{self.codes_leaf}", codes
         yield f"{module}.{WEIGHT_SCALE}", scale
-
-    def _quantize(self, w: torch.Tensor, e: torch.Tensor | None):
-        return mxfp4_quantize(w, e)
 
     def _weight_args(self) -> dict:
         return {
@@ -140,6 +136,3 @@ class CompressedTensorsMxfp8Layout(CompressedTensorsMxfp4Layout):
                 "export.format compressed-tensors writes mxfp8 weights with mxfp8 inputs or "
                 f"none; got inputs {self.quant.inputs.format}"
             )
-
-    def _quantize(self, w: torch.Tensor, e: torch.Tensor | None):
-        return mxfp8_quantize(w, e)

@@ -38,9 +38,9 @@ CHUNK_ELEMS = 1 << 22
 
 def _e2m1(packed: torch.Tensor, c0: int, c1: int, col_base: int) -> torch.Tensor:
     """float32 values of logical columns [c0, c1) from packed bytes starting at column col_base."""
-    from qckpt.formats.nvfp4 import e2m1_values
+    from qckpt.formats.nvfp4 import e2m1_values, unpack_e2m1
 
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    codes = unpack_e2m1(packed)
     return e2m1_values(codes[:, c0 - col_base : c1 - col_base])
 
 

@@ -8,73 +8,27 @@ transformers loading it is ``tests/e2e/test_pipeline.py``'s ``tiny-dense-w4a16``
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from safetensors import safe_open
 
 from qckpt import check_export
 from tests._inproc import run_main
+from tests.e2e.tiny_exports import export_once, tensors_of, tiny_recipe, tiny_root
 
 GROUP = 32  # the tiny model's input dims are 64 and 128
 
 
-def tiny_recipe(root: Path, name: str, weights: dict, inputs: dict, **over) -> Path:
-    run = root / name
-    recipe = {
-        "model": {"source": "tiny-dense", "dtype": "bfloat16", "seed": 0},
-        "checkpoint": {"path": str(root / "dcp")},
-        "quant": {"weights": weights, "inputs": inputs, "ignore": ["lm_head"]},
-        "calibrate": {
-            "data": {"source": "synthetic", "num_samples": 8, "seq_len": 32, "batch_size": 4},
-            "output": str(run / "calib.safetensors"),
-            **over.get("calibrate", {}),
-        },
-        "export": {
-            "format": "compressed-tensors",
-            "output": str(run / "out"),
-            **over.get("export", {}),
-        },
-    }
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("int4")
-    rec = tiny_recipe(root, "base", {"format": "fp8"}, {"format": "fp8"})
-    assert run_main("convert", str(rec), str(root / "dcp")).returncode == 0
-    r = run_main("convert", str(root / "dcp"), str(root / "hf"), "--to", "hf")
-    assert r.returncode == 0, r.stderr
-    return root
-
-
-def _export(root: Path, name: str, weights: dict, inputs: dict) -> Path:
-    rec = tiny_recipe(root, name, weights, inputs)
-    out = root / name / "out"
-    if not out.exists():
-        for cmd in ("calibrate", "export"):
-            r = run_main(cmd, str(rec))
-            assert r.returncode == 0, r.stderr[-2000:]
-    return out
+    return tiny_root(tmp_path_factory.mktemp("int4"))
 
 
 @pytest.fixture(scope="module")
 def w4a16(root):
     w = {"format": "int4", "granularity": "group", "block_size": [GROUP]}
-    return _export(root, "w4a16", w, {"format": "none"})
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in d.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as sf:
-            out.update({k: sf.get_tensor(k) for k in sf.keys()})  # noqa: SIM118
-    return out
+    return export_once(root, "w4a16", w, {"format": "none"})
 
 
 def test_w4a16_export_is_what_compressed_tensors_computes(root, w4a16):
@@ -89,7 +43,7 @@ def test_w4a16_export_is_what_compressed_tensors_computes(root, w4a16):
     args = QuantizationArgs(
         num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP
     )
-    t, src = _tensors(w4a16), _tensors(root / "hf")
+    t, src = tensors_of(w4a16), tensors_of(root / "hf")
     cfg = json.loads((w4a16 / "config.json").read_text())["quantization_config"]
     group = cfg["config_groups"]["group_0"]
     assert cfg["format"] == group["format"] == "pack-quantized"
@@ -100,7 +54,7 @@ def test_w4a16_export_is_what_compressed_tensors_computes(root, w4a16):
     # read back as a source: `qckpt convert` dequantizes it into a BF16 HF dir
     r = run_main("convert", str(w4a16), str(root / "back"), "--to", "hf")
     assert r.returncode == 0 and "14 of 21 tensors dequantized from compressed-tensors" in r.stdout
-    back = _tensors(root / "back")
+    back = tensors_of(root / "back")
     modules = sorted(k[: -len(".weight_packed")] for k in t if k.endswith(".weight_packed"))
     assert len(modules) == 14  # 2 layers x (q, k, v, o, gate, up, down); lm_head ignored
     for m in modules:
@@ -131,15 +85,15 @@ def test_w4a16_passes_check_and_evaluates_weight_only(root, w4a16):
     rep = evaluate_export(w4a16, root / "hf", data, opts)
     assert rep["scheme"]["input_quantization"] == {"unquantized": 14}
     assert rep["emulated"]["linears"] == 14
-    fp8 = _export(root, "fp8", {"format": "fp8"}, {"format": "fp8"})
+    fp8 = export_once(root, "fp8", {"format": "fp8"}, {"format": "fp8"})
     rep8 = evaluate_export(fp8, root / "hf", data, opts)
     # 4-bit weights move the outputs more than 8-bit ones, and not beyond recognition
     assert rep8["kl_mean"] < rep["kl_mean"] < 0.05, (rep8["kl_mean"], rep["kl_mean"])
 
 
 def test_nvfp4a16_writes_no_input_scales(root):
-    out = _export(root, "nvfp4a16", {"format": "nvfp4"}, {"format": "none"})
-    t = _tensors(out)
+    out = export_once(root, "nvfp4a16", {"format": "nvfp4"}, {"format": "none"})
+    t = tensors_of(out)
     group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert group["group_0"]["input_activations"] is None
     assert group["group_0"]["format"] == "nvfp4-pack-quantized"
@@ -231,9 +185,9 @@ def test_gptq_w4a16_writes_the_codes_and_group_scales_gptq_chose(root):
     for cmd in ("calibrate", "export"):
         r = run_main(cmd, str(rec))
         assert r.returncode == 0, r.stderr[-2000:]
-    t = _tensors(root / "gptq" / "out")
-    side = _tensors(root / "gptq" / "calib.safetensors.gptq")
-    rtn = _tensors(_export(root, "w4a16", w, {"format": "none"}))
+    t = tensors_of(root / "gptq" / "out")
+    side = tensors_of(root / "gptq" / "calib.safetensors.gptq")
+    rtn = tensors_of(export_once(root, "w4a16", w, {"format": "none"}))
     moved = 0
     for k in (k for k in t if k.endswith(".weight_packed")):
         m = k[: -len(".weight_packed")]

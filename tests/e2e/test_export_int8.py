@@ -9,15 +9,13 @@ loading one is ``tests/e2e/test_pipeline.py``'s ``tiny-dense-w8a8`` recipe."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from qckpt import EvalOptions, check_export, evaluate_export
 from tests._inproc import run_main
-from tests.e2e.test_export_int4 import tiny_recipe
+from tests.e2e.tiny_exports import export_once, modules_with, tensors_of, tiny_recipe, tiny_root
 
 CHANNEL = {"format": "int8", "granularity": "channel"}
 TOKEN = {"format": "int8", "dynamic": True}
@@ -25,37 +23,7 @@ TOKEN = {"format": "int8", "dynamic": True}
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("int8")
-    rec = tiny_recipe(root, "base", {"format": "fp8"}, {"format": "fp8"})
-    assert run_main("convert", str(rec), str(root / "dcp")).returncode == 0
-    r = run_main("convert", str(root / "dcp"), str(root / "hf"), "--to", "hf")
-    assert r.returncode == 0, r.stderr
-    g = torch.Generator().manual_seed(5)
-    (root / "heldout.bin").write_bytes(bytes(torch.randint(0, 256, (8192,), generator=g).tolist()))
-    return root
-
-
-def _export(root: Path, name: str, weights: dict, inputs: dict, **over) -> Path:
-    rec = tiny_recipe(root, name, weights, inputs, **over)
-    out = root / name / "out"
-    if not out.exists():
-        for cmd in ("calibrate", "export"):
-            r = run_main(cmd, str(rec))
-            assert r.returncode == 0, r.stderr[-2000:]
-    return out
-
-
-def tensors_of(d: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a dir's safetensors files, or of one file (the GPTQ sidecar)."""
-    out = {}
-    for f in [d] if d.is_file() else sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            out.update({k: sf.get_tensor(k) for k in sf.keys()})  # noqa: SIM118
-    return out
-
-
-def modules_with(t: dict, leaf: str) -> list[str]:
-    return sorted(k[: -len(leaf) - 1] for k, v in t.items() if k.endswith("." + leaf))
+    return tiny_root(tmp_path_factory.mktemp("int8"), heldout_seed=5)
 
 
 def test_w8a8_is_what_compressed_tensors_computes(root):
@@ -66,7 +34,7 @@ def test_w8a8_is_what_compressed_tensors_computes(root):
     from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    out = _export(root, "w8a8", CHANNEL, TOKEN)
+    out = export_once(root, "w8a8", CHANNEL, TOKEN)
     args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     group = cfg["config_groups"]["group_0"]
@@ -99,7 +67,7 @@ def test_w8a8_is_what_compressed_tensors_computes(root):
 
 
 def test_w8a8_checks_and_evaluates_with_int8_inputs(root):
-    out = _export(root, "w8a8", CHANNEL, TOKEN)
+    out = export_once(root, "w8a8", CHANNEL, TOKEN)
     res = check_export(out)
     assert res.ok and "INT8 channel/dynamic" in res.summary(), res.problems
     opts = EvalOptions(windows=4, seq_len=64)
@@ -121,7 +89,7 @@ def test_static_int8_inputs_store_the_calibrated_scale(root):
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    out = _export(root, "w8a8-static", {"format": "int8", "granularity": "tensor"}, {
+    out = export_once(root, "w8a8-static", {"format": "int8", "granularity": "tensor"}, {
         "format": "int8", "dynamic": False})  # fmt: skip
     t = tensors_of(out)
     amax = tensors_of(root / "w8a8-static")
@@ -146,7 +114,7 @@ def test_w8a16_is_pack_quantized_8_bit(root):
     ``pack_to_int32`` of its own quantize, read back and checked as such."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    out = _export(root, "w8a16", CHANNEL, {"format": "none"})
+    out = export_once(root, "w8a16", CHANNEL, {"format": "none"})
     group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     g0 = group["group_0"]
     assert g0["format"] == "pack-quantized" and g0["weights"]["num_bits"] == 8
@@ -166,10 +134,10 @@ def test_w8a16_is_pack_quantized_8_bit(root):
 
 
 def test_gptq_w8a8_writes_the_weights_gptq_chose(root):
-    out = _export(root, "gptq8", CHANNEL, TOKEN, calibrate={"algorithm": "gptq"})
+    out = export_once(root, "gptq8", CHANNEL, TOKEN, calibrate={"algorithm": "gptq"})
     t = tensors_of(out)
     side = tensors_of(root / "gptq8" / "calib.safetensors.gptq")
-    rtn = tensors_of(_export(root, "w8a8", CHANNEL, TOKEN))
+    rtn = tensors_of(export_once(root, "w8a8", CHANNEL, TOKEN))
     moved = 0
     for m in modules_with(t, "weight_scale"):
         value = t[f"{m}.weight"].float() * t[f"{m}.weight_scale"].float()

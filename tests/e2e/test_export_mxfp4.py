@@ -13,8 +13,7 @@ import torch
 
 from qckpt import EvalOptions, check_export, evaluate_export
 from tests._inproc import run_main
-from tests.e2e.test_export_int4 import tiny_recipe
-from tests.e2e.test_export_int8 import modules_with, tensors_of
+from tests.e2e.tiny_exports import export_once, modules_with, tensors_of, tiny_recipe, tiny_root
 
 MX = {"format": "mxfp4"}
 NONE = {"format": "none"}
@@ -22,24 +21,11 @@ NONE = {"format": "none"}
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mxfp4")
-    rec = tiny_recipe(root, "base", {"format": "fp8"}, {"format": "fp8"})
-    assert run_main("convert", str(rec), str(root / "dcp")).returncode == 0
-    r = run_main("convert", str(root / "dcp"), str(root / "hf"), "--to", "hf")
-    assert r.returncode == 0, r.stderr
-    g = torch.Generator().manual_seed(9)
-    (root / "heldout.bin").write_bytes(bytes(torch.randint(0, 256, (8192,), generator=g).tolist()))
-    return root
+    return tiny_root(tmp_path_factory.mktemp("mxfp4"), heldout_seed=9)
 
 
 def _export(root: Path, name: str, **over) -> Path:
-    rec = tiny_recipe(root, name, MX, NONE, **over)
-    out = root / name / "out"
-    if not out.exists():
-        for cmd in ("calibrate", "export"):
-            r = run_main(cmd, str(rec))
-            assert r.returncode == 0, r.stderr[-2000:]
-    return out
+    return export_once(root, name, MX, NONE, **over)
 
 
 def test_mxfp4_export_is_what_compressed_tensors_computes(root):

@@ -22,15 +22,15 @@ def _weight(rows: int = 2048, cols: int = 4096, seed: int = 0) -> torch.Tensor:
 
 
 def test_mx_codes_on_cuda_are_the_cpus():
-    from qckpt.formats.mx_codes import mxfp4_quantize, mxfp4_values, mxfp8_input, mxfp8_quantize
+    from qckpt.formats.mx_codes import mx_quantize, mxfp4_values, mxfp8_input
 
     w = _weight()
-    p_cpu, s_cpu = mxfp4_quantize(w)
-    p_gpu, s_gpu = mxfp4_quantize(w.cuda())
+    p_cpu, s_cpu = mx_quantize(w, 4)
+    p_gpu, s_gpu = mx_quantize(w.cuda(), 4)
     assert torch.equal(p_cpu, p_gpu.cpu()) and torch.equal(s_cpu, s_gpu.cpu())
     assert torch.equal(mxfp4_values(p_cpu, s_cpu), mxfp4_values(p_gpu, s_gpu).cpu())
-    c_cpu, s_cpu = mxfp8_quantize(w)
-    c_gpu, s_gpu = mxfp8_quantize(w.cuda())
+    c_cpu, s_cpu = mx_quantize(w, 8)
+    c_gpu, s_gpu = mx_quantize(w.cuda(), 8)
     assert torch.equal(c_cpu.view(torch.uint8), c_gpu.cpu().view(torch.uint8))
     assert torch.equal(s_cpu, s_gpu.cpu())
     assert torch.equal(mxfp8_input(w * 50), mxfp8_input((w * 50).cuda()).cpu())
@@ -76,7 +76,7 @@ def test_int8_input_quantization_on_cuda_is_the_cpus(mode):
 ])  # fmt: skip
 def test_gpu_export_equals_cpu_export(tmp_path: Path, name, weights, inputs):
     from tests._inproc import run_main
-    from tests.e2e.test_export_int4 import tiny_recipe
+    from tests.e2e.tiny_exports import tiny_recipe
 
     base = tiny_recipe(tmp_path, "base", {"format": "fp8"}, {"format": "fp8"})
     assert run_main("convert", str(base), str(tmp_path / "dcp")).returncode == 0

@@ -222,10 +222,10 @@ def test_mxfp4_export_codes_match_torchao_even(dtype: torch.dtype, name: str) ->
     """qckpt.formats.mx_codes (what the MXFP4 export writes) is torchao's ``to_mx`` with
     ``ScaleCalculationMode.EVEN`` bit for bit: the E8M0 scales and the packed E2M1 codes,
     edge cases included (zeros, tiny and huge blocks); its values are torchao's ``to_dtype``."""
-    from qckpt.formats.mx_codes import mxfp4_quantize, mxfp4_values
+    from qckpt.formats.mx_codes import mx_quantize, mxfp4_values
 
     x = _inputs(dtype)[name].reshape(-1, 256)
-    packed, scale = mxfp4_quantize(x)
+    packed, scale = mx_quantize(x, 4)
     ref_s, ref_d = mx.to_mx(
         x.contiguous(), torch.float4_e2m1fn_x2, 32, scaling_mode=mx.ScaleCalculationMode.EVEN
     )

@@ -51,7 +51,7 @@ start() {
   gpus=$(nvidia-smi -L | wc -l)
   [ "$gpus" -ge 2 ] && where="QCKPT_ROUND_GPU=1 CUDA_VISIBLE_DEVICES=1"
   env="cd $REPO && export PYTHONPATH=$REPO QCKPT_QUALITY=$Q QCKPT_VLLM_SITE=/tmp/site \
-    QCKPT_CKPT48=${QCKPT_CKPT48:-/dev/shm/qwen3-30b-a3b} GPTQ_OUT=${GPTQ_OUT:-} PYTHONUNBUFFERED=1"
+    QCKPT_CKPT48=${QCKPT_CKPT48:-/dev/shm/qwen3-30b-a3b} GPTQ_OUT=${GPTQ_OUT:-} PYTHONUNBUFFERED=1 QCKPT_VLLM_LOCK=/tmp/qckpt-vllm.lock"
   tests="python3 -m pytest tests/gpu -q -rs --durations=25 -p no:cacheprovider \
     --junitxml=$S/gpu-junit.xml >$S/gpu.log 2>&1; echo \$? >$S/gpu.rc"
   # TESTS_AFTER=FILE: the tests wait (up to 600 s) for a chain to make it, e.g. the 48-layer

@@ -34,9 +34,12 @@ and the command; a run on another machine adds its own table, it never replaces 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import fcntl
 import json
 import math
+import os
 import platform
 import re
 import subprocess
@@ -45,7 +48,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 QUALITY = ROOT.parent / "shared" / "quality"
@@ -355,8 +358,26 @@ def vllm_runs(dirs: dict[str, Path], win: Any, k: int, parallel: int) -> dict[st
             return name, "fails: " + failure_line(r.stderr or r.stdout)
         return name, torch.load(out, weights_only=True)
 
-    with ThreadPoolExecutor(parallel) as pool:
+    with vllm_lock(), ThreadPoolExecutor(parallel) as pool:
         return dict(pool.map(one, dirs.items()))
+
+
+@contextlib.contextmanager
+def vllm_lock() -> Iterator[None]:
+    """Held while this process's vLLM engines run, where ``QCKPT_VLLM_LOCK`` names a file: the
+    GPU round runs ``tests/gpu`` beside the bench on one GPU, and engines that start while
+    another process's engines hold most of the memory fail their memory profile
+    (tests/gpu/vllm/conftest.py takes the same lock)."""
+    path = os.environ.get("QCKPT_VLLM_LOCK")
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def inputs_alone(name: str, d: Path, model: Path, heldout: Path, opts: Any, cache: dict) -> Any:

@@ -5,8 +5,10 @@
   quantized here with ``qckpt.formats`` (``fp8_block``, the same per-tile rule as DeepSeek's
   ``act_quant``); any block size, partial edge blocks included.
 * ``compressed_tensors``: written by compressed-tensors' own compressors (FP8 per-channel and
-  per-block ``float-quantized``, ``nvfp4-pack-quantized``), scales computed here as
-  llm-compressor's observers would (amax / qmax; NVFP4: global 448*6/amax, E4M3 per 16).
+  per-block ``float-quantized``, ``nvfp4-pack-quantized``; INT4 group ``pack-quantized``, INT8
+  channel ``int-quantized``, ``mxfp4-pack-quantized``), scales computed here as
+  llm-compressor's observers would (amax / qmax; NVFP4: global 448*6/amax, E4M3 per 16; the
+  integer and MX kinds by compressed-tensors' ``calculate_qparams``).
 * qckpt's own exports (compressed-tensors per-tensor FP8, ModelOpt FP8 and NVFP4) come from
   ``tests.export_fixtures.run_export``.
 
@@ -91,8 +93,28 @@ def _amax_blocks(w: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
     return wp.reshape(rb, b0, cb, b1).amax((1, 3))
 
 
+# integer and MX kinds as llm-compressor writes them: INT4 W4A16 group 32 (its GPTQ / AWQ
+# output, pack-quantized), INT8 W8A8 per channel with dynamic per-token inputs (int-quantized),
+# MXFP4A16 (mxfp4-pack-quantized); the group is 32 since the tiny dims are 64 and 128
+INT_MX = {
+    "int4": ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}, None),
+    "int8": (
+        {"num_bits": 8, "type": "int", "strategy": "channel"},
+        {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True},
+    ),
+    "mxfp4": (
+        {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+         "scale_dtype": torch.uint8, "zp_dtype": torch.uint8},
+        None,
+    ),
+}  # fmt: skip
+INT_MX_FORMAT = {"int4": "pack-quantized", "int8": "int-quantized", "mxfp4": "mxfp4-pack-quantized"}
+
+
 def ct_args(kind: str, block: tuple[int, int]) -> dict:
     base = {"symmetric": True, "dynamic": False, "group_size": None, "block_structure": None}
+    if kind in INT_MX:
+        return {**base, **INT_MX[kind][0]}
     if kind == "nvfp4":
         return {
             **base,
@@ -112,6 +134,8 @@ def _ct_module(w: torch.Tensor, kind: str, block: tuple[int, int], scheme) -> di
     from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
 
+    if kind in INT_MX:
+        return _ct_int_mx(w, kind, scheme)
     if kind == "nvfp4":
         amax = w.float().abs().amax().clamp_min(1e-12)
         gs = (FP8_MAX * 6.0 / amax).reshape(1)
@@ -126,20 +150,52 @@ def _ct_module(w: torch.Tensor, kind: str, block: tuple[int, int], scheme) -> di
     return dict(FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme))
 
 
-def compressed_tensors(
-    src: Path, out: Path, kind: str = "channel", block: tuple[int, int] = (32, 32)
-) -> Path:
-    """A compressed-tensors dir (``kind``: channel | block | nvfp4), written by its compressors."""
+def _ct_int_mx(w: torch.Tensor, kind: str, scheme) -> dict:
+    """An INT4 / INT8 / MXFP4 linear: qparams by compressed-tensors' ``calculate_qparams`` from
+    each group's (row's) min and max, as its observers give them, then its compressor."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    rows, cols = w.shape
+    g = scheme.weights.group_size or cols
+    groups = w.reshape(rows, cols // g, g)
+    scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    sd = {"weight": w, "weight_scale": scale}
+    if kind == "mxfp4":
+        return dict(MXFP4PackedCompressor.compress(sd, scheme))
+    sd["weight_zero_point"] = zp
+    comp = PackedQuantizationCompressor if kind == "int4" else IntQuantizationCompressor
+    return dict(comp.compress(sd, scheme))
+
+
+def _ct_scheme(kind: str, wargs: dict):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    wargs = ct_args(kind, block)
-    scheme = QuantizationScheme(
+    if kind in INT_MX:
+        inputs = INT_MX[kind][1]
+        return QuantizationScheme(
+            targets=["Linear"],
+            weights=QuantizationArgs(**wargs),
+            input_activations=QuantizationArgs(**inputs) if inputs else None,
+        )
+    return QuantizationScheme(
         targets=["Linear"],
         weights=QuantizationArgs(**wargs),
         input_activations=QuantizationArgs(
             num_bits=wargs["num_bits"], type="float", strategy="token", dynamic=True
         ),
     )
+
+
+def compressed_tensors(
+    src: Path, out: Path, kind: str = "channel", block: tuple[int, int] = (32, 32)
+) -> Path:
+    """A compressed-tensors dir (``kind``: channel | block | nvfp4 | int4 | int8 | mxfp4), written
+    by its compressors."""
+    wargs = ct_args(kind, block)
+    scheme = _ct_scheme(kind, wargs)
     tensors: dict[str, torch.Tensor] = {}
     for k, t in _tensors(src).items():
         if not QUANTIZED.search(k):
@@ -148,8 +204,11 @@ def compressed_tensors(
         mod = k[: -len(".weight")]
         for leaf, v in _ct_module(t, kind, block, scheme).items():
             tensors[f"{mod}.{leaf}"] = v
-    fmt = "nvfp4-pack-quantized" if kind == "nvfp4" else "float-quantized"
+    fmt = "nvfp4-pack-quantized" if kind == "nvfp4" else INT_MX_FORMAT.get(kind, "float-quantized")
     inputs = {"num_bits": wargs["num_bits"], "type": "float", "strategy": "token", "dynamic": True}
+    if kind in INT_MX:  # the config as compressed-tensors serializes its own args
+        inputs = INT_MX[kind][1] and scheme.input_activations.model_dump(mode="json")
+        wargs = scheme.weights.model_dump(mode="json")
     qc = {
         "quant_method": "compressed-tensors",
         "format": fmt,

@@ -41,7 +41,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
     out = {"bf16": src}
     out["fp8-blockwise-32x32"] = fx.blockwise_fp8(src, root / "bw32", (32, 32))
     out["fp8-blockwise-24x40"] = fx.blockwise_fp8(src, root / "bw24x40", (24, 40))
-    for kind in ("channel", "block", "nvfp4"):
+    for kind in ("channel", "block", "nvfp4", *fx.INT_MX):
         out[f"ct-{kind}"] = fx.compressed_tensors(src, root / f"ct-{kind}", kind)
     model = build_model("tiny-moe", dtype="bfloat16", seed=0)
     for name, fmt, q in (
@@ -62,6 +62,10 @@ LAYOUTS = {
     "ct-channel": ("compressed-tensors", "fp8 channel"),
     "ct-block": ("compressed-tensors", "fp8 block [32, 32]"),
     "ct-nvfp4": ("compressed-tensors", "nvfp4 e4m3 per 16 + global 1/scale"),
+    # llm-compressor's W4A16 (GPTQ / AWQ), W8A8 and MXFP4A16 outputs
+    "ct-int4": ("compressed-tensors", "int4 group"),
+    "ct-int8": ("compressed-tensors", "int8 channel"),
+    "ct-mxfp4": ("compressed-tensors", "mxfp4 e8m0 per 32"),
     "ours-ct-tensor": ("compressed-tensors", "fp8 tensor"),
     "ours-modelopt-fp8": ("modelopt", "FP8"),
     "ours-modelopt-nvfp4": ("modelopt", "NVFP4"),
@@ -90,10 +94,19 @@ def _ct_reference(d: Path, kind: str) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
     scheme = QuantizationScheme(
         targets=["Linear"], weights=QuantizationArgs(**fx.ct_args(kind, (32, 32)))
     )
-    comp = NVFP4PackedCompressor if kind == "nvfp4" else FloatQuantizationCompressor
+    comp = {
+        "nvfp4": NVFP4PackedCompressor,
+        "int4": PackedQuantizationCompressor,
+        "int8": IntQuantizationCompressor,
+        "mxfp4": MXFP4PackedCompressor,
+    }.get(kind, FloatQuantizationCompressor)
     t = stored(d)
     out = {}
     for k in t:
@@ -161,7 +174,8 @@ def test_load_equals_independent_dequantization_bit_for_bit(dirs, name):
         assert same_bits(v, want), k
         if k in ref:  # a dequantized weight, not codes read as values
             err = (v.float() - bf16[k].float()).norm() / bf16[k].float().norm()
-            assert err < (0.2 if "nvfp4" in name else 0.06), (k, float(err))
+            four_bit = any(f in name for f in ("nvfp4", "int4", "mxfp4"))
+            assert err < (0.2 if four_bit else 0.06), (k, float(err))
 
 
 def _fields(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -320,7 +334,9 @@ def test_dcp_holding_fp8_codes_is_refused(dirs, tmp_path):
         open_reader(tmp_path / "dcp")
 
 
-@pytest.mark.parametrize("name", ["ct-block", "ct-nvfp4", "fp8-blockwise-24x40"])
+@pytest.mark.parametrize(
+    "name", ["ct-block", "ct-nvfp4", "ct-int4", "ct-int8", "ct-mxfp4", "fp8-blockwise-24x40"]
+)
 def test_dequantized_dir_equals_independent_dequantization(dirs, tmp_path, name):
     from qckpt.convert.dequantize import dequantize_dir
 
@@ -398,3 +414,43 @@ def test_dense_compressed_tensors_dir_reads_its_bf16_weights_and_hides_the_scale
     load_checkpoint(model, d)
     got = loaded_hf(model)
     assert all(same_bits(got[k], bf16[k]) for k in bf16)
+
+
+@pytest.mark.parametrize("name", ["ct-int4", "ct-int8", "ct-mxfp4"])
+def test_export_from_an_integer_or_mx_release_is_the_export_of_its_dequantized_dir(
+    dirs, tmp_path, name
+):
+    """An INT4 GPTQ / INT8 / MXFP4 compressed-tensors release re-exported to FP8: the export
+    streams its codes, dequantizes them in float32 (``code * scale``, exact there: no BF16
+    rounding on the way) and writes what the export of the float32 dequantized dir writes,
+    byte for byte (the same calibration); the tensors left unquantized keep their values."""
+    from qckpt.convert.dequantize import dequantize_dir
+
+    src = dirs[name]
+    plain = tmp_path / "hf"
+    plain.mkdir()
+    dequantize_dir(src, plain, dtype=torch.float32)
+    # a BF16 model whose quantized linears hold the float32 values: the scales follow the
+    # model's dtype, as they do for the release
+    ref, path = reference(name, src), next(plain.glob("*.safetensors"))
+    t = {k: (v if k in ref else v.to(torch.bfloat16)) for k, v in stored(plain).items()}
+    save_file(t, str(path), metadata={"format": "pt"})
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg.update({k: "bfloat16" for k in ("dtype", "torch_dtype") if k in cfg})
+    (plain / "config.json").write_text(json.dumps(cfg))
+    q = quant_config("channel", "dynamic")
+    q.ignore = list(IGNORE)
+    model = build_model("tiny-moe", dtype="bfloat16", seed=5)
+    load_checkpoint(model, src)
+    cal = make_calibration(model, q)
+    run_export(model, src, cal, tmp_path / "from-release", q, source_dir=src)
+    run_export(model, plain, cal, tmp_path / "from-f32", q, source_dir=plain)
+    a, b = stored(tmp_path / "from-release"), stored(tmp_path / "from-f32")
+    assert set(a) == set(b)
+    codes = [k for k in a if a[k].dtype == torch.float8_e4m3fn]
+    assert len(codes) == 56
+    for k in a:
+        if k in codes or k.endswith("weight_scale"):
+            assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+        else:
+            assert a[k].dtype == b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]), k

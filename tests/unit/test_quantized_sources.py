@@ -90,13 +90,14 @@ def _e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 def _ct_reference(d: Path, kind: str) -> dict[str, torch.Tensor]:
     """compressed-tensors' own decompressor, module by module."""
-    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
-    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-
     from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
-    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.naive_quantized.base import (
+        FloatQuantizationCompressor,
+        IntQuantizationCompressor,
+    )
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     scheme = QuantizationScheme(
         targets=["Linear"], weights=QuantizationArgs(**fx.ct_args(kind, (32, 32)))

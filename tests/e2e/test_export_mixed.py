@@ -271,3 +271,77 @@ def test_check_finds_a_fused_group_split_over_groups(moe, tmp_path):
     assert not res.ok
     assert any(q in p and "NVFP4" in p for p in res.problems), res.problems
     assert any("clients load them as one weight" in p for p in res.problems), res.problems
+
+
+def test_int4_w4a16_experts_beside_fp8_attention_are_each_schemes_own_export(moe):
+    """Issue 42's mix for Hopper: INT4 W4A16 routed experts (group 32) + FP8 per-channel
+    attention with dynamic inputs, calibrated and exported by the commands. Each module's
+    tensors are byte for byte what the export of its scheme alone writes; the config has one
+    group per scheme; ``check`` passes and ``eval`` reads each linear's scheme."""
+    from qckpt.evaluate.scheme import read_scheme
+    from qckpt.formats.scheme import Fp8Scheme, Int4Scheme
+
+    root, _, hf = moe
+    int4 = {"format": "int4", "granularity": "group", "block_size": [32]}
+    fp8 = {"format": "fp8", "granularity": "channel"}
+    dyn = {"format": "fp8", "granularity": "tensor", "dynamic": True}
+    none = {"format": "none"}
+    quants = {
+        "int4-fp8": {
+            "schemes": [
+                {"targets": [EXPERTS], "weights": int4, "inputs": none},
+                {"targets": [ATTN], "weights": fp8, "inputs": dyn},
+            ]
+        },
+        "all-int4": {"weights": int4, "inputs": none},
+        "all-fp8-channel": {"weights": fp8, "inputs": dyn},
+    }
+    t = {}
+    for name, quant in quants.items():
+        run = root / name
+        recipe = {
+            "model": {"source": str(hf)},
+            "checkpoint": {"path": str(hf)},
+            "quant": {**quant, "ignore": ["lm_head", "*.mlp.gate"]},
+            "calibrate": {
+                "data": {"source": "synthetic", "num_samples": 8, "seq_len": 32, "batch_size": 4},
+                "algorithm": "max",
+                "output": str(run / "calib.safetensors"),
+            },
+            "export": {"format": "compressed-tensors", "output": str(run / "out")},
+        }
+        path = root / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        for cmd in ("calibrate", "export"):
+            r = run_main(cmd, str(path))
+            assert r.returncode == 0, (name, cmd, r.stderr[-2000:])
+        t[name] = _stored(run / "out")
+    mixed = t["int4-fp8"]
+    for k, v in mixed.items():
+        if ".mlp.experts." in k:
+            want = t["all-int4"][k]
+        elif ".self_attn." in k:
+            want = t["all-fp8-channel"][k]
+        else:  # router, norms, embeddings, lm_head: BF16 as in either
+            want = t["all-int4"][k]
+        assert v.dtype == want.dtype and torch.equal(v.view(torch.uint8), want.view(torch.uint8)), k
+    assert mixed["model.layers.0.mlp.experts.3.gate_proj.weight_packed"].dtype == torch.int32
+    assert mixed["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+    out = root / "int4-fp8" / "out"
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [g["format"] for g in groups.values()] == ["pack-quantized", "float-quantized"]
+    assert groups["group_0"]["input_activations"] is None
+    assert groups["group_1"]["input_activations"]["dynamic"] is True
+    res = check_export(out)
+    assert res.ok, res.problems
+    s = read_scheme(out)
+    assert isinstance(s.weights["model.layers.1.mlp.experts.7.down_proj.weight"].scheme, Int4Scheme)
+    assert isinstance(s.weights["model.layers.1.self_attn.o_proj.weight"].scheme, Fp8Scheme)
+
+
+def _stored(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            out |= {k: sf.get_tensor(k) for k in sf.keys()}  # noqa: SIM118
+    return out

@@ -151,7 +151,6 @@ def test_an_unwritable_scheme_is_refused_in_one_line(root, name, weights, inputs
 @pytest.mark.parametrize(
     "name, calibrate, says",
     [
-        ("mse", {"algorithm": "mse"}, "calibrate.algorithm: mse does not search int4 group 32"),
         (
             "gptq-block",
             {"algorithm": "gptq", "gptq_block": 48},

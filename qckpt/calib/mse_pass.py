@@ -63,8 +63,9 @@ def _clip_of(q: TensorQuantizer, kind: str, store: AmaxStore, local: bool) -> Te
     )  # fmt: skip
 
 
-def static_fp8_input(q: TensorQuantizer) -> bool:
-    """An input whose scale the export stores (static, per tensor, FP8): what the search sets."""
+def static_input(q: TensorQuantizer) -> bool:
+    """An input whose scale the export stores (static, per tensor: FP8, INT8): what the search
+    sets."""
     return q.kind == "input" and q.enabled and q.scheme.static_tensor_scale
 
 
@@ -153,14 +154,14 @@ def _edges(model: nn.Module, instr: Instrumentation) -> dict[str, float]:
     dense static FP8 input; per experts module ``{module}:gate_up`` / ``{module}:down``."""
     out: dict[str, float] = {}
     for q in instr.quantizers.values():
-        if static_fp8_input(q) and q.expert_layer is None:
+        if static_input(q) and q.expert_layer is None:
             a = q.amax
             if a is not None and float(a) > 0:
                 out[q.key] = float(a)
     for info in instr.experts:
         for side, roles in (("gate_up", ("gate", "up")), ("down", ("down",))):
             qs = [info.input_q[e][r] for e in info.input_q for r in roles]
-            if not qs or not static_fp8_input(qs[0]):
+            if not qs or not static_input(qs[0]):
                 continue
             vals = [float(q.amax) for q in qs if q.amax is not None]
             if vals and max(vals) > 0:
@@ -297,7 +298,7 @@ def _input_clips(
             for role, q in info.input_q[e].items():
                 side_of[id(q)] = f"{info.module_name}:{'down' if role == 'down' else 'gate_up'}"
     for q in instr.quantizers.values():
-        if not static_fp8_input(q):
+        if not static_input(q):
             continue
         k = side_of.get(id(q), q.key)
         c = _clip_of(q, "input_clip", store, True)

@@ -102,17 +102,17 @@ class Mse(Algorithm):
 
     name: ClassVar[str] = "mse"
     offload: ClassVar[tuple[str, ...]] = ("none",)
+    # integer scales as the export stores them (compressed-tensors: the model dtype)
+    scale_dtype: torch.dtype = torch.float32
 
-    def refuses(self, scheme: Any) -> str | None:
-        # its searches are FP8's clip ratios and NVFP4's block scales
-        if scheme.integer or scheme.mx:
-            return f"does not search {scheme.describe()} scales yet (max, gptq and awq quantize it)"
-        return None
+    @classmethod
+    def from_config(cls, c: Any, input_dtype: torch.dtype) -> Algorithm:  # noqa: ARG003
+        return cls(scale_dtype=input_dtype)
 
     def after(self, model, instr, batches, mesh, mine, parts, runner):  # noqa: ANN001
         from qckpt.calib.mse_pass import run_mse
 
-        res = run_mse(model, instr, batches, mesh, mine)
+        res = run_mse(model, instr, batches, mesh, mine, self.scale_dtype)
         parts.update(res.parts)
         return res
 
@@ -264,22 +264,27 @@ def paused(instr):
 
 def add_search(state: Any, report: dict[str, Any], searched) -> None:
     """The searched clips into the file (beside the amaxes) and, per layer, into the report:
-    how many clips, their ratio to max calibration's amax (min / max), the summed loss at max
-    and at the choice (weights: squared error; inputs: estimated from the histogram)."""
+    how many clips, their ratio to max calibration's amax (min / max), the weights searched
+    without a clip (``searched_blocks``: MX), the summed loss at max and at the choice
+    (weights: squared error; inputs: estimated from the histogram)."""
     from qckpt.calib.mse_pass import clip_state
 
     amax, desc = clip_state(searched)
     state.amax.update(amax)
     state.quantizers.update(desc)
     layers = report["layers"]
-    for key, clip in amax.items():
+    for key in [*amax, *searched.blocks]:
+        clip = amax.get(key)
         base = state.amax.get(key.replace("_clip_amax", "_amax"))
         row = layers.setdefault(layer_of(key), {}).setdefault(
             "mse", {"clips": 0, "ratio_min": None, "ratio_max": None, "loss_max": 0.0,
                     "loss_mse": 0.0},
         )  # fmt: skip
-        row["clips"] += 1
-        if base is not None and float(base.max()) > 0:
+        if clip is None:  # MX: its blocks' exponents searched, nothing clipped
+            row["searched_blocks"] = row.get("searched_blocks", 0) + 1
+        else:
+            row["clips"] += 1
+        if clip is not None and base is not None and float(base.max()) > 0:
             ratio = clip.reshape(-1) / base.reshape(-1).clamp_min(1e-30)
             lo, hi = float(ratio.min()), float(ratio.max())
             row["ratio_min"] = lo if row["ratio_min"] is None else min(row["ratio_min"], lo)

@@ -14,15 +14,29 @@ Weights (a function of the weight alone, so the same on any rank that holds it):
   again from the weight and the stored clip with
   :func:`qckpt.formats.nvfp4_search.nvfp4_mse_quantize` (the same
   function), so nothing but the clip is carried.
+* INT4 (``group``: a row's ``g`` columns; ``channel``) and INT8 (``channel``, ``tensor``): each
+  group's clip amax is ``r * amax`` for the ratio of :data:`INT_RATIOS` (1.0 down to 0.5 in
+  1/64 steps: 4-bit codes gain from clipping more than E4M3 ones) with the least squared error
+  of the group, ties to the larger ratio (``r = 1``: max calibration). The error is measured
+  under the scale the export writes, :func:`qckpt.formats.intq.int_scale` of the clip in the
+  dtype it stores (compressed-tensors: the model dtype), with the export's rounding
+  (:func:`qckpt.formats.intq.int_round`); so only the clip is carried, as for FP8.
+* MXFP4 / MXFP8: each 32-block's E8M0 exponent among the max rule's ``e``, ``e + 1`` and
+  ``e - 1`` (:mod:`qckpt.formats.mx_search`), a function of the weight alone that the export
+  makes again with the same function: nothing is carried (no clip; the file keeps max |w|).
 
 Every error is a sum in float64 of squares of float64 differences; a block's 16 squares are
 added as a fixed tree of elementwise additions (8 + 8, 4 + 4, ...), so the NVFP4 block
-choice is the same on any device; a weight's FP8 sums are ``torch.sum`` on one device.
+choice is the same on any device; a weight's FP8 sums are ``torch.sum`` on one device. INT
+and MX sums are fixed trees too (:func:`qckpt.formats.numerics.tree_sum`): an MX block's 32
+squares; an INT group's squares in runs of :data:`SUM_RUN` (a shorter group: its length
+padded to a power of two), then the runs' sums, so an INT choice is the same on any device.
 
-Static inputs (FP8 ``tensor``): from a histogram of ``|x|`` over :data:`HIST_BINS` bins with
+Static inputs (FP8 or INT8 ``tensor``): from a histogram of ``|x|`` over :data:`HIST_BINS` bins with
 fixed edges ``[0, amax]`` (the synced amax): counts are integers, summed exactly over ranks in
 any order, and the search over :data:`INPUT_RATIOS` runs on the host from the summed counts,
-so every rank finds the same clip. A bin stands for its centre.
+so every rank finds the same clip. A bin stands for its centre; INT8 inputs are rounded as
+the clients do (``round(x / s)`` saturated, ``s`` the clip's scale as stored).
 """
 
 from __future__ import annotations
@@ -31,15 +45,20 @@ import math
 
 import torch
 
-from qckpt.formats.numerics import div_f32, f64_const
+from qckpt.formats.intq import int_round, int_scale
+from qckpt.formats.mx_search import mx_mse_quantize
+from qckpt.formats.numerics import div_f32, f64_const, tree_sum
 from qckpt.formats.nvfp4_search import nvfp4_mse_quantize
-from qckpt.formats.scheme import FP8_MAX
+from qckpt.formats.scheme import FP8_MAX, Scheme
 
 FP8 = torch.float8_e4m3fn
 WEIGHT_RATIOS = tuple(1.0 - k / 32 for k in range(16))  # 1.0 .. 0.53
 GLOBAL_RATIOS = tuple(1.0 - k / 16 for k in range(6))  # 1.0 .. 0.69
 INPUT_RATIOS = tuple(1.0 - k / 64 for k in range(48))  # 1.0 .. 0.27
+INT_RATIOS = tuple(1.0 - k / 64 for k in range(33))  # 1.0 .. 0.5
 HIST_BINS = 2048
+SUM_RUN = 1024  # an INT group's squared errors are added in runs of this many (a fixed tree)
+_INT_CHUNK = 1 << 20  # elements per chunk of the INT search
 
 
 def _ratio_amax(amax: torch.Tensor, r: float) -> torch.Tensor:
@@ -106,6 +125,51 @@ def nvfp4_weight_clip(w: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor
     return best.cpu(), float(err_max), float(best_err)
 
 
+def _runs(g: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``[groups, n]`` as ``[groups * runs, run]`` (zero padded: a zero quantizes to zero) and
+    the runs per group: one power-of-two run for a group up to :data:`SUM_RUN`, else runs of it."""
+    groups, n = g.shape
+    run = SUM_RUN if n > SUM_RUN else 1 << max(0, (n - 1).bit_length())
+    runs = -(-n // run)
+    if runs * run != n:
+        g = torch.nn.functional.pad(g, (0, runs * run - n))
+    return g.reshape(groups * runs, run), runs
+
+
+def int_weight_clip(
+    w: torch.Tensor, amax: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, float, float]:
+    """The clip amax of integer weight ``w`` (the shape of ``amax``, max calibration's at the
+    scheme's calibrated granularity) and the error at max and at the clip (sums over the
+    tensor), each group's error under ``int_scale(clip)`` in ``scale_dtype``."""
+    g = weight_groups(w, scheme.calib_granularity, scheme.block)
+    a = amax.detach().to(device=g.device, dtype=torch.float32).reshape(-1)
+    x, runs = _runs(g)
+    clips = [_ratio_amax(a, r) for r in INT_RATIOS]
+    run_err = torch.empty((len(clips), x.shape[0]), dtype=torch.float64, device=g.device)
+    step = max(1, _INT_CHUNK // x.shape[1])
+    for i, clip in enumerate(clips):
+        s = int_scale(clip, scheme.qmax, scale_dtype).to(torch.float32)
+        s = s.repeat_interleave(runs).reshape(-1, 1)
+        for lo in range(0, x.shape[0], step):
+            c = x[lo : lo + step]
+            d = c.to(torch.float64) - int_round(c, s[lo : lo + step], scheme.code_range).double()
+            run_err[i, lo : lo + step] = tree_sum(d * d)
+    err = tree_sum(run_err.reshape(len(clips), -1, runs))  # [ratios, groups]
+    best, best_err = clips[0], err[0]
+    for clip, e in zip(clips[1:], err[1:], strict=True):
+        better = e < best_err  # ties: the larger ratio, tried first
+        best = torch.where(better, clip, best)
+        best_err = torch.where(better, e, best_err)
+    return best.reshape(amax.shape).cpu(), float(err[0].sum()), float(best_err.sum())
+
+
+def mx_weight_error(w: torch.Tensor, bits: int) -> tuple[float, float]:
+    """The error of MX weight ``w`` at the max rule's exponents and at the searched ones."""
+    *_, err, err0 = mx_mse_quantize(w.detach(), bits)
+    return err0, err
+
+
 # -- inputs: histograms with fixed edges ---------------------------------------------------------
 
 
@@ -117,9 +181,15 @@ def histogram(x: torch.Tensor, amax: float, bins: int = HIST_BINS) -> torch.Tens
     return torch.bincount(idx, minlength=bins)
 
 
-def input_clip(counts: torch.Tensor, amax: float) -> tuple[float, float, float]:
-    """The clip amax of a static FP8 per-tensor input from its summed histogram (host, float64:
-    the same on every rank), with the estimated error at max and at the clip."""
+def input_clip(
+    counts: torch.Tensor,
+    amax: float,
+    scheme: Scheme | None = None,
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[float, float, float]:
+    """The clip amax of a static per-tensor input from its summed histogram (host, float64:
+    the same on every rank), with the estimated error at max and at the clip: FP8, or the
+    integer ``scheme``'s codes under its scale in ``scale_dtype`` (INT8)."""
     n = counts.to(torch.float64).cpu()
     bins = n.numel()
     v = (torch.arange(bins, dtype=torch.float64) + 0.5) * (amax / bins)
@@ -127,8 +197,12 @@ def input_clip(counts: torch.Tensor, amax: float) -> tuple[float, float, float]:
     best, best_err, err_max = amax, math.inf, None
     for r in INPUT_RATIOS:
         clip = _ratio_amax(torch.tensor(amax), r)
-        scale = div_f32(clip.clamp_min(1e-12), f64_const(FP8_MAX, torch.device("cpu")))
-        d = v - fp8_dequantize(v32, scale).to(torch.float64)
+        if scheme is not None and scheme.integer:
+            scale = int_scale(clip, scheme.qmax, scale_dtype).to(torch.float32)
+            d = v - int_round(v32, scale, scheme.code_range).to(torch.float64)
+        else:
+            scale = div_f32(clip.clamp_min(1e-12), f64_const(FP8_MAX, torch.device("cpu")))
+            d = v - fp8_dequantize(v32, scale).to(torch.float64)
         err = float((n * d * d).sum())
         if err_max is None:
             err_max = err

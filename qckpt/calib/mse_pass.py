@@ -2,9 +2,10 @@
 max calibration and its sync (so every rank holds every final amax):
 
 1. weight clips (:mod:`qckpt.calib.mse`) of the weights this rank holds and calibrated (its DP
-   share, its EP experts): a function of the weight alone;
-2. a second pass over this rank's batches with histogram taps on the static FP8 per-tensor
-   inputs: each dense linear's own histogram, one per experts module and side (gate/up's
+   share, its EP experts): a function of the weight alone (MX weights: only their losses; the
+   export searches their exponents again);
+2. a second pass over this rank's batches with histogram taps on the static per-tensor
+   inputs (FP8, INT8): each dense linear's own histogram, one per experts module and side (gate/up's
    input, down's input) over the routed rows of all its experts, edges ``[0, amax]`` from the
    synced amax (for experts the layer's largest). The forwards are the first pass's; the
    amaxes they fold again are maxes of values already in (unchanged), the token counts are put
@@ -48,6 +49,8 @@ class MseResult:
 
     quantizers: list[TensorQuantizer]
     losses: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (max, mse)
+    # the weights searched without a clip (MX: exponents per block), by their clip key
+    blocks: list[str] = field(default_factory=list)
     parts: dict[str, float] = field(default_factory=dict)
     collectives: int = 0
 
@@ -60,8 +63,9 @@ def _clip_of(q: TensorQuantizer, kind: str, store: AmaxStore, local: bool) -> Te
     )  # fmt: skip
 
 
-def static_fp8_input(q: TensorQuantizer) -> bool:
-    """An input whose scale the export stores (static, per tensor, FP8): what the search sets."""
+def static_input(q: TensorQuantizer) -> bool:
+    """An input whose scale the export stores (static, per tensor: FP8, INT8): what the search
+    sets."""
     return q.kind == "input" and q.enabled and q.scheme.static_tensor_scale
 
 
@@ -71,8 +75,11 @@ def run_mse(
     batches: Sequence[torch.Tensor],
     mesh: Mesh,
     mine: set[str] | None,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> MseResult:
-    """Steps 1-5 of the module doc; raises :class:`SyncError` on every rank if any failed."""
+    """Steps 1-5 of the module doc; raises :class:`SyncError` on every rank if any failed.
+    ``scale_dtype``: the dtype the export stores integer scales in (the errors are measured
+    under those)."""
     store = AmaxStore(capacity=1024)
     res = MseResult(quantizers=[])
     t0 = time.perf_counter()
@@ -89,7 +96,7 @@ def run_mse(
     wlosses: dict[str, tuple[float, float]] = {}
     hists: dict[str, torch.Tensor] = {}
     try:
-        wlosses = _weight_clips(model, wclips)
+        wlosses = _weight_clips(model, wclips, scale_dtype)
         res.parts["mse_weights"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         edges = _edges(model, instr)
@@ -102,18 +109,21 @@ def run_mse(
     t2 = time.perf_counter()
     keys = sorted(edges)
     counts, wl = _exchange(keys, hists, [c.key for _, c in wclips], wlosses, mesh, failure, res)
-    iclips = _input_clips(instr, keys, counts, edges, store, res)
+    iclips = _input_clips(instr, keys, counts, edges, store, res, scale_dtype)
     for (_, c), (lo, hi) in zip(wclips, wl, strict=True):
         res.losses[c.key] = (lo, hi)  # the owner's values (the others sent zeros)
-    res.quantizers = [c for _, c in wclips] + iclips
+    # MX weights keep no clip (the export searches their exponents again): losses only
+    res.blocks = [c.key for _, c in wclips if c.scheme.mx]
+    res.quantizers = [c for _, c in wclips if not c.scheme.mx] + iclips
     sres = sync_amax(res.quantizers, mesh.data_group, what="mse clip")
     res.collectives += sres.collectives
     res.parts["mse_sync"] = time.perf_counter() - t2
     return res
 
 
-def _weight_clips(model: nn.Module, wclips) -> dict[str, tuple[float, float]]:
-    """Step 1: the clip of every weight this rank owns, into its clip quantizer."""
+def _weight_clips(model: nn.Module, wclips, scale_dtype) -> dict[str, tuple[float, float]]:
+    """Step 1: the clip of every weight this rank owns, into its clip quantizer (an MX weight:
+    only its losses)."""
     losses: dict[str, tuple[float, float]] = {}
     with torch.no_grad():
         for src, c in wclips:
@@ -124,8 +134,13 @@ def _weight_clips(model: nn.Module, wclips) -> dict[str, tuple[float, float]]:
             if amax is None:
                 raise CalibrationError(f"{q.key}: no weight amax to search from")
             w = src.take(model.get_parameter(src.param))
+            if q.scheme.mx:  # exponents searched per block, again by the export: no clip
+                losses[c.key] = mse.mx_weight_error(w, q.scheme.code_bits)
+                continue
             if q.scheme.block_scaled:
                 clip, lo, hi = mse.nvfp4_weight_clip(w, amax)
+            elif q.scheme.integer:
+                clip, lo, hi = mse.int_weight_clip(w, amax, q.scheme, scale_dtype)
             else:
                 block = weight_block(q.block_size)
                 clip, lo, hi = mse.fp8_weight_clip(w, amax, q.granularity, block)
@@ -139,14 +154,14 @@ def _edges(model: nn.Module, instr: Instrumentation) -> dict[str, float]:
     dense static FP8 input; per experts module ``{module}:gate_up`` / ``{module}:down``."""
     out: dict[str, float] = {}
     for q in instr.quantizers.values():
-        if static_fp8_input(q) and q.expert_layer is None:
+        if static_input(q) and q.expert_layer is None:
             a = q.amax
             if a is not None and float(a) > 0:
                 out[q.key] = float(a)
     for info in instr.experts:
         for side, roles in (("gate_up", ("gate", "up")), ("down", ("down",))):
             qs = [info.input_q[e][r] for e in info.input_q for r in roles]
-            if not qs or not static_fp8_input(qs[0]):
+            if not qs or not static_input(qs[0]):
                 continue
             vals = [float(q.amax) for q in qs if q.amax is not None]
             if vals and max(vals) > 0:
@@ -260,12 +275,20 @@ def _exchange(keys, hists, wkeys, wlosses, mesh: Mesh, failure, res: MseResult):
     return counts.cpu(), losses.cpu().view(-1, 2).tolist()
 
 
-def _input_clips(instr, keys, counts, edges, store, res: MseResult) -> list[TensorQuantizer]:
-    """Step 4: every static FP8 input's clip from its summed histogram (or its module side's)."""
+def _input_clips(
+    instr, keys, counts, edges, store, res: MseResult, scale_dtype
+) -> list[TensorQuantizer]:
+    """Step 4: every static input's clip from its summed histogram (or its module side's)."""
     bins = mse.HIST_BINS
+    schemes = {}
+    for info in instr.experts:
+        for e in info.input_q:
+            for role, q in info.input_q[e].items():
+                schemes[f"{info.module_name}:{'down' if role == 'down' else 'gate_up'}"] = q.scheme
     found: dict[str, tuple[float, float, float]] = {}
     for i, k in enumerate(keys):
-        found[k] = mse.input_clip(counts[i * bins : (i + 1) * bins], edges[k])
+        sch = schemes[k] if k in schemes else instr.quantizers[k].scheme
+        found[k] = mse.input_clip(counts[i * bins : (i + 1) * bins], edges[k], sch, scale_dtype)
         if ":" in k:  # an experts module side: its loss once, under the side's name
             res.losses[k] = found[k][1:]
     out: list[TensorQuantizer] = []
@@ -275,7 +298,7 @@ def _input_clips(instr, keys, counts, edges, store, res: MseResult) -> list[Tens
             for role, q in info.input_q[e].items():
                 side_of[id(q)] = f"{info.module_name}:{'down' if role == 'down' else 'gate_up'}"
     for q in instr.quantizers.values():
-        if not static_fp8_input(q):
+        if not static_input(q):
             continue
         k = side_of.get(id(q), q.key)
         c = _clip_of(q, "input_clip", store, True)

@@ -233,3 +233,18 @@ def as_amax(amax: Any, device: torch.device) -> torch.Tensor:
     if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
         raise FormatError(f"amax must be finite and >= 0, got {t.flatten()[:4].tolist()}")
     return t
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sums along the last dim of float64 ``x``, as a fixed tree of elementwise additions
+    (the dim padded with zeros to a power of two, then halves added: ``x[:h] + x[h:]``, ...):
+    each addition is one correctly rounded IEEE operation, so the sums are the same bits on
+    every device, whatever its own reduction order (``torch.sum``'s is not fixed)."""
+    n = x.shape[-1]
+    p = 1 << max(0, (n - 1).bit_length())
+    if p != n:
+        x = torch.nn.functional.pad(x, (0, p - n))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]

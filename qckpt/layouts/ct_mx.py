@@ -3,7 +3,8 @@ per linear ``weight_packed`` uint8 ``[out, in / 2]`` (E2M1 codes, the even colum
 nibble) and ``weight_scale`` uint8 ``[out, in / 32]`` (E8M0 exponents, biased by 127), no
 global scale, made by :mod:`qckpt.formats.mx_codes`; weight-only (vLLM runs it with Marlin on
 Hopper, and natively on MI35x / Blackwell). GPTQ's per-group exponents, when the calibration
-made them, are written as given.
+made them, are written as given; an mse calibration's are searched again from the weight
+(:func:`qckpt.formats.mx_search.mx_mse_quantize`, the calibration's own search).
 
 ``mxfp8-quantized`` MXFP8 (llm-compressor's ``MXFP8``): ``weight`` float8_e4m3fn ``[out, in]``
 and ``weight_scale`` uint8 ``[out, in / 32]``; inputs MXFP8 per 32 at run time (W8A8, what
@@ -22,6 +23,7 @@ from qckpt.formats.mx_codes import (
     mx_quantize,
     mx_scale_values,
 )
+from qckpt.formats.mx_search import mx_mse_quantize
 from qckpt.formats.scheme import scheme_of
 from qckpt.layouts.compressed_tensors import CompressedTensorsLayout
 from qckpt.layouts.export_layout import BlockScales, ExportLayout, OutSpec
@@ -91,7 +93,10 @@ class CompressedTensorsMxfp4Layout(CompressedTensorsLayout):
             if tuple(given.shape) != want:
                 raise ExportError(f"{module}: GPTQ MX scales {list(given.shape)}, not {want}")
             e = given.to(device=w.device, dtype=torch.int32) - E8M0_BIAS
-        codes, scale = mx_quantize(w, self.ws.code_bits, e)
+        if e is None and self.block_scales.search:  # an mse calibration: searched exponents
+            codes, scale, *_ = mx_mse_quantize(w, self.ws.code_bits)
+        else:
+            codes, scale = mx_quantize(w, self.ws.code_bits, e)
         yield f"{module}.{self.codes_leaf}", codes
         yield f"{module}.{WEIGHT_SCALE}", scale
 

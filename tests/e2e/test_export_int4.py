@@ -151,7 +151,6 @@ def test_an_unwritable_scheme_is_refused_in_one_line(root, name, weights, inputs
 @pytest.mark.parametrize(
     "name, calibrate, says",
     [
-        ("mse", {"algorithm": "mse"}, "calibrate.algorithm: mse does not search int4 group 32"),
         (
             "gptq-block",
             {"algorithm": "gptq", "gptq_block": 48},
@@ -200,6 +199,46 @@ def test_gptq_w4a16_writes_the_codes_and_group_scales_gptq_chose(root):
         moved += not torch.equal(t[k], rtn[k])
     assert moved == 14  # every linear: GPTQ spread its rounding errors
     assert check_export(root / "gptq" / "out").ok
+
+
+def test_mse_w4a16_writes_the_searched_clips_and_lowers_every_weights_error(root, w4a16):
+    """calibrate.algorithm mse: each group's clip (at most its amax) is in the calibration file
+    beside max |w|; the export's scale is compressed-tensors' rule of the clip (clip / 7.5 in
+    the model dtype) and its codes compressed-tensors' quantize under it; every linear's
+    dequantized error is at most max calibration's, and some below."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP
+    )
+    w = {"format": "int4", "granularity": "group", "block_size": [GROUP]}
+    out = export_once(root, "mse", w, {"format": "none"}, calibrate={"algorithm": "mse"})
+    cal = tensors_of(root / "mse" / "calib.safetensors")
+    t, src, ref = tensors_of(out), tensors_of(root / "hf"), tensors_of(w4a16)
+    lower = 0
+    for k in (k for k in t if k.endswith(".weight_packed")):
+        m = k[: -len(".weight_packed")]
+        x = src[f"{m}.weight"].float()
+        rows, cols = x.shape
+        clip, amax = cal[f"{m}.weight_clip_amax"], cal[f"{m}.weight_amax"]
+        assert clip.shape == amax.shape == (rows, cols // GROUP) and bool((clip <= amax).all())
+        scale = t[f"{m}.weight_scale"]
+        assert torch.equal(scale, (clip.double() / 7.5).float().to(torch.bfloat16)), m
+        err = {}
+        for name, tt in (("mse", t), ("max", ref)):
+            s = tt[f"{m}.weight_scale"].float()
+            codes = unpack_from_int32(tt[k], 4, torch.Size((rows, cols))).float()
+            if name == "mse":
+                zp = torch.zeros_like(s, dtype=torch.int8)
+                assert torch.equal(codes, quantize(x, s, zp, args)), m
+            dq = (codes.reshape(rows, -1, GROUP) * s.unsqueeze(-1)).reshape(rows, cols)
+            err[name] = float(((dq.double() - x.double()) ** 2).sum())
+        assert err["mse"] <= err["max"], (m, err)
+        lower += err["mse"] < err["max"]
+    assert lower == 14
+    assert check_export(out).ok
 
 
 def test_int4_experts_beside_fp8_attention(tmp_path):

@@ -119,8 +119,6 @@ def test_gptq_mxfp4_writes_the_exponents_gptq_chose(root):
     [
         ("mx-inputs", {"format": "mxfp4"}, {}, "mxfp4 quantizes no inputs"),
         ("mo-mx", NONE, {"export": {"format": "modelopt"}}, "export.format modelopt writes FP8"),
-        ("mx-mse", NONE, {"calibrate": {"algorithm": "mse"}},
-         "calibrate.algorithm: mse does not search mxfp4"),
         ("mx-gptq-block", NONE, {"calibrate": {"algorithm": "gptq", "gptq_block": 48}},
          "with mxfp4 groups of 32: calibrate.gptq_block (48) must be a multiple"),
     ],

@@ -120,8 +120,21 @@ _MIX_QUANT = """
     - targets: ["*.self_attn.*"]
       weights: {format: fp8, granularity: tensor}
       inputs: {format: fp8, granularity: tensor, dynamic: false}"""
+# what Hopper and Ampere users mix: INT4 W4A16 (group 128) MLP / experts, FP8 per-channel
+# attention with dynamic per-token inputs
+_MIX_INT4 = """
+  ignore: ["lm_head", "*.mlp.gate"]
+  schemes:
+    - targets: ["*.mlp.*"]
+      weights: {format: int4, granularity: group, block_size: [128]}
+      inputs: {format: none}
+    - targets: ["*.self_attn.*"]
+      weights: {format: fp8, granularity: channel}
+      inputs: {format: fp8, granularity: tensor, dynamic: true}"""
+MIX_INT4 = "compressed-tensors mixed: INT4 W4A16 MLP + FP8 per-channel attention"
 MIXES: dict[str, tuple[str, str]] = {
     "compressed-tensors mixed: NVFP4 MLP + FP8 attention": ("compressed-tensors", _MIX_QUANT),
+    MIX_INT4: ("compressed-tensors", _MIX_INT4),
     "ModelOpt mixed (MIXED_PRECISION): NVFP4 MLP + FP8 attention": ("modelopt", _MIX_QUANT),
 }
 MIX_BASES = [
@@ -143,6 +156,7 @@ ALGORITHM_BASES = {
     "int8": "compressed-tensors INT8 W8A8 per-channel, dynamic per-token inputs",
     "mxfp4": "compressed-tensors MXFP4A16",
     "mxfp8": "compressed-tensors MXFP8, dynamic per-32 inputs",
+    "int4-fp8": MIX_INT4,
 }
 ALGORITHMS: dict[str, dict[str, str]] = {
     "max": {"algorithm": "max"},
@@ -226,19 +240,24 @@ def make_exports(
     recipes = [str(_recipe(model, work, n, calib_bin, heldout)) for n in names]
     if not recipes:
         return {n: work / _slug(n) for n in variants}
+    # a variant whose calibrate or export fails is left out (its line says why), not the run
     code = (
         "import sys\nfrom qckpt.cli.app import main\n"
+        "failed = 0\n"
         "for r in sys.argv[1:]:\n"
         "    for cmd in ('calibrate', 'export'):\n"
         "        try:\n            main([cmd, r])\n"
         "        except SystemExit as e:\n"
         "            if e.code not in (0, None):\n"
-        "                sys.exit(f'{cmd} {r}: exit {e.code}')\n"
+        "                print(f'VARIANT FAILED: {cmd} {r}: exit {e.code}', flush=True)\n"
+        "                failed += 1\n                break\n"
+        "sys.exit(1 if failed == len(sys.argv) - 1 else 0)\n"
     )
     p = subprocess.run([sys.executable, "-c", code, *recipes], cwd=ROOT, text=True)
     if p.returncode:
         raise SystemExit(f"calibrate/export failed for {model} (exit {p.returncode})")
-    return {n: work / _slug(n) for n in variants}
+    made = {n: work / _slug(n) for n in variants}
+    return {n: d for n, d in made.items() if (d / "config.json").is_file()}
 
 
 # what a linear's weight is stored as in an export: its codes and the scales that go with them

@@ -403,8 +403,9 @@ def scheme_bits(s: Scheme, shape: Sequence[int], model_bits: int = 16) -> float:
         return n * s.code_bits + math.ceil(n / s.group) * 8
     if s.group:
         return n * 8 + math.ceil(n / s.group) * 8
-    amax = s.amax_shape("weight", shape)
-    return n * s.code_bits + max(1, math.prod(amax)) * model_bits
+    groups = max(1, math.prod(s.amax_shape("weight", shape)))
+    zero_points = 0 if s.symmetric else groups * s.code_bits
+    return n * s.code_bits + groups * model_bits + zero_points
 
 
 def replace(s: Scheme, **changes: Any) -> Scheme:

@@ -198,3 +198,19 @@ def test_what_cannot_take_zero_points_is_refused_in_one_line(root, name, weights
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     line = [s for s in r.stderr.splitlines() if s.startswith("qckpt: error:")]
     assert len(line) == 1 and says in line[0], r.stderr
+
+
+def test_awq_asymmetric_export_decompresses_to_what_qckpt_reads(root):
+    """AWQ searches its scales under zero points (its candidates quantized as the export does)
+    and the export makes each group's scale and zero point from the folded weights."""
+    rec = tiny_recipe(root, "awq-asym", ASYM, NONE, calibrate={"algorithm": "awq"})
+    for cmd in ("calibrate", "export"):
+        r = run_main(cmd, str(rec))
+        assert r.returncode == 0, r.stderr[-2000:]
+    out = root / "awq-asym" / "out"
+    assert check_export(out).ok
+    r = run_main("convert", str(out), str(root / "awq-asym-back"), "--to", "hf")
+    assert r.returncode == 0, r.stderr[-2000:]
+    t, back = tensors_of(out), tensors_of(root / "awq-asym-back")
+    for m in modules_with(t, "weight_packed"):
+        assert torch.equal(back[f"{m}.weight"], _ct_decompressed(t, m)), m

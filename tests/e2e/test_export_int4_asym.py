@@ -143,9 +143,9 @@ def test_gptq_asymmetric_writes_the_scales_and_zero_points_gptq_chose(root, act_
         assert torch.equal(t[f"{m}.weight_scale"], side[f"{m}.weight_block_scale"]), m
         zp = side[f"{m}.weight_zero_point"]
         assert zp.dtype == torch.int8
-        from qckpt.formats.intq import pack_int32_rows
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-        assert torch.equal(t[f"{m}.weight_zero_point"], pack_int32_rows(zp, 4)), m
+        assert torch.equal(t[f"{m}.weight_zero_point"], pack_to_int32(zp, 4, packed_dim=0)), m
         moved += not torch.equal(t[f"{m}.weight_packed"], rtn[f"{m}.weight_packed"])
     assert moved == 14
     res = check_export(root / f"gptq-asym-{act_order}" / "out")

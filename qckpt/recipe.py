@@ -88,6 +88,9 @@ class TensorQuantConfig:
     granularity: Literal["tensor", "channel", "block", "group"] = "tensor"
     block_size: list[int] = field(default_factory=lambda: [128, 128])
     dynamic: bool = False
+    # false: a zero point per group beside its scale (int4 group weights; compressed-tensors'
+    # asymmetric quantization args)
+    symmetric: bool = True
 
     def validate(self, path: str) -> None:
         if len(self.block_size) not in (1, 2) or any(b <= 0 for b in self.block_size):
@@ -191,6 +194,12 @@ class QuantConfig:
         d = dataclasses.asdict(self)
         if not self.schemes:
             d.pop("schemes")
+        # symmetric sides record what they did before zero points existed
+        sides = [d["weights"], d["inputs"]]
+        sides += [x for sc in d.get("schemes", []) for x in (sc["weights"], sc["inputs"])]
+        for side in sides:
+            if side.get("symmetric", True):
+                side.pop("symmetric", None)
         return d
 
 
@@ -243,7 +252,9 @@ class CalibrateConfig:
     # linears before them (awq_* below); the export is a plain quantized model
     algorithm: Literal["max", "mse", "gptq", "awq"] = "max"
     gptq_percdamp: float = 0.01  # dampening, a fraction of the Hessian's mean diagonal
-    gptq_act_order: bool = False  # columns in order of decreasing Hessian diagonal (FP8 only)
+    # columns in order of decreasing Hessian diagonal (FP8; INT4 groups: compressed-tensors'
+    # actorder "weight", each group's scale (and zero point) from its columns before the sweep)
+    gptq_act_order: bool = False
     gptq_block: int = 128  # columns per block of the error compensation
     # NVFP4 weights: each 16-column group's E4M3 scale by the max rule (max) or searched for
     # the least squared error of the group's current values (mse), as GPTQ reaches it

@@ -148,7 +148,7 @@ class Gptq(Algorithm):
                 f"with {scheme.name} groups of {g}: calibrate.gptq_block ({self.block}) must be a "
                 "multiple"
             )
-        if self.act_order:
+        if self.act_order and scheme.mx:
             return (
                 f"act-order with {scheme.name} groups of {g} is not written yet (groups run in "
                 "order)"

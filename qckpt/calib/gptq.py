@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from qckpt.formats.intq import int_round, int_scale
+from qckpt.formats.intq import int_asym_qparams, int_round, int_scale
 from qckpt.formats.mx_codes import E8M0_BIAS, MX_EMAX, mx_exponents, mx_round
 from qckpt.formats.numerics import div_f32, f64_const
 from qckpt.formats.nvfp4 import E2M1_MAX, e2m1_round, max_block_scales
@@ -107,6 +107,12 @@ class ColumnQuantizer:
         # MXFP4: each 32-group's E8M0 exponent from the group's current columns (stored biased)
         self.mx = scheme.mx
         self.mx_bits = scheme.code_bits
+        # asymmetric INT4 groups: each group's int8 zero points beside its scale (kept for the
+        # export as the scales are); act-order on INT4 groups: every group's scale (and zero
+        # point) fixed from the weight before the sweep (:meth:`fix_groups`)
+        self.asym = not scheme.symmetric
+        self.zero_points: torch.Tensor | None = None
+        self.static = False
         a = amax.detach().to(torch.float32)
         if self.mx:
             self.block_scales = torch.empty((rows, -(-cols // self.group)), dtype=torch.uint8)
@@ -116,8 +122,11 @@ class ColumnQuantizer:
             self.code_range = scheme.code_range
             self.scale_dtype, self.qmax = scale_dtype, scheme.qmax
             if self.int_groups:
-                self.block_scales = torch.empty((rows, -(-cols // self.group)), dtype=scale_dtype)
-                self._sb = None
+                groups = -(-cols // self.group)
+                self.block_scales = torch.empty((rows, groups), dtype=scale_dtype)
+                if self.asym:
+                    self.zero_points = torch.empty((rows, groups), dtype=torch.int8)
+                self._sb = self._zp = None
                 return
             s = int_scale(a, scheme.qmax, scale_dtype).to(torch.float32)
             per_row = self.granularity == "channel"
@@ -153,8 +162,10 @@ class ColumnQuantizer:
             self.block_scales[:, col // self.group] = (self._e + E8M0_BIAS).to(torch.uint8)
             return
         if self.int_groups:
-            self._sb = int_scale(w.abs().amax(dim=-1), self.qmax, self.scale_dtype)
+            self._sb, self._zp = self.group_qparams(w)
             self.block_scales[:, col // self.group] = self._sb
+            if self._zp is not None:
+                self.zero_points[:, col // self.group] = self._zp
             return
         if self.search:
             from qckpt.formats.nvfp4_search import nvfp4_chunk
@@ -168,13 +179,43 @@ class ColumnQuantizer:
         self._sb = max_block_scales(bmax, six64, self.gs64).to(torch.float8_e4m3fn)
         self.block_scales[:, col // self.group] = self._sb
 
+    def group_qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scales as the export stores them, int8 zero points or None) of integer groups whose
+        values run along the last dim of ``w``: ``amax / qmax``, or asymmetric from min / max."""
+        if self.asym:
+            return int_asym_qparams(w.amin(dim=-1), w.amax(dim=-1), self.code_range,
+                                    self.scale_dtype)  # fmt: skip
+        return int_scale(w.abs().amax(dim=-1), self.qmax, self.scale_dtype), None
+
+    def fix_groups(self, w: torch.Tensor) -> None:
+        """Act-order on integer groups (compressed-tensors' ``actorder: weight``): every
+        group's scale (and zero point) from the columns of ``w`` (``[rows, cols]``, in their
+        own order) before the sweep, one per column after (:attr:`scale`, :attr:`zero`), so
+        each column keeps its group's wherever the permutation takes it."""
+        from qckpt.formats.rowblock import padded_blocks
+
+        sb, zp = self.group_qparams(padded_blocks(w, self.group))
+        self.block_scales.copy_(sb)
+        cols = w.shape[1]
+        self.scale = sb.to(torch.float32).repeat_interleave(self.group, 1)[:, :cols]
+        self.zero = None
+        if zp is not None:
+            self.zero_points.copy_(zp)
+            self.zero = zp.to(torch.float32).repeat_interleave(self.group, 1)[:, :cols]
+        self.static = True
+
     def __call__(self, w: torch.Tensor, col: int) -> torch.Tensor:
         """The dequantized column ``col`` (``w``: its current values, float32 ``[rows]``)."""
         if self.mx:
             return mx_round(w, self._e, self.mx_bits)
         if self.int_codes:
-            s = self._sb.to(torch.float32) if self.int_groups else self.scale[:, col]
-            return int_round(w, s, self.code_range)
+            if self.static:
+                z = None if self.zero is None else self.zero[:, col]
+                return int_round(w, self.scale[:, col], self.code_range, z)
+            if self.int_groups:
+                z = None if self._zp is None else self._zp.to(torch.float32)
+                return int_round(w, self._sb.to(torch.float32), self.code_range, z)
+            return int_round(w, self.scale[:, col], self.code_range)
         if self.grouped:
             sbf = self._sb.to(torch.float32)
             y = (w * (self.inv_gs / sbf)).clamp_(-E2M1_MAX, E2M1_MAX)
@@ -302,14 +343,18 @@ def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int, last: 
     for k, (h, q) in enumerate(zip(hs, qs, strict=True)):
         given, perm = h, None
         if act_order:
-            if q.grouped:
+            if q.grouped and not q.int_groups:
                 raise ValueError(
                     f"act_order with {q.scheme.name}: its {q.group}-column groups must run in order"
                 )
+            if q.int_groups:  # the groups' scales from the weight as it is, before the sweep
+                q.fix_groups(W[k])
             perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
             W[k] = W[k][:, perm]
             h = h[perm][:, perm]
             q.scale = q.scale[:, perm]  # the scale of a column follows it
+            if getattr(q, "zero", None) is not None:
+                q.zero = q.zero[:, perm]
         perms.append(perm)
         if last.get("h") is not given:  # the factor depends on the Hessian alone
             last["h"] = given
@@ -351,8 +396,11 @@ class _StackedQuantizer:
     leading dim, the same elementwise operations as :class:`ColumnQuantizer`'s."""
 
     def __init__(self, qs: list[ColumnQuantizer]):
-        self.qs, self.grouped, self.group = qs, qs[0].grouped, qs[0].group
+        # act-order's fixed integer groups: per-column scales, no group started in the sweep
+        self.static = qs[0].static
+        self.qs, self.grouped, self.group = qs, qs[0].grouped and not self.static, qs[0].group
         self.int_codes, self.int_groups = qs[0].int_codes, qs[0].int_groups
+        self.zero: torch.Tensor | None = None
         self.mx, self.mx_bits = qs[0].mx, qs[0].mx_bits
         if self.mx:
             self.block_scales = torch.stack([q.block_scales for q in qs])
@@ -361,11 +409,16 @@ class _StackedQuantizer:
         if self.int_codes:
             q0 = qs[0]
             self.code_range, self.qmax, self.scale_dtype = q0.code_range, q0.qmax, q0.scale_dtype
-            if self.int_groups:
+            if self.int_groups and not self.static:
                 self.block_scales = torch.stack([q.block_scales for q in qs])
-                self._sb = None
+                self.zero_points = None
+                if q0.asym:
+                    self.zero_points = torch.stack([q.zero_points for q in qs])
+                self._sb = self._zstep = None
                 return
             self.scale = torch.stack([q.scale for q in qs])
+            if self.static and q0.zero is not None:
+                self.zero = torch.stack([q.zero for q in qs])
             return
         if self.grouped:
             self.search = qs[0].search
@@ -388,9 +441,12 @@ class _StackedQuantizer:
             self.block_scales[:, :, col // self.group] = (self._e + E8M0_BIAS).to(torch.uint8)
             return
         if self.int_groups:
-            self._sb = int_scale(w.abs().amax(dim=2), self.qmax, self.scale_dtype)
+            self._sb, zp = self.qs[0].group_qparams(w)
             self.block_scales[:, :, col // self.group] = self._sb
             self._step = self._sb.to(torch.float32)
+            if zp is not None:
+                self.zero_points[:, :, col // self.group] = zp
+                self._zstep = zp.to(torch.float32)
             return
         if self.search:
             from qckpt.formats.nvfp4_search import nvfp4_chunk
@@ -414,8 +470,10 @@ class _StackedQuantizer:
         if self.mx:
             return mx_round(w, self._e, self.mx_bits)
         if self.int_codes:
-            s = self._step if self.int_groups else self.scale[:, :, col]
-            return int_round(w, s, self.code_range)
+            if self.int_groups and not self.static:
+                return int_round(w, self._step, self.code_range, self._zstep)
+            z = None if self.zero is None else self.zero[:, :, col]
+            return int_round(w, self.scale[:, :, col], self.code_range, z)
         if self.grouped:  # the group's two factors made once, at start_group
             y = (w * self._rec).clamp_(-E2M1_MAX, E2M1_MAX)
             return e2m1_round(y) * self._step
@@ -427,6 +485,9 @@ class _StackedQuantizer:
         if self.grouped:
             for q, sb in zip(self.qs, self.block_scales, strict=True):
                 q.block_scales.copy_(sb)
+            if self.int_codes and self.zero_points is not None:
+                for q, zp in zip(self.qs, self.zero_points, strict=True):
+                    q.zero_points.copy_(zp)
 
 
 def round_to_nearest(W: torch.Tensor, quantizer: ColumnQuantizer) -> torch.Tensor:
@@ -467,7 +528,11 @@ def _int_round_to_nearest(W: torch.Tensor, q: ColumnQuantizer) -> torch.Tensor:
     from qckpt.formats.rowblock import padded_blocks
 
     blocks = padded_blocks(W, q.group)  # [rows, nb, group]
-    sb = int_scale(blocks.abs().amax(dim=-1), q.qmax, q.scale_dtype)
+    sb, zp = q.group_qparams(blocks)
     q.block_scales.copy_(sb)
     s = sb.to(torch.float32).unsqueeze(-1)
-    return int_round(blocks, s, q.code_range).reshape(rows, -1)[:, :cols]
+    z = None
+    if zp is not None:
+        q.zero_points.copy_(zp)
+        z = zp.to(torch.float32).unsqueeze(-1)
+    return int_round(blocks, s, q.code_range, z).reshape(rows, -1)[:, :cols]

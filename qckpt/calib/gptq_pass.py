@@ -65,6 +65,7 @@ class GptqOptions:
 @dataclass
 class GptqResult:
     block_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # NVFP4, by module
+    zero_points: dict[str, torch.Tensor] = field(default_factory=dict)  # asymmetric INT4's
     layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # the report's rows
     parts: dict[str, float] = field(default_factory=dict)
     collectives: int = 0
@@ -521,6 +522,8 @@ def _finish_one(x: _Linear, job, new, losses, unit: float, res: GptqResult, row)
     w.copy_(new.to(w.dtype))
     if cq.grouped:
         res.block_scales[q.name] = cq.block_scales.clone()
+        if cq.zero_points is not None:
+            res.zero_points[q.name] = cq.zero_points.clone()
     res.done.add(q.name)
     row["linears"] += 1
 
@@ -547,6 +550,8 @@ def tensors_to_write(model, instr: Instrumentation, mesh: Mesh, res: GptqResult,
         out[f"{q.name}.weight"] = w.detach().cpu().contiguous().clone()
         if q.name in res.block_scales:
             out[f"{q.name}.weight_block_scale"] = res.block_scales[q.name]
+        if q.name in res.zero_points:
+            out[f"{q.name}.weight_zero_point"] = res.zero_points[q.name]
     return out
 
 
@@ -564,6 +569,8 @@ def _share_names(instr: Instrumentation, mesh: Mesh, on: set[int], inside: str) 
             out.append(f"{q.name}.weight")
             if gptq.makes_group_scales(q.scheme):
                 out.append(f"{q.name}.weight_block_scale")
+                if not q.scheme.symmetric:
+                    out.append(f"{q.name}.weight_zero_point")
     return out
 
 

@@ -212,7 +212,7 @@ def _block_scales(cal: CalibrationState, src) -> BlockScales:  # noqa: ANN001
     """Where the export's NVFP4 block scales come from, for the calibration's algorithm:
     searched (mse), the GPTQ'd weights' own (gptq), else the max rule."""
     if cal.algorithm == "gptq":
-        return BlockScales(given=src.block_scale)
+        return BlockScales(given=src.block_scale, given_zero_points=src.zero_point)
     return BlockScales(search=cal.algorithm == "mse")
 
 

@@ -9,7 +9,8 @@ block scales made at quantize time, how clients quantize an input. Adding a form
 
 Registered: ``fp8`` (E4M3, per tensor / channel / block; static or dynamic inputs), ``nvfp4``
 (E2M1 under E4M3 scales per 16 and a float32 global scale), ``mxfp8`` (E4M3 under E8M0 scales
-per 32), ``mxfp4`` (E2M1 under E8M0 scales per 32, weight-only), ``int4`` (symmetric integer weights under a scale per group of 128 or per row),
+per 32), ``mxfp4`` (E2M1 under E8M0 scales per 32, weight-only), ``int4`` (integer weights under a scale
+per group of 128 or per row; per group optionally with zero points),
 ``int8`` (symmetric integer weights per row or tensor; inputs per token, dynamic, or per tensor,
 static) and ``none`` (left in the model dtype: an unquantized side, e.g. the inputs of a weight-only
 linear).
@@ -84,9 +85,15 @@ class Scheme:
     # (MXFP4: :mod:`qckpt.formats.mx_codes`)
     mx: ClassVar[bool] = False
 
+    # the granularities whose weights may take zero points (``symmetric: false``)
+    asymmetric_granularities: ClassVar[tuple[str, ...]] = ()
+
     granularity: str = "tensor"
     block: tuple[int, int] = (128, 128)
     dynamic: bool = False
+    # False: codes under a scale and a zero point per group (compressed-tensors' asymmetric
+    # ``(max - min) / (2**bits - 1)``), the zero point stored beside the scale
+    symmetric: bool = True
 
     # -- what is calibrated ---------------------------------------------------------------------
     @property
@@ -137,12 +144,15 @@ class Scheme:
         return f"{self.name} {self.granularity}{extra}{' dynamic' if self.dynamic else ''}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "format": self.name,
             "granularity": self.granularity,
             "block_size": list(self.block),
             "dynamic": self.dynamic,
         }
+        if not self.symmetric:  # a symmetric scheme's dict is what it was before zero points
+            d["symmetric"] = False
+        return d
 
 
 @register
@@ -229,10 +239,14 @@ class Mxfp8Scheme(Scheme):
 @register
 @dataclass(frozen=True)
 class Int4Scheme(Scheme):
-    """Symmetric INT4 weights under a scale per ``group`` columns of a row (``granularity:
-    group``, the group ``block_size[-1]``, 128 by default) or per row (``channel``); codes -8..7
+    """INT4 weights under a scale per ``group`` columns of a row (``granularity: group``, the
+    group ``block_size[-1]``, 128 by default) or per row (``channel``); codes -8..7
     (``round(w / scale)`` clamped), the scale ``amax / 7.5`` in the model dtype. Weight-only:
-    its linears' inputs are ``none`` (W4A16, what Marlin / Machete run)."""
+    its linears' inputs are ``none`` (W4A16, what Marlin / Machete run).
+
+    ``symmetric: false`` (groups only): a scale and a zero point per group from its min and max
+    as compressed-tensors makes them (:func:`qckpt.formats.intq.int_asym_qparams`): codes
+    ``clamp(round(w / scale + zp), -8, 7)``, values ``(code - zp) * scale``."""
 
     name: ClassVar[str] = "int4"
     weight_granularities: ClassVar[tuple[str, ...]] = ("group", "channel")
@@ -241,6 +255,7 @@ class Int4Scheme(Scheme):
     code_bits: ClassVar[int] = 4
     integer: ClassVar[bool] = True
     code_range: ClassVar[tuple[int, int]] = INT4_RANGE
+    asymmetric_granularities: ClassVar[tuple[str, ...]] = ("group",)
 
     def __post_init__(self) -> None:
         if self.granularity == "group":
@@ -252,8 +267,9 @@ class Int4Scheme(Scheme):
         return "block" if self.granularity == "group" else self.granularity
 
     def describe(self) -> str:
+        asym = "" if self.symmetric else " asymmetric"
         if self.granularity == "group":
-            return f"int4 group {self.block[1]}"
+            return f"int4 group {self.block[1]}{asym}"
         return "int4 channel"
 
 
@@ -341,6 +357,7 @@ def scheme_of(cfg: Any, kind: str = "weight") -> Scheme:
         block=getattr(cfg, "block_size", (128, 128)),
         dynamic=bool(getattr(cfg, "dynamic", False)),
         kind=kind,
+        symmetric=bool(getattr(cfg, "symmetric", True)),
     )
 
 
@@ -351,6 +368,7 @@ def make_scheme(
     block: Sequence[int] = (128, 128),
     dynamic: bool = False,
     kind: str = "weight",
+    symmetric: bool = True,
 ) -> Scheme:
     cls = SCHEMES.get(fmt)
     if cls is None:
@@ -362,10 +380,16 @@ def make_scheme(
         raise FormatError(
             f"{fmt} {kind}s take granularity {' or '.join(allowed)}, not {granularity}"
         )
+    if not symmetric and (kind != "weight" or granularity not in cls.asymmetric_granularities):
+        takes = " / ".join(cls.asymmetric_granularities)
+        raise FormatError(
+            f"{fmt} {kind}s are symmetric (symmetric: false is taken by "
+            f"{f'{fmt} {takes} weights' if takes else 'int4 group weights'} only)"
+        )
     b = tuple(int(x) for x in block)
     if len(b) == 1:
         b = (b[0], b[0])
-    return cls(granularity=granularity, block=b, dynamic=dynamic)
+    return cls(granularity=granularity, block=b, dynamic=dynamic, symmetric=symmetric)
 
 
 def scheme_bits(s: Scheme, shape: Sequence[int], model_bits: int = 16) -> float:
@@ -379,8 +403,9 @@ def scheme_bits(s: Scheme, shape: Sequence[int], model_bits: int = 16) -> float:
         return n * s.code_bits + math.ceil(n / s.group) * 8
     if s.group:
         return n * 8 + math.ceil(n / s.group) * 8
-    amax = s.amax_shape("weight", shape)
-    return n * s.code_bits + max(1, math.prod(amax)) * model_bits
+    groups = max(1, math.prod(s.amax_shape("weight", shape)))
+    zero_points = 0 if s.symmetric else groups * s.code_bits
+    return n * s.code_bits + groups * model_bits + zero_points
 
 
 def replace(s: Scheme, **changes: Any) -> Scheme:

@@ -47,6 +47,7 @@ from qckpt.layouts.ct_check import ct_schemes
 from qckpt.layouts.modelopt_check import modelopt_schemes
 from qckpt.layouts.names import (
     CT_WEIGHT_SHAPE,
+    CT_ZERO_POINT,
     EMBEDDING_LEAVES,
     INPUT_SCALE,
     MODELOPT_FILE,
@@ -298,7 +299,11 @@ def _expected_int_scales(scheme: Scheme, shape: tuple[int, ...]) -> dict[str, tu
         shapes = {(out_dim, c // g) for c in cols if c % g == 0}
     else:
         shapes = {(out_dim, 1), (out_dim,)}
-    return {WEIGHT_SCALE: (shapes, scheme.scale_dtypes), CT_WEIGHT_SHAPE: ({(2,)}, ("I64",))}
+    exp = {WEIGHT_SCALE: (shapes, scheme.scale_dtypes), CT_WEIGHT_SHAPE: ({(2,)}, ("I64",))}
+    if scheme.zero_points:  # one per scale, packed along the rows (every word's value is one)
+        zrows = -(-out_dim * scheme.int_bits // 32)
+        exp[CT_ZERO_POINT] = ({(zrows, s[1]) for s in shapes}, ("I32",))
+    return exp
 
 
 # a one-value scale's bytes per dtype: the scales tested in bulk
@@ -409,7 +414,7 @@ def _check_module(m: str, w: Tensor, scheme: Scheme, tensors: dict, problems: li
                 f"{m}.{leaf}: {t.dtype} {list(t.shape)}, expected {'/'.join(dtypes)} {want}"
             )
             continue
-        if leaf != CT_WEIGHT_SHAPE:  # the logical shape, not a scale
+        if leaf not in (CT_WEIGHT_SHAPE, CT_ZERO_POINT):  # the logical shape, codes: no scale
             _check_scale(f"{m}.{leaf}", t, allow_zero=t.dtype == "F8_E4M3", problems=problems)
 
 

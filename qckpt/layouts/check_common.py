@@ -26,6 +26,8 @@ class Scheme:
     # the stored codes' safetensors dtype (I32: integer codes packed 32 / bits to a word)
     codes_dtype: str = "F8_E4M3"
     int_bits: int = 0  # integer codes: their bits (the words hold 32 / int_bits each)
+    # asymmetric integer groups: int32 words of zero points packed along the rows beside them
+    zero_points: bool = False
     mx: bool = False  # packed E2M1 codes under E8M0 (uint8) scales per 32, no global scale
     kv: bool = False
     kv_names: str = "ct"  # "ct": {attn}.k_scale; "modelopt": {attn}.k_proj.k_scale

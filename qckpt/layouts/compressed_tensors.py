@@ -72,6 +72,7 @@ from qckpt.layouts.names import (
     CT_PACKED,
     CT_WEIGHT_GLOBAL,
     CT_WEIGHT_SHAPE,
+    CT_ZERO_POINT,
     WEIGHT_SCALE,
     ct_nvfp4_args,
 )
@@ -110,8 +111,12 @@ def _weight_options(qc: dict[str, Any]) -> tuple[list[tuple[str, Any]], tuple, l
             continue  # weights stored unquantized (their scales are hidden): a plain read
         bits, typ, strat = w.get("num_bits"), w.get("type"), w.get("strategy")
         where = f"quantization_config.config_groups.{gname}"
-        if w.get("symmetric") is False:
-            raise CheckpointError(f"{where}: asymmetric weights (zero points) are not read")
+        asym = w.get("symmetric") is False
+        if asym and not (fmt == CT_INT_PACKED_FORMAT and (bits, strat) == (4, "group")):
+            raise CheckpointError(
+                f"{where}: asymmetric weights (zero points) are read as int4 pack-quantized groups "
+                "only"
+            )
         if fmt in ("float-quantized", "naive-quantized") and (bits, typ) == (8, "float"):
             if strat == "block":
                 bs = w.get("block_structure")
@@ -413,8 +418,12 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
     ``W8A16`` the same with 8 bits): per linear ``weight_packed`` int32 ``[out, ceil(in / 8)]``
     (``ceil(in / 4)`` for 8 bits; :mod:`qckpt.formats.intq`),
     ``weight_scale`` in the model dtype ``[out, in / group]`` (``channel``: ``[out, 1]``) and
-    ``weight_shape`` int64 ``[out, in]``; symmetric, so no zero point. The codes are quantized
-    with the scale as stored (rounded to the model dtype), as for FP8. Inputs: none."""
+    ``weight_shape`` int64 ``[out, in]``; symmetric: no zero point. Asymmetric groups
+    (``symmetric: false``): ``weight_zero_point`` int32 ``[ceil(out / 8), in / group]``, the
+    zero points packed along the output dim, their scale and zero point from each group's min
+    and max (:func:`~qckpt.formats.intq.int_asym_qparams`, from the weight written: the
+    calibrated amax is a function of it) or GPTQ's. The codes are quantized with the scale as
+    stored (rounded to the model dtype), as for FP8. Inputs: none."""
 
     def __init__(
         self, quant: QuantConfig, model_dtype: torch.dtype, block_scales: BlockScales | None = None
@@ -444,7 +453,9 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
             return amax
         self._given[module] = given  # quantize_linear takes it next
         lo, hi = self.ws.code_range
-        return given.to(torch.float32) * float(max(-lo, hi))
+        # asymmetric: |value| <= (hi - lo) * scale whatever the zero point
+        reach = max(-lo, hi) if self.ws.symmetric else hi - lo
+        return given.to(torch.float32) * float(reach)
 
     def linear_specs(self, module: str, shape: tuple[int, ...]) -> list[OutSpec]:
         g = self._group()
@@ -454,20 +465,23 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
                 "clients' kernels need it to (a smaller group_size, or granularity: channel)"
             )
         per = 32 // self.ws.code_bits
-        return [
+        specs = [
             OutSpec(f"{module}.{CT_PACKED}", torch.int32, (shape[0], -(-shape[1] // per))),
             OutSpec(f"{module}.{WEIGHT_SCALE}", self.model_dtype, self._scale_shape(shape)),
             OutSpec(f"{module}.{CT_WEIGHT_SHAPE}", torch.int64, (2,)),
         ]
+        if not self.ws.symmetric:
+            zshape = (-(-shape[0] // per), self._scale_shape(shape)[1])
+            specs.append(OutSpec(f"{module}.{CT_ZERO_POINT}", torch.int32, zshape))
+        return specs
 
     def _scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         g = self._group()
         return (shape[0], shape[1] // g) if g else (shape[0], 1)
 
-    def quantize_linear(
-        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        from qckpt.formats.intq import int_codes, int_scale, pack_int32
+    def _qparams(self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]):
+        """(scales as stored, int8 zero points or None) of ``module``'s weight ``w``."""
+        from qckpt.formats.intq import int_asym_qparams, int_scale
 
         shape = self._scale_shape(tuple(w.shape))
         given = self._given.pop(module, None)
@@ -476,14 +490,32 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
         if given is not None:  # GPTQ's group scales, made as it reached each group
             if tuple(given.shape) != shape:
                 raise ExportError(f"{module}: GPTQ group scales {list(given.shape)}, not {shape}")
-            scale = given.to(self.model_dtype)
-        else:
-            wa = amax[f"{module}.weight_amax"].reshape(shape)
-            scale = int_scale(wa, self.ws.qmax, self.model_dtype)
-        codes = int_codes(w, scale, self.ws.code_range, self._group())
+            zp = None
+            if not self.ws.symmetric:
+                zp = self.block_scales.zero_points(module)
+                if zp is None or tuple(zp.shape) != shape:
+                    got = None if zp is None else list(zp.shape)
+                    raise ExportError(f"{module}: GPTQ zero points {got}, not {shape}")
+            return given.to(self.model_dtype), zp
+        if not self.ws.symmetric:
+            groups = w.to(torch.float32).reshape(shape[0], shape[1], -1)
+            mn, mx = groups.amin(dim=-1), groups.amax(dim=-1)
+            return int_asym_qparams(mn, mx, self.ws.code_range, self.model_dtype)
+        wa = amax[f"{module}.weight_amax"].reshape(shape)
+        return int_scale(wa, self.ws.qmax, self.model_dtype), None
+
+    def quantize_linear(
+        self, module: str, w: torch.Tensor, amax: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        from qckpt.formats.intq import int_codes, pack_int32, pack_int32_rows
+
+        scale, zp = self._qparams(module, w, amax)
+        codes = int_codes(w, scale, self.ws.code_range, self._group(), zp)
         yield f"{module}.{CT_PACKED}", pack_int32(codes, self.ws.code_bits)
         yield f"{module}.{WEIGHT_SCALE}", scale
         yield f"{module}.{CT_WEIGHT_SHAPE}", torch.tensor(list(w.shape), dtype=torch.int64)
+        if zp is not None:
+            yield f"{module}.{CT_ZERO_POINT}", pack_int32_rows(zp, self.ws.code_bits)
 
     def stacks(self) -> bool:
         return False
@@ -493,7 +525,7 @@ class CompressedTensorsInt4Layout(CompressedTensorsLayout):
         weights = {
             "num_bits": self.ws.code_bits,
             "type": "int",
-            "symmetric": True,
+            "symmetric": self.ws.symmetric,
             "group_size": g or None,
             "strategy": "group" if g else "channel",
             "dynamic": False,

@@ -117,8 +117,9 @@ def _ct_nvfp4_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> 
 
 
 def _ct_int_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Scheme | None:
-    """compressed-tensors ``pack-quantized``: symmetric INT4 weights per group or channel,
-    packed into int32 words; weight-only (the inputs in the model dtype)."""
+    """compressed-tensors ``pack-quantized``: INT4 weights per group or channel packed into
+    int32 words (asymmetric groups: their zero points too, packed along the rows); weight-only
+    (the inputs in the model dtype)."""
     bits, strategy, g = w.get("num_bits"), w.get("strategy"), w.get("group_size")
     if bits not in (4, 8) or w.get("type") != "int" or strategy not in ("group", "channel"):
         problems.append(
@@ -126,8 +127,12 @@ def _ct_int_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Sc
             f"{strategy!r}: qckpt checks 4- or 8-bit int per group or channel"
         )
         return None
-    if w.get("symmetric") is False:
-        problems.append(f"config.json: asymmetric int{bits} weights (zero points) are not checked")
+    asym = w.get("symmetric") is False
+    if asym and (bits, strategy) != (4, "group"):
+        problems.append(
+            f"config.json: asymmetric int{bits} {strategy} weights (zero points) are not checked "
+            "(int4 groups are)"
+        )
         return None
     if strategy == "group" and not (isinstance(g, int) and g > 0):
         problems.append(
@@ -140,8 +145,15 @@ def _ct_int_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Sc
             "not checked (qckpt writes them weight-only)"
         )
         return None
+    if w.get("actorder") not in (None, "weight", "static"):
+        problems.append(
+            f"config.json: actorder {w.get('actorder')!r} (a g_idx) is not checked: "
+            "compressed-tensors 0.20 reads none"
+        )
+        return None
     return Scheme(
-        name=f"INT{bits} W{bits}A16 {f'group {g}' if strategy == 'group' else 'channel'}",
+        name=f"INT{bits} W{bits}A16 {f'group {g}' if strategy == 'group' else 'channel'}"
+        f"{' asymmetric' if asym else ''}",
         weight=strategy,
         static_input=False,
         scale_dtypes=FLOAT_DTYPES,
@@ -150,6 +162,7 @@ def _ct_int_scheme(qc: dict, w: dict, i: dict | None, problems: list[str]) -> Sc
         codes_leaf=CT_PACKED,
         codes_dtype="I32",
         int_bits=int(bits),
+        zero_points=asym,
     )
 
 

@@ -10,7 +10,8 @@ nvfp4           ``e2m1 * (scale / global_scale)`` (compressed-tensors) or
 mxfp4, mxfp8    ``code * 2**(scale - 127)`` (E2M1 / E4M3 codes, E8M0 scales per 32, no
                 global scale)
 int4, int8      ``code * scale`` (codes from int32 words, or int8 ones; a scale per tensor,
-                per row or per group of columns)
+                per row or per group of columns); asymmetric int4 groups ``(code - zp) *
+                scale``, the zero points packed into int32 words along the rows
 ==============  =================================================================================
 
 The weight's ``QuantWeight.scheme`` says which (its ``packed_fp4``, its ``group``).
@@ -116,7 +117,15 @@ def _int_value(
         s = fetch(w.scale, None, None).to(dev, torch.float32).reshape(-1, 1)[r[0] : r[1]]
         return v.mul_(s)
     g = w.block[1]
-    s = fetch(w.scale, r, (c0 // g, -(-c1 // g))).to(dev)
+    gc = (c0 // g, -(-c1 // g))
+    s = fetch(w.scale, r, gc).to(dev)
+    if w.zero_point:  # (code - zp) * scale, the zero points packed along the rows
+        from qckpt.formats.intq import unpack_int32_rows
+
+        zw = fetch(w.zero_point, (r0 // per, -(-r1 // per)), gc).to(dev)
+        zp = unpack_int32_rows(zw, w.packed_bits, zw.shape[0] * per)
+        zp = zp[r0 - (r0 // per) * per :][: r1 - r0]
+        v.sub_(_expand(zp, 1, g, (0, r1 - r0), c))
     return v.mul_(_expand(s, 1, g, (0, r1 - r0), c))
 
 

@@ -59,6 +59,13 @@ class BlockScales:
     search: bool = False
     # module -> the E4M3 block scales to write (a gptq calibration's), or None: the rule above
     given: Callable[[str], torch.Tensor | None] | None = None
+    # module -> the int8 zero points beside given asymmetric INT4 group scales (gptq's)
+    given_zero_points: Callable[[str], torch.Tensor | None] | None = None
+
+    def zero_points(self, module: str) -> torch.Tensor | None:
+        """The given zero points of ``module`` (None: none given)."""
+        f = self.given_zero_points
+        return None if f is None else f(module)
 
 
 class ExportLayout:

@@ -59,6 +59,8 @@ CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 # integer codes packed into int32 words (INT4 W4A16), and the logical shape stored beside them
 CT_INT_PACKED_FORMAT = "pack-quantized"
 CT_WEIGHT_SHAPE = "weight_shape"
+# asymmetric pack-quantized weights: int4 zero points packed into int32 along the output dim
+CT_ZERO_POINT = "weight_zero_point"
 # E2M1 codes under E8M0 scales per 32 (MXFP4)
 CT_MXFP4_FORMAT = "mxfp4-pack-quantized"
 CT_MXFP8_FORMAT = "mxfp8-quantized"

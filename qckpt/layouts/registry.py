@@ -83,7 +83,7 @@ def detect_layout(
     except CheckpointError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
     layout.dtype = model_dtype(config)
-    claimed = {k for w in layout.weights.values() for k in (w.codes, w.scale, w.global_scale)}
+    claimed = {k for w in layout.weights.values() for k in (w.codes, *w.aux_keys)}
     for k, (_, _, dt) in index.items():
         if k in claimed:
             continue

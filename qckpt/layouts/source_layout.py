@@ -54,6 +54,13 @@ class QuantWeight:
     # integer codes packed into int32 words, this many bits each (compressed-tensors
     # pack-quantized); 0: one code per stored element
     packed_bits: int = 0
+    # stored key of the zero points packed along the rows (asymmetric pack-quantized); "": none
+    zero_point: str = ""
+
+    @property
+    def aux_keys(self) -> tuple[str, ...]:
+        """The stored keys beside the codes (scales, a global scale, zero points)."""
+        return tuple(k for k in (self.scale, self.global_scale, self.zero_point) if k)
 
     @property
     def scale_layout(self) -> str:
@@ -90,7 +97,7 @@ class SourceLayout:
         """The index a BF16 checkpoint of the same model would have: quantized weights under
         their logical name, shape and dtype; quantization parameters gone."""
         out: Index = {}
-        claimed = {k for w in self.weights.values() for k in (w.codes, w.scale, w.global_scale)}
+        claimed = {k for w in self.weights.values() for k in (w.codes, *w.aux_keys)}
         for k, v in index.items():
             if k in claimed or k in self.hidden:
                 continue
@@ -265,10 +272,18 @@ def int_packed_weights(index: Index, bits: int, groups: list[int]) -> dict:
                 f"{skey}: shape {list(scale_shape)} fits no int{bits} group size {groups} of a "
                 f"{rows} x {fits[0]}..{fits[-1]} weight"
             )
+        zkey = f"{mod}.weight_zero_point"
+        zp = zkey if gran == "group" and zkey in index else ""
+        if zp and tuple(index[zkey][1]) != (-(-rows * bits // 32), scale_shape[-1]):
+            raise CheckpointError(
+                f"{zkey}: shape {list(index[zkey][1])}, not the zero points of {list(scale_shape)} "
+                "scales packed along the rows"
+            )
         out[f"{mod}.weight"] = QuantWeight(
             name=f"{mod}.weight",
             shape=(rows, cols),
-            scheme=cls(granularity=gran, block=block),
+            scheme=cls(granularity=gran, block=block, symmetric=not zp),
+            zero_point=zp,
             granularity=gran,
             block=block,
             codes=key,

@@ -219,6 +219,8 @@ def quantized_read_bytes(w: Any, raw: dict, rows: tuple[int, int], cols: tuple[i
                 total += nbytes(w.scale, (-(-b // b0) - a // b0, -(-c1 // b1) - c0 // b1))
             else:  # per tensor or per channel: the whole scale tensor, once per chunk
                 total += nbytes(w.scale, raw[w.scale][1])
+            if w.zero_point:  # asymmetric groups: their zero points, all rows' words
+                total += nbytes(w.zero_point, raw[w.zero_point][1])
             continue
         total += nbytes(w.codes, (b - a, -(-c1 // 2) - c0 // 2))
         g = w.scheme.group

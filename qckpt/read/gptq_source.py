@@ -5,7 +5,8 @@ weights in place of the linears' own.
 safetensors file per EP rank (``ep000.safetensors``, ...) holding, in checkpoint (per-expert)
 naming, each GPTQ'd linear's ``{module}.weight`` in the model's dtype (the dequantized GPTQ
 values) and, for NVFP4, ``{module}.weight_block_scale`` (the E4M3 block scales GPTQ chose,
-which the export writes as they are). :class:`GptqSource` keeps the original's entries, order
+which the export writes as they are; INT4's group scales, and for asymmetric INT4 the int8
+``{module}.weight_zero_point`` beside them). :class:`GptqSource` keeps the original's entries, order
 and every other tensor; an entry one of whose checkpoint tensors is in the sidecar is read from
 the sidecar (a fused experts tensor assembled from its experts' views), one in flight, and has
 no byte span (the export's bulk path would read the original's bytes). The entries and hence
@@ -29,6 +30,8 @@ from qckpt.models.naming import hf_tensors
 from qckpt.read.source import CheckpointSource, Entry
 
 BLOCK_SCALE = "weight_block_scale"
+# asymmetric INT4 groups: the int8 zero points GPTQ chose beside each group's scale
+ZERO_POINT = "weight_zero_point"
 
 
 class GptqSource(CheckpointSource):
@@ -41,6 +44,7 @@ class GptqSource(CheckpointSource):
         self.base, self.format, self.model_type = base, base.format, model_type
         self.where: dict[str, Path] = {}
         self.block_scales: dict[str, Path] = {}
+        self.zero_points: dict[str, Path] = {}
         for f in files:
             path = Path(root) / f
             if not path.is_file():
@@ -51,6 +55,8 @@ class GptqSource(CheckpointSource):
                 for k in h.keys():  # noqa: SIM118 - safe_open has no iteration
                     if k.endswith("." + BLOCK_SCALE):
                         self.block_scales[k[: -len(BLOCK_SCALE) - 1]] = path
+                    elif k.endswith("." + ZERO_POINT):
+                        self.zero_points[k[: -len(ZERO_POINT) - 1]] = path
                     else:
                         self.where[k] = path
         self._over: dict[str, list[str]] = {}
@@ -100,6 +106,13 @@ class GptqSource(CheckpointSource):
             return None
         with safe_open(str(path), "pt") as h:
             return h.get_tensor(f"{module}.{BLOCK_SCALE}")
+
+    def zero_point(self, module: str) -> torch.Tensor | None:
+        path = self.zero_points.get(module)
+        if path is None:
+            return None
+        with safe_open(str(path), "pt") as h:
+            return h.get_tensor(f"{module}.{ZERO_POINT}")
 
     def __getattr__(self, name: str):
         # anything else a reader asks of a source (files, headers, layout...) is the base's

@@ -103,12 +103,12 @@ class SafetensorsSource(CheckpointSource):
             return stored
         by_name = {e.name: e for e in stored}
         by_codes = {w.codes: w for w in layout.weights.values()}
-        claimed = {k for w in layout.weights.values() for k in (w.scale, w.global_scale) if k}
+        claimed = {k for w in layout.weights.values() for k in w.aux_keys}
         out: list[Entry] = []
         for e in stored:
             w = by_codes.get(e.name)
             if w is not None:
-                scales = tuple(k for k in (w.scale, w.global_scale) if k)
+                scales = w.aux_keys
                 parts = tuple(by_name[k] for k in (w.codes, *scales))
                 nbytes = sum(p.nbytes for p in parts)
                 out.append(

@@ -28,6 +28,13 @@ QUANTS = {
         "weights": {"format": "int4", "granularity": "group", "block_size": [32]},
         "inputs": {"format": "none"},
     },
+    # the same with a zero point per group (symmetric: false); the act-order case: every
+    # group's scale and zero point from the weight before the sweep, columns in Hessian order
+    "int4_asym": {
+        "weights": {"format": "int4", "granularity": "group", "block_size": [32],
+                    "symmetric": False},
+        "inputs": {"format": "none"},
+    },
     # INT8 W8A8 per channel with static per-tensor int8 inputs (their calibrated amax crosses
     # ranks; GPTQ's inputs quantized as vLLM's int8 kernels do)
     "int8": {
@@ -57,7 +64,10 @@ QUANTS = {
 }  # fmt: skip
 COLD = [5, 6, 7]
 # a case's name -> its calibrate options beside the algorithm
-OPTIONS = {"gptq+qin": {"algorithm": "gptq", "gptq_inputs": "quantized"}}
+OPTIONS = {
+    "gptq+qin": {"algorithm": "gptq", "gptq_inputs": "quantized"},
+    "gptq+ao": {"algorithm": "gptq", "gptq_act_order": True},
+}
 
 
 def _recipe(quant: str, algorithm: str):
@@ -168,10 +178,11 @@ def _strip(rows: list[dict]) -> list[dict]:
 @pytest.mark.parametrize(("case", "quant"), [("mse", q) for q in ("fp8_channel", "nvfp4", "int4",
                                                                   "int8", "mxfp4")]
                          + [("gptq", "nvfp4"), ("gptq+qin", "nvfp4"), ("gptq", "int4"),
-                            ("gptq+qin", "int8"), ("gptq", "mxfp4"),
+                            ("gptq+ao", "int4_asym"), ("gptq+qin", "int8"), ("gptq", "mxfp4"),
                             ("gptq+qin", "mxfp8")]
                          + [("max", "mixed"), ("gptq+qin", "mixed")]
-                         + [("awq", q) for q in sorted(QUANTS) if q != "mxfp8"])  # fmt: skip
+                         + [("awq", q) for q in sorted(QUANTS) if q not in ("mxfp8",
+                                                                             "int4_asym")])  # fmt: skip
 def test_export_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, hf_salient, tmp_path, case, quant):
     from qckpt.calib.state_file import calibration_differences
 

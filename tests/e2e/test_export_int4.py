@@ -156,11 +156,6 @@ def test_an_unwritable_scheme_is_refused_in_one_line(root, name, weights, inputs
             {"algorithm": "gptq", "gptq_block": 48},
             "calibrate.gptq_block (48) must be a multiple",
         ),
-        (
-            "gptq-act-order",
-            {"algorithm": "gptq", "gptq_act_order": True},
-            "act-order with int4 groups of 32 is not written yet",
-        ),
     ],
 )
 def test_what_an_algorithm_cannot_do_with_int4_is_refused_before_any_work(

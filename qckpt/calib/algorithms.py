@@ -105,6 +105,12 @@ class Mse(Algorithm):
     # integer scales as the export stores them (compressed-tensors: the model dtype)
     scale_dtype: torch.dtype = torch.float32
 
+    def refuses(self, scheme: Any) -> str | None:
+        # the clip search is over symmetric scales: a zero point moves both ends of a group
+        if not scheme.symmetric:
+            return f"does not search {scheme.describe()} (its clips are symmetric)"
+        return None
+
     @classmethod
     def from_config(cls, c: Any, input_dtype: torch.dtype) -> Algorithm:  # noqa: ARG003
         return cls(scale_dtype=input_dtype)

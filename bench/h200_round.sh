@@ -81,6 +81,7 @@ STEPS=(
   loadprof_48l:240
   pyc_warm:180
   moe_model:300
+  llmc:900
   gptq_tests:300
   gptq_8l:600
   gptq_48l:1500
@@ -226,6 +227,41 @@ step_moe_model() {
     --train "$q/train64.bin" --heldout "$q/heldout.bin" --seconds 150
 }
 
+# issue 42's baselines: llm-compressor 0.14's W4A16 GPTQ and W8A8 (SmoothQuant + GPTQ) of both
+# trained models from bench.quality's calibration windows (bench/llmcompressor_export.py), into
+# $WORK/llmc/MODEL-SCHEME; llm-compressor's site (.llmc/, bench/llmc_bundle.sh) is installed into
+# /tmp/lcsite and put first on PYTHONPATH for these processes only (/tmp/site, vLLM's, has its own
+# compressed-tensors). LLMC_DEVICE=cpu LLMC_MODELS=llama: the Llama alone on a CPU, to try it.
+step_llmc() {
+  local q=${QCKPT_QUALITY:-$PWD/../shared/quality} site=${LCSITE:-/tmp/lcsite} m s rc=0
+  if [ ! -d "$site/llmcompressor" ]; then
+    [ -x .llmc/install.sh ] || { echo "no .llmc/ (bash bench/llmc_bundle.sh, then carry .llmc)"; return 1; }
+    LCSITE="$site" PY="$PY" bash .llmc/install.sh || return 1
+  fi
+  for m in ${LLMC_MODELS:-llama qwen3moe}; do
+    local dir="$q/models/$m-textlm"
+    [ -f "$dir/config.json" ] || { echo "no $dir"; rc=1; continue; }
+    for s in w4a16 w8a8; do
+      CUDA_VISIBLE_DEVICES=$GPU PYTHONPATH="$site:$PWD" "$PY" -m bench.llmcompressor_export \
+        --model "$dir" --calib "$q/calib.bin" --out "$WORK/llmc/$m-$s" --scheme "$s" \
+        --device "${LLMC_DEVICE:-cuda}" 2>&1 | grep -v -E "it/s\]|s/it\]|METRIC|Quantizing 1 module" || rc=1
+      [ -f "$WORK/llmc/$m-$s/config.json" ] || rc=1
+    done
+  done
+  return $rc
+}
+
+# the --extra rows of step_llmc's exports (bench.quality gives each to the model whose config matches)
+llmc_extras() {
+  local m s name
+  for m in llama qwen3moe; do
+    for s in w4a16 w8a8; do
+      name=lc-w8a8; [ "$s" = w4a16 ] && name=lc-w4a16-gptq
+      [ -f "$WORK/llmc/$m-$s/config.json" ] && printf -- '--extra %s=%s ' "$m-$name" "$WORK/llmc/$m-$s"
+    done
+  done
+}
+
 # issue 27's table: bench.quality --algorithms on both trained models (NVFP4 W4A4 per
 # calibrate.algorithm; qckpt eval, transformers and vLLM side by side; vLLM carried in /tmp/site),
 # the updated docs/QUALITY.md kept beside the JSON
@@ -247,7 +283,7 @@ step_quality_w4a16() {
   CUDA_VISIBLE_DEVICES=$GPU QCKPT_VLLM_SITE=${QCKPT_VLLM_SITE:-/tmp/site} "$PY" -m bench.quality \
     --algorithms ${W4A16_ALGOS:-max,gptq} --algorithms-on int4,mxfp4,int8,nvfp4a16,mxfp8 --model "llama=$q/models/llama-textlm" \
     --model "qwen3moe=$q/models/qwen3moe-textlm" --calib "$q/calib.bin" --heldout "$q/heldout.bin" \
-    --work "$WORK/quality-w4a16" --vllm-parallel 5 --json "$RES/quality_w4a16.json"
+    --work "$WORK/quality-w4a16" --vllm-parallel 5 --json "$RES/quality_w4a16.json" $(llmc_extras)
   local rc=$?
   cp docs/QUALITY.md "$RES/QUALITY.md"
   return $rc

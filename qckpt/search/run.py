@@ -47,13 +47,14 @@ def search_model(
     mesh: Any,
     *,
     budget: Budget,
-    other_bytes: int,
+    model_bytes: int,
     progress: Any = None,
 ) -> SearchResult:
     """The search of ``recipe`` on ``model`` (built and loaded over ``mesh``) with this rank's
     ``batches``; ``raw``: the recipe's mapping as written (the found recipe starts from it);
-    ``other_bytes``: the export's bytes of every tensor but the covered linears' weights (what
-    a size budget also pays for)."""
+    ``model_bytes``: the export's bytes were nothing quantized (every tensor of the checkpoint,
+    floating ones at the model dtype: :func:`model_bytes`); less the covered linears' weights,
+    what a size budget pays for beside them."""
     from qckpt.calib.calibrate import calibrate_model
 
     if recipe.search is None or not recipe.search.candidates:
@@ -75,6 +76,7 @@ def search_model(
     sens: Sensitivity = report["search"]
     units = make_units(sens, len(cands))
     weights = sum(u.weights for u in units)
+    other_bytes = model_bytes - weights * dtype.itemsize
     limit = budget.limit(weights, other_bytes)
 
     def least(nbytes: int) -> str:
@@ -102,6 +104,16 @@ def make_units(sens: Sensitivity, k: int) -> list[Unit]:
             u.error.append(None if u.cost[c] is None else err)
         out.append(u)
     return out
+
+
+def model_bytes(names_shapes: dict, dtype: torch.dtype) -> int:
+    """The export's bytes of a checkpoint left unquantized (``names_shapes``: name ->
+    (shape, dtype), :func:`qckpt.read.readers.checkpoint_names_shapes`): floating tensors at
+    the model dtype, the others at their own, as the export writes them."""
+    total = 0
+    for shape, dt in names_shapes.values():
+        total += _numel(shape) * (dtype.itemsize if dt.is_floating_point else dt.itemsize)
+    return total
 
 
 def _numel(shape) -> int:  # noqa: ANN001

@@ -520,6 +520,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if len(sections) == 1 and isinstance(value, dict):  # an optional section: its own error
+            return _build(sections[0], value, path)
         for a in args:
             if a is type(None):
                 continue

@@ -413,6 +413,38 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True)
+class CandidateConfig:
+    """One of ``search.candidates``: a scheme as a ``quant.schemes`` entry gives it, without
+    targets (the search gives those); weights ``{format: none}`` is the model dtype."""
+
+    weights: TensorQuantConfig = field(default_factory=TensorQuantConfig)
+    inputs: TensorQuantConfig = field(default_factory=TensorQuantConfig)
+
+    def validate(self, path: str) -> None:
+        self.weights.validate(f"{path}.weights")
+        self.inputs.validate(f"{path}.inputs")
+        _check_inputs(self.inputs, f"{path}.inputs")
+
+
+@dataclass(kw_only=True)
+class SearchConfig:
+    """``qckpt search``: one candidate scheme per linear that ``targets`` names (and
+    ``quant.ignore`` leaves), under ``budget`` (``4.5bpw`` or an export size, ``18GB``; the
+    command's ``--budget`` overrides it). Read by ``qckpt search`` only; the recipe it writes
+    has ``quant.schemes`` instead."""
+
+    candidates: list[CandidateConfig] = field(default_factory=list)
+    targets: list[str] = field(default_factory=lambda: ["*"])
+    budget: str | None = None
+
+    def validate(self, path: str) -> None:
+        if not self.candidates:
+            raise RecipeError(f"{path}.candidates: name at least one candidate scheme")
+        if not self.targets or any(not t.strip() for t in self.targets):
+            raise RecipeError(f"{path}.targets: name at least one module glob, none empty")
+
+
+@dataclass(kw_only=True)
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -422,6 +454,7 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    search: SearchConfig | None = None
 
     def validate(self, path: str) -> None:
         held, calib = self.eval.path, self.calibrate.data.path
@@ -498,6 +531,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if len(sections) == 1 and isinstance(value, dict):  # an optional section: its own error
+            return _build(sections[0], value, path)
         for a in args:
             if a is type(None):
                 continue
@@ -608,7 +644,16 @@ def recipe_from_dict(raw: dict | None, overrides: list[str] | tuple[str, ...] = 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read and validate a recipe; every failure is a one-line :class:`RecipeError`."""
+    return recipe_from_dict(read_raw(path, overrides))
+
+
+def read_raw(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """The recipe file's mapping as written, ``overrides`` applied (not validated): what a
+    command that writes a recipe (``qckpt search``) starts from."""
     raw = read_yaml_file(path)
     if raw is not None and not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
-    return recipe_from_dict(raw, overrides)
+    raw = _unshared(dict(raw or {}))
+    for ov in overrides:
+        _apply_override(raw, ov)
+    return raw

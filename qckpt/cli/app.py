@@ -11,7 +11,7 @@ from typing import Any
 import typer
 
 from qckpt import __version__, phases
-from qckpt.cli import calibrate, check, convert, export, init, inspect, load, plan
+from qckpt.cli import calibrate, check, convert, export, init, inspect, load, plan, search
 from qckpt.cli import eval as eval_
 from qckpt.cli._errors import interruptible, report
 from qckpt.term import quiet_third_party
@@ -38,6 +38,7 @@ app.command("check")(interruptible(check.check_cmd))
 app.command("plan")(interruptible(plan.plan_cmd))
 app.command("init")(interruptible(init.init_cmd))
 app.command("eval")(interruptible(eval_.eval_cmd))
+app.command("search")(interruptible(search.search_cmd))
 
 
 def _version(value: bool) -> None:

@@ -53,7 +53,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     # the data first: a short file under strict: true is refused before the weights load
     # (pure DP: every rank holds every batch and takes the next one when it comes free)
     dealt = dealable(mesh, offload)
-    batches, data_report = _data(recipe, mesh, model.config.vocab_size, dealt, hooks)
+    batches, data_report = calibration_data(recipe, mesh, model.config.vocab_size, dealt, hooks)
     runner, tap, read, steps = None, None, None, len(batches)
     with phases.phase(phases.READ):
         if offload:
@@ -63,7 +63,7 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
             runner = runner_for(recipe, mesh, model, hooks)
             steps *= model.config.num_hidden_layers
         else:
-            tap, read = _load(recipe, mesh, model, bool(built.quantized), hooks)
+            tap, read = load_weights(recipe, mesh, model, bool(built.quantized), hooks)
     how = f", dealt to the {mesh.dp} DP ranks as they come free" if dealt else ""
     hooks.log(f"calibrating on {len(batches)} batches{how}")
     # the amax sync inside is charged to its own phase (calib.sync is timed); with offload
@@ -158,7 +158,7 @@ def algorithm_of(recipe):
     return algo
 
 
-def _data(recipe: Recipe, mesh: Mesh, vocab_size: int, dealt: bool, hooks: Hooks):
+def calibration_data(recipe: Recipe, mesh: Mesh, vocab_size: int, dealt: bool, hooks: Hooks):
     """This rank's batches (all of them, dealt as the ranks come free, when ``dealt``) and
     what the calibration set held; a set EP cannot split evenly is refused here."""
     from qckpt.calib.data import calibration_batches, check_even_split
@@ -185,7 +185,7 @@ def _advance_dealt(advance, batches, *_) -> None:
     advance(batches.position, len(batches))
 
 
-def _load(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
+def load_weights(recipe: Recipe, mesh: Mesh, model, quantized: bool, hooks: Hooks):
     """The whole (sharded) model's weights from the checkpoint; the weight-amax tap of a
     quantized-resident model (else None), and what this rank read (bytes, split or not)."""
     from qckpt.calib.calibrate import wait_device

@@ -1,0 +1,1 @@
+"""``qckpt search``: a candidate scheme per linear under a size budget, by measured sensitivity."""

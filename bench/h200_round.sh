@@ -281,7 +281,7 @@ step_quality_algos() {
 step_quality_w4a16() {
   local q=${QCKPT_QUALITY:-$PWD/../shared/quality}
   CUDA_VISIBLE_DEVICES=$GPU QCKPT_VLLM_SITE=${QCKPT_VLLM_SITE:-/tmp/site} "$PY" -m bench.quality \
-    --algorithms ${W4A16_ALGOS:-max,gptq} --algorithms-on int4,mxfp4,int8,nvfp4a16,mxfp8 --model "llama=$q/models/llama-textlm" \
+    --algorithms ${W4A16_ALGOS:-max,gptq,mse,awq} --algorithms-on ${W4A16_ON:-int4,mxfp4,int8,nvfp4a16,mxfp8,int4-fp8} --model "llama=$q/models/llama-textlm" \
     --model "qwen3moe=$q/models/qwen3moe-textlm" --calib "$q/calib.bin" --heldout "$q/heldout.bin" \
     --work "$WORK/quality-w4a16" --vllm-parallel 5 --json "$RES/quality_w4a16.json" $(llmc_extras)
   local rc=$?

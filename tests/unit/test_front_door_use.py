@@ -36,6 +36,9 @@ ALLOWED = {
     # the amax sync alone, on synthetic quantizers
     ("bench/sync.py", "qckpt.calib.quantizer"): "AmaxStore / TensorQuantizer to sync",
     ("bench/sync.py", "qckpt.calib.sync"): "sync_amax, the protocol timed alone",
+    # a peer tool's baseline calibrated on qckpt's very windows: the loader alone, no model
+    ("bench/llmcompressor_export.py", "qckpt.calib.data"): "the calibration windows' bytes",
+    ("bench/llmcompressor_export.py", "qckpt.recipe"): "the DataConfig of bench.quality's recipe",
     # calibration's forward overhead: the quantizers inserted and removed around a model
     ("bench/calibrate_speed.py", "qckpt.calib.instrument"): "insert / remove quantizers",
     ("bench/calibrate_speed.py", "qckpt.recipe"): "a QuantConfig for the instrumentation",

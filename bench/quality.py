@@ -387,7 +387,7 @@ def vllm_lock() -> Iterator[None]:
     """Held while this process's vLLM engines run, where ``QCKPT_VLLM_LOCK`` names a file: the
     GPU round runs ``tests/gpu`` beside the bench on one GPU, and engines that start while
     another process's engines hold most of the memory fail their memory profile
-    (tests/gpu/vllm/conftest.py takes the same lock)."""
+    (tests/gpu/vllm/conftest.py holds it around each of its tests)."""
     path = os.environ.get("QCKPT_VLLM_LOCK")
     if not path:
         yield

@@ -1,25 +1,16 @@
 """One process's vLLM engines at a time where ``QCKPT_VLLM_LOCK`` names a file: the GPU round
 runs these tests beside bench.quality's engines on one GPU, and an engine that starts while
-another process's engines hold most of the memory fails its memory profile (the bench takes
-the same lock in ``bench.quality.vllm_lock``)."""
+another process's engines hold most of the memory fails its memory profile. The lock is
+bench.quality's own (:func:`bench.quality.vllm_lock`)."""
 
 from __future__ import annotations
 
-import fcntl
-import os
-
 import pytest
+
+from bench.quality import vllm_lock
 
 
 @pytest.fixture(autouse=True)
 def _one_process_of_vllm_engines():
-    path = os.environ.get("QCKPT_VLLM_LOCK")
-    if not path:
+    with vllm_lock():
         yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)

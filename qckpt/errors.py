@@ -42,6 +42,14 @@ class CheckpointError(QckptError):
     """A checkpoint that cannot be read or does not fit the model."""
 
 
+class SourceLayoutError(CheckpointError):
+    """A quantized source whose tensors contradict its own layout (scales that do not fit
+    their codes, codes without their scales): bad input, exit code 2, before any tensor is
+    written."""
+
+    exit_code = 2
+
+
 class CalibrationError(QckptError):
     """Calibration failed: non-finite activations, incomplete MoE coverage, a failed sync."""
 

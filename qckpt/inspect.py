@@ -288,7 +288,7 @@ def inspect_hf_dir(path: Path, layout: bool = True) -> dict[str, Any]:
     schemes = export_schemes(path, entries)
     if len(schemes) > 1:  # a mixed export; a one-scheme one reads as it did before
         out["schemes"] = schemes
-    out["scales"] = sum(1 for k in entries if k.endswith(("_scale", "_scale_2")))
+    out["scales"] = sum(1 for k in entries if k.endswith(("_scale", "_scale_2", "_scales")))
     cfg = read_json(path / "config.json") if (path / "config.json").exists() else {}
     if layout:
         out["source_layout"] = _source_layout(src, cfg)
@@ -319,7 +319,9 @@ def _quant_summary(path: Path) -> dict[str, Any]:
                 }
                 for g, v in (groups.items() if isinstance(groups, dict) else [])
             }
-            out["ignore"] = qc.get("ignore") or qc.get("exclude_modules")
+            out["ignore"] = (
+                qc.get("ignore") or qc.get("exclude_modules") or qc.get("modules_to_not_convert")
+            )
     if (path / "hf_quant_config.json").exists():
         q = read_json(path / "hf_quant_config.json", what="ModelOpt config")
         q = q.get("quantization") if isinstance(q.get("quantization"), dict) else {}

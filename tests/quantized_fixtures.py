@@ -9,6 +9,10 @@
   channel ``int-quantized``, ``mxfp4-pack-quantized``), scales computed here as
   llm-compressor's observers would (amax / qmax; NVFP4: global 448*6/amax, E4M3 per 16; the
   integer and MX kinds by compressed-tensors' ``calculate_qparams``).
+* ``gpt_oss_mxfp4``: a tiny gpt-oss (``gpt_oss_bf16``: hidden 64, 2 layers, 4 experts) with
+  its experts packed here as OpenAI's releases store them (``{proj}_blocks`` uint8 [E, rows,
+  cols / 32, 16], ``{proj}_scales`` uint8 E8M0 [E, rows, cols / 32], ``quant_method: mxfp4``),
+  each group's exponent OCP's ``floor(log2(amax)) - 2`` and its codes the nearest E2M1.
 * qckpt's own exports (compressed-tensors per-tensor FP8, ModelOpt FP8 and NVFP4) come from
   ``tests.export_fixtures.run_export``.
 
@@ -226,6 +230,83 @@ def compressed_tensors(
     return _write(src, out, tensors, qc)
 
 
+# gpt-oss's own choice of what stays BF16 (its releases' config.json)
+GPT_OSS_NOT_CONVERTED = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+]
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def gpt_oss_bf16(root: Path, seed: int = 0) -> Path:
+    """A tiny gpt-oss saved by transformers (BF16; its experts fused and transposed, biased)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    out = root / "gpt-oss-bf16"
+    if out.exists():
+        return out
+    cfg = GptOssConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,  # not the hidden size: a transposed read cannot pass unseen
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        with torch.no_grad():  # biases that matter, so that a lost one shows in the logits
+            for name, p in model.named_parameters():
+                if name.endswith("_bias"):
+                    p.normal_(0.0, 0.02)
+    finally:
+        torch.random.set_rng_state(state)
+    model.save_pretrained(out)
+    return out
+
+
+def mxfp4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [..., rows, cols] -> (blocks uint8 [..., rows, cols / 32, 16], scales uint8
+    [..., rows, cols / 32]): per 32 columns the exponent ``floor(log2(amax)) - 2`` (E2M1's
+    largest is 6 = 1.5 * 2**2), codes the nearest E2M1 of ``w / 2**e`` (saturated at 6), the
+    even column in the low nibble."""
+    *lead, rows, cols = w.shape
+    g = w.float().reshape(*lead, rows, cols // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127))
+    e = e.clamp(-127, 127)
+    x = (g / torch.exp2(e)).clamp(-6.0, 6.0)
+    mag = (x.abs().unsqueeze(-1) - E2M1_GRID).abs().argmin(-1).to(torch.uint8)
+    codes = mag | ((x < 0).to(torch.uint8) << 3)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (e.squeeze(-1) + 127).to(torch.uint8)
+
+
+def gpt_oss_mxfp4(src: Path, out: Path) -> Path:
+    """The gpt-oss dir ``src`` with its experts stored as its MXFP4 releases store them."""
+    tensors: dict[str, torch.Tensor] = {}
+    for k, t in _tensors(src).items():
+        if k.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            # the model's [E, in, out] is stored as each expert's [out, in] linear
+            blocks, scales = mxfp4_pack(t.transpose(1, 2))
+            tensors[f"{k}_blocks"], tensors[f"{k}_scales"] = blocks, scales
+        else:
+            tensors[k] = t
+    qc = {"quant_method": "mxfp4", "modules_to_not_convert": list(GPT_OSS_NOT_CONVERTED)}
+    return _write(src, out, tensors, qc)
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[0] if argv else "runs/quantized-sources")
     src = bf16_dir(root)
@@ -233,6 +314,7 @@ def main(argv: list[str]) -> int:
         print(blockwise_fp8(src, root / f"fp8-blockwise-{block[0]}x{block[1]}", block))
     for kind in ("channel", "block", "nvfp4"):
         print(compressed_tensors(src, root / f"ct-{kind}", kind))
+    print(gpt_oss_mxfp4(gpt_oss_bf16(root), root / "gpt-oss-mxfp4"))
     return 0
 
 

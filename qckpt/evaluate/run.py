@@ -24,6 +24,7 @@ from qckpt.evaluate.options import EvalOptions
 from qckpt.evaluate.scheme import as_on_hopper, inputs_only, read_scheme, weights_only
 from qckpt.evaluate.windows import Windows, data_section, make_windows, tokenizer_of
 from qckpt.layouts.source_layout import model_dtype, read_json_if_any
+from qckpt.models.naming import refuse_experts_layout
 
 # past these the report says the export is broken, not merely lossy
 WARN_INCREASE = 0.10
@@ -142,6 +143,8 @@ def evaluate(
     across calls with the same source, data and options (the source's outputs are computed
     once; a benchmark of several exports uses it)."""
     t0 = time.perf_counter()
+    source_type = (read_json_if_any(source_dir / "config.json") or {}).get("model_type")
+    refuse_experts_layout(str(source_type or ""), "eval")
     scheme = read_scheme(export_dir, opts.fused)
     if opts.inputs == "unquantized":
         scheme = weights_only(scheme)

@@ -8,7 +8,7 @@ fp8             ``code * scale`` (per tensor, per row, or per block ``scale[i //
 nvfp4           ``e2m1 * (scale / global_scale)`` (compressed-tensors) or
                 ``e2m1 * (weight_scale_2 * scale)`` (ModelOpt)
 mxfp4, mxfp8    ``code * 2**(scale - 127)`` (E2M1 / E4M3 codes, E8M0 scales per 32, no
-                global scale)
+                global scale); gpt-oss's experts per expert, transposed (``experts``)
 int4, int8      ``code * scale`` (codes from int32 words, or int8 ones; a scale per tensor,
                 per row or per group of columns); asymmetric int4 groups ``(code - zp) *
                 scale``, the zero points packed into int32 words along the rows
@@ -129,17 +129,51 @@ def _int_value(
     return v.mul_(_expand(s, 1, g, (0, r1 - r0), c))
 
 
+def _experts_into(
+    out: torch.Tensor,
+    w: QuantWeight,
+    fetch: Fetch,
+    box: tuple[tuple[int, int], tuple[int, int], tuple[int, int]],
+) -> torch.Tensor:
+    """``out`` <- experts ``box[0]`` x logical rows ``box[1]`` x logical cols ``box[2]`` of a
+    weight stored per expert transposed (``QuantWeight.experts``): for each expert, chunks of
+    its stored rows (the logical cols) dequantized as a 2-D MX weight and written transposed."""
+    (e0, e1), (c0, c1), (r0, r1) = box
+    want = (e1 - e0, c1 - c0, r1 - r0)
+    if tuple(out.shape) != want:
+        raise CheckpointError(f"{w.name}: region {list(want)} read into {list(out.shape)}")
+    step = max(1, CHUNK_ELEMS // max(w.shape[1], 1))
+    for e in range(e0, e1):
+
+        def expert_rows(key: str, r: Any, c: Any, e: int = e) -> torch.Tensor:
+            # the stored tensor's first two axes are (expert, row): one expert's rows, every
+            # group of them, as a 2-D [rows, bytes or groups] tensor
+            t = fetch(key, (e, e + 1), r)
+            return t.reshape(t.shape[1], -1)[:, c[0] : c[1]]
+
+        for a in range(r0, r1, step):
+            b = min(r1, a + step)
+            v = _mx_value(w, expert_rows, (a, b), (c0, c1), out.device)
+            out[e - e0, :, a - r0 : b - r0].copy_(v.T)
+    return out
+
+
 def dequantize_into(
     out: torch.Tensor,
     w: QuantWeight,
     fetch: Fetch,
     rows: tuple[int, int] | None = None,
     cols: tuple[int, int] | None = None,
+    experts: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """``out`` (shape rows x cols, any float dtype, any device) <- the dequantized region.
+    """``out`` (shape rows x cols, any float dtype, any device) <- the dequantized region; a
+    3-D ``out`` (experts x rows x cols) for a fused experts weight (``w.experts``).
 
     Row chunk by row chunk: each chunk's codes are read, moved to ``out``'s device, multiplied
     by their scales in float32 and rounded once into ``out``."""
+    if w.experts:
+        box = (experts or (0, w.shape[0]), rows or (0, w.shape[1]), cols or (0, w.shape[2]))
+        return _experts_into(out, w, fetch, box)
     rows = rows or (0, w.shape[0])
     cols = cols or (0, w.shape[1])
     nr, nc = rows[1] - rows[0], cols[1] - cols[0]

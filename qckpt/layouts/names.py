@@ -67,6 +67,12 @@ CT_MXFP8_FORMAT = "mxfp8-quantized"
 MX_GROUP = 32
 # integer codes one per int8 (INT8 W8A8)
 CT_INT_FORMAT = "int-quantized"
+# gpt-oss's MXFP4 experts (``quant_method: mxfp4``): ``{experts}.{proj}_blocks`` uint8
+# [experts, rows, cols / 32, 16] (two E2M1 codes a byte) and ``{proj}_scales`` uint8 [experts,
+# rows, cols / 32] (E8M0) beside the model's ``{proj}`` [experts, cols, rows]
+GPT_OSS_METHOD = "mxfp4"
+GPT_OSS_BLOCKS = "_blocks"
+GPT_OSS_SCALES = "_scales"
 
 
 def packed_int_cols(words: int, bits: int) -> range:

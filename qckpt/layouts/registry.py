@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from qckpt.errors import CheckpointError, ExportError
-from qckpt.layouts import compressed_tensors, ct_writers, deepseek, modelopt
+from qckpt.layouts import compressed_tensors, ct_writers, deepseek, gpt_oss, modelopt
 from qckpt.layouts.export_layout import BlockScales, ExportLayout
+from qckpt.layouts.names import GPT_OSS_METHOD
 from qckpt.layouts.source_layout import (
     FP8_DTYPES,
     SourceLayout,
@@ -39,6 +40,7 @@ SOURCE_FAMILIES: dict[str, Callable[[Index, Any, Any], SourceLayout]] = {
     "modelopt": modelopt.read_layout,
     "compressed-tensors": compressed_tensors.read_layout,
     "fp8": deepseek.read_layout,  # DeepSeek-V3's blockwise FP8
+    GPT_OSS_METHOD: gpt_oss.read_layout,  # gpt-oss's MXFP4 experts
 }
 # export.format -> the family's ExportLayout for a one-scheme quant config, the model dtype and
 # where NVFP4 block scales come from
@@ -71,7 +73,7 @@ def detect_layout(
         elif qc is not None:
             raise CheckpointError(
                 f"quantization_config with quant_method {method!r}: not a source layout qckpt "
-                "reads (fp8 blockwise, compressed-tensors, modelopt)"
+                "reads (fp8 blockwise, compressed-tensors, modelopt, mxfp4 of gpt-oss)"
             )
         else:
             what = found(index)
@@ -80,8 +82,8 @@ def detect_layout(
                     f"unknown quantized layout: {what}, and no quantization_config in config.json"
                 )
             return SourceLayout(name="plain", dtype=model_dtype(config))
-    except CheckpointError as exc:
-        raise CheckpointError(f"{where}: {exc}") from None
+    except CheckpointError as exc:  # its kind (and exit code) kept, the dir named
+        raise type(exc)(f"{where}: {exc}") from None
     layout.dtype = model_dtype(config)
     claimed = {k for w in layout.weights.values() for k in (w.codes, *w.aux_keys)}
     for k, (_, _, dt) in index.items():

@@ -28,7 +28,13 @@ from qckpt.formats.scheme import (
     Nvfp4Scheme,
     Scheme,
 )
-from qckpt.layouts.names import NVFP4_GROUP, PARAM_SUFFIXES, packed_int_cols
+from qckpt.layouts.names import (
+    GPT_OSS_BLOCKS,
+    GPT_OSS_SCALES,
+    NVFP4_GROUP,
+    PARAM_SUFFIXES,
+    packed_int_cols,
+)
 from qckpt.storage.slices import Index
 
 FP8 = torch.float8_e4m3fn
@@ -42,7 +48,7 @@ class QuantWeight:
     """How one logical weight is stored."""
 
     name: str  # the logical name, e.g. model.layers.0.mlp.down_proj.weight
-    shape: tuple[int, int]  # logical (dequantized) shape
+    shape: tuple[int, ...]  # logical (dequantized) shape: 2-D, or 3-D where ``experts``
     scheme: Scheme  # what the codes and scales are (asked, never named)
     granularity: str  # fp8: tensor | channel | block; nvfp4: group
     block: tuple[int, int] = (1, 1)  # block: (b0, b1); nvfp4: (1, 16)
@@ -56,6 +62,10 @@ class QuantWeight:
     packed_bits: int = 0
     # stored key of the zero points packed along the rows (asymmetric pack-quantized); "": none
     zero_point: str = ""
+    # gpt-oss's fused experts: codes [experts, rows, cols / 32, 16] and scales [experts, rows,
+    # cols / 32] hold each expert's [rows, cols] linear, which the model holds transposed
+    # (``shape`` [experts, cols, rows]: the input dim first); 0 for a 2-D linear
+    experts: int = 0
 
     @property
     def aux_keys(self) -> tuple[str, ...]:
@@ -70,7 +80,8 @@ class QuantWeight:
             second = "global 1/scale" if self.global_divides else "scale_2"
             return f"{s.name} e4m3 per {s.group} + {second}"
         if s.mx:
-            return f"{s.name} e8m0 per {s.group}"
+            experts = " (experts, transposed)" if self.experts else ""
+            return f"{s.name} e8m0 per {s.group}{experts}"
         if self.granularity == "block":
             return f"{s.name} block {list(self.block)}"
         return f"{s.name} {self.granularity}"
@@ -80,7 +91,7 @@ class QuantWeight:
 class SourceLayout:
     """What a dir holds: its layout name, the quantized weights and the hidden parameters."""
 
-    name: str  # plain | fp8-blockwise | compressed-tensors | modelopt
+    name: str  # plain | fp8-blockwise | compressed-tensors | modelopt | gpt-oss-mxfp4
     detail: str = ""
     weights: dict[str, QuantWeight] = field(default_factory=dict)  # logical name -> storage
     hidden: set[str] = field(default_factory=set)  # stored keys that are no model tensor
@@ -363,9 +374,17 @@ def found(index: Index) -> str:
     """What quantized-looking tensors a dir holds, for a refusal message."""
     f8 = [k for k, (_, _, dt) in index.items() if dt in FP8_DTYPES]
     params = [k for k in index if is_param(k)]
+    blocks = [
+        k
+        for k, (_, _, dt) in index.items()
+        if dt == torch.uint8 and k.endswith(GPT_OSS_BLOCKS)
+        and k.removesuffix(GPT_OSS_BLOCKS) + GPT_OSS_SCALES in index
+    ]  # fmt: skip
     parts = []
     if f8:
         parts.append(f"{len(f8)} float8 tensors (e.g. {f8[0]})")
+    if blocks:
+        parts.append(f"{len(blocks)} MXFP4 blocks tensors (e.g. {blocks[0]})")
     if params:
         parts.append(f"{len(params)} quantization parameters (e.g. {params[0]})")
     return " and ".join(parts)

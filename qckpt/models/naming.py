@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qckpt.errors import UsageError
+
 # model_type -> (prefix rename in the checkpoint, gate name, up name, down name)
 _EXPERT_NAMES: dict[str, tuple[tuple[str, str] | None, str, str, str]] = {
     "qwen3_moe": (None, "gate_proj", "up_proj", "down_proj"),
@@ -23,6 +25,25 @@ _EXPERT_NAMES: dict[str, tuple[tuple[str, str] | None, str, str, str]] = {
     "olmoe": (None, "gate_proj", "up_proj", "down_proj"),
     "mixtral": ((".mlp.experts", ".block_sparse_moe.experts"), "w1", "w3", "w2"),
 }
+
+
+# model types whose fused experts the calibration and the export cannot lay out per expert:
+# gpt-oss holds them transposed ([E, in, out]), gate and up interleaved by column, with biases
+_UNLAID_EXPERTS = {
+    "gpt_oss": "fused experts (transposed [E, in, out], gate/up interleaved by column, biased)",
+}
+
+
+def refuse_experts_layout(model_type: str, command: str) -> None:
+    """A one-line UsageError (exit 2) when ``command`` cannot run a model of ``model_type``'s
+    experts: before any work, instead of per-expert names and slices that would be wrong."""
+    why = _UNLAID_EXPERTS.get(model_type)
+    if why is not None:
+        raise UsageError(
+            f"model_type {model_type}: qckpt {command} does not support its {why}; "
+            "qckpt convert SRC DST --to hf dequantizes its checkpoint, and qckpt load and "
+            "qckpt inspect read it"
+        )
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,10 @@ def calibrate(recipe: Recipe, mesh: Mesh, *, hooks: Hooks = SILENT) -> Calibrate
     from qckpt.calib.calibrate import calibrate_model
     from qckpt.calib.deal import dealable
     from qckpt.calib.state_file import save_calibration
+    from qckpt.models.build import load_config, model_type
+    from qckpt.models.naming import refuse_experts_layout
 
+    refuse_experts_layout(model_type(load_config(recipe.model.source)), "calibrate")
     # built on the meta device: with parallel.ep / parallel.tp each rank then allocates and
     # reads only its own experts and linear shards, never the whole model. Quantized-resident
     # weights: the linears and experts the calibration quantizes are held in that format

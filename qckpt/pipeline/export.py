@@ -24,6 +24,7 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     from qckpt.export.plan import plan_export
     from qckpt.export.writer import WriteOptions, write_export
     from qckpt.models.build import load_config
+    from qckpt.models.naming import refuse_experts_layout
     from qckpt.parallel.mesh import pick_device
     from qckpt.phases import gc_paused
 
@@ -33,11 +34,14 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
     # dir on the main rank: the same span for one process and for every rank count
     started = time.perf_counter()
     with phases.phase(phases.PLAN), gc_paused():
+        # before the calibration file: no file qckpt makes fits such a model anyway
+        refuse_experts_layout(_dir_model_type(recipe.model.source), "export")
         calibration = load_calibration(recipe.calibrate.output)
         source = recipe.model.source
         rec = calibration.model if usable(calibration.model, source) else None
         # the calibration file knows the model: no transformers config, no meta build
         cfg = _config_of(source, rec) if rec is not None else load_config(source)
+        model_type = cfg["model_type"] if isinstance(cfg, dict) else cfg.model_type
         # a model dir's config.json, tokenizer and generation files travel with the export
         source_dir = source if cfg is not None and Path(source).is_dir() else None
         plan = plan_export(
@@ -45,7 +49,7 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
             source_format=recipe.checkpoint.format,
             calibration=calibration,
             output=recipe.export.output,
-            model_type=cfg["model_type"] if isinstance(cfg, dict) else cfg.model_type,
+            model_type=model_type,
             model_config=cfg,
             quant=recipe.quant,
             export=recipe.export,
@@ -63,6 +67,17 @@ def export(recipe: Recipe, mesh: Mesh | None = None, *, hooks: Hooks = SILENT):
             return write_export(plan, progress=advance, started=started, mesh=mesh, options=options)
     finally:
         gc.unfreeze()
+
+
+def _dir_model_type(source: str) -> str:
+    """A model dir's config.json ``model_type``; "" for a built-in name (read without
+    transformers: the export builds no config where the calibration file has the model)."""
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return ""
+    from qckpt.storage.files import read_json
+
+    return str(read_json(path, what="model config").get("model_type") or "")
 
 
 def _config_of(source: str, rec: dict) -> dict:

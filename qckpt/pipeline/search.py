@@ -38,11 +38,14 @@ def search(
 
     from qckpt.calib.deal import dealable
     from qckpt.errors import UsageError
+    from qckpt.models.build import load_config, model_type
+    from qckpt.models.naming import refuse_experts_layout
     from qckpt.pipeline.calibrate import calibration_data, load_weights
     from qckpt.read.readers import checkpoint_names_shapes
     from qckpt.search.choose import parse_budget
     from qckpt.search.run import model_bytes, search_model
 
+    refuse_experts_layout(model_type(load_config(recipe.model.source)), "search")
     if recipe.search is None:
         raise UsageError("search: the recipe has no search section (search.candidates: [...])")
     b = parse_budget(budget if budget is not None else recipe.search.budget)

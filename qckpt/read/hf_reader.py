@@ -316,19 +316,25 @@ class HFSafetensorsReader(StateDictReader):
         assert piece.quant is not None
         offs = req.storage_offsets[piece.lead :]
         lens = req.lengths[piece.lead :]
-        if len(lens) != 2:
-            raise CheckpointError(f"{req.dest_index.fqn}: a quantized weight is read as 2-D")
+        if len(lens) != (3 if piece.quant.experts else 2):
+            raise CheckpointError(
+                f"{req.dest_index.fqn}: a quantized weight is read as "
+                f"{'3-D (experts)' if piece.quant.experts else '2-D'}"
+            )
         target = planner.resolve_tensor(req).detach()
         if tuple(target.size()) != tuple(req.lengths):
             raise CheckpointError(
                 f"{req.dest_index.fqn}: read {tuple(req.lengths)} for a destination slice of "
                 f"{tuple(target.size())}"
             )
+        span = [(int(o), int(o) + int(n)) for o, n in zip(offs, lens, strict=True)]
+        if piece.quant.experts:  # gpt-oss's fused experts: the box, experts first
+            dequantize_into(target, piece.quant, fetch, span[1], span[2], span[0])
+            planner.commit_tensor(req, target)
+            return
         # the stored tensor lacks the leading axes (each of length 1): index them away (a view)
         out = target[(0,) * (target.dim() - 2)] if target.dim() > 2 else target
-        rows = (int(offs[0]), int(offs[0]) + int(lens[0]))
-        cols = (int(offs[1]), int(offs[1]) + int(lens[1]))
-        dequantize_into(out, piece.quant, fetch, rows, cols)
+        dequantize_into(out, piece.quant, fetch, span[0], span[1])
         planner.commit_tensor(req, target)
 
     @classmethod

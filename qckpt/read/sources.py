@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qckpt.errors import CheckpointError
-from qckpt.layouts.names import (
-    PARAM_SUFFIXES,  # torch-free: a plain dir is told apart without torch
+from qckpt.layouts.names import (  # torch-free: a plain dir is told apart without torch
+    GPT_OSS_BLOCKS,
+    PARAM_SUFFIXES,
 )
 from qckpt.read.source import CheckpointSource, Entry
 from qckpt.storage import safetensors as stio
@@ -193,7 +194,9 @@ def _maybe_quantized(path: Path, stored: list[Entry]) -> bool:
         if "quantization_config" in read_json(path / "config.json", what="model config"):
             return True
     return any(
-        e.dtype.startswith("F8_") or e.name.rpartition(".")[2].endswith(PARAM_SUFFIXES)
+        e.dtype.startswith("F8_")
+        or e.name.rpartition(".")[2].endswith(PARAM_SUFFIXES)
+        or (e.dtype == "U8" and e.name.endswith(GPT_OSS_BLOCKS))  # gpt-oss's MXFP4 codes
         for e in stored
     )
 

@@ -63,7 +63,7 @@ def calibrate_model(
     calib_dtype: torch.dtype = torch.float32,
     weight_amax: Mapping[str, torch.Tensor] | None = None,
     runner: Any = None,
-    moe_forward: str = "eager",
+    moe_forward: str = "auto",
     algorithm: str | Algorithm = "max",
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
@@ -72,7 +72,8 @@ def calibrate_model(
     weights, :mod:`qckpt.calib.weight_amax`); the forwards then run on dequantized weights.
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
-    ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
+    ``moe_forward``: the fused experts' instrumented forward (``auto`` | ``eager`` |
+    ``grouped``); the report's ``moe_forward`` says which ran, and why eager under auto.
     ``algorithm``: an :class:`qckpt.calib.algorithms.Algorithm` (or its name, with its default
     options): its pass after step 4 (``after``); awq's before step 2 (``before``), folding its
     scales into the weights that steps 2-4 then calibrate. gptq's and awq's weights:
@@ -125,6 +126,7 @@ def calibrate_model(
             algorithm_seconds=round(t_after - t_sync + awq_s, 4),  # awq's ran before the forwards
             algorithm_collectives=0 if algo is None else algo.collectives,
             shared_from_layer=len(dres.shared),
+            moe_forward=instr.moe.report(bool(instr.experts)),
         )
         if runner is not None:
             report["offload"] = runner.report()

@@ -126,7 +126,6 @@ def calibrate_model(
             algorithm_seconds=round(t_after - t_sync + awq_s, 4),  # awq's ran before the forwards
             algorithm_collectives=0 if algo is None else algo.collectives,
             shared_from_layer=len(dres.shared),
-            moe_forward=instr.moe.report(bool(instr.experts)),
         )
         if runner is not None:
             report["offload"] = runner.report()
@@ -143,6 +142,8 @@ def _results(algorithm, algo, model, qs, quant_cfg, instr, mesh: Mesh):
         amaxes = host_amaxes(qs)
         state = _state(model, qs, amaxes, quant_cfg)
         report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
+        # which experts forward ran (auto's choice, and why when eager)
+        report["moe_forward"] = instr.moe.report(bool(instr.experts))
         algorithm.apply(algo, state, report, model, instr, mesh)
     return state, report
 

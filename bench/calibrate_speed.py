@@ -13,9 +13,14 @@ checkpoint instead) and times, on the same token batches, one after the other:
 * ``plain_grouped``: the same with transformers' ``grouped_mm`` experts (its default);
 * ``instr_eager``: quantizers in (``calibrate.moe_forward: eager``), the forwards, the settle
   that folds the deferred amaxes in (one host sync) — what ``calibrate`` runs per batch;
-* ``instr_grouped``: the same with ``calibrate.moe_forward: grouped``.
+* ``instr_grouped``: the same with ``calibrate.moe_forward: grouped``;
+* ``instr_auto``: the same with ``calibrate.moe_forward: auto``, the default (what it chose is
+  printed; its once-per-process check made again: the verdicts forgotten first).
 
 Each: one warm-up batch, then every batch, synchronized, best of ``--repeats``; tokens/s. The
+warm-up of an instrumented variant's first repeat is timed too (``first_batch_seconds``: auto's
+check, the Triton combine's compile on CUDA, cuBLAS's first calls) and
+``tokens_per_s_with_first`` counts it with the batches: what one process pays. The
 ratios: instr_eager / plain_eager and instr_grouped / plain_grouped time (target <= 1.15),
 instr_grouped / instr_eager tokens/s (target >= 3). Then the amaxes of the two instrumented
 runs compared: bit-identical or not, per kind (dense inputs, experts' gate_up inputs, down_proj
@@ -65,7 +70,7 @@ PRESETS = {
         norm_topk_prob=True,
     ),  # fmt: skip
 }
-VARIANTS = ("plain_eager", "plain_grouped", "instr_eager", "instr_grouped")
+VARIANTS = ("plain_eager", "plain_grouped", "instr_eager", "instr_grouped", "instr_auto")
 
 
 def _model(args):
@@ -102,27 +107,36 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time(model, batches, variant: str, repeats: int) -> tuple[float, dict]:
-    """Best wall seconds over ``repeats`` of every batch's forward; amaxes of the last repeat."""
+def _time(model, batches, variant: str, repeats: int) -> tuple[float, dict, dict]:
+    """Best wall seconds over ``repeats`` of every batch's forward; amaxes of the last repeat;
+    the first repeat's warm-up seconds and (instrumented) which experts forward ran."""
     import torch
 
-    from qckpt.calib.instrument import insert_quantizers, remove_quantizers, settle
+    from qckpt.calib.instrument import insert_quantizers, instrumentation, remove_quantizers, settle
+    from qckpt.calib.moe_forward import forget_verdicts
     from qckpt.recipe import QuantConfig
 
     kind, moe = variant.split("_")
     dev = next(model.parameters()).device
     _experts_impl(model, "eager" if moe == "eager" else "grouped_mm")
-    best, amax = float("inf"), {}
-    for _ in range(repeats):
+    best, amax, extra = float("inf"), {}, {}
+    for rep in range(repeats):
         if kind == "instr":
+            if moe == "auto" and rep == 0:
+                forget_verdicts()  # its check is what a process pays once: timed below
             qs = insert_quantizers(model, QuantConfig(), moe_forward=moe)
         with torch.no_grad():
+            _sync(dev)
+            t0 = time.perf_counter()
             model(input_ids=batches[0], use_cache=False)  # warm-up (kernels, allocator)
             if kind == "instr":  # the warm-up's amaxes: forget them
                 settle(model)
+                extra["moe_forward"] = instrumentation(model).moe.report(True)
                 for q in qs.values():
                     q.reset()
             _sync(dev)
+            if rep == 0:
+                extra["first_batch_seconds"] = round(time.perf_counter() - t0, 4)
             t0 = time.perf_counter()
             for b in batches:
                 model(input_ids=b, use_cache=False)
@@ -133,7 +147,7 @@ def _time(model, batches, variant: str, repeats: int) -> tuple[float, dict]:
         if kind == "instr":
             amax = {k: q.amax.float().cpu() for k, q in qs.items() if q.amax is not None}
             remove_quantizers(model)
-    return best, amax
+    return best, amax, extra
 
 
 def _compare(a: dict, b: dict, first_moe: str) -> dict:
@@ -176,9 +190,18 @@ def forward(args) -> dict:
         res["gpu"] = torch.cuda.get_device_name(dev)
     amax = {}
     for v in args.variants.split(","):
-        secs, amax[v] = _time(model, batches, v, args.repeats)
-        res[v] = {"seconds": round(secs, 4), "tokens_per_s": round(tokens / secs, 1)}
-        print(f"{v:14s} {secs:9.3f} s {tokens / secs:12.1f} tokens/s", flush=True)
+        secs, amax[v], extra = _time(model, batches, v, args.repeats)
+        res[v] = {"seconds": round(secs, 4), "tokens_per_s": round(tokens / secs, 1), **extra}
+        first = extra["first_batch_seconds"]
+        with_first = (tokens + batches[0].numel()) / (secs + first)
+        res[v]["tokens_per_s_with_first"] = round(with_first, 1)
+        used = extra.get("moe_forward", {}).get("used")
+        how = f"  ({used}{': ' + extra['moe_forward']['why'] if used == 'eager' else ''})"
+        print(
+            f"{v:14s} {secs:9.3f} s {tokens / secs:12.1f} tokens/s   first batch {first:.3f} s,"
+            f" {with_first:10.1f} tokens/s with it" + (how if v == "instr_auto" else ""),
+            flush=True,
+        )
     sec = {v: res[v]["seconds"] for v in VARIANTS if v in res}
     ratios = {}
     for num, den in (("instr_eager", "plain_eager"), ("instr_grouped", "plain_grouped"),
@@ -191,8 +214,13 @@ def forward(args) -> dict:
         )
         first = next(n for n, _ in model.named_modules() if n.endswith("mlp.experts"))
         res["amax_grouped_vs_eager"] = _compare(amax["instr_eager"], amax["instr_grouped"], first)
+    if "instr_eager" in sec and "instr_auto" in sec:
+        ratios["instr_auto/instr_eager_speed"] = round(sec["instr_eager"] / sec["instr_auto"], 3)
+        first = next(n for n, _ in model.named_modules() if n.endswith("mlp.experts"))
+        res["amax_auto_vs_eager"] = _compare(amax["instr_eager"], amax["instr_auto"], first)
     res["ratios"] = ratios
-    print(json.dumps({"ratios": ratios, "amax": res.get("amax_grouped_vs_eager")}, indent=1))
+    amaxes = {k: res[k] for k in ("amax_grouped_vs_eager", "amax_auto_vs_eager") if k in res}
+    print(json.dumps({"ratios": ratios, **amaxes}, indent=1))
     return res
 
 

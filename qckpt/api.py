@@ -154,7 +154,7 @@ def calibrate_model(
     algorithm: Any = "max",
     model_source: str | None = None,
     share_expert_inputs: bool = True,
-    moe_forward: str = "eager",
+    moe_forward: str = "auto",
     progress: Callable[[int], Any] | None = None,
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` for ``quant`` and sync the amaxes over ``mesh`` (default: one rank

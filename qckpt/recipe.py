@@ -279,9 +279,10 @@ class CalibrateConfig:
     # with offload: where a layer's outputs (the next layer's inputs) are kept between layers
     activations: Literal["device", "host"] = "device"
     # the fused MoE experts' forward while calibrating: eager (one GEMM per expert, the values
-    # of transformers' eager loop bit for bit) or grouped (grouped GEMMs, several times faster
-    # on a GPU; a GEMM kernel of its own may round differently: see docs/BENCHMARKS.md)
-    moe_forward: Literal["eager", "grouped"] = "eager"
+    # of transformers' eager loop bit for bit), grouped (grouped GEMMs, several times faster
+    # on a GPU; a GEMM kernel of its own may round differently: see docs/BENCHMARKS.md) or
+    # auto: grouped where it gives eager's bits (checked once per process), else eager
+    moe_forward: Literal["auto", "eager", "grouped"] = "auto"
 
     def validate(self, path: str) -> None:
         self.data.validate(f"{path}.data")

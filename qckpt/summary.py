@@ -146,6 +146,9 @@ def calibrate_summary(data: dict[str, Any], output: str, algorithm: str) -> list
         + (f", forward {fwd:.2f} s" if isinstance(fwd, int | float) else "")
         + (f", sync {data['sync_seconds']:.3f} s" if "sync_seconds" in data else "")
     )
+    moe = data.get("moe_forward") or {}
+    if moe.get("used"):
+        lines.append(f"  experts forward {_moe_forward(moe)}")
     warnings = []
     missing = data.get("uncalibrated") or []
     if missing:
@@ -153,6 +156,16 @@ def calibrate_summary(data: dict[str, Any], output: str, algorithm: str) -> list
             f"{len(missing)} quantizer(s) got no data: {', '.join(map(str, missing[:3]))}"
         )
     return finish(lines, data, warnings)
+
+
+def _moe_forward(moe: dict[str, Any]) -> str:
+    """calibrate.moe_forward as run, ``grouped (auto)`` or ``eager (auto: why)``, and the first
+    experts call's seconds: auto's check and, on CUDA, the combine kernel's compile, paid once
+    per process (inside the forward's first batch)."""
+    asked, used, why = moe.get("asked"), moe["used"], moe.get("why")
+    how = used if asked == used else f"{used} ({asked}{': ' + why if why else ''})"
+    first = moe.get("first_call_seconds")
+    return how + (f", first call {first:.2f} s" if isinstance(first, int | float) else "")
 
 
 def export_summary(data: dict[str, Any]) -> list[str]:

@@ -63,7 +63,7 @@ def calibrate_model(
     calib_dtype: torch.dtype = torch.float32,
     weight_amax: Mapping[str, torch.Tensor] | None = None,
     runner: Any = None,
-    moe_forward: str = "eager",
+    moe_forward: str = "auto",
     algorithm: str | Algorithm = "max",
 ) -> tuple[CalibrationState, dict[str, Any]]:
     """Calibrate ``model`` on this rank's ``batches`` and sync over ``mesh``; see the module doc.
@@ -72,7 +72,8 @@ def calibrate_model(
     weights, :mod:`qckpt.calib.weight_amax`); the forwards then run on dequantized weights.
     ``runner`` (:class:`qckpt.calib.layerwise.LayerwiseRunner`) replaces steps 2-3 on a meta
     model, one layer at a time on ``runner.device``; its ``report()`` becomes ``offload``.
-    ``moe_forward``: the fused experts' instrumented forward (``eager`` | ``grouped``).
+    ``moe_forward``: the fused experts' instrumented forward (``auto`` | ``eager`` |
+    ``grouped``); the report's ``moe_forward`` says which ran, and why eager under auto.
     ``algorithm``: an :class:`qckpt.calib.algorithms.Algorithm` (or its name, with its default
     options): its pass after step 4 (``after``); awq's before step 2 (``before``), folding its
     scales into the weights that steps 2-4 then calibrate. gptq's and awq's weights:
@@ -141,6 +142,8 @@ def _results(algorithm, algo, model, qs, quant_cfg, instr, mesh: Mesh):
         amaxes = host_amaxes(qs)
         state = _state(model, qs, amaxes, quant_cfg)
         report = _report(qs, amaxes, instr.experts, expert_ranks, mesh)
+        # which experts forward ran (auto's choice, and why when eager)
+        report["moe_forward"] = instr.moe.report(bool(instr.experts))
         algorithm.apply(algo, state, report, model, instr, mesh)
     return state, report
 

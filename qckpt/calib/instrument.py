@@ -38,7 +38,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from qckpt.calib.moe_forward import MOE_FORWARDS, ExpertsObserver, experts_forward
+from qckpt.calib.moe_forward import ExpertsObserver, MoeChoice, experts_forward
 from qckpt.calib.quantizer import DTYPE_CODE, GRANULARITIES, AmaxStore, TensorQuantizer
 from qckpt.errors import CalibrationError, FormatError, SchemeError
 from qckpt.formats.scheme import SCHEMES, Fp8Scheme, Scheme, scheme_of
@@ -88,6 +88,8 @@ class Instrumentation:
     experts: list[ExpertsInfo]
     hooks: list = field(default_factory=list)
     patched: list[nn.Module] = field(default_factory=list)
+    # calibrate.moe_forward as asked and as run (auto decides on the first experts call)
+    moe: MoeChoice = field(default_factory=lambda: MoeChoice(asked="eager"))
 
 
 def _model_type(model: nn.Module) -> str:
@@ -101,19 +103,16 @@ def insert_quantizers(
     share_expert_inputs: bool = True,
     calib_dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
-    moe_forward: str = "eager",
+    moe_forward: str = "auto",
 ) -> dict[str, TensorQuantizer]:
     """Instrument ``model``; returns the quantizers keyed ``{hf_module}.{weight|input}_amax``.
 
     The amaxes live on each module's weight's device, or on ``device`` when given (a model
     built on meta whose layers come onto the device one at a time: :mod:`qckpt.calib.layerwise`).
-    ``moe_forward``: the experts' instrumented forward, ``eager`` or ``grouped``
-    (:mod:`qckpt.calib.moe_forward`).
+    ``moe_forward``: the experts' instrumented forward, ``auto``, ``eager`` or ``grouped``
+    (:mod:`qckpt.calib.moe_forward`); what ran: ``instrumentation(model).moe``.
     """
-    if moe_forward not in MOE_FORWARDS:
-        raise CalibrationError(
-            f"calibrate.moe_forward: {moe_forward!r} is not one of {', '.join(MOE_FORWARDS)}"
-        )
+    choice = MoeChoice(asked=moe_forward)  # an unknown name: one line, before anything changes
     if getattr(model, _ATTR, None) is not None:
         raise CalibrationError("model already has quantizers; call remove_quantizers first")
     ignore = list(quant_cfg.ignore)
@@ -121,7 +120,7 @@ def insert_quantizers(
     # every linear's scheme, checked (fused groups, targets that match nothing) before any
     # quantizer is made: a bad mixed recipe is one line and exit 2, before any data runs
     entries = _entries(model, quant_cfg, ignore, mtype)
-    instr = Instrumentation(quantizers={}, weights=[], experts=[])
+    instr = Instrumentation(quantizers={}, weights=[], experts=[], moe=choice)
     # one store for every amax (one bank per device inside): the sync then moves the per-tensor
     # ones as one tensor per device
     store = AmaxStore(capacity=1024)
@@ -167,7 +166,7 @@ def insert_quantizers(
                 instr.hooks.append(mod.register_forward_hook(_output_hook(oq)))
         else:
             mk = partial(make, entry=entry)
-            _instrument_experts(name, mod, mtype, mk, instr, share_expert_inputs, moe_forward)
+            _instrument_experts(name, mod, mtype, mk, instr, share_expert_inputs)
     object.__setattr__(model, _ATTR, instr)
     return dict(instr.quantizers)
 
@@ -265,9 +264,7 @@ def _output_hook(q: TensorQuantizer):
     return hook
 
 
-def _instrument_experts(
-    name, mod, mtype, make, instr: Instrumentation, share: bool, moe_forward: str
-) -> None:
+def _instrument_experts(name, mod, mtype, make, instr: Instrumentation, share: bool) -> None:
     for attr, ok in (("is_transposed", False), ("has_bias", False), ("has_gate", True)):
         if getattr(mod, attr, ok) != ok:
             raise CalibrationError(
@@ -303,7 +300,9 @@ def _instrument_experts(
             instr.weights.append(WeightSource(wq, s.param_name, take))
     instr.experts.append(info)
     obs = ExpertsObserver([info.input_q[e] for e in local_ids], info.tokens, local_ids)
-    mod.forward = experts_forward(mod, obs, moe_forward)
+    if is_quantized(gu) or is_quantized(dn):
+        instr.moe.held_quantized()
+    mod.forward = experts_forward(mod, obs, instr.moe)
     instr.patched.append(mod)
 
 

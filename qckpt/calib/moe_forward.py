@@ -13,17 +13,26 @@ exact, so the amaxes equal per-expert ``collect`` calls on the same tensors bit 
   ``index_add_`` in ascending expert order. One host sync per call (the group sizes).
 * ``grouped``: two grouped GEMMs over all experts (``torch._grouped_mm`` on CUDA, the grouped
   ``mm`` of ``torch.nn.functional`` elsewhere), no host sync and no Python loop over experts
-  (a GPU forward of it is bound by kernel launches: ``python -m bench.calibrate_speed ops``
-  counts what the instrumentation adds per layer, and a unit test bounds it). The combine adds each token's
-  slots in ascending expert order, the additions the eager loop makes. The expert inputs of
-  the first MoE layer are the same hidden states; but a grouped GEMM kernel may round its sums
-  differently from a per-expert GEMM, so down_proj inputs and every later layer may differ in
-  the last bits: opt-in (``calibrate.moe_forward: grouped``), see docs/BENCHMARKS.md.
+  on CUDA (a GPU forward of it is bound by kernel launches: ``python -m bench.calibrate_speed
+  ops`` counts what the instrumentation adds per layer, and a unit test bounds it). The combine
+  adds each token's slots in ascending expert order, the additions the eager loop makes. On
+  the CPU the activation runs per expert, on the very views the eager loop gives it: a CPU
+  elementwise kernel's vector and scalar tails and its threads' split of the elements depend
+  on the tensor's length, and ``silu``'s vector ``exp`` is not the scalar one, so one call over
+  all experts' rows would differ from eager in the last bits (float32: a few values in 10^5).
+* ``auto`` (the default): ``grouped`` where it gives ``eager``'s bits, else ``eager``. The
+  grouped GEMM kernel is not the per-expert one (CUTLASS against cuBLAS on CUDA), so nothing
+  promises their sums round alike; the first experts call of the process checks it on that
+  call's own tokens (:meth:`MoeChoice.decide`: both forwards' down_proj inputs and expert
+  outputs compared bit for bit, once per device, dtype and experts shape) and keeps the answer
+  for the process. Experts held quantized (``calibrate.weights_resident``) always take eager.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,7 +43,16 @@ from qckpt.calib.quantizer import DTYPE_CODE, TensorQuantizer
 from qckpt.errors import CalibrationError
 from qckpt.formats.tensor import is_quantized, select_dequantized
 
-MOE_FORWARDS = ("eager", "grouped")
+MOE_FORWARDS = ("auto", "eager", "grouped")
+QUANTIZED_WHY = (
+    "the experts are held quantized (calibrate.weights_resident): the grouped GEMMs take whole "
+    "expert weights in the model's dtype"
+)
+# device types whose elementwise kernels compute each element alike whatever the tensor's length
+# and offset (one functor per element): the grouped forward's activation runs once over all rows
+ELEMENTWISE_ALIKE = {"cuda"}
+# auto's verdicts in this process: (device, dtype, experts shape, activation) -> (used, why)
+_VERDICTS: dict[tuple, tuple[str, str]] = {}
 
 
 class SegmentedAmax:
@@ -177,20 +195,137 @@ def _route(top_k_index: torch.Tensor, bounds: torch.Tensor):
     return ids, perm, ends
 
 
-def experts_forward(mod: nn.Module, obs: ExpertsObserver, mode: str) -> Callable:
-    """The instrumented forward for ``mod`` (a fused experts module), ``mode`` eager|grouped."""
-    if mode not in MOE_FORWARDS:
-        raise CalibrationError(f"calibrate.moe_forward: {mode!r} is not one of {MOE_FORWARDS}")
-    run = _grouped if mode == "grouped" else _eager
+@dataclass(kw_only=True)
+class MoeChoice:
+    """``calibrate.moe_forward`` as asked and as run, shared by every experts module of one
+    instrumented model. ``used`` is None while ``auto`` has not decided (it decides on the first
+    experts call that routes a token to this rank's experts); ``why`` says why auto took eager."""
+
+    asked: str
+    used: str | None = None
+    why: str = ""
+    check_seconds: float = 0.0  # auto's check, when this process made it here
+    first_call_seconds: float | None = None  # the first experts call: check, kernel compiles
+
+    def __post_init__(self) -> None:
+        if self.asked not in MOE_FORWARDS:
+            raise CalibrationError(
+                f"calibrate.moe_forward: {self.asked!r} is not one of {', '.join(MOE_FORWARDS)}"
+            )
+        if self.asked != "auto":
+            self.used = self.asked
+
+    def held_quantized(self) -> None:
+        """The experts are held quantized: auto takes eager (grouped fails in its forward)."""
+        if self.asked == "auto":
+            self.used, self.why = "eager", QUANTIZED_WHY
+
+    def decide(self, mod: nn.Module, n_local: int, hidden, weights, perm, ends) -> str:
+        """auto: the forward for this call, deciding for the process when it can (see the module
+        doc). A call whose tokens reach none of this rank's experts has nothing to compare:
+        eager for it, and the next call decides."""
+        if is_quantized(mod.gate_up_proj) or is_quantized(mod.down_proj):
+            self.held_quantized()
+            return "eager"
+        key = (
+            str(hidden.device), hidden.dtype, str(mod.gate_up_proj.dtype),
+            tuple(mod.gate_up_proj.shape[1:]), tuple(mod.down_proj.shape[1:]),
+            type(mod.act_fn).__qualname__,
+        )  # fmt: skip
+        got = _VERDICTS.get(key)
+        if got is None:
+            t0 = time.perf_counter()
+            differs = grouped_differs(mod, n_local, hidden, weights, perm, ends)
+            if differs is None:
+                return "eager"
+            self.check_seconds = time.perf_counter() - t0
+            got = _VERDICTS[key] = ("eager", differs) if differs else ("grouped", "")
+        self.used, self.why = got
+        return self.used
+
+    def report(self, has_experts: bool) -> dict:
+        used, why = self.used, self.why
+        if used is None and self.asked == "auto":
+            why = "no fused experts" if not has_experts else "no token reached this rank's experts"
+        return {
+            "asked": self.asked, "used": used, "why": why,
+            "check_seconds": round(self.check_seconds, 4),
+            "first_call_seconds": None if self.first_call_seconds is None
+            else round(self.first_call_seconds, 4),
+        }  # fmt: skip
+
+
+def forget_verdicts() -> None:
+    """Forget auto's verdicts of this process (a benchmark that times the check again)."""
+    _VERDICTS.clear()
+
+
+def experts_forward(mod: nn.Module, obs: ExpertsObserver, mode: str | MoeChoice) -> Callable:
+    """The instrumented forward for ``mod`` (a fused experts module): ``mode`` auto | eager |
+    grouped, or the :class:`MoeChoice` every experts module of the model shares."""
+    choice = mode if isinstance(mode, MoeChoice) else MoeChoice(asked=mode)
+    n_local = len(obs.ids)
 
     def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        first = choice.first_call_seconds is None
+        t0 = time.perf_counter() if first else 0.0
         with torch.no_grad():
             ids, perm, ends = _route(top_k_index, obs.bounds(top_k_index.device))
+        used = choice.used
+        if used is None:
+            with torch.no_grad():
+                used = choice.decide(mod, n_local, hidden, top_k_weights, perm, ends)
         obs.count(ends)
-        return run(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends)
+        run = _grouped if used == "grouped" else _eager
+        out = run(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends)
+        if first:  # once: what the first call pays (auto's check, a kernel's compile)
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            choice.first_call_seconds = time.perf_counter() - t0
+        return out
 
     forward.observer = obs  # what the mse algorithm's histogram pass taps
+    forward.choice = choice
     return forward
+
+
+def grouped_differs(mod: nn.Module, n_local: int, hidden, weights, perm, ends) -> str | None:
+    """Whether the grouped forward gives other bits than the eager one on this call's tokens:
+    "" when the down_proj inputs and the weighted expert outputs of every local expert are the
+    same bit for bit, else what differed; None when no token reached a local expert."""
+    t = hidden.shape[0]
+    cum = ends.tolist()
+    m = cum[-1]
+    if m == 0:
+        return None
+    token, slot = perm[:m] % t, perm[:m] // t
+    x = hidden[token]
+    w = weights[token, slot, None]
+    h = _gate_up_act(mod, x, ends)
+    out = _grouped_linear(h, mod.down_proj, ends) * w
+    ref_h, ref_out, start = [], [], 0
+    for row, end in enumerate(cum[:n_local]):
+        if end > start:  # the eager loop's ops on this expert's rows
+            gate, up = F.linear(x[start:end], mod.gate_up_proj[row]).chunk(2, dim=-1)
+            ref_h.append(mod.act_fn(gate) * up)
+            ref_out.append(F.linear(ref_h[-1], mod.down_proj[row]) * w[start:end])
+        start = end
+    for what, got, ref in (("down_proj inputs", h, ref_h), ("expert outputs", out, ref_out)):
+        n = _bits_differ(got, torch.cat(ref))
+        if n:
+            return (
+                f"the grouped forward's {what} differ from eager's on {hidden.device} "
+                f"({n} of {got.numel()} on the first MoE call)"
+            )
+    return ""
+
+
+def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of ``a`` and ``b`` differ in their bits (a NaN equals its own bits)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.numel(), 1)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return int((a.contiguous().view(ints) != b.contiguous().view(ints)).sum())
 
 
 def _eager(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> torch.Tensor:
@@ -242,6 +377,25 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
     return out
 
 
+def _gate_up_act(mod: nn.Module, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` of the grouped gate/up GEMM. On CUDA an elementwise kernel computes
+    each element alike, whatever the tensor; on the CPU the activation runs per expert, on the
+    ``[n, I]`` views of ``[n, 2I]`` rows the eager loop hands it (see the module doc). Rows past
+    the last group (pairs of no local expert) are zeros on the CPU."""
+    gate_up = _grouped_linear(x, mod.gate_up_proj, ends)
+    if x.device.type in ELEMENTWISE_ALIKE:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return mod.act_fn(gate) * up
+    h = gate_up.new_zeros((x.shape[0], gate_up.shape[1] // 2))
+    start = 0
+    for end in ends.tolist():
+        if end > start:
+            gate, up = gate_up[start:end].chunk(2, dim=-1)
+            torch.mul(mod.act_fn(gate), up, out=h[start:end])
+        start = end
+    return h
+
+
 def _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> torch.Tensor:
     t, k = top_k_index.shape
     if is_quantized(mod.gate_up_proj) or is_quantized(mod.down_proj):
@@ -256,8 +410,7 @@ def _grouped(mod, obs, hidden, top_k_index, top_k_weights, ids, perm, ends) -> t
         red = obs.gate_up.rows(x_all, local, ids)
         if obs.gate_up.enabled:
             obs.gate_up.add(red, ids)
-    gate, up = _grouped_linear(x_all, mod.gate_up_proj, ends).chunk(2, dim=-1)
-    h = mod.act_fn(gate) * up
+    h = _gate_up_act(mod, x_all, ends)
     if obs.down.enabled or obs.down.tap is not None:
         red = obs.down.rows(h, local, ids)
         if obs.down.enabled:  # rows of no local expert (uninitialized) go to the unused last row

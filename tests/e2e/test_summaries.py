@@ -28,7 +28,9 @@ KEYS = {
                   "sync_seconds", "tokens_this_rank", "tp", "uncalibrated", "weight_amax_here",
                   "weights_resident", "world_size",
                   # calibrate.algorithm (issue 27): which one ran, its seconds and collectives
-                  "algorithm", "algorithm_collectives", "algorithm_seconds"},
+                  "algorithm", "algorithm_collectives", "algorithm_seconds",
+                  # calibrate.moe_forward (issue 44): asked, used, why eager under auto
+                  "moe_forward"},
     "export": {"bytes_read", "bytes_written", "compiled_at_import", "device", "files", "gbps",
                "host_bound_bytes", "lanes", "largest_tensor_bytes", "layout", "output",
                "peak_rss_anon_bytes", "peak_rss_bytes", "peaks", "phases", "quant_format",
@@ -112,6 +114,15 @@ def test_load_says_the_transient_against_its_bound_and_the_bulk_baseline(runs):
     assert run["transient_bytes"] <= bound * 1.05 + 4096
     assert "warning" not in r.stderr  # nothing deserved one
     assert "bulk baseline" in r.stderr
+
+
+def test_calibrate_says_which_experts_forward_ran(runs):
+    _, out, _ = runs
+    r, data = out["calibrate"]
+    moe = data["moe_forward"]
+    assert (moe["asked"], moe["used"], moe["why"]) == ("auto", "grouped", "")
+    assert moe["first_call_seconds"] > 0
+    assert re.search(r"^  experts forward grouped \(auto\), first call [\d.]+ s$", r.stderr, re.M)
 
 
 def test_verbose_keeps_the_tables(runs):

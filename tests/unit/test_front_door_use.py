@@ -42,6 +42,7 @@ ALLOWED = {
     # calibration's forward overhead: the quantizers inserted and removed around a model
     ("bench/calibrate_speed.py", "qckpt.calib.instrument"): "insert / remove quantizers",
     ("bench/calibrate_speed.py", "qckpt.recipe"): "a QuantConfig for the instrumentation",
+    ("bench/calibrate_speed.py", "qckpt.calib.moe_forward"): "auto's verdicts forgotten: timed",
     # the export's quantize stage per item: wraps the stage's pipeline methods to count
     ("bench/export_items.py", "qckpt.export.stages"): "wraps Pipeline's per-item methods",
     # -- bench set-ups that write synthetic inputs without running a model ---------------------

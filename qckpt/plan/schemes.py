@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from qckpt.errors import FormatError, SchemeError
 from qckpt.formats.scheme import Scheme, scheme_bits, scheme_of
 from qckpt.models.naming import expert_slices, is_fused_experts, is_router
 from qckpt.models.schemes import assign_schemes
+
+if TYPE_CHECKING:
+    from torch import nn
 
 AMAX_BYTES = 4  # a calibrated amax is float32
 
@@ -34,6 +35,8 @@ def checkpoint_linears(model: nn.Module, model_type: str) -> dict[str, Linear]:
     """Every linear of ``model`` (on meta is enough) as the checkpoint names it: per-expert
     linears of fused experts; routers left out (no scheme quantizes one: they stay in the
     model dtype)."""
+    from torch import nn
+
     out: dict[str, Linear] = {}
     for name, mod in model.named_modules():
         if is_router(name, mod):

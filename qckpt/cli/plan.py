@@ -72,8 +72,9 @@ def plan_cmd(
 
     For load, calibrate and export, per rank: parameter bytes, transient bytes, activations
     kept, bytes read, the peak, and whether it fits `--gpu-memory`; then the smallest
-    EP/TP/offload layout that fits. The model is built on the meta device and the checkpoint
-    is read for its metadata only; without a checkpoint, reads are the model's BF16 size.
+    EP/TP/offload layout that fits. The model is sized from its config.json (a model type
+    qckpt cannot size so is built on the meta device) and the checkpoint is read for its
+    metadata only; without a checkpoint, reads are the model's BF16 size.
 
     Examples:
 
@@ -102,9 +103,7 @@ def plan_cmd(
     refuse_code_in_sources(r)
     base = recipe_layout(r)
     extra = [parse_layout(spec, base) for spec in layout or []]
-    from qckpt.term import quiet_torch_logs
-
-    quiet_torch_logs()
+    # torch's logs are quieted where the plan imports torch (the meta model), never before
     from qckpt.pipeline.plan import plan
     from qckpt.plan.render import render_plan
 

@@ -174,10 +174,16 @@ class Format:
 
 
 FORMATS: dict[str, Format] = {}
+# the order ``FORMATS`` lists them in (messages name them so) whichever module is imported first
+_ORDER = ("fp8", "fp8_delayed", "fp8_block", "mxfp8", "nvfp4")
 
 
 def register(fmt: Format) -> Format:
     FORMATS[fmt.name] = fmt
+    rank = {n: i for i, n in enumerate(_ORDER)}
+    ordered = sorted(FORMATS.items(), key=lambda kv: rank.get(kv[0], len(_ORDER)))
+    FORMATS.clear()
+    FORMATS.update(ordered)
     return fmt
 
 

@@ -542,3 +542,12 @@ def _is_pinned(func: Any, args: tuple, kwargs: dict) -> Any:
 @implements([aten._has_compatible_shallow_copy_type.default])
 def _compat(func: Any, args: tuple, kwargs: dict) -> Any:
     return isinstance(args[0], QuantizedTensor) and isinstance(args[1], QuantizedTensor)
+
+
+torch.serialization.add_safe_globals([QuantizedTensor])
+# every format registered wherever a QuantizedTensor exists (one unpickled from a file looks its
+# format up by name), in the order FORMATS lists them
+from qckpt.formats import fp8 as _fp8  # noqa: E402,F401
+from qckpt.formats import fp8_block as _fp8_block  # noqa: E402,F401
+from qckpt.formats import mxfp8 as _mxfp8  # noqa: E402,F401
+from qckpt.formats import nvfp4 as _nvfp4  # noqa: E402,F401

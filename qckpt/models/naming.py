@@ -13,8 +13,10 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch-free at import: qckpt plan and check read the names
+    import torch
 
 from qckpt.errors import UsageError
 
@@ -79,6 +81,8 @@ def _hf_prefix(experts_prefix: str, model_type: str) -> str:
 
 def is_fused_experts(mod: torch.nn.Module) -> bool:
     """A transformers 5 fused routed-experts module: 3-D ``gate_up_proj`` plus ``down_proj``."""
+    import torch
+
     gu = getattr(mod, "gate_up_proj", None)
     dn = getattr(mod, "down_proj", None)
     return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3

@@ -14,10 +14,10 @@ high-precision copy of it ever exists, nothing random is drawn for it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch-free at import: qckpt plan reads PLAIN_PARAMS / plain_params
+    from torch import nn
 
 from qckpt.errors import UsageError
 from qckpt.models.naming import ignored, is_fused_experts_param
@@ -33,6 +33,9 @@ def plain_params(params_fmt: str | None) -> bool:
 
 def quantizable_params(model: nn.Module, *, ignore: Iterable[str] = ()) -> list[str]:
     """Names of the parameters ``quantize_model_params`` would replace, in model order."""
+    import torch
+    from torch import nn
+
     ignore = list(ignore)
     out: list[str] = []
     for mod_name, mod in model.named_modules():
@@ -60,6 +63,9 @@ def quantize_model_params(
     ``params_fmt="none"`` leaves the model as is and returns ``{}``. ``opts`` go to
     ``qckpt.formats.quantize`` (e.g. ``block_size``).
     """
+    import torch
+    from torch import nn
+
     if plain_params(params_fmt):
         return {}
     if backend == "te":

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from qckpt.errors import SchemeError
 from qckpt.models.fused import SCALE_FUSED_GROUPS
+from qckpt.models.naming import ignore_matcher
 
 # a per-expert linear in checkpoint naming: {...}.experts.{e}.{proj}
 _EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.[^.]+$")
@@ -48,7 +49,17 @@ def assign_schemes(quant, modules: Iterable[str]) -> dict[str, int | None]:  # n
     ``quant`` is the recipe's ``QuantConfig``; ``modules`` the model's linears as the
     checkpoint names them (per-expert names for MoE)."""
     names = list(modules)
-    out = {m: quant.entry_index(m) for m in names}
+    # quant.entry_index's rule, its fnmatch patterns made into regexes once (a large MoE has
+    # ~70k linears: one fnmatchcase per pattern per linear cost seconds)
+    skip = ignore_matcher(quant.ignore)
+    targets = [ignore_matcher(sc.targets) for sc in quant.entries()]
+
+    def index(m: str) -> int | None:
+        if skip(m):
+            return None
+        return next((i for i, hit in enumerate(targets) if hit(m)), None)
+
+    out = {m: index(m) for m in names}
     if not quant.mixed:
         return out
     for i, sc in enumerate(quant.schemes):

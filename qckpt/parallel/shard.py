@@ -16,9 +16,10 @@ it is a linear's output rows (``dim`` 0, column-parallel; its bias too) or input
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from torch import nn
+if TYPE_CHECKING:  # torch-free at import: qckpt plan makes specs without a model
+    from torch import nn
 
 _ATTR = "qckpt_shards"  # on a module: {parameter name in the module: ShardSpec}
 

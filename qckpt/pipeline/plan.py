@@ -1,25 +1,20 @@
 """``qckpt plan``'s body: every rank's memory and reads for a world, from metadata alone.
 
-The model is built once on the meta device (``models.build.build_model``), and for each layout
-a copy of it is sharded by :func:`qckpt.pipeline.model.shard`, the commands' own EP-then-TP
-order, on a mesh that names rank 0's place and has no process groups (nothing runs a forward).
+The model is sized from its config alone (``plan.spec.model_spec``, ``plan.whole.SpecWhole``:
+no torch, no transformers) wherever that is known; else it is built once on the meta device and
+each layout's copy sharded by the commands' own sharders (``pipeline.plan_meta.MetaWhole``,
+the reference the tests hold the first to), and the report says which (``model.sized_by``).
 Then ``qckpt.plan`` sizes what each rank holds, transient and kept, and what it reads.
 """
 
 from __future__ import annotations
 
-import copy
+import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import torch
-from torch import nn
 
 from qckpt.errors import UsageError
 from qckpt.models.quantize_params import PLAIN_PARAMS
-from qckpt.parallel.mesh import Mesh
-from qckpt.pipeline.model import shard
 from qckpt.plan.layouts import (
     ACTIVATIONS,
     OFFLOADS,
@@ -41,12 +36,11 @@ from qckpt.plan.predict import (
     split_evenly,
 )
 from qckpt.plan.reads import Reads
-from qckpt.plan.schemes import SchemePlan, checkpoint_linears, plan_schemes
-from qckpt.plan.tensors import Held, for_rank, rank_tensors
+from qckpt.plan.schemes import SchemePlan, plan_schemes
+from qckpt.plan.tensors import Held, for_rank
 from qckpt.recipe import Recipe
 
 COMMANDS = ("load", "calibrate", "export")
-_PLANNED = object()  # stands in for a process group: sharding records it, no forward runs
 
 
 @dataclass(kw_only=True)
@@ -103,36 +97,29 @@ class PlanResult:
         }
 
 
-def _mesh(world: int, layout: Layout) -> Mesh:
-    return Mesh(
-        world_size=world,
-        dp=layout.dp(world),
-        ep=layout.ep,
-        tp=layout.tp,
-        device=torch.device("meta"),
-        ep_group=_PLANNED if layout.ep > 1 else None,  # type: ignore[arg-type]
-        tp_group=_PLANNED if layout.tp > 1 else None,  # type: ignore[arg-type]
-    )
+def _whole(recipe: Recipe, world: int) -> tuple[Any, str | None]:
+    """The model's plan questions' answerer, and why it is the meta model (None: it is not).
+    A training checkpoint's reader names its tensors by the transformers config: meta."""
+    from qckpt.plan.spec import model_spec
+    from qckpt.plan.whole import SpecWhole
 
+    spec, why = model_spec(recipe.model.source, recipe.model.dtype)
+    path = recipe.checkpoint.path
+    if spec is not None and path is not None and os.path.exists(path):
+        from qckpt.read.detect import TRAINING_FORMATS, resolve_format
 
-_BUILT: dict[tuple, nn.Module] = {}
+        if resolve_format(path, recipe.checkpoint.format) in TRAINING_FORMATS:
+            spec, why = None, "a training checkpoint is read in the names of its model code"
+    if spec is not None:
+        return SpecWhole(spec), None
+    from qckpt.pipeline.plan_meta import MetaWhole
 
-
-def _whole(source: str, dtype: str) -> nn.Module:
-    """The whole model on meta. Kept for the next plan of the same config in this process (a
-    large model takes seconds to build); nothing here changes it: layouts shard copies."""
-    from qckpt.models.build import build_model
-
-    cfg = Path(source) / "config.json"
-    key = (source, dtype, cfg.stat().st_mtime_ns if cfg.is_file() else None)
-    if key not in _BUILT:
-        _BUILT.clear()
-        _BUILT[key] = build_model(source, dtype=dtype, device="meta")
-    return _BUILT[key]
+    return MetaWhole(recipe.model.source, recipe.model.dtype, world), why
 
 
 class _Planner:
-    """The whole model on meta, its checkpoint's metadata, and the recipe; plans layouts."""
+    """The whole model (sized from its config, or on meta), its checkpoint's metadata, and
+    the recipe; plans layouts."""
 
     def __init__(
         self,
@@ -142,30 +129,25 @@ class _Planner:
         device_bytes: int | None,
         host_bytes: int | None = None,
     ):
-        from qckpt.models.build import model_type
-
         self.recipe, self.world, self.nproc, self.device_bytes = recipe, world, nproc, device_bytes
         # a node's host memory, shared by its ranks
         self.host_share = None if host_bytes is None else host_bytes // nproc
-        self.whole = _whole(recipe.model.source, recipe.model.dtype)
+        self.whole, self.meta_reason = _whole(recipe, world)
         # the recipe's schemes on this model's linears: a split fused group, a target that
         # matches nothing or a scheme that cannot be is refused before anything is read
         self.schemes = _scheme_plan(recipe, self.whole)
-        expected = {k: v.shape for k, v in self.whole.state_dict(keep_vars=True).items()}
         self.reads = Reads.open(
             recipe.checkpoint.path,
             recipe.checkpoint.format,
-            model_type=model_type(self.whole) or None,
-            expected=expected,
+            model_type=self.whole.model_type or None,
+            expected=self.whole.expected(),
             config=getattr(self.whole, "config", None),
         )
-        self._sharded: dict[tuple[int, int], nn.Module | str] = {}
+        self._sharded: dict[tuple[int, int], Any] = {}
         self._refusals: dict[tuple, str | None] = {}
-        from qckpt.parallel.tensor import tp_plan
+        self._tp_linears = self.whole.tp_linears()
 
-        self._tp_linears = len(tp_plan(self.whole))
-
-    def sharded(self, layout: Layout) -> nn.Module:
+    def sharded(self, layout: Layout) -> Any:
         """Rank 0's model under ``layout`` (a UsageError naming why it cannot be split)."""
         key = (layout.ep, layout.tp)
         if key not in self._sharded and layout.tp > 1 and not self._tp_linears:
@@ -173,10 +155,8 @@ class _Planner:
             # asked of its own plan, before a copy of the model is made for nothing
             self._sharded[key] = "parallel.tp: > 1 but the model has no attention layers to split"
         if key not in self._sharded:
-            model = copy.deepcopy(self.whole)
             try:
-                shard(model, _mesh(self.world, layout))
-                self._sharded[key] = model
+                self._sharded[key] = self.whole.sharded(layout.ep, layout.tp)
             except UsageError as exc:
                 self._sharded[key] = str(exc)
         got = self._sharded[key]
@@ -185,22 +165,21 @@ class _Planner:
         return got
 
     def calib_shape(self, layout: Layout) -> CalibShape:
-        cfg = self.whole.config
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        hidden = int(cfg.hidden_size)
-        heads = int(getattr(cfg, "num_attention_heads", 1))
-        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-        top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
-        moe = int(getattr(cfg, "moe_intermediate_size", 0) or 0) * max(top_k, 1)
-        dense = int(getattr(cfg, "intermediate_size", 0) or 0)
+        cfg = self.whole.attr
+        hidden = int(cfg("hidden_size"))
+        heads = int(cfg("num_attention_heads", 1))
+        kv = int(cfg("num_key_value_heads", None) or heads)
+        head_dim = int(cfg("head_dim", None) or hidden // heads)
+        top_k = int(cfg("num_experts_per_tok", 0) or 0)
+        moe = int(cfg("moe_intermediate_size", 0) or 0) * max(top_k, 1)
+        dense = int(cfg("intermediate_size", 0) or 0)
         data = self.recipe.calibrate.data
         return CalibShape(
             hidden=hidden,
-            vocab=int(cfg.vocab_size),
+            vocab=int(cfg("vocab_size")),
             intermediate=max(dense, moe) // layout.tp,
             attn_width=(2 * heads + 2 * kv) * head_dim // layout.tp,
-            itemsize=self.whole.dtype.itemsize,
+            itemsize=self.whole.itemsize,
             seq_len=data.seq_len,
             batch_size=data.batch_size,
             ep=layout.ep,
@@ -211,12 +190,8 @@ class _Planner:
     def offload(self, layout: Layout) -> Offload:
         """``calibrate.offload``'s setting; the output embedding stays off the device unless a
         quantizer lives there (not in ``quant.ignore``), as ``calib.layerwise`` decides."""
-        head = emb = None
-        out_emb = self.whole.get_output_embeddings()
-        for name, mod in self.whole.named_modules():
-            if mod is out_emb:
-                emb = name
-                head = name if self.unquantized(name) else None
+        emb = self.whole.output_embedding
+        head = emb if emb is not None and self.unquantized(emb) else None
         return Offload(
             mode=layout.offload, activations=layout.activations, head=head, out_emb=emb,
             second_pass=self.recipe.calibrate.algorithm == "gptq",
@@ -230,7 +205,7 @@ class _Planner:
         return ignored(module, self.recipe.quant.ignore) or not self.schemes.quantizes(module)
 
     def tensors(self, layout: Layout, params: str) -> list[Held]:
-        return rank_tensors(self.sharded(layout), params=params, ignore=self.recipe.quant.ignore)
+        return self.whole.held(self.sharded(layout), params, self.recipe.quant.ignore)
 
     def ranks(self, layout: Layout) -> list[tuple[int, int, int, int]]:
         """(rank, dp_rank, ep_rank, tp_rank) by the mesh's rule (tp fastest, then ep)."""
@@ -319,8 +294,15 @@ class _Planner:
         (``qckpt.load.shard_scales.check_blocks``, asked with meta tensors), or None."""
         key = (layout.ep, layout.tp, params)
         if key not in self._refusals:
-            self._refusals[key] = _block_refusal(held)
+            self._refusals[key] = self._block_refusal(held)
         return self._refusals[key]
+
+    def _block_refusal(self, held: list[Held]) -> str | None:
+        if self.meta_reason is None:
+            from qckpt.plan.whole import block_refusal
+        else:  # the reference: the load's own check, asked with meta tensors
+            from qckpt.pipeline.plan_meta import block_refusal
+        return block_refusal(held)
 
     def _export(self, ranks: list[tuple[int, int, int, int]]) -> list[RankFigures]:
         largest, total, count = self.reads.source_stats(self.whole)
@@ -405,6 +387,8 @@ def plan(
         p.sharded(lay)
         extra[lay.label()] = {c: p.figures(lay, c, p.ranks(lay), reads=True) for c in COMMANDS}
     notes = [p.reads.describe]
+    if p.meta_reason is not None:
+        notes.append(f"sized on the meta model: {p.meta_reason}")
     if recipe.load.backend == "te":
         notes.append("load.backend te: planned as qckpt's native formats of the same name")
     why = check_world(base, world, nproc_per_node)
@@ -431,39 +415,18 @@ def plan(
     )
 
 
-def _block_refusal(held: list[Held]) -> str | None:
-    from qckpt import formats
-    from qckpt.load.shard_scales import check_blocks
-
-    split = [t for t in held if t.fmt is not None and t.shard is not None]
-    state = {
-        t.name: formats.empty(t.shape, t.fmt, nominal_dtype=t.dtype, device="meta", **dict(t.opts))
-        for t in split
-    }
-    try:
-        check_blocks(state, {t.name: t.shard for t in split})
-    except UsageError as exc:
-        return str(exc)
-    return None
-
-
-def _scheme_plan(recipe: Recipe, whole: nn.Module) -> SchemePlan:
-    from qckpt.models.build import model_type
-
-    sd = whole.state_dict()
-    total = sum(v.numel() * v.element_size() for v in sd.values())
-    linears = checkpoint_linears(whole, model_type(whole))
-    return plan_schemes(recipe.quant, linears, total, whole.dtype.itemsize)
+def _scheme_plan(recipe: Recipe, whole: Any) -> SchemePlan:
+    total = whole.summary()["bytes"]
+    return plan_schemes(recipe.quant, whole.linears(), total, whole.itemsize)
 
 
 def _model_summary(p: _Planner) -> dict[str, Any]:
-    sd = p.whole.state_dict()
-    cfg = p.whole.config
     return {
         "source": p.recipe.model.source,
-        "model_type": getattr(cfg, "model_type", ""),
+        "model_type": p.whole.model_type,
         "dtype": p.recipe.model.dtype,
-        "parameters": sum(v.numel() for v in sd.values()),
-        "bytes": sum(v.numel() * v.element_size() for v in sd.values()),
-        "largest_tensor_numel": max((v.numel() for v in sd.values()), default=0),
+        **p.whole.summary(),
+        # config.json (torch-free), or the meta model and why (the reference path)
+        "sized_by": p.whole.sized_by,
+        "meta_reason": p.meta_reason,
     }

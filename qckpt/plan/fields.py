@@ -1,25 +1,23 @@
-"""The bytes a quantized parameter holds, from its format's own layout (nothing allocated).
+"""The bytes a tensor holds, nothing allocated and no torch imported.
 
-Each format lays out its fields (``qdata`` and its scales) from the nominal shape;
-``formats.empty(..., device="meta")`` builds that layout as shapes only, the way a meta build
-makes a model's quantized parameters, so a change of a layout changes the plan with it. A unit
-test checks every format against a real ``quantize`` of small tensors (edge blocks included).
+A quantized parameter: its format's fields (``qdata`` and its scales) laid out from the
+nominal shape by ``qckpt.formats.sizes``, the torch-free twin of each format's own
+``field_specs`` (``tests/unit/test_format_sizes.py`` holds the two equal, and
+``tests/unit/test_plan.py`` both against a real ``quantize`` of small tensors, edge blocks
+included). :func:`field_specs` is the format's own layout on the meta device, the reference.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
-import torch
-
-FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+from qckpt.formats.sizes import quantized_nbytes as _format_nbytes
 
 
-def field_specs(fmt: str, shape: tuple[int, ...], opts: dict[str, Any] | None = None) -> FieldSpec:
-    """``{field: (shape, dtype)}`` of a ``fmt`` QuantizedTensor of nominal ``shape``: the
-    format's own empty constructor on the meta device (shapes only, nothing allocated)."""
+def field_specs(fmt: str, shape: tuple[int, ...], opts: dict[str, Any] | None = None) -> dict:
+    """``{field: (shape, torch dtype)}`` of a ``fmt`` QuantizedTensor of nominal ``shape``: the
+    format's own empty constructor on the meta device (imports torch; the tests' reference)."""
     from qckpt.formats import empty
 
     q = empty(tuple(int(s) for s in shape), fmt, device="meta", **dict(opts or {}))
@@ -29,17 +27,10 @@ def field_specs(fmt: str, shape: tuple[int, ...], opts: dict[str, Any] | None = 
 def quantized_nbytes(fmt: str, shape: tuple[int, ...], opts: dict[str, Any] | None = None) -> int:
     """Bytes a ``fmt`` parameter of nominal ``shape`` holds (codes, scales, state), as
     ``QuantizedTensor.quantized_nbytes()`` counts them."""
-    key = tuple(
-        sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (opts or {}).items())
-    )
-    return _nbytes(fmt, tuple(int(s) for s in shape), key)
+    return _format_nbytes(fmt, tuple(int(s) for s in shape), opts)
 
 
-@functools.lru_cache(maxsize=4096)  # a model repeats a few shapes many times
-def _nbytes(fmt: str, shape: tuple[int, ...], opts: tuple[tuple[str, Any], ...]) -> int:
-    specs = field_specs(fmt, shape, dict(opts))
-    return sum(math.prod(s) * dtype.itemsize for s, dtype in specs.values())
-
-
-def plain_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+def plain_nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """Bytes of a plain tensor; ``dtype`` is a torch dtype or a :class:`qckpt.plan.spec.DType`
+    (anything with an ``itemsize``)."""
     return math.prod(int(s) for s in shape) * dtype.itemsize

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from qckpt.plan.tensors import Held, global_shape, region
+
+if TYPE_CHECKING:  # torch only where a checkpoint's metadata is read (DCP / HF readers)
+    import torch
 
 
 def _overlap(
@@ -146,6 +147,7 @@ class Reads:
         return total
 
     def _dcp(self, name: str, m: Any, box: tuple) -> int:
+        import torch
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         total = 0
@@ -161,6 +163,7 @@ class Reads:
         return total
 
     def _hf(self, name: str, m: Any, box: tuple) -> int:
+        import torch
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         total = 0
@@ -235,22 +238,17 @@ def whole_bytes(t: Held) -> int:
     return math.prod(global_shape(t)) * t.dtype.itemsize
 
 
-def _value_bytes(shape: Any, dtype: torch.dtype) -> int:
+def _value_bytes(shape: Any, dtype: Any) -> int:
     return math.prod(int(s) for s in shape) * dtype.itemsize
 
 
 def source_sizes(reads: Reads, whole: Any) -> tuple[int, int, int]:
     """(largest tensor's value bytes, total bytes stored, tensor count) of what an export
     reads: the checkpoint's tensors (as its source lists them: a quantized weight's value in
-    float32), or, with no checkpoint, the whole model's at its dtype."""
+    float32), or, with no checkpoint, the whole model's at its dtype (``whole``: a
+    ``plan.whole.SpecWhole`` or ``pipeline.plan_meta.MetaWhole``)."""
     if reads.path is None:  # the HF BF16 checkpoint it would be: fused experts per expert
-        from qckpt.models.build import model_type
-        from qckpt.models.naming import hf_tensors
-
-        mt = model_type(whole)
-        sd = whole.state_dict()
-        views = [v for k, t in sd.items() for _, v in hf_tensors(k, t, mt)]
-        sizes = [_value_bytes(v.shape, v.dtype) for v in views]
+        sizes = whole.hf_value_sizes()
         return max(sizes, default=0), sum(sizes), len(sizes)
     from qckpt.read.readers import open_source
 

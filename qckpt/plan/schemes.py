@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from qckpt.errors import FormatError, SchemeError
 from qckpt.formats.scheme import Scheme, scheme_bits, scheme_of
 from qckpt.models.naming import expert_slices, is_fused_experts, is_router
 from qckpt.models.schemes import assign_schemes
+
+if TYPE_CHECKING:
+    from torch import nn
 
 AMAX_BYTES = 4  # a calibrated amax is float32
 
@@ -34,6 +35,8 @@ def checkpoint_linears(model: nn.Module, model_type: str) -> dict[str, Linear]:
     """Every linear of ``model`` (on meta is enough) as the checkpoint names it: per-expert
     linears of fused experts; routers left out (no scheme quantizes one: they stay in the
     model dtype)."""
+    from torch import nn
+
     out: dict[str, Linear] = {}
     for name, mod in model.named_modules():
         if is_router(name, mod):
@@ -131,6 +134,7 @@ def plan_schemes(
     ]
     bits = 8 * itemsize
     unquantized = set()
+    sized: dict[tuple[int, tuple[int, int]], tuple[int, int]] = {}  # a model repeats shapes
     for name, lin in linears.items():
         i, shape = assigned[name], lin.shape
         row = plain if i is None else rows[i]
@@ -141,12 +145,16 @@ def plan_schemes(
             row.export_bytes += n * itemsize
             unquantized.add(lin.module)
             continue
-        w, x = schemes[i]
-        amaxes = _amax_numel(w, "weight", shape) + _amax_numel(x, "input", shape)
-        row.amax_bytes += AMAX_BYTES * amaxes
-        # a static input scale is one more float32 the export stores beside the weight
-        scale_in = AMAX_BYTES * _amax_numel(x, "input", shape)
-        row.export_bytes += math.ceil(scheme_bits(w, shape, bits) / 8) + scale_in
+        if (i, shape) not in sized:
+            w, x = schemes[i]
+            amaxes = _amax_numel(w, "weight", shape) + _amax_numel(x, "input", shape)
+            # a static input scale is one more float32 the export stores beside the weight
+            scale_in = AMAX_BYTES * _amax_numel(x, "input", shape)
+            stored = math.ceil(scheme_bits(w, shape, bits) / 8) + scale_in
+            sized[i, shape] = (AMAX_BYTES * amaxes, stored)
+        amax_bytes, stored = sized[i, shape]
+        row.amax_bytes += amax_bytes
+        row.export_bytes += stored
     linear_bytes = sum(math.prod(x.shape) for x in linears.values()) * itemsize
     used = [r for r in rows if r.linears] + ([plain] if plain.linears else [])
     return SchemePlan(

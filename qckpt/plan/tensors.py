@@ -13,13 +13,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from qckpt.parallel.shard import ShardSpec, model_shards
+from qckpt.parallel.shard import ShardSpec
 from qckpt.plan.fields import plain_nbytes, quantized_nbytes
+
+if TYPE_CHECKING:
+    from torch import nn
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -30,7 +30,7 @@ class Held:
 
     name: str  # state-dict name (the one the checkpoint holds, for tied weights)
     shape: tuple[int, ...]  # this rank's block
-    dtype: torch.dtype  # nominal (high-precision) dtype
+    dtype: Any  # nominal (high-precision) dtype: a torch dtype, or a plan.spec.DType
     fmt: str | None = None  # quantized format, None for a plain tensor
     opts: tuple[tuple[str, Any], ...] = ()  # the format's options
     shard: ShardSpec | None = None
@@ -75,7 +75,10 @@ def rank_tensors(
 ) -> list[Held]:
     """Every tensor ``model`` (sharded, on meta) holds, with ``params`` as the format of the
     weights ``quantize_model_params`` would replace (``"none"``: all plain)."""
+    import torch
+
     from qckpt.models.quantize_params import plain_params, quantizable_params
+    from qckpt.parallel.shard import model_shards
 
     quantized = set() if plain_params(params) else set(quantizable_params(model, ignore=ignore))
     shards = model_shards(model)

@@ -46,7 +46,7 @@ def test_a_policy_is_scoped_and_restored():
     # quantize(policy=) holds the policy for its own call only, also when it raises
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("qckpt.formats._base.FORMATS", {"fp8": type("F", (), {"parse_opts": spy})()})
-        mp.setattr("qckpt.formats.FORMATS", {"fp8": type("F", (), {"parse_opts": spy})()})
+        mp.setattr("qckpt.formats.functions.FORMATS", {"fp8": type("F", (), {"parse_opts": spy})()})
         with pytest.raises(RuntimeError, match="stop"):
             quantize(torch.ones(4), "fp8", policy=eager)
     assert seen == [eager] and current_policy() == KernelPolicy()

@@ -8,8 +8,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from tests.conftest import ROOT
 
 HEAVY = ("torch", "transformers", "triton", "matplotlib", "safetensors.torch")
@@ -281,16 +279,19 @@ def test_export_check_and_inspect_import_no_model_code(tmp_path):
             assert (tmp_path / "fast" / f).read_bytes() == (tmp_path / "slow" / f).read_bytes(), f
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 30: plan builds the model on the meta device (torch + transformers' modeling "
-    "code, ~4 s on CPU); a torch-free plan needs the tensors sized from config.json",
-)
 def test_plan_imports_no_torch(tmp_path):
+    """issue 44: plan sizes the model from its config (``plan.spec``), so neither torch nor
+    transformers is imported, with and without --gpu-memory's layout search."""
     recipe = str(ROOT / "configs" / "tiny-moe.yaml")
     got = _imports_of(
-        {"plan": ["plan", recipe, "--nproc-per-node", "1", "--set", "checkpoint.path=none"]},
+        {
+            "plan": ["plan", recipe, "--nproc-per-node", "1", "--set", "checkpoint.path=none"],
+            "plan, a layout search": [
+                "plan", recipe, "--nproc-per-node", "4", "--gpu-memory", "1MiB",
+                "--host-memory", "1TB", "--set", "checkpoint.path=none", "--json",
+                str(tmp_path / "plan.json"),
+            ],
+        },
         tmp_path,
-    )
-    assert got["plan"][0] == 0, got
-    assert got["plan"][1] == [], got
+    )  # fmt: skip
+    assert got == {"plan": [0, []], "plan, a layout search": [0, []]}, got

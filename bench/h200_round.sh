@@ -276,13 +276,22 @@ step_quality_algos() {
   return $rc
 }
 
+# the trained models that are there (the Qwen3-MoE is trained by moe_model, which a short round
+# may leave out), as bench.quality's --model arguments
+trained_models() {
+  local m
+  for m in llama qwen3moe; do
+    [ -f "$1/models/$m-textlm/config.json" ] && printf -- '--model %s=%s ' "$m" "$1/models/$m-textlm"
+  done
+}
+
 # issue 42's rows: INT4 W4A16 (group 128), MXFP4A16, INT8 W8A8, NVFP4A16 and MXFP8, each with
 # max and gptq (W4A16_ALGOS), on both trained models, served by vLLM (Marlin / Machete / CUTLASS int8 on Hopper)
 step_quality_w4a16() {
   local q=${QCKPT_QUALITY:-$PWD/../shared/quality}
   CUDA_VISIBLE_DEVICES=$GPU QCKPT_VLLM_SITE=${QCKPT_VLLM_SITE:-/tmp/site} "$PY" -m bench.quality \
-    --algorithms ${W4A16_ALGOS:-max,gptq,mse,awq} --algorithms-on ${W4A16_ON:-int4,mxfp4,int8,nvfp4a16,mxfp8,int4-fp8} --model "llama=$q/models/llama-textlm" \
-    --model "qwen3moe=$q/models/qwen3moe-textlm" --calib "$q/calib.bin" --heldout "$q/heldout.bin" \
+    --algorithms ${W4A16_ALGOS:-max,gptq,mse,awq} --algorithms-on ${W4A16_ON:-int4,mxfp4,int8,nvfp4a16,mxfp8,int4-fp8} \
+    $(trained_models "$q") --calib "$q/calib.bin" --heldout "$q/heldout.bin" \
     --work "$WORK/quality-w4a16" --vllm-parallel 5 --json "$RES/quality_w4a16.json" $(llmc_extras)
   local rc=$?
   cp docs/QUALITY.md "$RES/QUALITY.md"

@@ -36,8 +36,8 @@ def _spans(x: torch.Tensor, ids: torch.Tensor, keys: list[str], amax: dict[str, 
     return out
 
 
-def _groups(spans: list[tuple[str, int, int]], d: int, twins: bool) -> list[list]:
-    """``spans`` in groups of similar row counts, each under :data:`GROUP_BYTES`."""
+def _groups(spans: list[tuple[str, int, int]], d: int, twins: bool, budget: int) -> list[list]:
+    """``spans`` in groups of similar row counts, each under ``budget`` bytes."""
     order = sorted(spans, key=lambda s: (-s[2], s[1]))
     per_row = 8 * d * (2 if twins else 1)
     prods = 8 * d * d * (2 if twins else 1)
@@ -46,7 +46,7 @@ def _groups(spans: list[tuple[str, int, int]], d: int, twins: bool) -> list[list
         g = out[-1] if out else None
         if g is not None:
             top = g[0][2]
-            fits = (len(g) + 1) * (top * per_row + prods) <= GROUP_BYTES
+            fits = (len(g) + 1) * (top * per_row + prods) <= budget
             if fits and 8 * span[2] >= 7 * top:
                 g.append(span)
                 continue
@@ -55,22 +55,18 @@ def _groups(spans: list[tuple[str, int, int]], d: int, twins: bool) -> list[list
 
 
 def _padded(x: torch.Tensor, group, amax: dict[str, float], bits: int) -> torch.Tensor:
-    """``[G, most rows, d]``: each expert's rows of ``x`` on its grid, zero rows after."""
+    """``[G, most rows, d]``: each expert's rows of ``x`` on its grid, zero rows after (a zero
+    stays zero: ``0 * gain``, rounded and clamped)."""
     top = group[0][2]
-    src = torch.cat([torch.arange(s, s + n) for _, s, n in group])
-    dst = torch.cat([torch.arange(n) + j * top for j, (_, _, n) in enumerate(group)])
+    out = torch.zeros((len(group), top, x.shape[-1]), dtype=torch.float64, device=x.device)
+    rows = x.detach().reshape(-1, x.shape[-1])
+    for j, (_, s, n) in enumerate(group):
+        out[j, :n].copy_(rows[s : s + n])
     lim = float(2**bits)
-    # fixed_point's gain of each expert, one per row: the same products as its scalar one
-    gain = torch.cat([
-        torch.full((n,), lim / amax[k] if amax[k] > 0 else 0.0, dtype=torch.float64)
-        for k, _, n in group
-    ])  # fmt: skip
-    dev = x.device
-    rows = x.detach().reshape(-1, x.shape[-1])[src.to(dev)].to(torch.float64)
-    rows = torch.round(rows * gain.to(dev).unsqueeze(1)).clamp_(-lim, lim)
-    out = torch.zeros((len(group) * top, x.shape[-1]), dtype=torch.float64, device=dev)
-    out[dst.to(dev)] = rows
-    return out.view(len(group), top, -1)
+    # fixed_point's gain of each expert: the same float64 products as its scalar one
+    gain = torch.tensor([lim / amax[k] for k, _, _ in group], dtype=torch.float64)
+    out.mul_(gain.to(x.device)[:, None, None])
+    return torch.round_(out).clamp_(-lim, lim)
 
 
 def _put(m: dict, key: str, part: torch.Tensor) -> None:
@@ -105,7 +101,8 @@ def add_experts(
             args = (rows, xq[s : s + n], amax[key], bits)
             hs[key], cs[key] = gptq.quantized_add(hs.get(key), cs.get(key), *args)
         return
-    for group in _groups(spans, x.shape[-1], xq is not None):
+    budget = gptq.batch_bytes(x.device, GROUP_BYTES)
+    for group in _groups(spans, x.shape[-1], xq is not None, budget):
         p = _padded(x, group, amax, bits)
         if xq is None:
             part = torch.bmm(p.transpose(1, 2), p)

@@ -18,6 +18,7 @@ need not reproduce them).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -244,6 +245,81 @@ def _inverse_factor(h: torch.Tensor, percdamp: float) -> torch.Tensor:
     return torch.linalg.cholesky(hinv, upper=True)
 
 
+def _inverse_factors(hs: list[torch.Tensor], percdamp: float, batched: bool) -> list[torch.Tensor]:
+    """:func:`_inverse_factor` of each Hessian, float32. ``batched``: the Hessians stacked
+    (at most :data:`FACTOR_BYTES` of float64 working copies a call) and each step one call
+    on ``[m, n, n]``; each matrix's bits are its own (see :data:`FACTOR_DEVICES`)."""
+    if not batched:
+        return [_inverse_factor(h.to(torch.float64), percdamp).to(torch.float32) for h in hs]
+    n = hs[0].shape[0]
+    # the stacked copy and one result live at once, and the float32 factors beside them
+    step = max(1, batch_bytes(hs[0].device, FACTOR_BYTES) // (20 * n * n))
+    out: list[torch.Tensor] = []
+    for at in range(0, len(hs), step):
+        h = torch.stack([x.to(torch.float64) for x in hs[at : at + step]])
+        diag = torch.diagonal(h, dim1=-2, dim2=-1)
+        diag.masked_fill_(diag == 0, 1.0)  # as _dampened: a column never seen
+        del diag
+        # each mean the reference's own reduction (a batched one may sum in another order)
+        damp = percdamp * torch.stack([torch.diagonal(x).mean() for x in h])
+        # the whole identity added, as _dampened adds it (-0.0 + 0.0 is +0.0 off the diagonal)
+        h += damp[:, None, None] * torch.eye(n, dtype=h.dtype, device=h.device)
+        lower = torch.linalg.cholesky(h)
+        del h
+        hinv = torch.cholesky_inverse(lower)
+        del lower
+        out += list(torch.linalg.cholesky(hinv, upper=True).to(torch.float32))
+    return out
+
+
+@dataclass(kw_only=True, frozen=True)
+class Batching:
+    """Which of GPTQ's per-linear steps run as one batched op over a stack of linears (an MoE
+    layer's experts), each only where the batched op gives every linear the bits it gets
+    alone; all False: the per-linear reference (one call per linear, as before batching).
+
+    * ``factor``: dampening, Cholesky, ``cholesky_inverse`` and the inverse's Cholesky of the
+      stack's Hessians, one call each for the stack, on :data:`FACTOR_DEVICES`;
+    * ``update``: each block's update of the columns after it, one batched GEMM for the stack
+      (in parts of :data:`UPDATE_BYTES`), on :data:`UPDATE_DEVICES`;
+    * ``hessian``: an experts module's Hessians, one GEMM per group of experts per batch
+      (:mod:`qckpt.calib.gptq_hessians`): exact integer sums, so on every device."""
+
+    factor: bool = True
+    update: bool = True
+    hessian: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "update", "hessian"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"gptq Batching.{name} must be a bool")
+
+    def factor_on(self, device: torch.device) -> bool:
+        return self.factor and device.type in FACTOR_DEVICES
+
+    def update_on(self, device: torch.device) -> bool:
+        return self.update and device.type in UPDATE_DEVICES
+
+
+# where a batched op gives each matrix the bits of one call on it alone. CPU: torch runs a
+# batch of Cholesky / cholesky_inverse as a loop of the same LAPACK call per matrix, and MKL's
+# batched GEMM gave the per-matrix bits on every shape tried (tests/unit/test_gptq_batched.py).
+# CUDA: a batch of Cholesky goes to cuSOLVER's potrfBatched, another algorithm than the
+# potrf of one matrix, so the factors stay per matrix there; the GEMMs are batched
+# (tests/gpu/test_gptq_batched_gpu.py checks both; ``python -m bench.gptq_batched --probe``
+# tells whether the batched factor would be exact too)
+FACTOR_DEVICES = ("cpu",)
+UPDATE_DEVICES = ("cpu", "cuda")
+FACTOR_BYTES = 1 << 30  # float64 working copies of one batched factorization
+UPDATE_BYTES = 1 << 27  # the product of one batched block update
+# a CPU's batches stay about cache-sized: there a batched op saves no kernel launches, and a
+# batch streamed through memory op by op costs more than each matrix's chain in cache (128
+# factors of 256 x 256 took 0.46 s batched whole, 0.27 s in parts of 4 MiB, 0.30 s one by one)
+CPU_BATCH_BYTES = 1 << 22
+REFERENCE = Batching(factor=False, update=False, hessian=False)
+BATCHING = Batching()  # what the gptq pass runs with (the bench sets REFERENCE to compare)
+
+
 # the stacked working copies of one batch of linears (weights, results, inverse factors) stay
 # under this many bytes; how the linears are batched never changes a value (see gptq_batch)
 STACK_BYTES = 1 << 30
@@ -274,6 +350,7 @@ def gptq_batch(
     act_order: bool = False,
     block: int = BLOCK,
     stats: dict | None = None,
+    batching: Batching | None = None,
 ) -> list[tuple[torch.Tensor, float]]:
     """:func:`gptq` of each ``(ws[k], hs[k], quantizers[k])``, the weights of one shape and
     one quantizer kind run side by side: one column loop for all (an MoE layer's experts:
@@ -281,10 +358,14 @@ def gptq_batch(
 
     Each linear gets the values it gets alone: everything across the batch is elementwise
     (the same IEEE operations on the same operands, only more of them at once), and the
-    matrix products (the block updates) and the Cholesky factors stay per linear. So the
-    result does not depend on which linears share a batch (an EP rank holds half the
-    experts) or on :data:`STACK_BYTES`. ``stats["stack_bytes"]``: the largest batch's working
-    copies (what ``qckpt plan`` predicts with :func:`stack_bytes`)."""
+    matrix products (the block updates) and the Cholesky factors are batched only where a
+    batched call gives each matrix its own call's bits (:class:`Batching`). So the result
+    does not depend on which linears share a batch (an EP rank holds half the experts) or
+    on :data:`STACK_BYTES`. ``stats["stack_bytes"]``: the largest batch's working
+    copies (what ``qckpt plan`` predicts with :func:`stack_bytes`). ``batching``: which
+    per-linear steps run batched (:class:`Batching`; None: :data:`BATCHING`), the same bits
+    either way."""
+    batching = BATCHING if batching is None else batching
     out: list[tuple[torch.Tensor, float] | None] = [None] * len(ws)
     live = []
     for k, (w, h, q) in enumerate(zip(ws, hs, quantizers, strict=True)):
@@ -310,7 +391,7 @@ def gptq_batch(
             part = live[at : at + step]
             got = _gptq_stack(
                 [ws[k] for k in part], [hs[k] for k in part], [quantizers[k] for k in part],
-                percdamp, act_order, block, last,
+                percdamp, act_order, block, last, batching,
             )  # fmt: skip
             for k, r in zip(part, got, strict=True):
                 out[k] = r
@@ -335,11 +416,12 @@ def stack_bytes(shapes: list[tuple[int, int]], targets: bool = False) -> int:
     return top
 
 
-def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int, last: dict):
-    """GPTQ of linears that all got tokens, stacked on a leading dim (see :func:`gptq_batch`)."""
+def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int, last: dict, how):
+    """GPTQ of linears that all got tokens, stacked on a leading dim (see :func:`gptq_batch`;
+    ``how``: its :class:`Batching`)."""
     W = torch.stack([w.detach().to(torch.float32) for w in ws])  # [N, rows, cols], a copy
     n, rows, cols = W.shape
-    perms, factors = [], []
+    perms, pairs = [], []
     for k, (h, q) in enumerate(zip(hs, qs, strict=True)):
         given, perm = h, None
         if act_order:
@@ -356,12 +438,8 @@ def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int, last: 
             if getattr(q, "zero", None) is not None:
                 q.zero = q.zero[:, perm]
         perms.append(perm)
-        if last.get("h") is not given:  # the factor depends on the Hessian alone
-            last["h"] = given
-            last["u"] = _inverse_factor(h.to(torch.float64), percdamp).to(torch.float32)
-        factors.append(last["u"])
-    U = torch.stack(factors)
-    del factors
+        pairs.append((given, h))
+    U = _stack_factors(pairs, percdamp, last, how.factor_on(W.device))
     bq = _StackedQuantizer(qs)
     Q = torch.zeros_like(W)
     loss = W.new_zeros(n)  # on the device: no host wait per column
@@ -381,14 +459,48 @@ def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int, last: 
             E1[:, :, i] = err
             loss += (err * err).sum(dim=1)
         if i2 < cols:
-            for k in range(n):  # per linear: a product's bits may depend on its batch
-                W[k, :, i2:] -= E1[k] @ U[k, i1:i2, i2:]
+            _update(W, E1, U, i1, i2, how.update_on(W.device))
     bq.finish()
     out = []
     for k, perm in enumerate(perms):
         qk = Q[k] if perm is None else Q[k][:, torch.argsort(perm)]
         out.append((qk, float(loss[k])))
     return out
+
+
+def batch_bytes(device: torch.device, budget: int) -> int:
+    """The bytes a batched op's batch may take on ``device`` (:data:`CPU_BATCH_BYTES`)."""
+    return min(budget, CPU_BATCH_BYTES) if device.type == "cpu" else budget
+
+
+def _stack_factors(pairs, percdamp: float, last: dict, batched: bool) -> torch.Tensor:
+    """``[N, n, n]``: the float32 inverse factor of each linear's Hessian (``pairs``: (the
+    Hessian given, as GPTQ takes it: permuted under act-order)), made once per Hessian (the
+    linears sharing one are side by side); ``last``: the previous stack's last, reused."""
+    made: dict[int, torch.Tensor] = {}
+    if "h" in last:
+        made[id(last["h"])] = last["u"]
+    todo = {}
+    for given, h in pairs:
+        if id(given) not in made:
+            todo.setdefault(id(given), h)
+    made.update(zip(todo, _inverse_factors(list(todo.values()), percdamp, batched), strict=True))
+    U = torch.stack([made[id(given)] for given, _ in pairs])
+    last["h"] = pairs[-1][0]
+    last["u"] = U[-1].clone()  # not a view: it would hold the whole batch
+    return U
+
+
+def _update(W, E1, U, i1: int, i2: int, batched: bool) -> None:
+    """The columns after block ``i1:i2`` take its errors ``E1`` through the factors."""
+    n, rows, cols = W.shape
+    if not batched:
+        for k in range(n):
+            W[k, :, i2:] -= E1[k] @ U[k, i1:i2, i2:]
+        return
+    step = max(1, batch_bytes(W.device, UPDATE_BYTES) // (4 * rows * (cols - i2)))
+    for a in range(0, n, step):
+        W[a : a + step, :, i2:] -= torch.bmm(E1[a : a + step], U[a : a + step, i1:i2, i2:])
 
 
 class _StackedQuantizer:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qckpt.calib import gptq, gptq_inputs
+from qckpt.calib import gptq, gptq_hessians, gptq_inputs
 from qckpt.calib.instrument import Instrumentation, WeightSource
 from qckpt.calib.layerwise import capture_layer_inputs, decoder_layers
 from qckpt.errors import SyncError
@@ -60,6 +60,9 @@ class GptqOptions:
     # calibrate.offload: names -> a writer whose add(name, tensor) takes this rank's share of
     # the sidecar layer by layer (:func:`streamed_sidecar`); else the share is held in memory
     sidecar: Any = None
+    # which per-linear steps run batched over a layer's experts (None: gptq.BATCHING); the
+    # same bits either way (gptq.REFERENCE: one call per linear / expert, as the reference)
+    batching: gptq.Batching | None = None
 
 
 @dataclass
@@ -143,7 +146,7 @@ def run_gptq(
         run = partial(io.run, layer, hidden, calls, i)
         qa = _input_quants(instr, lin, experts, opts)
         amax = _layer_amax(model, lin, experts, run, mesh, res, qa)
-        hs, cs = _layer_hessians(model, lin, experts, run, amax, bits, mesh, res, qa)
+        hs, cs = _layer_hessians(model, lin, experts, run, amax, bits, mesh, res, qa, opts)
         held = sum(h.numel() * h.element_size() for h in [*hs.values(), *cs.values()])
         dims = {x.hkey: x.src.quantizer.shape[1] for x in lin}
         res.hessian_bytes = max(res.hessian_bytes, held)
@@ -384,7 +387,7 @@ def _layer_amax(model, lin, experts, run, mesh: Mesh, res: GptqResult, qa) -> di
     return dict(zip(keys, buf[:-1].tolist(), strict=True))
 
 
-def _layer_hessians(model, lin, experts, run, amax, bits, mesh: Mesh, res: GptqResult, qa):
+def _layer_hessians(model, lin, experts, run, amax, bits, mesh: Mesh, res: GptqResult, qa, opts):
     """Step 2: the layer's Hessians on the grid, summed over the ranks that share them: (H, C)
     by hkey. Inputs as they are: ``H = X^T X``, no C. Quantized (``qa[hkey]``): ``H = Xq^T Xq``
     and ``C = X^T Xq`` (:func:`qckpt.calib.gptq.quantized_add`), summed in the same all-reduce."""
@@ -403,9 +406,20 @@ def _layer_hessians(model, lin, experts, run, amax, bits, mesh: Mesh, res: GptqR
     def dense(name, x):
         add(name, x)
 
+    batched = (opts.batching or gptq.BATCHING).hessian
+    keys = {
+        (info.module_name, side): [f"{info.module_name}:{e}:{side}" for e in info.local_ids]
+        for info, _ in experts for side in ("gate_up", "down")
+    }  # fmt: skip
+
     def expert(info, side, x, ids):
-        for r, rows in per_expert(x, ids):
-            add(f"{info.module_name}:{info.local_ids[r]}:{side}", rows)
+        if not batched:
+            for r, rows in per_expert(x, ids):
+                add(f"{info.module_name}:{info.local_ids[r]}:{side}", rows)
+            return
+        mine = keys[(info.module_name, side)]
+        quant = partial(qa.quantized, mine[0]) if mine and mine[0] in qa else None
+        gptq_hessians.add_experts(hs, cs, x, ids, mine, amax, bits, quant)
 
     undo = _hook_all(model, lin, experts, dense, expert)
     try:
@@ -475,7 +489,7 @@ def _quantize_layer(model, lin: list[_Linear], hs, cs, unit, opts: GptqOptions, 
             got = gptq.gptq_batch(
                 [aim.get(k, jobs[k][1]) for k in ks], [hs.get(h) for h in hk],
                 [jobs[k][3] for k in ks], percdamp=opts.percdamp, act_order=opts.act_order,
-                block=opts.block, stats=stats,
+                block=opts.block, stats=stats, batching=opts.batching,
             )  # fmt: skip
             for k, h, (q, _) in zip(ks, hk, got, strict=True):
                 new[k] = (q, _losses(jobs[k], q, hs.get(h), aim.get(k)))

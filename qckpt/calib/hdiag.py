@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qckpt.calib import gptq
-from qckpt.errors import SyncError
+from qckpt.errors import CalibrationError, SyncError
 from qckpt.formats.tensor import dequantized_compute
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
@@ -96,7 +96,9 @@ def tapped_forward(
             undo.append(mod.register_forward_pre_hook(_pre_hook(dense[name])))
     segs = []
     for info, mod in zip(instr.experts, instr.patched, strict=True):
-        obs = mod.forward.observer
+        obs = getattr(mod.forward, "observer", None)
+        if obs is None:
+            raise CalibrationError(f"{info.module_name}: an experts module without its observer")
         for side, seg in (("gate_up", obs.gate_up), ("down", obs.down)):
             tap = experts(info, side)
             if tap is not None:
@@ -225,3 +227,38 @@ def raise_any(failure: BaseException | None, flag: torch.Tensor, what: str) -> N
         raise failure
     if float(flag):
         raise SyncError(f"{what}: another rank failed (see its log); giving up")
+
+
+@dataclass
+class Weights:
+    """``calibrate.mse_weighting: hessian``'s per-column weights: weight quantizer id -> float32
+    ``H_jj`` (the mean of ``x_j**2`` over its input's rows; None: a cold expert, no row on any
+    rank), the same on every rank."""
+
+    by_quantizer: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    cold: list[str] = field(default_factory=list)  # input keys no rank saw a row of
+    collectives: int = 0
+
+    def of(self, q) -> torch.Tensor | None:  # noqa: ANN001
+        return self.by_quantizer.get(id(q))
+
+
+def input_weights(model, instr, batches, mesh: Mesh) -> Weights:  # noqa: ANN001
+    """Steps 1-3 of the module doc with measured amaxes, as :class:`Weights`. Two forwards over
+    this rank's batches (its amaxes, then its sums); the caller pauses the quantizers."""
+    taken = getattr(batches, "taken", None)
+    todo = [batches.batches[i] for i in taken] if taken is not None else list(batches)
+    probe = Diagonals()
+    amax = measure_amax(model, instr, todo, mesh, probe)
+    got = gather(model, instr, todo, mesh, amax)
+    _, _, key_of = input_keys(instr)
+    out = Weights(collectives=probe.collectives + got.collectives)
+    means: dict[str, torch.Tensor | None] = {}
+    for k in got.sums:
+        m = got.mean(k)
+        # float32 once: the values the file carries and the export searches with again
+        means[k] = None if m is None else m.to(torch.float32)
+        if m is None:
+            out.cold.append(k)
+    out.by_quantizer = {qid: means[k] for qid, k in key_of.items()}
+    return out

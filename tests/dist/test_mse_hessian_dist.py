@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist.harness import shared_world
-from tests.dist.test_algorithms_dist import COLD, DATA, QUANTS, _export
+from tests.dist.test_algorithms_dist import COLD, DATA, QUANTS
 
 pytestmark = pytest.mark.timeout(400)
 CASES = {
@@ -56,6 +56,15 @@ def sc_calibrate(rank, world, ep, quant, case, out):
     return {"layers": report["layers"]}
 
 
+def _export(hf: Path, cal: Path, out: Path, quant: str, case: str) -> dict[str, bytes]:
+    from qckpt.models.build import build_model
+    from tests.export_fixtures import run_export
+
+    model = build_model("tiny-moe", dtype="bfloat16", seed=0)
+    run_export(model, hf, cal, out, _recipe(quant, case).quant)
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Path:
     from qckpt.models.build import build_model
@@ -83,13 +92,13 @@ def test_hessian_mse_is_byte_identical_on_1_rank_dp2_ep2_dp2xep2(hf, tmp_path, c
     if case == "mse":
         rows = [row["mse"] for row in ref["layers"].values() if "mse" in row]
         assert sum(r["loss_mse"] for r in rows) < sum(r["loss_max"] for r in rows)
-    ref_files = _export(hf, one, tmp_path / "x-one", quant, "mse")
+    ref_files = _export(hf, one, tmp_path / "x-one", quant, case)
     for n, ep in ((2, 1), (2, 2), (4, 2)):  # DP2, EP2, DP2 x EP2
         cal = tmp_path / f"w{n}ep{ep}.safetensors"
         out = shared_world(n).run(sc_calibrate, ep, quant, case, cal, deadline_s=240)
         assert all(o.ok for o in out), [o.traceback for o in out if not o.ok]
         assert calibration_differences(one, cal) == [], (n, ep)
-        assert _export(hf, cal, tmp_path / f"x-{n}-{ep}", quant, "mse") == ref_files, (n, ep)
+        assert _export(hf, cal, tmp_path / f"x-{n}-{ep}", quant, case) == ref_files, (n, ep)
 
 
 @pytest.mark.parametrize("quant", ["nvfp4", "mxfp4"])
@@ -101,7 +110,7 @@ def test_the_hessian_export_is_not_the_plain_one(hf, tmp_path, quant):
     for case in ("mse", "mse-plain"):
         cal = tmp_path / f"{case}.safetensors"
         sc_calibrate(0, 1, 1, quant, case, cal)
-        _export(hf, cal, tmp_path / f"x-{case}", quant, "mse")
+        _export(hf, cal, tmp_path / f"x-{case}", quant, case)
         sd = {}
         for p in sorted((tmp_path / f"x-{case}").glob("*.safetensors")):
             sd.update(load_file(str(p)))

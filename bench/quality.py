@@ -151,6 +151,7 @@ ALGORITHM_SEP = ", calibrate.algorithm "
 ALGORITHM_BASES = {
     "nvfp4": "compressed-tensors NVFP4 W4A4",
     "fp8": "compressed-tensors FP8 per-tensor, static inputs",
+    "fp8-channel": "compressed-tensors FP8 per-channel, dynamic per-token inputs",
     "int4": "compressed-tensors INT4 W4A16, group 128",
     "nvfp4a16": "compressed-tensors NVFP4A16",
     "int8": "compressed-tensors INT8 W8A8 per-channel, dynamic per-token inputs",
@@ -161,6 +162,7 @@ ALGORITHM_BASES = {
 ALGORITHMS: dict[str, dict[str, str]] = {
     "max": {"algorithm": "max"},
     "mse": {"algorithm": "mse"},
+    "mse+hessian": {"algorithm": "mse", "mse_weighting": "hessian"},
     "awq": {"algorithm": "awq"},
     "gptq": {"algorithm": "gptq"},
     "gptq+mse": {"algorithm": "gptq", "gptq_block_scales": "mse"},
@@ -168,6 +170,11 @@ ALGORITHMS: dict[str, dict[str, str]] = {
         "algorithm": "gptq",
         "gptq_block_scales": "mse",
         "gptq_inputs": "quantized",
+    },
+    "gptq+mse+hessian": {
+        "algorithm": "gptq",
+        "gptq_block_scales": "mse",
+        "mse_weighting": "hessian",
     },
 }
 

@@ -259,6 +259,11 @@ class CalibrateConfig:
     # NVFP4 weights: each 16-column group's E4M3 scale by the max rule (max) or searched for
     # the least squared error of the group's current values (mse), as GPTQ reaches it
     gptq_block_scales: Literal["max", "mse"] = "max"
+    # what a searched scale minimises (algorithm mse; gptq with gptq_block_scales: mse): the
+    # plain squared weight error (none) or the output error's diagonal proxy (hessian):
+    # sum_j H_jj (w_j - q_j)**2, H_jj the mean of x_j**2 over the linear's calibration inputs
+    # (gptq: its own loss weight per column, 1 / [chol(H^-1)]_jj**2)
+    mse_weighting: Literal["none", "hessian"] = "none"
     # the Hessians of each linear's inputs as they are (source), or as the export's clients
     # quantize them (quantized: GPTQ minimises |W X - Q Qa(X)|^2, W4A4's output error)
     gptq_inputs: Literal["source", "quantized"] = "source"
@@ -297,6 +302,20 @@ class CalibrateConfig:
             raise RecipeError(
                 f"{path}.algorithm: {self.algorithm} needs {path}.offload: none (got "
                 f"{self.offload}; max and gptq run with offload)"
+            )
+        if self.mse_weighting != "none" and not (
+            self.algorithm == "mse"
+            or (self.algorithm == "gptq" and self.gptq_block_scales == "mse")
+        ):
+            # only a searched scale has errors to weigh
+            raise RecipeError(
+                f"{path}.mse_weighting: {self.mse_weighting} needs {path}.algorithm: mse, or gptq "
+                f"with {path}.gptq_block_scales: mse (got {self.algorithm}"
+                + (
+                    f", gptq_block_scales {self.gptq_block_scales})"
+                    if self.algorithm == "gptq"
+                    else ")"
+                )
             )
         if not 0.0 <= self.gptq_percdamp <= 1.0:
             raise RecipeError(f"{path}.gptq_percdamp: 0 .. 1, got {self.gptq_percdamp}")

@@ -25,6 +25,8 @@ from qckpt import phases
 from qckpt.errors import CalibrationError, SchemeError
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
+# calibrate.mse_weighting: what a searched scale's squared errors are weighted with
+WEIGHTINGS = ("none", "hessian")
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
@@ -104,6 +106,15 @@ class Mse(Algorithm):
     offload: ClassVar[tuple[str, ...]] = ("none",)
     # integer scales as the export stores them (compressed-tensors: the model dtype)
     scale_dtype: torch.dtype = torch.float32
+    # none: each weight error is sum (w - q)**2; hessian: sum_j H_jj (w_j - q_j)**2 with the
+    # input's H_jj (qckpt.calib.hdiag), two more forwards
+    weighting: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.weighting not in WEIGHTINGS:
+            raise CalibrationError(
+                f"calibrate.mse_weighting: {self.weighting!r} is not one of {', '.join(WEIGHTINGS)}"
+            )
 
     def refuses(self, scheme: Any) -> str | None:
         # the clip search is over symmetric scales: a zero point moves both ends of a group
@@ -112,13 +123,21 @@ class Mse(Algorithm):
         return None
 
     @classmethod
-    def from_config(cls, c: Any, input_dtype: torch.dtype) -> Algorithm:  # noqa: ARG003
-        return cls(scale_dtype=input_dtype)
+    def from_config(cls, c: Any, input_dtype: torch.dtype) -> Algorithm:
+        return cls(scale_dtype=input_dtype, weighting=c.mse_weighting)
 
     def after(self, model, instr, batches, mesh, mine, parts, runner):  # noqa: ANN001
         from qckpt.calib.mse_pass import run_mse
 
-        res = run_mse(model, instr, batches, mesh, mine, self.scale_dtype)
+        weights = None
+        if self.weighting == "hessian":
+            from qckpt.calib.hdiag import input_weights
+
+            t0 = time.perf_counter()
+            with paused(instr):  # its forwards fold nothing into the amaxes
+                weights = input_weights(model, instr, batches, mesh)
+            parts["mse_hessian"] = time.perf_counter() - t0
+        res = run_mse(model, instr, batches, mesh, mine, self.scale_dtype, weights)
         parts.update(res.parts)
         return res
 
@@ -140,6 +159,9 @@ class Gptq(Algorithm):
     act_order: bool = False
     block: int = 128
     block_scales: str = "max"  # NVFP4 group scales: max rule or searched (mse)
+    # the searched group scales' errors unweighted (none) or weighted per column by GPTQ's own
+    # loss weight 1 / U_jj**2 (hessian; U the upper Cholesky factor of H^-1)
+    block_weighting: str = "none"
     inputs: str = "source"  # source | quantized (each module's input scheme)
     input_dtype: torch.dtype = torch.float32  # static FP8 input scales as stored
     stream: Any = None  # calibrate.offload: the sidecar writer (gptq_pass.streamed_sidecar)
@@ -166,6 +188,7 @@ class Gptq(Algorithm):
         return cls(
             percdamp=c.gptq_percdamp, act_order=c.gptq_act_order, block=c.gptq_block,
             block_scales=c.gptq_block_scales, inputs=c.gptq_inputs, input_dtype=input_dtype,
+            block_weighting=c.mse_weighting,
         )  # fmt: skip
 
     def options(self):  # noqa: ANN201 - a gptq_pass.GptqOptions
@@ -174,6 +197,7 @@ class Gptq(Algorithm):
         return GptqOptions(
             percdamp=self.percdamp, act_order=self.act_order, block=self.block,
             block_search=self.block_scales == "mse", inputs=self.inputs,
+            block_weighted=self.block_weighting == "hessian",
             input_dtype=self.input_dtype, sidecar=self.stream,
         )  # fmt: skip
 

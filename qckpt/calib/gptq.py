@@ -94,6 +94,7 @@ class ColumnQuantizer:
         shape,
         search: bool = False,
         scale_dtype: torch.dtype = torch.float32,
+        weighted: bool = False,
     ):
         rows, cols = shape
         self.scheme, self.granularity, self.block = scheme, scheme.granularity, scheme.block
@@ -105,6 +106,9 @@ class ColumnQuantizer:
         self.grouped = makes_group_scales(scheme)
         self.group = scheme.block[1] if self.int_groups else scheme.group
         self.search = search  # NVFP4: each group's scale searched (mse) instead of the max rule
+        # the search's squared errors weighted per column by GPTQ's loss weight 1 / U_jj**2
+        # (calibrate.mse_weighting: hessian): what the sweep adds to its loss for the column
+        self.weighted = weighted and search
         # MXFP4: each 32-group's E8M0 exponent from the group's current columns (stored biased)
         self.mx = scheme.mx
         self.mx_bits = scheme.code_bits
@@ -154,10 +158,11 @@ class ColumnQuantizer:
             full = s.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
             self.scale = full[:rows, :cols]
 
-    def start_group(self, w: torch.Tensor, col: int) -> None:
+    def start_group(self, w: torch.Tensor, col: int, h: torch.Tensor | None = None) -> None:
         """NVFP4: the group starting at ``col`` takes its scale from ``w`` (its current
         columns, ``[rows, <=16]``) by the max rule, or searched (:attr:`search`: the E4M3
-        scale of least squared error over the group's current values, ``qckpt.calib.mse``)."""
+        scale of least squared error over the group's current values, ``qckpt.calib.mse``;
+        ``h``: the columns' weights of the squares, or None)."""
         if self.mx:
             self._e = mx_exponents(w.abs().amax(dim=-1), MX_EMAX[self.mx_bits])
             self.block_scales[:, col // self.group] = (self._e + E8M0_BIAS).to(torch.uint8)
@@ -171,7 +176,7 @@ class ColumnQuantizer:
         if self.search:
             from qckpt.formats.nvfp4_search import nvfp4_chunk
 
-            sb, *_ = nvfp4_chunk(w.to(torch.float32), self.gs, self.gs64, self.inv_gs)
+            sb, *_ = nvfp4_chunk(w.to(torch.float32), self.gs, self.gs64, self.inv_gs, h)
             self._sb = sb[:, 0]
             self.block_scales[:, col // self.group] = self._sb
             return
@@ -451,7 +456,11 @@ def _gptq_stack(ws, hs, qs, percdamp: float, act_order: bool, block: int, last: 
         for i in range(i2 - i1):
             col = i1 + i
             if bq.grouped and col % bq.group == 0:
-                bq.start_group(W1[:, :, i : i + bq.group], col)
+                h = None
+                if bq.weighted:  # the columns' loss weights in the sweep: 1 / U_jj**2
+                    u = torch.diagonal(U1[:, i : i + bq.group, i : i + bq.group], dim1=1, dim2=2)
+                    h = 1.0 / u.to(torch.float64) ** 2  # [N, <=group]
+                bq.start_group(W1[:, :, i : i + bq.group], col, h)
             q = bq(W1[:, :, i], col)  # bq reads its column, never writes it
             Q[:, :, col] = q
             err = (W1[:, :, i] - q) / U1[:, i, i].unsqueeze(1)
@@ -511,6 +520,7 @@ class _StackedQuantizer:
         # act-order's fixed integer groups: per-column scales, no group started in the sweep
         self.static = qs[0].static
         self.qs, self.grouped, self.group = qs, qs[0].grouped and not self.static, qs[0].group
+        self.weighted = getattr(qs[0], "weighted", False)
         self.int_codes, self.int_groups = qs[0].int_codes, qs[0].int_groups
         self.zero: torch.Tensor | None = None
         self.mx, self.mx_bits = qs[0].mx, qs[0].mx_bits
@@ -545,8 +555,9 @@ class _StackedQuantizer:
             return
         self.scale = torch.stack([q.scale for q in qs])  # [N, rows, cols]
 
-    def start_group(self, w: torch.Tensor, col: int) -> None:
-        """:meth:`ColumnQuantizer.start_group` of each linear (``w``: ``[N, rows, <=16]``)."""
+    def start_group(self, w: torch.Tensor, col: int, h: torch.Tensor | None = None) -> None:
+        """:meth:`ColumnQuantizer.start_group` of each linear (``w``: ``[N, rows, <=16]``;
+        ``h``: each linear's column weights ``[N, <=16]``, or None)."""
         n, r, k = w.shape
         if self.mx:
             self._e = mx_exponents(w.abs().amax(dim=2), MX_EMAX[self.mx_bits])
@@ -567,7 +578,8 @@ class _StackedQuantizer:
                 self._rows = tuple(
                     t.repeat_interleave(r, 0) for t in (self.gs, self.gs64, self.inv_gs)
                 )
-            sb, *_ = nvfp4_chunk(w.reshape(n * r, k).to(torch.float32), *self._rows)
+            hr = None if h is None else h.repeat_interleave(r, 0)  # each row its linear's
+            sb, *_ = nvfp4_chunk(w.reshape(n * r, k).to(torch.float32), *self._rows, hr)
             self._sb = sb[:, 0].reshape(n, r)
         else:
             bmax = w.abs().amax(dim=2).to(torch.float32)

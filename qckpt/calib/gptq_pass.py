@@ -52,6 +52,7 @@ class GptqOptions:
     act_order: bool = False
     block: int = gptq.BLOCK
     block_search: bool = False  # NVFP4: group scales searched (mse) instead of the max rule
+    block_weighted: bool = False  # the search's errors weighted by GPTQ's 1 / U_jj**2
     # calibrate.gptq_inputs: source (the Hessians of the inputs as they are) or quantized (of
     # the inputs as the export's clients quantize them, each module's by its own input scheme:
     # qckpt.calib.gptq_inputs; ``input_dtype``: the dtype static FP8 input scales are stored in)
@@ -511,7 +512,7 @@ def _job(model, x: _Linear, opts: GptqOptions):
     make = partial(
         gptq.ColumnQuantizer, q.scheme, x.amax, tuple(w.shape), scale_dtype=opts.input_dtype
     )
-    return q, w, make, make(search=opts.block_search)
+    return q, w, make, make(search=opts.block_search, weighted=opts.block_weighted)
 
 
 def _losses(job, new: torch.Tensor, h, aim) -> tuple[float, float] | None:

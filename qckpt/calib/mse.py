@@ -32,6 +32,15 @@ and MX sums are fixed trees too (:func:`qckpt.formats.numerics.tree_sum`): an MX
 squares; an INT group's squares in runs of :data:`SUM_RUN` (a shorter group: its length
 padded to a power of two), then the runs' sums, so an INT choice is the same on any device.
 
+Hessian weighting (``calibrate.mse_weighting: hessian``): every weight error above becomes
+``sum_j h_j (w_ij - q_ij)**2`` with ``h_j`` the mean of ``x_j**2`` over the linear's calibration
+inputs (:mod:`qckpt.calib.hdiag`): each square is multiplied by its column's ``h`` (one float64
+product) before the same sums, so ``h`` of ones chooses what the plain search chooses, bit for
+bit. The candidates, the tie rule and what is carried do not change, except that the NVFP4
+block scales and MX exponents, re-searched by the export, now depend on ``h``: the file carries
+``h`` as ``{module}.hessian_diag`` (float32, the values the search used). A weight whose
+inputs saw no token (a cold expert) takes the plain search and carries no ``h``.
+
 Static inputs (FP8 or INT8 ``tensor``): from a histogram of ``|x|`` over :data:`HIST_BINS` bins with
 fixed edges ``[0, amax]`` (the synced amax): counts are integers, summed exactly over ranks in
 any order, and the search over :data:`INPUT_RATIOS` runs on the host from the summed counts,
@@ -72,10 +81,22 @@ def fp8_dequantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).to(torch.float32) * scale
 
 
+def column_weights(h: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
+    """Per-column weights ``h`` (``[cols]``) as float64 of ``w``'s 2-D shape, or None."""
+    if h is None:
+        return None
+    rows, cols = w.reshape(w.shape[0], -1).shape
+    return h.to(device=w.device, dtype=torch.float64).reshape(1, cols).expand(rows, cols)
+
+
 def weight_groups(w: torch.Tensor, granularity: str, block: tuple[int, int]) -> torch.Tensor:
     """float32 ``[groups, elems]``: the tensor (one group), its rows, or its blocks (padded
     with zeros, which quantize to zero at any scale)."""
-    x = w.detach().to(torch.float32)
+    return _grouped(w.detach().to(torch.float32), granularity, block)
+
+
+def _grouped(x: torch.Tensor, granularity: str, block: tuple[int, int]) -> torch.Tensor:
+    """:func:`weight_groups`'s layout of ``x`` in its own dtype."""
     if granularity == "tensor":
         return x.reshape(1, -1)
     if granularity == "channel":
@@ -88,11 +109,18 @@ def weight_groups(w: torch.Tensor, granularity: str, block: tuple[int, int]) -> 
 
 
 def fp8_weight_clip(
-    w: torch.Tensor, amax: torch.Tensor, granularity: str, block: tuple[int, int] = (128, 128)
+    w: torch.Tensor,
+    amax: torch.Tensor,
+    granularity: str,
+    block: tuple[int, int] = (128, 128),
+    h: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float, float]:
     """The clip amax of ``w`` (the shape of ``amax``) and the error at max and at the clip
-    (sums over the tensor). ``amax``: max calibration's, at the same granularity."""
+    (sums over the tensor). ``amax``: max calibration's, at the same granularity; ``h``:
+    per-column weights of the squares (``[cols]``), or None."""
     g = weight_groups(w, granularity, block)
+    hw = column_weights(h, w)
+    hg = None if hw is None else _grouped(hw, granularity, block)
     a = amax.detach().to(device=g.device, dtype=torch.float32).reshape(-1)
     best_err = best = None
     err_max = 0.0
@@ -100,7 +128,8 @@ def fp8_weight_clip(
         clip = _ratio_amax(a, r)
         scale = div_f32(clip.clamp_min(1e-12), f64_const(FP8_MAX, g.device)).reshape(-1, 1)
         d = g - fp8_dequantize(g, scale)
-        err = (d.to(torch.float64) ** 2).sum(dim=1)
+        sq = d.to(torch.float64) ** 2
+        err = (sq if hg is None else sq * hg).sum(dim=1)
         if best is None:
             best, best_err, err_max = clip, err, float(err.sum())
             continue
@@ -110,14 +139,17 @@ def fp8_weight_clip(
     return best.reshape(amax.shape).cpu(), err_max, float(best_err.sum())
 
 
-def nvfp4_weight_clip(w: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+def nvfp4_weight_clip(
+    w: torch.Tensor, amax: torch.Tensor, h: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float, float]:
     """The global clip amax of ``w`` (ratios :data:`GLOBAL_RATIOS`, each with searched block
-    scales) and the error at max calibration (max-rule block scales) and at the choice."""
+    scales) and the error at max calibration (max-rule block scales) and at the choice;
+    ``h``: per-column weights of the squares, or None."""
     a = amax.detach().to(torch.float32).reshape(())
     best, best_err, err_max = a, math.inf, None
     for r in GLOBAL_RATIOS:
         clip = _ratio_amax(a, r)
-        *_, err, err0 = nvfp4_mse_quantize(w, clip)
+        *_, err, err0 = nvfp4_mse_quantize(w, clip, h)
         if err_max is None:
             err_max = err0
         if err < best_err:
@@ -137,14 +169,21 @@ def _runs(g: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def int_weight_clip(
-    w: torch.Tensor, amax: torch.Tensor, scheme: Scheme, scale_dtype: torch.dtype
+    w: torch.Tensor,
+    amax: torch.Tensor,
+    scheme: Scheme,
+    scale_dtype: torch.dtype,
+    h: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float, float]:
     """The clip amax of integer weight ``w`` (the shape of ``amax``, max calibration's at the
     scheme's calibrated granularity) and the error at max and at the clip (sums over the
-    tensor), each group's error under ``int_scale(clip)`` in ``scale_dtype``."""
+    tensor), each group's error under ``int_scale(clip)`` in ``scale_dtype``; ``h``:
+    per-column weights of the squares, or None."""
     g = weight_groups(w, scheme.calib_granularity, scheme.block)
     a = amax.detach().to(device=g.device, dtype=torch.float32).reshape(-1)
     x, runs = _runs(g)
+    hw = column_weights(h, w)
+    hx = None if hw is None else _runs(_grouped(hw, scheme.calib_granularity, scheme.block))[0]
     clips = [_ratio_amax(a, r) for r in INT_RATIOS]
     run_err = torch.empty((len(clips), x.shape[0]), dtype=torch.float64, device=g.device)
     step = max(1, _INT_CHUNK // x.shape[1])
@@ -154,7 +193,8 @@ def int_weight_clip(
         for lo in range(0, x.shape[0], step):
             c = x[lo : lo + step]
             d = c.to(torch.float64) - int_round(c, s[lo : lo + step], scheme.code_range).double()
-            run_err[i, lo : lo + step] = tree_sum(d * d)
+            sq = d * d
+            run_err[i, lo : lo + step] = tree_sum(sq if hx is None else sq * hx[lo : lo + step])
     err = tree_sum(run_err.reshape(len(clips), -1, runs))  # [ratios, groups]
     best, best_err = clips[0], err[0]
     for clip, e in zip(clips[1:], err[1:], strict=True):
@@ -164,9 +204,12 @@ def int_weight_clip(
     return best.reshape(amax.shape).cpu(), float(err[0].sum()), float(best_err.sum())
 
 
-def mx_weight_error(w: torch.Tensor, bits: int) -> tuple[float, float]:
-    """The error of MX weight ``w`` at the max rule's exponents and at the searched ones."""
-    *_, err, err0 = mx_mse_quantize(w.detach(), bits)
+def mx_weight_error(
+    w: torch.Tensor, bits: int, h: torch.Tensor | None = None
+) -> tuple[float, float]:
+    """The error of MX weight ``w`` at the max rule's exponents and at the searched ones
+    (``h``: per-column weights of the squares, or None)."""
+    *_, err, err0 = mx_mse_quantize(w.detach(), bits, h)
     return err0, err
 
 

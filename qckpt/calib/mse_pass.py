@@ -17,6 +17,11 @@ max calibration and its sync (so every rank holds every final amax):
 5. the clips travel as quantizers of their own (kinds ``weight_clip`` / ``input_clip``) through
    :func:`qckpt.calib.sync.sync_amax` (a rank that does not hold a weight joins with nothing).
 
+With ``calibrate.mse_weighting: hessian`` the caller first gathers every linear's input
+``H_jj`` (:func:`qckpt.calib.hdiag.input_weights`, exact over the data group) and step 1 weighs
+each weight's errors with its own (a cold expert: none, the plain search); the NVFP4 and MX
+weights' ``H_jj`` go into the file (``{module}.hessian_diag``) for the export's re-search.
+
 Nothing here depends on which rank ran which batch or held which expert: histograms are
 integer sums, clips of weights are computed by the one rank that holds and owns the weight.
 """
@@ -33,12 +38,12 @@ import torch.distributed as dist
 from torch import nn
 
 from qckpt.calib import mse
+from qckpt.calib.hdiag import Weights, tapped_forward
 from qckpt.calib.instrument import Instrumentation, WeightSource, settle
 from qckpt.calib.quantizer import AmaxStore, TensorQuantizer
 from qckpt.calib.sync import sync_amax
 from qckpt.errors import CalibrationError, SyncError
 from qckpt.formats.shapes import weight_block
-from qckpt.formats.tensor import dequantized_compute
 from qckpt.parallel.deadline import Deadline, deadline_of
 from qckpt.parallel.mesh import Mesh, group_device
 
@@ -51,6 +56,10 @@ class MseResult:
     losses: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (max, mse)
     # the weights searched without a clip (MX: exponents per block), by their clip key
     blocks: list[str] = field(default_factory=list)
+    # hessian weighting: "{module}.hessian_diag" -> float32 [cols] of the NVFP4 / MX weights
+    # whose export searches again (the same on every rank)
+    hdiag: dict[str, torch.Tensor] = field(default_factory=dict)
+    cold: list[str] = field(default_factory=list)  # hessian weighting: input keys left plain
     parts: dict[str, float] = field(default_factory=dict)
     collectives: int = 0
 
@@ -76,12 +85,17 @@ def run_mse(
     mesh: Mesh,
     mine: set[str] | None,
     scale_dtype: torch.dtype = torch.float32,
+    weights: Weights | None = None,
 ) -> MseResult:
     """Steps 1-5 of the module doc; raises :class:`SyncError` on every rank if any failed.
     ``scale_dtype``: the dtype the export stores integer scales in (the errors are measured
-    under those)."""
+    under those); ``weights``: the per-column ``H_jj`` the weight errors are weighted with
+    (None: unweighted)."""
     store = AmaxStore(capacity=1024)
     res = MseResult(quantizers=[])
+    if weights is not None:
+        res.collectives += weights.collectives
+        res.cold = list(weights.cold)
     t0 = time.perf_counter()
     failure: str | None = None
     # every enabled weight quantizer in the model's order (the same list on every rank: under
@@ -93,10 +107,13 @@ def run_mse(
             src = source.get(id(q))
             own = src is not None and q.local and (mine is None or q.name in mine)
             wclips.append((src if own else None, _clip_of(q, "weight_clip", store, own)))
+            h = None if weights is None else weights.of(q)
+            if h is not None and (q.scheme.mx or q.scheme.block_scaled):
+                res.hdiag[f"{q.name}.hessian_diag"] = h
     wlosses: dict[str, tuple[float, float]] = {}
     hists: dict[str, torch.Tensor] = {}
     try:
-        wlosses = _weight_clips(model, wclips, scale_dtype)
+        wlosses = _weight_clips(model, wclips, scale_dtype, weights)
         res.parts["mse_weights"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         edges = _edges(model, instr)
@@ -121,9 +138,9 @@ def run_mse(
     return res
 
 
-def _weight_clips(model: nn.Module, wclips, scale_dtype) -> dict[str, tuple[float, float]]:
+def _weight_clips(model: nn.Module, wclips, scale_dtype, weights) -> dict[str, tuple[float, float]]:
     """Step 1: the clip of every weight this rank owns, into its clip quantizer (an MX weight:
-    only its losses)."""
+    only its losses), its errors weighted by its input's ``H_jj`` when ``weights`` has one."""
     losses: dict[str, tuple[float, float]] = {}
     with torch.no_grad():
         for src, c in wclips:
@@ -134,16 +151,17 @@ def _weight_clips(model: nn.Module, wclips, scale_dtype) -> dict[str, tuple[floa
             if amax is None:
                 raise CalibrationError(f"{q.key}: no weight amax to search from")
             w = src.take(model.get_parameter(src.param))
+            h = None if weights is None else weights.of(q)
             if q.scheme.mx:  # exponents searched per block, again by the export: no clip
-                losses[c.key] = mse.mx_weight_error(w, q.scheme.code_bits)
+                losses[c.key] = mse.mx_weight_error(w, q.scheme.code_bits, h)
                 continue
             if q.scheme.block_scaled:
-                clip, lo, hi = mse.nvfp4_weight_clip(w, amax)
+                clip, lo, hi = mse.nvfp4_weight_clip(w, amax, h)
             elif q.scheme.integer:
-                clip, lo, hi = mse.int_weight_clip(w, amax, q.scheme, scale_dtype)
+                clip, lo, hi = mse.int_weight_clip(w, amax, q.scheme, scale_dtype, h)
             else:
                 block = weight_block(q.block_size)
-                clip, lo, hi = mse.fp8_weight_clip(w, amax, q.granularity, block)
+                clip, lo, hi = mse.fp8_weight_clip(w, amax, q.granularity, block, h)
             c.amax = clip.reshape(c.amax_shape).to(torch.float32)
             losses[c.key] = (lo, hi)
     return losses
@@ -179,51 +197,26 @@ def _histograms(model: nn.Module, instr: Instrumentation, batches, edges) -> dic
         h = mse.histogram(x, edges[key])
         hists[key] = h if key not in hists else hists[key] + h
 
-    handles = []
-    for name, mod in model.named_modules():
+    dense = {}
+    for name, _ in model.named_modules():
         key = f"{name}.input_amax"
-        if isinstance(mod, nn.Linear) and key in edges:
-            handles.append(mod.register_forward_pre_hook(_hist_hook(add, key)))
-    taps = []
-    for info, mod in zip(instr.experts, instr.patched, strict=False):
-        obs = _observer_of(mod)
-        for side, seg in (("gate_up", obs.gate_up), ("down", obs.down)):
-            key = f"{info.module_name}:{side}"
-            if key in edges:
-                seg.tap = _tap(add, key)
-                taps.append(seg)
-    tokens = [list(info.tokens) for info in instr.experts]
+        if key in edges:
+            dense[name] = _adder(add, key)
+
+    def experts(info, side: str):  # noqa: ANN001, ANN202
+        key = f"{info.module_name}:{side}"
+        return _tap(add, key) if key in edges else None
+
     taken = getattr(batches, "taken", None)
     todo = [batches.batches[i] for i in taken] if taken is not None else list(batches)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    try:
-        with torch.no_grad(), dequantized_compute():
-            for b in todo:
-                model(input_ids=b.to(device), use_cache=False)
+    tapped_forward(model, instr, todo, dense, experts)
+    with torch.no_grad():
         settle(model)  # fold what the pass deferred (maxes of values already in: unchanged)
-    finally:
-        for h in handles:
-            h.remove()
-        for seg in taps:
-            seg.tap = None
-        for info, t in zip(instr.experts, tokens, strict=True):
-            info.tokens[:] = t
     return {k: v.cpu() for k, v in hists.items()}
 
 
-def _observer_of(mod: nn.Module):
-    obs = getattr(mod.forward, "observer", None)
-    if obs is None:
-        raise CalibrationError("calibrate.algorithm mse: an experts module without its observer")
-    return obs
-
-
-def _hist_hook(add, key: str):
-    def hook(_mod, args):
-        if args:
-            add(key, args[0])
-
-    return hook
+def _adder(add, key: str):
+    return lambda x: add(key, x)
 
 
 def _tap(add, key: str):
@@ -325,4 +318,6 @@ def clip_state(res: MseResult) -> tuple[dict[str, torch.Tensor], dict[str, dict[
         desc[c.key] = c.describe(a)
         if a is not None:
             amax[c.key] = a.detach().to(torch.float32).cpu()
+    for k, h in res.hdiag.items():
+        amax[k] = h.detach().to(torch.float32).cpu()
     return amax, desc

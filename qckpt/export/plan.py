@@ -16,6 +16,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +214,15 @@ def _block_scales(cal: CalibrationState, src) -> BlockScales:  # noqa: ANN001
     searched (mse), the GPTQ'd weights' own (gptq), else the max rule."""
     if cal.algorithm == "gptq":
         return BlockScales(given=src.block_scale, given_zero_points=src.zero_point)
-    return BlockScales(search=cal.algorithm == "mse")
+    if cal.algorithm != "mse":
+        return BlockScales()
+    return BlockScales(search=True, weights=partial(_hessian_diag, cal))
+
+
+def _hessian_diag(cal: CalibrationState, module: str) -> torch.Tensor | None:
+    """``module``'s ``H_jj`` from an mse calibration with hessian weighting (None: none: the
+    plain search, as the calibration did for a cold expert)."""
+    return cal.amax.get(f"{module}.hessian_diag")
 
 
 def _algorithm_amax(cal, needed, values, quant, export, where: str):  # noqa: ANN001

@@ -15,6 +15,11 @@ again by the export (``calibrate.algorithm: mse`` -> ``BlockScales.search``) wit
 :func:`mx_mse_quantize`, as NVFP4's searched block scales are. A block's 32 squared errors
 (float64 squares of float64 differences) are added as a fixed tree of elementwise additions
 (:func:`qckpt.formats.numerics.tree_sum`), so the choice is the same on every device.
+
+Given per-column weights ``h`` (``calibrate.mse_weighting: hessian``: the layer's input
+``H_jj``), each square is multiplied by its column's weight before the tree, so a block's
+exponent minimises ``sum_j h_j (w_j - q_j)**2``. Then the choice is no longer the weight's
+alone: the calibration file carries ``h`` and the export searches with it again.
 """
 
 from __future__ import annotations
@@ -30,15 +35,19 @@ MX_STEPS = (0, 1, -1)
 _CHUNK = 1 << 20  # elements per chunk of the search
 
 
-def mx_block_search(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mx_block_search(
+    x: torch.Tensor, bits: int, hb: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(searched unbiased exponents int32 ``[R, nb]``, their float64 squared error per block,
-    the max rule's error per block) of float32 blocks ``x`` ``[R, nb, 32]``."""
+    the max rule's error per block) of float32 blocks ``x`` ``[R, nb, 32]``; ``hb``: float64
+    weights of the squares (``[nb, 32]``, broadcast over rows), or None."""
     base = mx_exponents(x.abs().amax(dim=-1), MX_EMAX[bits])
     best_e = best_err = err0 = None
     for step in MX_STEPS:
         e = (base + step).clamp_(-E8M0_BIAS, E8M0_BIAS)
         d = x.to(torch.float64) - mx_round(x, e.unsqueeze(-1), bits).to(torch.float64)
-        err = tree_sum(d * d)
+        sq = d * d
+        err = tree_sum(sq if hb is None else sq * hb)
         if best_e is None:
             best_e, best_err, err0 = e, err, err
             continue
@@ -48,16 +57,22 @@ def mx_block_search(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
     return best_e, best_err, err0
 
 
-def mx_mse_quantize(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+def mx_mse_quantize(
+    w: torch.Tensor, bits: int, h: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """(codes, biased E8M0 scales uint8 ``[rows, cols / 32]``, the error with the searched and
     with the max rule's exponents) of 2-D ``w`` whose columns 32 divide: :func:`mx_quantize`'s
-    codes and scales under the exponents :func:`mx_block_search` chooses, row chunk by chunk."""
+    codes and scales under the exponents :func:`mx_block_search` chooses, row chunk by chunk.
+    ``h``: per-column weights ``[cols]`` of the squared errors, or None."""
     rows, cols = w.shape
+    hb = None
+    if h is not None:
+        hb = h.to(device=w.device, dtype=torch.float64).reshape(cols // MX_GROUP, MX_GROUP)
     e = torch.empty((rows, cols // MX_GROUP), dtype=torch.int32, device=w.device)
     err = err0 = 0.0
     for lo, hi in row_chunks(rows, cols, _CHUNK):
         x = w[lo:hi].detach().to(torch.float32).reshape(hi - lo, cols // MX_GROUP, MX_GROUP)
-        e[lo:hi], be, b0 = mx_block_search(x, bits)
+        e[lo:hi], be, b0 = mx_block_search(x, bits, hb)
         err, err0 = err + float(be.sum()), err0 + float(b0.sum())
     codes, scales = mx_quantize(w, bits, e)
     return codes, scales, err, err0

@@ -94,7 +94,8 @@ class CompressedTensorsMxfp4Layout(CompressedTensorsLayout):
                 raise ExportError(f"{module}: GPTQ MX scales {list(given.shape)}, not {want}")
             e = given.to(device=w.device, dtype=torch.int32) - E8M0_BIAS
         if e is None and self.block_scales.search:  # an mse calibration: searched exponents
-            codes, scale, *_ = mx_mse_quantize(w, self.ws.code_bits)
+            h = self.block_scales.weights_of(module, w.shape[1])
+            codes, scale, *_ = mx_mse_quantize(w, self.ws.code_bits, h)
         else:
             codes, scale = mx_quantize(w, self.ws.code_bits, e)
         yield f"{module}.{self.codes_leaf}", codes

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qckpt.errors import ExportError
 from qckpt.formats.numerics import div_f32, f64_const
 from qckpt.formats.scheme import FP8_MAX, scheme_of
 from qckpt.layouts.source_layout import FP8
@@ -61,6 +62,19 @@ class BlockScales:
     given: Callable[[str], torch.Tensor | None] | None = None
     # module -> the int8 zero points beside given asymmetric INT4 group scales (gptq's)
     given_zero_points: Callable[[str], torch.Tensor | None] | None = None
+    # module -> the per-column weights the search weighs its squared errors with (an mse
+    # calibration with mse_weighting hessian: the file's ``{module}.hessian_diag``), or None
+    weights: Callable[[str], torch.Tensor | None] | None = None
+
+    def weights_of(self, module: str, cols: int) -> torch.Tensor | None:
+        """The search's column weights for ``module``'s ``cols`` columns (None: unweighted);
+        a stored diagonal of another length or not finite: one line."""
+        h = None if self.weights is None else self.weights(module)
+        if h is not None and (h.numel() != cols or not bool(torch.isfinite(h).all())):
+            raise ExportError(
+                f"{module}.hessian_diag has {h.numel()} values for {cols} columns or is not finite"
+            )
+        return h
 
     def zero_points(self, module: str) -> torch.Tensor | None:
         """The given zero points of ``module`` (None: none given)."""
@@ -85,7 +99,8 @@ class ExportLayout:
         if bs.search:
             from qckpt.formats.nvfp4_search import nvfp4_mse_quantize
 
-            qdata, scale, gs, *_ = nvfp4_mse_quantize(w, amax)
+            h = bs.weights_of(module, w.shape[-1])
+            qdata, scale, gs, *_ = nvfp4_mse_quantize(w, amax, h)
             return qdata, scale, gs
         from qckpt.formats import quantize
 

@@ -24,7 +24,8 @@ How it is exact under DP x EP, bit for bit the one process's:
    are put on :mod:`qckpt.calib.gptq`'s fixed-point grid of that amax and their squares summed
    per column in float64: integers below 2**52, exact in any order. One float64 SUM over the
    data group (the routed rows of an expert are seen by the ranks that hold it, the others
-   send zeros) gives every rank every diagonal, with each key's row count beside it;
+   send zeros) gives every rank every diagonal, with each key's row count beside it (steps 1-2:
+   :mod:`qckpt.calib.hdiag`, which ``calibrate.mse_weighting: hessian`` shares);
 3. a cold expert (no row on any rank) takes the mean of its layer's hot experts' diagonals of
    the same side (gate/up's input, or down's), in expert order (an expert that gets no
    calibration token still gets tokens when served: the layer's average is the neutral guess);
@@ -48,13 +49,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qckpt.calib import gptq
+from qckpt.calib import hdiag
 from qckpt.calib.algorithms import Algorithm, paused
 from qckpt.calib.awq import fake_quant
-from qckpt.errors import SyncError
-from qckpt.formats.tensor import dequantized_compute
-from qckpt.parallel.deadline import Deadline, deadline_of
-from qckpt.parallel.mesh import Mesh, group_device
+from qckpt.parallel.mesh import Mesh
 
 
 @dataclass
@@ -119,27 +117,15 @@ class SensitivityPass(Algorithm):
 def _keys(instr) -> tuple[list[str], dict[str, int], dict[int, str], dict[str, float]]:
     """(every input key in one order on every rank, its columns, weight quantizer id -> its
     input key, each key's synced input amax)."""
-    dense = sorted(
-        q.name for q in instr.quantizers.values() if q.kind == "weight" and q.expert_layer is None
-    )
-    cols: dict[str, int] = {}
-    key_of: dict[int, str] = {}
+    keys, cols, key_of = hdiag.input_keys(instr)
     amax: dict[str, float] = {}
-    for name in dense:
-        cols[name] = instr.quantizers[f"{name}.weight_amax"].shape[1]
-        key_of[id(instr.quantizers[f"{name}.weight_amax"])] = name
-        amax[name] = _amax(instr.quantizers[f"{name}.input_amax"])
-    keys = list(dense)
+    for k in keys:
+        if ":" not in k:
+            amax[k] = _amax(instr.quantizers[f"{k}.input_amax"])
     for info in instr.experts:
         for e in range(info.num_experts):
-            for side, roles in (("gate_up", ("gate", "up")), ("down", ("down",))):
-                key = f"{info.module_name}:{e}:{side}"
-                keys.append(key)
-                for r in roles:
-                    wq = info.weight_q[e][r]
-                    cols[key] = wq.shape[1]
-                    key_of[id(wq)] = key
-                amax[key] = _amax(info.input_q[e][roles[0]])
+            for side, roles in hdiag.SIDES:
+                amax[hdiag.expert_key(info.module_name, e, side)] = _amax(info.input_q[e][roles[0]])
     return keys, cols, key_of, amax
 
 
@@ -160,34 +146,10 @@ def measure(
     }
     res.bytes = sizes(res.shapes) if sizes is not None else {}
     skip = {(n, c) for n, row in res.bytes.items() for c, b in enumerate(row) if b is None}
-    keys, cols, key_of, amax = _keys(instr)
-    todo = _batches(batches)
-    tokens = torch.tensor([sum(int(b.numel()) for b in todo)], dtype=torch.float64)
-    _reduce(tokens, dist.ReduceOp.SUM, mesh, res, "the search's token count")
-    bits = gptq.grid_bits(int(tokens.item()))
-    failure: BaseException | None = None
-    grid: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    try:
-        grid, counts = _diagonals(model, instr, todo, amax, bits)
-    except Exception as exc:  # noqa: BLE001 - raised on every rank after the exchange
-        failure = exc
-    flat = torch.zeros(sum(cols[k] + 1 for k in keys) + 1, dtype=torch.float64)
-    at = 0
-    for k in keys:
-        if k in grid:
-            flat[at : at + cols[k]] = grid[k].cpu()
-            flat[at + cols[k]] = counts.get(k, 0)
-        at += cols[k] + 1
-    flat[-1] = 1.0 if failure is not None else 0.0
-    _reduce(flat, dist.ReduceOp.SUM, mesh, res, "the search's Hessian diagonals")
-    _raise(failure, flat[-1])
-    at = 0
-    for k in keys:
-        unit = (amax[k] / 2.0**bits) ** 2  # grid units -> squared input values
-        res.diag[k] = flat[at : at + cols[k]].clone() * unit
-        res.rows[k] = int(flat[at + cols[k]])
-        at += cols[k] + 1
+    _, _, key_of, amax = _keys(instr)
+    got = hdiag.gather(model, instr, _batches(batches), mesh, amax)
+    res.collectives += got.collectives
+    res.diag, res.rows = got.sums, got.rows
     res.cold = _fill_cold(instr, res)
     _errors(model, instr, mesh, candidates, mine, skip, key_of, res)
     return res
@@ -196,63 +158,6 @@ def measure(
 def _batches(batches) -> list[torch.Tensor]:
     taken = getattr(batches, "taken", None)
     return [batches.batches[i] for i in taken] if taken is not None else list(batches)
-
-
-def _diagonals(model, instr, todo, amax: dict[str, float], bits: int):
-    """Step 2 on this rank: each input key's summed squares on the grid, and its rows."""
-    grid: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def add(key: str, x: torch.Tensor) -> None:
-        a = amax.get(key, 0.0)
-        if not x.numel() or a <= 0:
-            return
-        xi = gptq.fixed_point(x, a, bits)
-        part = (xi * xi).sum(dim=0)  # integers below 2**52: exact in any order
-        grid[key] = part if key not in grid else grid[key].add_(part)
-        counts[key] = counts.get(key, 0) + xi.shape[0]
-
-    dense = {k for k in amax if ":" not in k}
-    undo = []
-    for name, mod in model.named_modules():
-        if name in dense:
-            undo.append(mod.register_forward_pre_hook(_pre_hook(add, name)))
-    segs = []
-    for info, mod in zip(instr.experts, instr.patched, strict=True):
-        obs = mod.forward.observer
-        for side, seg in (("gate_up", obs.gate_up), ("down", obs.down)):
-            seg.tap = _tap(add, info, side)
-            segs.append(seg)
-    tokens = [list(info.tokens) for info in instr.experts]
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    try:
-        with torch.no_grad(), dequantized_compute():
-            for b in todo:
-                model(input_ids=b.to(device), use_cache=False)
-    finally:
-        for h in undo:
-            h.remove()
-        for seg in segs:
-            seg.tap = None
-        for info, t in zip(instr.experts, tokens, strict=True):
-            info.tokens[:] = t
-    return grid, counts
-
-
-def _pre_hook(add, name: str):
-    def hook(_mod, args):
-        if args:
-            add(name, args[0])
-
-    return hook
-
-
-def _tap(add, info, side: str):
-    def tap(x: torch.Tensor, ids: torch.Tensor) -> None:
-        for r in torch.unique(ids).tolist():
-            add(f"{info.module_name}:{info.local_ids[r]}:{side}", x[ids == r])
-
-    return tap
 
 
 def _fill_cold(instr, res: Sensitivity) -> list[str]:
@@ -296,8 +201,8 @@ def _errors(model, instr, mesh: Mesh, candidates, mine, skip, key_of, res: Sensi
     except Exception as exc:  # noqa: BLE001 - raised on every rank after the exchange
         failure = exc
     flat[-1] = 1.0 if failure is not None else 0.0
-    _reduce(flat, dist.ReduceOp.MAX, mesh, res, "the search's errors")
-    _raise(failure, flat[-1])
+    res.collectives += hdiag.reduce(flat, dist.ReduceOp.MAX, mesh, "the search's errors")
+    hdiag.raise_any(failure, flat[-1], "qckpt search")
     for n in names:
         res.errors[n] = flat[at[n] : at[n] + k].tolist()
 
@@ -308,22 +213,3 @@ def weight_error(w: torch.Tensor, scheme, diag: torch.Tensor) -> float:
     q = fake_quant(w, scheme)
     d = (w.to(torch.float64) - q.to(torch.float64)) ** 2
     return float(tree_sum(tree_sum(d, 0) * diag.to(torch.float64)))
-
-
-def _reduce(t: torch.Tensor, op, mesh: Mesh, res: Sensitivity, what: str) -> None:
-    group = mesh.data_group
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    buf = t.to(group_device(group))
-    (deadline_of(group) or Deadline(None)).run(
-        what, dist.all_reduce, buf, op=op, group=group, error=SyncError
-    )
-    t.copy_(buf.cpu())
-    res.collectives += 1
-
-
-def _raise(failure: BaseException | None, flag: torch.Tensor) -> None:
-    if failure is not None:
-        raise failure
-    if float(flag):
-        raise SyncError("qckpt search: another rank failed (see its log); giving up")

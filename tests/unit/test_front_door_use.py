@@ -43,6 +43,21 @@ ALLOWED = {
     ("bench/calibrate_speed.py", "qckpt.calib.instrument"): "insert / remove quantizers",
     ("bench/calibrate_speed.py", "qckpt.recipe"): "a QuantConfig for the instrumentation",
     ("bench/calibrate_speed.py", "qckpt.calib.moe_forward"): "auto's verdicts forgotten: timed",
+    (
+        "bench/gptq_batched.py",
+        "qckpt.calib.gptq",
+    ): "micro-benchmark: the per-linear reference against the batched sweep",
+    (
+        "bench/gptq_batched.py",
+        "qckpt.calib.gptq_pass",
+    ): "micro-benchmark: one GPTQ pass timed per step",
+    (
+        "bench/gptq_batched.py",
+        "qckpt.calib.calibrate",
+    ): "micro-benchmark: the max calibration before the GPTQ pass",
+    ("bench/gptq_batched.py", "qckpt.calib.data"): "micro-benchmark: the calibration batches",
+    ("bench/gptq_batched.py", "qckpt.parallel.mesh"): "micro-benchmark: a one-process mesh",
+    ("bench/gptq_batched.py", "qckpt.recipe"): "micro-benchmark: the recipe's quant config",
     # the export's quantize stage per item: wraps the stage's pipeline methods to count
     ("bench/export_items.py", "qckpt.export.stages"): "wraps Pipeline's per-item methods",
     # -- bench set-ups that write synthetic inputs without running a model ---------------------
